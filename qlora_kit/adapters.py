@@ -1,0 +1,62 @@
+"""Adapter stage: attach LoRA to the 4-bit base with peft, save it, load it back.
+
+Only the LoRA matrices train. ``all-linear`` targets every linear layer but the output head (peft's
+own rule), which is the QLoRA paper's finding: adapters on every layer matter more than the rank.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from qlora_kit.recipe import LoraSection
+
+# peft's init_lora_weights values for the recipe's names; "default" is peft's True.
+PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+
+
+def lora_config(lora: LoraSection):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias=lora.bias,
+        use_rslora=lora.rslora,
+        use_dora=lora.dora,
+        init_lora_weights=PEFT_INIT[lora.init],
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
+    """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, lora_config(lora))
+
+
+def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+
+
+def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as the values they hold."""
+    trainable = total = 0
+    for param in model.parameters():
+        count = param.numel()
+        # Packed 4-bit storage holds two values per byte of its container dtype: count values, not elements.
+        if param.__class__.__name__ == "Params4bit":
+            count *= param.element_size() * 2
+        total += count
+        if param.requires_grad:
+            trainable += count
+    return trainable, total

@@ -1,0 +1,87 @@
+"""Memory stage: the activation-checkpointing policy and the optimizer choice.
+
+Checkpointing (``memory.checkpointing``) is one call to transformers'
+``activation_checkpointing_enable`` on the 4-bit base before peft wraps it: the forward pass keeps
+only each checkpointed decoder layer's input and backward recomputes the layer. It is non-reentrant,
+and input-embedding outputs require grad so LoRA receives gradients through frozen, checkpointed
+layers.
+
+The optimizer is a bitsandbytes class handed to the Trainer, which still builds its parameter groups,
+scheduler and clipping. Paged optimizers keep their state in CUDA unified memory that the driver evicts
+to host RAM under pressure; on a CPU there is nothing to page and bitsandbytes falls back to ordinary
+tensors, which the run reports once.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from qlora_kit.recipe import MemorySection, OptimizerSection
+
+log = logging.getLogger(__name__)
+
+# recipe name -> (bitsandbytes class name or None for torch's AdamW, is paged)
+OPTIMIZERS = {
+    "paged_adamw_8bit": ("PagedAdamW8bit", True),
+    "paged_adamw_32bit": ("PagedAdamW32bit", True),
+    "adamw_8bit": ("AdamW8bit", False),
+    "adamw_torch": (None, False),
+}
+
+
+def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
+    """Apply the checkpointing policy to the decoder layers; returns the indices of checkpointed layers."""
+    if memory.checkpointing == "none":
+        return []
+    every_n = memory.every_n if memory.checkpointing == "every_n" else 1
+    offload = memory.offload_activations and _has_accelerator()
+    if memory.offload_activations and not offload:
+        log.info("memory.offload_activations: no accelerator here, activations already live in host memory")
+    model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n, offload=offload)
+    return checkpointed_layers(model)
+
+
+def checkpointed_layers(model: PreTrainedModel) -> list[int]:
+    """Indices of decoder layers that recompute in backward."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    return [i for i, layer in enumerate(layers) if layer.gradient_checkpointing]
+
+
+def optimizer_class_and_kwargs(optimizer: OptimizerSection) -> tuple[type, dict[str, Any]]:
+    """The optimizer class and its constructor arguments, for the Trainer's ``optimizer_cls_and_kwargs``.
+
+    The Trainer passes these kwargs as they are (its own learning_rate is not added), so lr is here;
+    weight decay it applies per parameter group.
+    """
+    class_name, paged = OPTIMIZERS[optimizer.name]
+    kwargs = {"lr": optimizer.lr, "betas": (0.9, 0.999), "eps": 1e-8}
+    if class_name is None:
+        import torch
+
+        return torch.optim.AdamW, kwargs
+    import bitsandbytes as bnb
+
+    if paged and not _has_cuda():
+        log.info("optimizer %s: no CUDA device, so its state is ordinary host memory (nothing to page)", optimizer.name)
+        # bitsandbytes warns once per state tensor otherwise; the line above says it once.
+        warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
+    return getattr(bnb.optim, class_name), kwargs
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _has_accelerator() -> bool:
+    import torch
+
+    return torch.accelerator.is_available()

@@ -1,0 +1,102 @@
+"""Model stage: the tokenizer and the base causal LM with its linear weights quantized to 4 bits.
+
+Quantization goes through transformers' ``BitsAndBytesConfig``: every ``nn.Linear`` in the decoder
+becomes a ``bitsandbytes.nn.Linear4bit`` holding packed NF4/FP4 weights (blocks of 64 values, one
+absmax each, the absmax themselves 8-bit quantized with double quantization). Embeddings, norms and
+the output head stay in ``quant.compute_dtype``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from qlora_kit import tiny
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from qlora_kit.recipe import ModelSection, QuantSection
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: ModelSection) -> str:
+    """A local folder or hub id; builtin names are built (once) into the cache first."""
+    if tiny.is_builtin(model.path):
+        return str(tiny.ensure_tiny_model(tiny.builtin_name(model.path)))
+    return model.path
+
+
+def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTokenizerBase:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(
+        path or resolve_model_path(model), trust_remote_code=model.trust_remote_code, revision=model.revision
+    )
+    if tokenizer.pad_token is None:
+        # Llama-style tokenizers ship without a pad token. Padded label positions are -100 anyway
+        # (see data.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bnb_config(quant: QuantSection):
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, quant.compute_dtype),
+        bnb_4bit_quant_storage=getattr(torch, quant.quant_storage),
+    )
+
+
+def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
+    """The base model with 4-bit linear layers, on the GPU when there is one, otherwise on the CPU."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if model.trust_remote_code:
+        log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
+    base = AutoModelForCausalLM.from_pretrained(
+        path or resolve_model_path(model),
+        quantization_config=bnb_config(quant),
+        dtype=getattr(torch, quant.compute_dtype),
+        device_map=_device_map(),
+        trust_remote_code=model.trust_remote_code,
+        revision=model.revision,
+    )
+    disable_cpu_weight_repacking(base)
+    base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return base
+
+
+def _device_map() -> dict[str, int | str]:
+    import torch
+
+    if torch.cuda.is_available():
+        # One process per GPU under accelerate/torchrun: each rank loads onto its own device.
+        from accelerate import PartialState
+
+        return {"": PartialState().local_process_index}
+    return {"": "cpu"}
+
+
+def disable_cpu_weight_repacking(model: PreTrainedModel) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, ``Linear4bit.forward`` in eval mode without grad (what the Trainer's
+    evaluation does) repacks the weight in place for a faster kernel. Training afterwards gets wrong
+    input gradients silently, and merging reads garbage. See bitsandbytes' ``Linear4bit.forward``
+    (``_convert_weight_packed_for_cpu``). Returns how many layers were changed.
+    """
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)
+

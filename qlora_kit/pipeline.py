@@ -1,0 +1,100 @@
+"""The whole pipeline, top to bottom: ``run(recipe)``.
+
+load tokenizer -> load 4-bit base -> checkpointing policy -> attach LoRA -> tokenize data ->
+transformers' Trainer with the chosen bitsandbytes optimizer -> save adapter, tokenizer and recipe.
+The Trainer owns the loop: accumulation, clipping, scheduling, evaluation, logging and checkpoints.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from qlora_kit import adapters, data, memory, model
+from qlora_kit.outputs import OutputDirError, prepare_output_dir
+from qlora_kit.trainer_setup import build_trainer
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PreTrainedTokenizerBase
+
+    from qlora_kit.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind: where it wrote, what it logged, and the trained model in memory."""
+
+    output_dir: Path
+    metrics: list[dict[str, Any]]
+    model: PeftModel
+    tokenizer: PreTrainedTokenizerBase
+    checkpointed_layers: list[int] = field(default_factory=list)
+    samples: list[dict[str, str]] = field(default_factory=list)
+
+    @property
+    def eval_losses(self) -> list[float]:
+        return [row["eval_loss"] for row in self.metrics if "eval_loss" in row]
+
+    @property
+    def train_losses(self) -> list[float]:
+        return [row["loss"] for row in self.metrics if "loss" in row]
+
+
+def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
+    """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``."""
+    from transformers import set_seed
+
+    output_dir = prepare_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
+    set_seed(recipe.train.seed)
+
+    tokenizer = model.load_tokenizer(recipe.model)
+    base = model.load_base_model(recipe.model, recipe.quant)
+    checkpointed = memory.enable_checkpointing(base, recipe.memory)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    train_set, val_set = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    _log_setup(peft_model, checkpointed, len(train_set), val_set)
+
+    examples = data.prompts_and_answers(recipe.data, recipe.train.seed, recipe.train.sample_prompts)
+    before = _answer(peft_model, tokenizer, examples)
+
+    trainer = build_trainer(recipe, peft_model, tokenizer, train_set, val_set, output_dir)
+    trainer.train()
+
+    peft_model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
+    log.info("adapter, tokenizer and recipe written to %s", output_dir)
+    return TrainResult(
+        output_dir=output_dir,
+        metrics=trainer.metrics_log.rows,
+        model=peft_model,
+        tokenizer=tokenizer,
+        checkpointed_layers=checkpointed,
+        samples=samples,
+    )
+
+
+def _log_setup(peft_model, checkpointed: list[int], train_rows: int, val_set) -> None:
+    trainable, total = adapters.trainable_parameter_count(peft_model)
+    log.info("trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    log.info("checkpointed decoder layers: %s", checkpointed or "none")
+    log.info("data: %d training rows, %s validation rows", train_rows, len(val_set) if val_set is not None else 0)
+
+
+def _answer(peft_model, tokenizer, examples: list[data.Example]) -> list[str]:
+    from qlora_kit.generate import complete
+
+    return [complete(peft_model, tokenizer, example.prompt, max_new_tokens=8) for example in examples]
+
+
+def _samples(examples: list[data.Example], before: list[str], after: list[str]) -> list[dict[str, str]]:
+    return [
+        {"prompt": ex.prompt, "reference": ex.response, "before": b, "after": a}
+        for ex, b, a in zip(examples, before, after, strict=True)
+    ]

@@ -1,0 +1,270 @@
+"""The typed recipe: one pydantic section per pipeline stage, YAML loading and dotted ``--set`` overrides.
+
+A recipe is the single source of truth for a run. Every field has a type, a default and a docstring;
+unknown keys are errors; impossible combinations are rejected with the field named. YAML files hold
+only the values that differ from these defaults.
+
+    recipe = Recipe.from_yaml("recipes/demo.yaml", overrides=["lora.rank=16"])
+
+Paths in a recipe (``model.path``, ``data.path``, ``data.val_path``) are resolved relative to the recipe
+file, so a recipe runs the same from any working directory. ``builtin:`` names refer to the embedded
+demo model and data (see ``tiny.py``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class RecipeError(ValueError):
+    """A user mistake in a recipe: one line naming the field and the value."""
+
+
+class Section(BaseModel):
+    # Attribute docstrings become field descriptions (shown by `qlora-kit validate`); unknown keys are errors.
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelSection(Section):
+    path: str = "builtin:tiny-llama"
+    """Base model: a local directory, a hub id, or builtin:tiny-llama / tiny-qwen2 / tiny-mistral."""
+    trust_remote_code: bool = False
+    """Run modelling code shipped with the checkpoint. Off unless you trust its author."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) for hub ids; ignored for local directories."""
+
+
+class QuantSection(Section):
+    quant_type: Literal["nf4", "fp4"] = "nf4"
+    """4-bit data type for the frozen linear weights (NF4 is the QLoRA paper's)."""
+    double_quant: bool = True
+    """Quantize the per-block absmax scales again (saves ~0.37 bits per parameter)."""
+    compute_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Dtype the 4-bit weights are dequantized to for each matmul; also the dtype of unquantized layers."""
+    quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
+    """Container dtype of the packed 4-bit weights; FSDP needs it equal to compute_dtype."""
+
+
+class LoraSection(Section):
+    rank: int = Field(16, gt=0)
+    """LoRA rank r: inner dimension of the A (r x in) and B (out x r) matrices."""
+    alpha: float = Field(32.0, gt=0)
+    """Scaling numerator: the update is (alpha / r) * B @ A, or alpha / sqrt(r) with rslora."""
+    dropout: float = Field(0.05, ge=0, lt=1)
+    """Dropout on the LoRA branch's input."""
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    """Which linear layers get adapters: all-linear (every linear but the output head) or a list of names."""
+    bias: Literal["none", "all", "lora_only"] = "none"
+    """Which biases train alongside the adapters."""
+    rslora: bool = False
+    """Rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski 2023)."""
+    dora: bool = False
+    """Weight-decomposed LoRA (Liu et al. 2024): trains a magnitude vector too; slower."""
+    init: Literal["default", "gaussian", "pissa", "olora"] = "default"
+    """Adapter initialisation passed to peft (default: A Kaiming-uniform, B zero)."""
+
+
+class MemorySection(Section):
+    checkpointing: Literal["none", "full", "every_n"] = "full"
+    """Activation checkpointing of decoder layers: none, every layer (full), or every n-th layer."""
+    every_n: int = Field(2, ge=1)
+    """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
+    offload_activations: bool = False
+    """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
+
+
+class OptimizerSection(Section):
+    name: Literal["paged_adamw_8bit", "paged_adamw_32bit", "adamw_8bit", "adamw_torch"] = "paged_adamw_8bit"
+    """Optimizer: bitsandbytes paged/8-bit AdamW variants, or torch's AdamW."""
+    lr: float = Field(2e-4, gt=0)
+    """Peak learning rate."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warmup."""
+    warmup_ratio: float = Field(0.03, ge=0, lt=1)
+    """Fraction of the training steps spent warming the learning rate up from 0."""
+    weight_decay: float = Field(0.0, ge=0)
+    """Decoupled weight decay on the LoRA matrices."""
+    max_grad_norm: float = Field(0.3, ge=0)
+    """Clip the global gradient norm to this (0 disables clipping); 0.3 is the QLoRA paper's value."""
+
+
+class DataSection(Section):
+    path: str = "builtin:demo-facts"
+    """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk directory, a hub dataset, or builtin:demo-facts."""
+    format: Literal["alpaca", "completion", "text"] = "alpaca"
+    """Row format: alpaca (instruction/input/output), completion (prompt/completion) or text."""
+    val_path: str | None = None
+    """Validation data in the same format; builtin datasets bring their own."""
+    val_fraction: float = Field(0.0, ge=0, lt=1)
+    """Hold out this fraction of the training rows (seeded) when there is no val_path."""
+    max_seq_len: int = Field(512, gt=0)
+    """Tokens per example; longer examples are truncated."""
+    train_on_inputs: bool = False
+    """Train on prompt tokens too. Off: loss only on the response (the QLoRA paper's default)."""
+
+
+class TrainSection(Section):
+    output_dir: str = "outputs/run"
+    """Where the adapter, tokenizer, metrics and checkpoints are written."""
+    epochs: float = Field(1.0, gt=0)
+    """Passes over the training data (ignored when max_steps is set)."""
+    max_steps: int | None = Field(None, gt=0)
+    """Stop after this many optimizer steps."""
+    micro_batch_size: int = Field(4, gt=0)
+    """Examples per forward pass."""
+    grad_accum: int = Field(1, gt=0)
+    """Micro-batches accumulated per optimizer step."""
+    logging_steps: int = Field(10, gt=0)
+    """Log loss and learning rate every this many steps."""
+    eval_steps: int | None = Field(None, gt=0)
+    """Evaluate on the validation set every this many steps (and before the first step)."""
+    save_steps: int | None = Field(None, gt=0)
+    """Write a checkpoint every this many steps."""
+    seed: int = 42
+    """Seed for initialisation, dropout and data order."""
+    sample_prompts: int = Field(0, ge=0)
+    """After training, print this many validation prompts answered before and after fine-tuning."""
+
+
+class Recipe(Section):
+    """A whole fine-tuning run."""
+
+    model: ModelSection = ModelSection()
+    quant: QuantSection = QuantSection()
+    lora: LoraSection = LoraSection()
+    memory: MemorySection = MemorySection()
+    optimizer: OptimizerSection = OptimizerSection()
+    data: DataSection = DataSection()
+    train: TrainSection = TrainSection()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Recipe:
+        if self.train.eval_steps is not None and not self.has_validation_data:
+            raise ValueError("train.eval_steps: needs validation data (set data.val_path or data.val_fraction)")
+        if self.lora.dora and self.lora.init in ("pissa", "olora"):
+            raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
+        return self
+
+    @property
+    def has_validation_data(self) -> bool:
+        return (
+            self.data.val_path is not None
+            or self.data.val_fraction > 0
+            or self.data.path.startswith("builtin:")
+        )
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+        """Load a YAML recipe, apply dotted overrides, resolve relative paths against the file's folder."""
+        path = Path(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{path}: cannot read recipe ({exc.__class__.__name__}: {exc})") from None
+        try:
+            values = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise RecipeError(f"{path}: not valid YAML ({_one_line(str(exc))})") from None
+        if not isinstance(values, dict):
+            raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(values).__name__}")
+        _resolve_paths(values, path.parent)
+        return cls.from_dict(values, overrides)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any], overrides: list[str] | dict[str, Any] | None = None) -> Recipe:
+        values = apply_overrides(values, overrides or [])
+        try:
+            return cls.model_validate(values)
+        except ValidationError as exc:
+            raise RecipeError(describe_validation_error(exc)) from None
+
+    def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
+        return Recipe.from_dict(self.model_dump(), overrides)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
+    """Apply ``section.field=value`` overrides; values are parsed as YAML scalars (``16``, ``true``, ``[a, b]``)."""
+    if isinstance(overrides, dict):
+        pairs = list(overrides.items())
+    else:
+        pairs = []
+        for item in overrides:
+            key, sep, raw = item.partition("=")
+            if not sep or not key.strip():
+                raise RecipeError(f"--set {item!r}: expected section.field=value")
+            try:
+                pairs.append((key.strip(), yaml.safe_load(raw)))
+            except yaml.YAMLError:
+                raise RecipeError(f"--set {key}: cannot parse value {raw!r}") from None
+    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
+    for key, value in pairs:
+        section, dot, field = key.partition(".")
+        if not dot or not field or "." in field:
+            raise RecipeError(f"--set {key}: expected section.field (for example lora.rank)")
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise RecipeError(f"{section}: must be a mapping (got {target!r})")
+        target[field] = value
+    return merged
+
+
+_PATH_FIELDS = {"model": ["path"], "data": ["path", "val_path"]}
+
+
+def _resolve_paths(values: dict[str, Any], base: Path) -> None:
+    """Make relative local paths absolute against the recipe's folder; hub ids and builtin: names stay."""
+    for section, fields in _PATH_FIELDS.items():
+        block = values.get(section)
+        if not isinstance(block, dict):
+            continue
+        for name in fields:
+            value = block.get(name)
+            if isinstance(value, str) and _looks_local(value) and not Path(value).is_absolute():
+                block[name] = str((base / value).resolve())
+
+
+def _looks_local(value: str) -> bool:
+    # A hub id is "org/name" or "name"; a local path starts with "." or "/" or "~", or has a file suffix.
+    if value.startswith("builtin:"):
+        return False
+    return value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".csv", ".parquet"}
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first problem as one line: ``lora.rank: must be > 0 (got 0)``."""
+    errors = exc.errors()
+    first = errors[0]
+    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    if first["type"] == "value_error" and not first["loc"]:
+        # Whole-recipe validators name the fields themselves.
+        return f"{(first.get('ctx') or {}).get('error', first['msg'])}{more}"
+    loc = ".".join(str(part) for part in first["loc"])
+    return f"{loc}: {_message_for(first)}{more}"
+
+
+def _message_for(error: dict[str, Any]) -> str:
+    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
+    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
+    if kind in bounds:
+        limit = next(iter(ctx.values()))
+        return f"must be {bounds[kind]} {limit} (got {got!r})"
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required"
+    if kind == "literal_error":
+        return f"must be one of {ctx.get('expected')} (got {got!r})"
+    if kind == "value_error":
+        return str(ctx.get("error", error["msg"]))
+    return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {got!r})"
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())

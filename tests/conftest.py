@@ -1,0 +1,37 @@
+"""Shared fixtures: a private model cache, a quick recipe on the tiny model, one trained run reused by tests."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "recipes" / "demo.yaml"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def model_cache(tmp_path_factory) -> Path:
+    """Build tiny models into a folder of the test session, never the user's cache."""
+    folder = tmp_path_factory.mktemp("qlora-kit-cache")
+    os.environ["QLORA_KIT_CACHE"] = str(folder)
+    return folder
+
+
+def quick_recipe(output_dir: Path, **overrides):
+    """The demo recipe cut down to a few steps (the test decides how many)."""
+    from qlora_kit import Recipe
+
+    values = {"train.output_dir": str(output_dir), "train.sample_prompts": 0, "train.eval_steps": None}
+    values.update(overrides)
+    return Recipe.from_yaml(DEMO, overrides=values)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tmp_path_factory):
+    """One short real training run (30 steps on the tiny Llama) shared by read-only tests."""
+    from qlora_kit import train
+
+    out = tmp_path_factory.mktemp("run") / "out"
+    return train(quick_recipe(out, **{"train.max_steps": 30, "train.logging_steps": 5}))

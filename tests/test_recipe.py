@@ -1,0 +1,93 @@
+from pathlib import Path
+
+import pytest
+import yaml
+
+from qlora_kit import Recipe, RecipeError
+from qlora_kit.recipe import apply_overrides
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_are_the_qlora_setup():
+    recipe = Recipe()
+    assert (recipe.quant.quant_type, recipe.quant.double_quant, recipe.quant.compute_dtype) == ("nf4", True, "bfloat16")
+    assert recipe.optimizer.name == "paged_adamw_8bit"
+    assert recipe.optimizer.max_grad_norm == 0.3
+    assert recipe.memory.checkpointing == "full"
+    assert recipe.lora.target_modules == "all-linear"
+
+
+def test_every_field_has_a_description():
+    for section in Recipe.model_fields:
+        model = type(getattr(Recipe(), section))
+        for name, field in model.model_fields.items():
+            assert field.description, f"{section}.{name} has no docstring"
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_validates(path):
+    recipe = Recipe.from_yaml(path)
+    assert path.read_text().startswith("#"), "each recipe opens with a header comment"
+    # YAML holds values, not copies of defaults: every value written must differ from the default.
+    written = yaml.safe_load(path.read_text())
+    defaults = Recipe().model_dump()
+    for section, values in written.items():
+        for key, value in values.items():
+            assert value != defaults[section][key], f"{path.name}: {section}.{key} repeats the default"
+    assert recipe.train.output_dir
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["lora.rank=0"], "lora.rank: must be > 0 (got 0)"),
+        (["lora.ranks=8"], "lora.ranks: unknown key"),
+        (["nosuch.field=1"], "nosuch: unknown key"),
+        (["optimizer.name=sgd"], "optimizer.name: must be one of"),
+        (["train.epochs=abc"], "train.epochs: input should be a valid number"),
+        (["lora.dropout=1.5"], "lora.dropout: must be < 1.0 (got 1.5)"),
+        (["data.path=rows.jsonl", "train.eval_steps=10"], "train.eval_steps: needs validation data"),
+        (["lora.dora=true", "lora.init=pissa"], "lora.init: pissa cannot be combined with lora.dora"),
+        (["lora.rank"], "--set 'lora.rank': expected section.field=value"),
+        (["rank=3"], "--set rank: expected section.field"),
+    ],
+)
+def test_mistakes_name_the_field_and_value(overrides, message):
+    with pytest.raises(RecipeError) as info:
+        Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=overrides)
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)
+
+
+def test_overrides_are_parsed_as_yaml_scalars():
+    values = apply_overrides({}, ["lora.rank=8", "lora.rslora=true", "lora.target_modules=[q_proj, v_proj]"])
+    recipe = Recipe.from_dict(values)
+    assert recipe.lora.rank == 8 and recipe.lora.rslora is True
+    assert recipe.lora.target_modules == ["q_proj", "v_proj"]
+
+
+def test_relative_paths_resolve_against_the_recipe_folder(tmp_path):
+    folder = tmp_path / "recipes"
+    folder.mkdir()
+    (folder / "r.yaml").write_text("data:\n  path: ../data/train.jsonl\nmodel:\n  path: org/model\n")
+    recipe = Recipe.from_yaml(folder / "r.yaml")
+    assert recipe.data.path == str(tmp_path / "data" / "train.jsonl")
+    assert recipe.model.path == "org/model"  # a hub id stays as written
+
+
+def test_bad_yaml_and_non_mapping_are_one_line_errors(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("lora: [unclosed\n")
+    with pytest.raises(RecipeError, match="broken.yaml: not valid YAML"):
+        Recipe.from_yaml(broken)
+    listing = tmp_path / "list.yaml"
+    listing.write_text("- a\n- b\n")
+    with pytest.raises(RecipeError, match="a recipe must be a mapping"):
+        Recipe.from_yaml(listing)
+
+
+def test_resolved_recipe_round_trips_through_yaml(tmp_path):
+    recipe = Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=["lora.rank=4"])
+    again = Recipe.from_dict(yaml.safe_load(recipe.to_yaml()))
+    assert again == recipe
