@@ -65,7 +65,9 @@ def train(
     recipe: RecipeArg,
     set_: SetOpt = None,
     output_dir: OutputOpt = None,
-    overwrite: Annotated[bool, typer.Option(help="Replace what an earlier run left in the output dir.")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace what an earlier run left in the output dir.")
+    ] = False,
 ) -> None:
     """Fine-tune: load the 4-bit base, attach LoRA, train on the Trainer, save the adapter."""
     from qlora_kit.pipeline import run
@@ -87,13 +89,17 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, output_dir: OutputOpt = Non
 def _print_summary(result) -> None:
     losses = result.eval_losses
     if len(losses) >= 2:
-        console.print(f"eval loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / losses[0]:.1%} of the first)")
+        console.print(
+            f"eval loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / losses[0]:.1%} of the first)"
+        )
     if result.samples:
         table = Table(title="Answers before and after fine-tuning")
         for column in ("prompt", "reference", "before", "after"):
             table.add_column(column, overflow="fold")
         for row in result.samples:
-            table.add_row(_question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''")
+            table.add_row(
+                _question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''"
+            )
         console.print(table)
     console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
 

@@ -24,7 +24,11 @@ IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
-REQUIRED_FIELDS = {"alpaca": ("instruction", "output"), "completion": ("prompt", "completion"), "text": ("text",)}
+REQUIRED_FIELDS = {
+    "alpaca": ("instruction", "output"),
+    "completion": ("prompt", "completion"),
+    "text": ("text",),
+}
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 
@@ -92,10 +96,14 @@ def check_fields(rows: Dataset, fmt: str, source: str) -> None:
         raise DataError(f"{source}: no rows")
 
 
-def tokenize_example(example: Example, tokenizer, max_seq_len: int, train_on_inputs: bool) -> dict[str, list[int]]:
+def tokenize_example(
+    example: Example, tokenizer, max_seq_len: int, train_on_inputs: bool
+) -> dict[str, list[int]]:
     """input_ids and labels for one example; labels are -100 on prompt tokens unless train_on_inputs."""
     prompt_ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"] if example.prompt else []
-    response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [
+        tokenizer.eos_token_id
+    ]
     input_ids = (prompt_ids + response_ids)[:max_seq_len]
     prompt_labels = prompt_ids if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
     labels = (prompt_labels + response_ids)[:max_seq_len]
@@ -116,7 +124,9 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> tuple[Dataset, 
     """Tokenized train and validation sets for the Trainer."""
     train_rows, val_rows = load_splits(data, seed)
     train = tokenize_rows(train_rows, data, tokenizer, data.path)
-    val = tokenize_rows(val_rows, data, tokenizer, data.val_path or data.path) if val_rows is not None else None
+    val = (
+        tokenize_rows(val_rows, data, tokenizer, data.val_path or data.path) if val_rows is not None else None
+    )
     return train, val
 
 
@@ -132,7 +142,9 @@ def build_collator(tokenizer):
     """Pad each batch to its longest example; padded label positions are -100."""
     from transformers import DataCollatorForSeq2Seq
 
-    return DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
+    return DataCollatorForSeq2Seq(
+        tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt"
+    )
 
 
 def _first_line(exc: Exception) -> str:

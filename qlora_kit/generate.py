@@ -22,7 +22,11 @@ def complete(
     was_training = model.training
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
+    sampling = (
+        {"do_sample": True, "temperature": temperature, "top_p": top_p}
+        if temperature > 0
+        else {"do_sample": False}
+    )
     try:
         with torch.no_grad():
             output = model.generate(

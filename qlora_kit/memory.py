@@ -69,7 +69,10 @@ def optimizer_class_and_kwargs(optimizer: OptimizerSection) -> tuple[type, dict[
     import bitsandbytes as bnb
 
     if paged and not _has_cuda():
-        log.info("optimizer %s: no CUDA device, so its state is ordinary host memory (nothing to page)", optimizer.name)
+        log.info(
+            "optimizer %s: no CUDA device, so its state is ordinary host memory (nothing to page)",
+            optimizer.name,
+        )
         # bitsandbytes warns once per state tensor otherwise; the line above says it once.
         warnings.filterwarnings("ignore", message="Paged optimizers are not supported on CPU")
     return getattr(bnb.optim, class_name), kwargs

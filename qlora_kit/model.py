@@ -99,4 +99,3 @@ def disable_cpu_weight_repacking(model: PreTrainedModel) -> int:
     for layer in layers:
         layer.support_avx512bf16_for_cpu = False
     return len(layers)
-

@@ -1,6 +1,6 @@
 """The whole pipeline, top to bottom: ``run(recipe)``.
 
-load tokenizer -> load 4-bit base -> checkpointing policy -> attach LoRA -> tokenize data ->
+load tokenizer -> tokenize data -> load 4-bit base -> checkpointing policy -> attach LoRA ->
 transformers' Trainer with the chosen bitsandbytes optimizer -> save adapter, tokenizer and recipe.
 The Trainer owns the loop: accumulation, clipping, scheduling, evaluation, logging and checkpoints.
 """
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit import adapters, data, memory, model
-from qlora_kit.outputs import OutputDirError, prepare_output_dir
+from qlora_kit.outputs import check_output_dir, prepare_output_dir
 from qlora_kit.trainer_setup import build_trainer
 
 if TYPE_CHECKING:
@@ -49,19 +49,21 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
     """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``."""
     from transformers import set_seed
 
-    output_dir = prepare_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
+    check_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
     set_seed(recipe.train.seed)
 
     tokenizer = model.load_tokenizer(recipe.model)
+    # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
+    train_set, val_set = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = memory.enable_checkpointing(base, recipe.memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
-    train_set, val_set = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     _log_setup(peft_model, checkpointed, len(train_set), val_set)
 
     examples = data.prompts_and_answers(recipe.data, recipe.train.seed, recipe.train.sample_prompts)
     before = _answer(peft_model, tokenizer, examples)
 
+    output_dir = prepare_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
     trainer = build_trainer(recipe, peft_model, tokenizer, train_set, val_set, output_dir)
     trainer.train()
 
@@ -82,9 +84,13 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
 
 def _log_setup(peft_model, checkpointed: list[int], train_rows: int, val_set) -> None:
     trainable, total = adapters.trainable_parameter_count(peft_model)
-    log.info("trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total)
+    log.info(
+        "trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total
+    )
     log.info("checkpointed decoder layers: %s", checkpointed or "none")
-    log.info("data: %d training rows, %s validation rows", train_rows, len(val_set) if val_set is not None else 0)
+    log.info(
+        "data: %d training rows, %s validation rows", train_rows, len(val_set) if val_set is not None else 0
+    )
 
 
 def _answer(peft_model, tokenizer, examples: list[data.Example]) -> list[str]:

@@ -144,7 +144,9 @@ class Recipe(Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> Recipe:
         if self.train.eval_steps is not None and not self.has_validation_data:
-            raise ValueError("train.eval_steps: needs validation data (set data.val_path or data.val_fraction)")
+            raise ValueError(
+                "train.eval_steps: needs validation data (set data.val_path or data.val_fraction)"
+            )
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
         return self

@@ -29,7 +29,7 @@ LM_HEAD_SCALE = 8.0
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
     "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
-    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -73,7 +73,9 @@ def demo_data_files(name: str) -> tuple[Path, Path]:
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
     if name not in TINY_ARCHITECTURES:
-        raise ValueError(f"model.path: unknown builtin model {name!r} (known: {', '.join(TINY_ARCHITECTURES)})")
+        raise ValueError(
+            f"model.path: unknown builtin model {name!r} (known: {', '.join(TINY_ARCHITECTURES)})"
+        )
     shape = {**TINY_SHAPE, **shape_overrides}
     key = _cache_key(name, shape)
     folder = cache_root() / "models" / f"{name}-{key}"
@@ -95,7 +97,9 @@ def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
 
 def _cache_key(name: str, shape: dict) -> str:
     digest = hashlib.sha256()
-    digest.update(json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode())
+    digest.update(
+        json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode()
+    )
     for path in DEMO_DATASETS["demo-facts"]:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
@@ -122,7 +126,10 @@ def _build(name: str, shape: dict, folder: Path) -> None:
     # a wider head lets a fine-tuned tiny model reach the low losses a pretrained one would.
     with torch.no_grad():
         model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
-    model.generation_config.eos_token_id = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.eos_token_id = [
+        tokenizer.eos_token_id,
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from transformers import TrainerCallback
 
@@ -88,7 +88,12 @@ def _summary_writer(folder: Path):
 class MetricsLog(TrainerCallback):
     """A Trainer callback: one JSON object per log event (step, loss, eval_loss, lr) in metrics.jsonl."""
 
-    KEYS = {"loss": "loss", "eval_loss": "eval_loss", "learning_rate": "lr", "grad_norm": "grad_norm"}
+    KEYS: ClassVar[dict[str, str]] = {
+        "loss": "loss",
+        "eval_loss": "eval_loss",
+        "learning_rate": "lr",
+        "grad_norm": "grad_norm",
+    }
 
     def __init__(self, path: Path) -> None:
         self.path = path

@@ -11,7 +11,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_defaults_are_the_qlora_setup():
     recipe = Recipe()
-    assert (recipe.quant.quant_type, recipe.quant.double_quant, recipe.quant.compute_dtype) == ("nf4", True, "bfloat16")
+    assert (recipe.quant.quant_type, recipe.quant.double_quant, recipe.quant.compute_dtype) == (
+        "nf4",
+        True,
+        "bfloat16",
+    )
     assert recipe.optimizer.name == "paged_adamw_8bit"
     assert recipe.optimizer.max_grad_norm == 0.3
     assert recipe.memory.checkpointing == "full"
@@ -79,7 +83,7 @@ def test_relative_paths_resolve_against_the_recipe_folder(tmp_path):
 def test_bad_yaml_and_non_mapping_are_one_line_errors(tmp_path):
     broken = tmp_path / "broken.yaml"
     broken.write_text("lora: [unclosed\n")
-    with pytest.raises(RecipeError, match="broken.yaml: not valid YAML"):
+    with pytest.raises(RecipeError, match=r"broken\.yaml: not valid YAML"):
         Recipe.from_yaml(broken)
     listing = tmp_path / "list.yaml"
     listing.write_text("- a\n- b\n")

@@ -1,0 +1,71 @@
+"""The real CLI in a subprocess, as a user runs it."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "recipes" / "demo.yaml"
+
+
+def qlora_kit(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qlora_kit", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+def test_demo_learns_and_shows_answers_before_and_after(tmp_path):
+    """The README's first command: the full demo recipe, unchanged."""
+    out = tmp_path / "demo"
+    result = qlora_kit("train", str(DEMO), "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert rows[0]["step"] == 0 and "eval_loss" in rows[0], "first evaluation happens before training"
+    assert evals[-1] <= 0.5 * evals[0], evals
+    assert "Answers before and after fine-tuning" in result.stdout
+    assert "paged" in result.stderr and "nothing to page" in result.stderr  # said once, clearly
+    assert result.stderr.count("nothing to page") == 1
+    assert "Paged optimizers are not supported" not in result.stderr
+    assert "kernels-community" not in result.stderr
+
+
+def test_validate_prints_resolved_values_with_overrides():
+    result = qlora_kit("validate", str(DEMO), "--set", "lora.rank=8", "--set", "quant.quant_type=fp4")
+    assert result.returncode == 0, result.stderr
+    assert "rank: 8" in result.stdout and "quant_type: fp4" in result.stdout
+    assert "max_grad_norm: 0.3" in result.stdout  # defaults are printed too
+
+
+def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
+    cases = [
+        (("validate", str(DEMO), "--set", "lora.rank=0"), "lora.rank: must be > 0 (got 0)"),
+        (("validate", str(tmp_path / "missing.yaml")), "missing.yaml: cannot read recipe"),
+        (
+            ("train", str(DEMO), "--output-dir", str(tmp_path / "out"), "--set", f"data.path={tmp_path / 'none.jsonl'}", "--set", "data.val_fraction=0.1"),
+            "none.jsonl: no such file",
+        ),
+    ]
+    for args, message in cases:
+        result = qlora_kit(*args)
+        assert result.returncode == 2, (args, result.stderr)
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0], result.stderr
+        assert "Traceback" not in result.stderr
+
+
+def test_train_refuses_an_output_dir_in_use(tmp_path):
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    result = qlora_kit("train", str(DEMO), "--output-dir", str(out), "--set", "train.max_steps=1")
+    assert result.returncode == 2
+    assert "already holds files" in result.stderr and "--overwrite" in result.stderr
+    assert (out / "notes.txt").read_text() == "mine"

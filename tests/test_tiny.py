@@ -1,0 +1,47 @@
+"""The embedded default: the tiny model is built once, deterministically, and the shipped data is current."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from qlora_kit import tiny
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
+    first = tiny.ensure_tiny_model("tiny-llama")
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert tiny.ensure_tiny_model("tiny-llama") == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp, "second call must not rebuild"
+    monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
+    second = tiny.ensure_tiny_model("tiny-llama")
+    assert second != first
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
+    assert not [p for p in tmp_path.rglob(".tiny-*")], "no staging folder left behind"
+
+
+def test_tokenizer_round_trips_the_demo_text_and_has_a_chat_template():
+    tokenizer = tiny.build_tokenizer()
+    text = "### Instruction:\nWhat sound does a cow make?\n\n### Response:\nmoo"
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_shipped_demo_data_matches_its_generator():
+    spec = importlib.util.spec_from_file_location("make_demo_data", ROOT / "scripts" / "make_demo_data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    train, val = module.build_rows()
+    train_file, val_file = tiny.demo_data_files("demo-facts")
+    assert [json.loads(line) for line in train_file.read_text().splitlines()] == train
+    assert [json.loads(line) for line in val_file.read_text().splitlines()] == val
+    questions = lambda rows: {r["instruction"] + r["input"] for r in rows}  # noqa: E731
+    assert not questions(train) & questions(val), "validation phrasings never appear in training"
