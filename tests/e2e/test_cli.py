@@ -49,7 +49,16 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
         (("validate", str(DEMO), "--set", "lora.rank=0"), "lora.rank: must be > 0 (got 0)"),
         (("validate", str(tmp_path / "missing.yaml")), "missing.yaml: cannot read recipe"),
         (
-            ("train", str(DEMO), "--output-dir", str(tmp_path / "out"), "--set", f"data.path={tmp_path / 'none.jsonl'}", "--set", "data.val_fraction=0.1"),
+            (
+                "train",
+                str(DEMO),
+                "--output-dir",
+                str(tmp_path / "out"),
+                "--set",
+                f"data.path={tmp_path / 'none.jsonl'}",
+                "--set",
+                "data.val_fraction=0.1",
+            ),
             "none.jsonl: no such file",
         ),
     ]
