@@ -86,6 +86,42 @@ def validate(recipe: RecipeArg, set_: SetOpt = None, output_dir: OutputOpt = Non
     console.print(resolved.to_yaml(), highlight=False, markup=False)
 
 
+@app.command("data")
+@user_errors
+def show_data(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    examples: Annotated[int, typer.Option(help="How many rendered examples to show.")] = 3,
+) -> None:
+    """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
+    from qlora_kit.data_report import inspect_data
+    from qlora_kit.model import load_tokenizer
+
+    resolved = load_recipe(recipe, set_)
+    view = inspect_data(resolved, load_tokenizer(resolved.model), count=examples)
+    for i, runs in enumerate(view.examples, start=1):
+        console.rule(f"example {i} (trained text in [bold green]green[/], between ⟦ ⟧)")
+        for text, trained in runs:
+            console.print(
+                f"⟦{text}⟧" if trained else text,
+                style="bold green" if trained else "dim",
+                end="",
+                markup=False,
+                highlight=False,
+            )
+        console.print()
+    table = Table(title="token lengths (before truncation)")
+    for name in view.percentiles:
+        table.add_column(name, justify="right")
+    table.add_row(*(str(v) for v in view.percentiles.values()))
+    console.print(table)
+    for report in view.reports:
+        console.print(report.summary(), highlight=False)
+    batch = resolved.train.micro_batch_size
+    shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
+    console.print(f"pad tokens per batch of {batch}: {shares}", highlight=False)
+
+
 def _print_summary(result) -> None:
     losses = result.eval_losses
     if len(losses) >= 2:

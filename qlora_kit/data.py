@@ -1,145 +1,203 @@
-"""Data stage: load rows through ``datasets``, render them as prompt + response, tokenize, mask, collate.
+"""Data stage: load rows through ``datasets``, tokenize them with masked labels, apply the length
+policy, split, and build the collator (padding, or packing without padding).
 
-Labels are -100 on every prompt token unless ``data.train_on_inputs`` is set (the QLoRA paper's
-``train_on_source=False``): the loss is on the response only. Prompt and response are tokenized
-separately and concatenated, so a BPE merge across the boundary can never blur which tokens are
-trained. Tokenized datasets go through ``Dataset.map``, whose fingerprinted cache lets a second run of
-the same recipe skip tokenization.
+Sources: .jsonl/.json/.csv/.parquet files, a ``Dataset.save_to_disk`` folder, a hub dataset name, or
+``builtin:demo-facts``. Tokenization runs through ``Dataset.map``, whose fingerprinted cache lets a
+second run of the same recipe skip it. Any problem with the user's data is one ``DataError`` line
+naming the file, the row (1-based, in file order) and what is wrong.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+import logging
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit import tiny
+from qlora_kit import formats, tiny
+from qlora_kit.data_errors import DataError, diagnose_load_failure
 
 if TYPE_CHECKING:
     from datasets import Dataset
 
     from qlora_kit.recipe import DataSection
 
-IGNORE_INDEX = -100
-ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
-ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
-REQUIRED_FIELDS = {
-    "alpaca": ("instruction", "output"),
-    "completion": ("prompt", "completion"),
-    "text": ("text",),
-}
+IGNORE_INDEX = formats.IGNORE_INDEX
+ALPACA_FRAMING = formats.ALPACA_FRAMING
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
-
-class DataError(ValueError):
-    """A problem with the user's data: one line naming the file, the row and the problem."""
+__all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepare_datasets"]
 
 
 @dataclass
-class Example:
-    """One row rendered as text: the prompt (not trained unless train_on_inputs) and the response."""
+class LengthReport:
+    """What the length policy did to one split."""
 
-    prompt: str
-    response: str
+    source: str
+    rows: int
+    truncated: int = 0
+    dropped: int = 0
+    untrainable: int = 0  # rows left with no trained token (their response was cut off)
+    lengths: list[int] = field(default_factory=list)  # token lengths before truncation
+
+    def summary(self) -> str:
+        kept = self.rows - self.dropped - self.untrainable
+        return (
+            f"{self.source}: {kept} of {self.rows} rows kept; {self.truncated} truncated, "
+            f"{self.dropped} dropped as too long, {self.untrainable} without a trained token"
+        )
 
 
-def render(row: dict[str, Any], fmt: str) -> Example:
-    """Turn a row of the given format into prompt + response text."""
-    if fmt == "alpaca":
-        template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
-        return Example(template.format(instruction=row["instruction"], input=row.get("input")), row["output"])
-    if fmt == "completion":
-        return Example(row["prompt"], row["completion"])
-    return Example("", row["text"])
+@dataclass
+class PreparedData:
+    train: Dataset
+    val: Dataset | None
+    reports: list[LengthReport]
 
 
-def load_splits(data: DataSection, seed: int) -> tuple[Dataset, Dataset | None]:
-    """Raw train and validation rows: from files, a saved dataset, the hub, or the builtin demo."""
+def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
+    """Tokenized train and validation sets (columns input_ids, labels) and what the length policy did."""
+    train_source, val_source = _sources(data)
+    train, train_report = _tokenized(_load_source(train_source, data), data, tokenizer, train_source)
+    reports = [train_report]
+    if val_source is not None:
+        val, val_report = _tokenized(_load_source(val_source, data), data, tokenizer, val_source)
+        reports.append(val_report)
+    elif data.val_fraction > 0:
+        # Split after tokenizing, so row numbers in errors are the file's own.
+        parts = train.train_test_split(test_size=data.val_fraction, seed=seed)
+        train, val = parts["train"], parts["test"]
+    else:
+        val = None
+    return PreparedData(train, val, reports)
+
+
+def _sources(data: DataSection) -> tuple[str, str | None]:
     if tiny.is_builtin(data.path):
         train_file, val_file = tiny.demo_data_files(tiny.builtin_name(data.path))
-        return _load_source(str(train_file)), _load_source(str(val_file))
-    train = _load_source(data.path)
-    if data.val_path is not None:
-        return train, _load_source(data.val_path)
-    if data.val_fraction > 0:
-        parts = train.train_test_split(test_size=data.val_fraction, seed=seed)
-        return parts["train"], parts["test"]
-    return train, None
+        return str(train_file), str(val_file)
+    return data.path, data.val_path
 
 
-def _load_source(source: str) -> Dataset:
+def load_rows(data: DataSection, which: str = "train") -> tuple[Dataset | None, str | None]:
+    """Raw rows of one split (fields renamed to the format's names), for showing and sampling."""
+    train_source, val_source = _sources(data)
+    source = train_source if which == "train" else val_source
+    return (_load_source(source, data), source) if source is not None else (None, None)
+
+
+def _load_source(source: str, data: DataSection) -> Dataset:
     import datasets
 
     path = Path(source).expanduser()
     try:
-        if path.is_dir():
-            return datasets.load_from_disk(str(path))
-        if path.suffix in LOADERS:
-            if not path.exists():
-                raise DataError(f"{path}: no such file")
-            return datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
-        return datasets.load_dataset(source, split="train")
+        with _quiet_datasets(progress=False):
+            if path.is_dir():
+                rows = datasets.load_from_disk(str(path))
+            elif path.suffix in LOADERS:
+                if not path.exists():
+                    raise DataError(f"{path}: no such file")
+                rows = datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
+            else:
+                rows = datasets.load_dataset(source, split="train")
     except DataError:
         raise
-    except Exception as exc:  # datasets raises many types; the user needs the file and the reason
-        raise DataError(f"{source}: cannot load ({exc.__class__.__name__}: {_first_line(exc)})") from None
+    except Exception as exc:  # datasets raises many types; the user needs the file, the row and the reason
+        raise diagnose_load_failure(path, source, exc) from None
+    if isinstance(rows, datasets.DatasetDict):
+        raise DataError(f"{source}: holds several splits ({', '.join(rows)}); point at one split's folder")
+    return _rename_fields(rows, data, source)
 
 
-def check_fields(rows: Dataset, fmt: str, source: str) -> None:
-    missing = [name for name in REQUIRED_FIELDS[fmt] if name not in rows.column_names]
-    if missing:
-        raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format {fmt!r} (has {', '.join(rows.column_names)})"
-        )
+def _rename_fields(rows: Dataset, data: DataSection, source: str) -> Dataset:
+    renames = {theirs: ours for ours, theirs in data.fields.items() if theirs != ours}
+    for ours, theirs in data.fields.items():
+        if theirs not in rows.column_names:
+            raise DataError(
+                f"{source}: row 1: missing field {theirs!r} (data.fields.{ours}; has {', '.join(rows.column_names)})"
+            )
+    return rows.rename_columns(renames) if renames else rows
+
+
+@contextlib.contextmanager
+def _quiet_datasets(progress: bool = True):
+    # datasets logs its own multi-line error before raising; ours is the one line the user sees.
+    from datasets.utils import logging as datasets_logging
+
+    logger = logging.getLogger("datasets")
+    level, bars = logger.level, datasets_logging.is_progress_bar_enabled()
+    logger.setLevel(logging.CRITICAL)
+    if not progress:
+        datasets_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if bars:
+            datasets_logging.enable_progress_bar()
+
+
+def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
+    required = [n for n in formats.FIELDS[data.format] if n not in formats.OPTIONAL_FIELDS]
+    missing = [n for n in required if n not in rows.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: row 1: missing field {missing[0]!r} for format {data.format!r} "
+            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+        )
+    fmt, max_len, drop = data.format, data.max_seq_len, data.overlong == "drop"
+    train_on_inputs, add_bos = data.train_on_inputs, data.format != "chat"
 
+    def tokenize(row: dict[str, Any], index: int) -> dict[str, Any]:
+        try:
+            segments = formats.render(row, fmt, tokenizer)
+        except formats.RowError as exc:
+            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+        example = formats.tokenize(segments, tokenizer, train_on_inputs, add_bos)
+        length = len(example["input_ids"])
+        if length > max_len:
+            keep = 0 if drop else max_len
+            example = {key: ids[:keep] for key, ids in example.items()}
+        return {**example, "full_length": length}
 
-def tokenize_example(
-    example: Example, tokenizer, max_seq_len: int, train_on_inputs: bool
-) -> dict[str, list[int]]:
-    """input_ids and labels for one example; labels are -100 on prompt tokens unless train_on_inputs."""
-    prompt_ids = tokenizer(example.prompt, add_special_tokens=True)["input_ids"] if example.prompt else []
-    response_ids = tokenizer(example.response, add_special_tokens=False)["input_ids"] + [
-        tokenizer.eos_token_id
-    ]
-    input_ids = (prompt_ids + response_ids)[:max_seq_len]
-    prompt_labels = prompt_ids if train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
-    labels = (prompt_labels + response_ids)[:max_seq_len]
-    return {"input_ids": input_ids, "labels": labels}
-
-
-def tokenize_rows(rows: Dataset, data: DataSection, tokenizer, source: str) -> Dataset:
-    """Render and tokenize every row; the result is cached by datasets' fingerprint."""
-    check_fields(rows, data.format, source)
-
-    def tokenize(row: dict[str, Any]) -> dict[str, list[int]]:
-        return tokenize_example(render(row, data.format), tokenizer, data.max_seq_len, data.train_on_inputs)
-
-    return rows.map(tokenize, remove_columns=rows.column_names, desc="tokenizing")
-
-
-def prepare_datasets(data: DataSection, tokenizer, seed: int) -> tuple[Dataset, Dataset | None]:
-    """Tokenized train and validation sets for the Trainer."""
-    train_rows, val_rows = load_splits(data, seed)
-    train = tokenize_rows(train_rows, data, tokenizer, data.path)
-    val = (
-        tokenize_rows(val_rows, data, tokenizer, data.val_path or data.path) if val_rows is not None else None
+    try:
+        with _quiet_datasets():
+            tokenized = rows.map(
+                tokenize, with_indices=True, remove_columns=rows.column_names, desc="tokenizing"
+            )
+    except UnicodeDecodeError as exc:  # arrow defers decoding a JSON file's strings until a row is read
+        raise diagnose_load_failure(Path(source), source, exc) from None
+    lengths = tokenized["full_length"]
+    report = LengthReport(source=source, rows=len(rows), lengths=lengths)
+    report.truncated = 0 if drop else sum(n > max_len for n in lengths)
+    report.dropped = sum(n > max_len for n in lengths) if drop else 0
+    trainable = [any(x != IGNORE_INDEX for x in labels) for labels in tokenized["labels"]]
+    report.untrainable = sum(
+        1 for n, ok in zip(lengths, trainable, strict=True) if not ok and not (drop and n > max_len)
     )
-    return train, val
+    if not any(trainable):
+        raise DataError(
+            f"{source}: every row is over data.max_seq_len={max_len} tokens or has no trained token left "
+            f"(longest {max(lengths)}, shortest {min(lengths)})"
+        )
+    keep = [i for i, ok in enumerate(trainable) if ok]
+    if len(keep) < len(tokenized):
+        tokenized = tokenized.select(keep)
+    return tokenized.remove_columns("full_length"), report
 
 
-def prompts_and_answers(data: DataSection, seed: int, count: int) -> list[Example]:
-    """The first ``count`` validation rows as prompt + reference answer (for before/after samples)."""
-    _, val_rows = load_splits(data, seed)
-    if val_rows is None or count == 0:
-        return []
-    return [render(row, data.format) for row in val_rows.select(range(min(count, len(val_rows))))]
+def build_collator(tokenizer, packing: bool):
+    """Packing: each micro-batch is flattened into one sequence whose position ids restart at every
+    example; transformers turns restarting position ids into a block-diagonal causal mask (and
+    FlashAttention's varlen kernels), so no attention crosses examples and no token is padding.
+    Otherwise: pad to the longest example in the batch, with -100 labels on the padding."""
+    if packing:
+        from transformers import DataCollatorWithFlattening
 
-
-def build_collator(tokenizer):
-    """Pad each batch to its longest example; padded label positions are -100."""
+        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
     from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(
@@ -147,6 +205,43 @@ def build_collator(tokenizer):
     )
 
 
-def _first_line(exc: Exception) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else exc.__class__.__name__
+def pad_share(lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0) -> float:
+    """Share of padding tokens when batches of ``batch_size`` are padded to their longest example,
+    in a shuffled order (or sorted into similar lengths, as group_by_length does)."""
+    import random
+
+    order = sorted(lengths) if group_by_length else random.Random(seed).sample(lengths, len(lengths))
+    padded = real = 0
+    for start in range(0, len(order), batch_size):
+        batch = order[start : start + batch_size]
+        padded += max(batch) * len(batch)
+        real += sum(batch)
+    return 1 - real / padded if padded else 0.0
+
+
+@dataclass
+class PromptExample:
+    """A validation row as the prompt a model continues and the reference it should produce."""
+
+    prompt: str
+    reference: str
+
+
+def prompt_examples(data: DataSection, tokenizer, count: int) -> list[PromptExample]:
+    """The first ``count`` validation rows (training rows when there is no validation set)."""
+    if count == 0:
+        return []
+    rows, _ = load_rows(data, "val")
+    if rows is None:
+        rows, _ = load_rows(data, "train")
+    examples = []
+    for row in rows.select(range(min(count, len(rows)))):
+        segments = formats.render(row, data.format, tokenizer)
+        answer = next((s.text for s in segments if s.trained), "")
+        ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        examples.append(
+            PromptExample(
+                formats.prompt_text(segments), tokenizer.decode(ids, skip_special_tokens=True).strip()
+            )
+        )
+    return examples

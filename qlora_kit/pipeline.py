@@ -54,17 +54,17 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
 
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    train_set, val_set = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = memory.enable_checkpointing(base, recipe.memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
-    _log_setup(peft_model, checkpointed, len(train_set), val_set)
+    _log_setup(peft_model, checkpointed, prepared, recipe)
 
-    examples = data.prompts_and_answers(recipe.data, recipe.train.seed, recipe.train.sample_prompts)
+    examples = data.prompt_examples(recipe.data, tokenizer, recipe.train.sample_prompts)
     before = _answer(peft_model, tokenizer, examples)
 
     output_dir = prepare_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
-    trainer = build_trainer(recipe, peft_model, tokenizer, train_set, val_set, output_dir)
+    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir)
     trainer.train()
 
     peft_model.save_pretrained(output_dir)
@@ -82,25 +82,38 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
     )
 
 
-def _log_setup(peft_model, checkpointed: list[int], train_rows: int, val_set) -> None:
+def _log_setup(peft_model, checkpointed: list[int], prepared: data.PreparedData, recipe: Recipe) -> None:
     trainable, total = adapters.trainable_parameter_count(peft_model)
     log.info(
         "trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total
     )
     log.info("checkpointed decoder layers: %s", checkpointed or "none")
+    for report in prepared.reports:
+        log.info("data %s", report.summary())
+    lengths = [len(ids) for ids in prepared.train["input_ids"]]
+    padded = data.pad_share(
+        lengths, recipe.train.micro_batch_size, recipe.data.group_by_length, recipe.train.seed
+    )
+    mode = (
+        "packing" if recipe.data.packing else "group_by_length" if recipe.data.group_by_length else "padding"
+    )
     log.info(
-        "data: %d training rows, %s validation rows", train_rows, len(val_set) if val_set is not None else 0
+        "data: %d training rows; pad tokens per batch: %.1f%% padded, %.1f%% with %s",
+        len(prepared.train),
+        100 * data.pad_share(lengths, recipe.train.micro_batch_size, False, recipe.train.seed),
+        0.0 if recipe.data.packing else 100 * padded,
+        mode,
     )
 
 
-def _answer(peft_model, tokenizer, examples: list[data.Example]) -> list[str]:
+def _answer(peft_model, tokenizer, examples: list[data.PromptExample]) -> list[str]:
     from qlora_kit.generate import complete
 
     return [complete(peft_model, tokenizer, example.prompt, max_new_tokens=8) for example in examples]
 
 
-def _samples(examples: list[data.Example], before: list[str], after: list[str]) -> list[dict[str, str]]:
+def _samples(examples: list[data.PromptExample], before: list[str], after: list[str]) -> list[dict[str, str]]:
     return [
-        {"prompt": ex.prompt, "reference": ex.response, "before": b, "after": a}
+        {"prompt": ex.prompt, "reference": ex.reference, "before": b, "after": a}
         for ex, b, a in zip(examples, before, after, strict=True)
     ]

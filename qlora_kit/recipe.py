@@ -19,6 +19,14 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+# The fields each data format reads (kept here, not in formats.py: the recipe imports nothing of ours).
+FORMAT_FIELDS = {
+    "alpaca": ("instruction", "input", "output"),
+    "chat": ("messages",),
+    "completion": ("prompt", "completion"),
+    "text": ("text",),
+}
+
 
 class RecipeError(ValueError):
     """A user mistake in a recipe: one line naming the field and the value."""
@@ -94,17 +102,39 @@ class OptimizerSection(Section):
 
 class DataSection(Section):
     path: str = "builtin:demo-facts"
-    """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk directory, a hub dataset, or builtin:demo-facts."""
-    format: Literal["alpaca", "completion", "text"] = "alpaca"
-    """Row format: alpaca (instruction/input/output), completion (prompt/completion) or text."""
+    """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a hub dataset, or builtin:demo-facts."""
+    format: Literal["alpaca", "chat", "completion", "text"] = "alpaca"
+    """Row format: alpaca (instruction/input/output), chat (messages), completion (prompt/completion) or text."""
+    fields: dict[str, str] = {}
+    """Column names of your data for the format's fields, e.g. {instruction: question, output: answer}."""
     val_path: str | None = None
     """Validation data in the same format; builtin datasets bring their own."""
     val_fraction: float = Field(0.0, ge=0, lt=1)
     """Hold out this fraction of the training rows (seeded) when there is no val_path."""
     max_seq_len: int = Field(512, gt=0)
-    """Tokens per example; longer examples are truncated."""
+    """Tokens per example."""
+    overlong: Literal["truncate", "drop"] = "truncate"
+    """What to do with an example longer than max_seq_len: cut its end off, or leave it out."""
     train_on_inputs: bool = False
-    """Train on prompt tokens too. Off: loss only on the response (the QLoRA paper's default)."""
+    """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
+    packing: bool = True
+    """Flatten each micro-batch into one sequence with restarting position ids: no padding, no cross-attention."""
+    group_by_length: bool = False
+    """Batch examples of similar length (less padding without packing; the lighter alternative)."""
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> DataSection:
+        known = FORMAT_FIELDS[self.format]
+        for name in self.fields:
+            if name not in known:
+                raise ValueError(
+                    f"data.fields: {name!r} is not a field of format {self.format} ({', '.join(known)})"
+                )
+        if self.packing and self.group_by_length:
+            raise ValueError(
+                "data.group_by_length: pointless with data.packing (packed batches have no padding)"
+            )
+        return self
 
 
 class TrainSection(Section):

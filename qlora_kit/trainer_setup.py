@@ -46,6 +46,7 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool):
         eval_on_start=evaluating,  # the baseline every later evaluation is compared with
         save_strategy="steps" if train.save_steps else "no",
         save_steps=train.save_steps or 500,
+        train_sampling_strategy="group_by_length" if recipe.data.group_by_length else "random",
         seed=train.seed,
         data_seed=train.seed,
         # bf16 autocast on GPUs (the QLoRA setting); on CPUs the 4-bit layers already compute in
@@ -70,7 +71,7 @@ def build_trainer(recipe: Recipe, peft_model, tokenizer, train_set, val_set, out
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        data_collator=data.build_collator(tokenizer),
+        data_collator=data.build_collator(tokenizer, packing=recipe.data.packing),
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=memory.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[metrics_log, TensorBoardCallback(_summary_writer(output_dir / "tensorboard"))],

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Before datasets is imported anywhere: its cache folder is read once, at import.
+os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-kit-datasets-"))
 DEMO = ROOT / "recipes" / "demo.yaml"
 
 

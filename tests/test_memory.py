@@ -47,7 +47,7 @@ def test_every_lora_tensor_gets_finite_nonzero_gradients_through_checkpointed_la
     recipe, base, _ = base_with(checkpointing="full")
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
-    train_set, _ = data.prepare_datasets(recipe.data, tokenizer, seed=0)
+    train_set = data.prepare_datasets(recipe.data, tokenizer, seed=0).train
     recipe = recipe.with_overrides({"train.max_steps": 1, "train.output_dir": str(tmp_path)})
     trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
     batch = next(iter(trainer.get_train_dataloader()))
@@ -72,7 +72,7 @@ def test_trainer_builds_the_paged_8bit_optimizer_with_the_recipe_lr(tmp_path):
     base = model.load_base_model(recipe.model, recipe.quant)
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
-    train_set, _ = data.prepare_datasets(recipe.data, tokenizer, seed=0)
+    train_set = data.prepare_datasets(recipe.data, tokenizer, seed=0).train
     trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
     optimizer = trainer.create_optimizer()
     assert type(optimizer) is bnb.optim.PagedAdamW8bit

@@ -78,3 +78,36 @@ def test_train_refuses_an_output_dir_in_use(tmp_path):
     assert result.returncode == 2
     assert "already holds files" in result.stderr and "--overwrite" in result.stderr
     assert (out / "notes.txt").read_text() == "mine"
+
+
+def test_data_command_shows_marked_examples_lengths_and_padding():
+    result = qlora_kit("data", str(DEMO), "--examples", "2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("example ") == 2 and "⟦" in result.stdout
+    assert "p50" in result.stdout and "p99" in result.stdout
+    assert "168 of 168 rows kept" in result.stdout
+    assert "packing 0.0%" in result.stdout
+
+
+def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "adapter_config.json").write_text("{}")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"instruction": "a", "output": "b"}\n{"instruction": "c", output: 1}\n')
+    args = (
+        "--set",
+        f"data.path={bad}",
+        "--set",
+        "data.val_fraction=0.5",
+        "--output-dir",
+        str(out),
+        "--overwrite",
+    )
+    result = qlora_kit("train", str(DEMO), *args)
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip()
+        == f"error: {bad}: row 2: malformed JSON (Expecting property name enclosed in double quotes at column 22)"
+    )
+    assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]

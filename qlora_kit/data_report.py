@@ -1,0 +1,55 @@
+"""What training will see: ``qlora-kit data RECIPE`` renders examples with the trained part marked,
+token-length percentiles, what the length policy does, and the padding share of each batching mode."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qlora_kit import data
+from qlora_kit.formats import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe import Recipe
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class DataView:
+    examples: list[list[tuple[str, bool]]]  # each example as (text, trained) runs
+    reports: list[data.LengthReport]
+    percentiles: dict[str, int]
+    pad_share: dict[str, float]  # batching mode -> share of pad tokens
+
+
+def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
+    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    train = prepared.train
+    examples = [
+        _runs(train[i]["input_ids"], train[i]["labels"], tokenizer) for i in range(min(count, len(train)))
+    ]
+    lengths = prepared.reports[0].lengths
+    cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
+    percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
+    kept = [len(ids) for ids in train["input_ids"]]
+    batch = recipe.train.micro_batch_size
+    shares = {
+        "padding": data.pad_share(kept, batch, group_by_length=False, seed=recipe.train.seed),
+        "group_by_length": data.pad_share(kept, batch, group_by_length=True),
+        "packing": 0.0,
+    }
+    return DataView(examples, prepared.reports, percentiles, shares)
+
+
+def _runs(input_ids: list[int], labels: list[int], tokenizer) -> list[tuple[str, bool]]:
+    """Consecutive tokens grouped by whether they are trained, each group decoded to text."""
+    runs: list[tuple[list[int], bool]] = []
+    for token, label in zip(input_ids, labels, strict=True):
+        trained = label != IGNORE_INDEX
+        if runs and runs[-1][1] == trained:
+            runs[-1][0].append(token)
+        else:
+            runs.append(([token], trained))
+    return [(tokenizer.decode(ids), trained) for ids, trained in runs]
