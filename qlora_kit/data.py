@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from qlora_kit import formats, tiny
 from qlora_kit.data_errors import DataError, diagnose_load_failure
+from qlora_kit.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -51,13 +52,14 @@ class LengthReport:
 
 @dataclass
 class PreparedData:
-    train: Dataset
+    train: Dataset  # packed rows when data.packing, else one example per row
     val: Dataset | None
     reports: list[LengthReport]
+    example_lengths: list[int]  # token counts of the training examples kept, before any packing
 
 
 def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
-    """Tokenized train and validation sets (columns input_ids, labels) and what the length policy did."""
+    """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer."""
     train_source, val_source = _sources(data)
     train, train_report = _tokenized(_load_source(train_source, data), data, tokenizer, train_source)
     reports = [train_report]
@@ -70,7 +72,25 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
         train, val = parts["train"], parts["test"]
     else:
         val = None
-    return PreparedData(train, val, reports)
+    lengths = [len(ids) for ids in train["input_ids"]]
+    if data.packing:
+        train = pack_dataset(train, data.max_seq_len)
+        val = pack_dataset(val, data.max_seq_len) if val is not None else None
+    return PreparedData(train, val, reports, lengths)
+
+
+def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed: int) -> dict[str, float]:
+    """Share of pad tokens per batch for each batching mode, on this data."""
+    lengths = prepared.example_lengths
+    rows = [len(ids) for ids in prepared.train["input_ids"]] if data.packing else None
+    if rows is None:
+        packed = best_fit_decreasing(lengths, data.max_seq_len)
+        rows = [sum(lengths[i] for i in members) for members in packed]
+    return {
+        "padding": pad_share(lengths, batch_size, group_by_length=False, seed=seed),
+        "group_by_length": pad_share(lengths, batch_size, group_by_length=True),
+        "packing": pad_share(rows, batch_size, group_by_length=False, seed=seed),
+    }
 
 
 def _sources(data: DataSection) -> tuple[str, str | None]:
@@ -190,14 +210,9 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
 
 
 def build_collator(tokenizer, packing: bool):
-    """Packing: each micro-batch is flattened into one sequence whose position ids restart at every
-    example; transformers turns restarting position ids into a block-diagonal causal mask (and
-    FlashAttention's varlen kernels), so no attention crosses examples and no token is padding.
-    Otherwise: pad to the longest example in the batch, with -100 labels on the padding."""
+    """Packed rows (see packing.py), or examples padded to the longest in the batch with -100 labels."""
     if packing:
-        from transformers import DataCollatorWithFlattening
-
-        return DataCollatorWithFlattening(return_position_ids=True, separator_id=IGNORE_INDEX)
+        return PackedRowCollator(tokenizer.pad_token_id)
     from transformers import DataCollatorForSeq2Seq
 
     return DataCollatorForSeq2Seq(

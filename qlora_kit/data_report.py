@@ -25,7 +25,9 @@ class DataView:
 
 
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
-    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    # Examples one by one: packed rows would show several examples glued together.
+    unpacked = recipe.data.model_copy(update={"packing": False})
+    prepared = data.prepare_datasets(unpacked, tokenizer, recipe.train.seed)
     train = prepared.train
     examples = [
         _runs(train[i]["input_ids"], train[i]["labels"], tokenizer) for i in range(min(count, len(train)))
@@ -33,13 +35,7 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     lengths = prepared.reports[0].lengths
     cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
-    kept = [len(ids) for ids in train["input_ids"]]
-    batch = recipe.train.micro_batch_size
-    shares = {
-        "padding": data.pad_share(kept, batch, group_by_length=False, seed=recipe.train.seed),
-        "group_by_length": data.pad_share(kept, batch, group_by_length=True),
-        "packing": 0.0,
-    }
+    shares = data.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
     return DataView(examples, prepared.reports, percentiles, shares)
 
 

@@ -90,19 +90,17 @@ def _log_setup(peft_model, checkpointed: list[int], prepared: data.PreparedData,
     log.info("checkpointed decoder layers: %s", checkpointed or "none")
     for report in prepared.reports:
         log.info("data %s", report.summary())
-    lengths = [len(ids) for ids in prepared.train["input_ids"]]
-    padded = data.pad_share(
-        lengths, recipe.train.micro_batch_size, recipe.data.group_by_length, recipe.train.seed
-    )
+    shares = data.pad_shares(prepared, recipe.data, recipe.train.micro_batch_size, recipe.train.seed)
     mode = (
         "packing" if recipe.data.packing else "group_by_length" if recipe.data.group_by_length else "padding"
     )
     log.info(
-        "data: %d training rows; pad tokens per batch: %.1f%% padded, %.1f%% with %s",
+        "data: %d training examples in %d rows; pad tokens per batch: %.1f%% with %s (%.1f%% if padded)",
+        len(prepared.example_lengths),
         len(prepared.train),
-        100 * data.pad_share(lengths, recipe.train.micro_batch_size, False, recipe.train.seed),
-        0.0 if recipe.data.packing else 100 * padded,
+        100 * shares[mode],
         mode,
+        100 * shares["padding"],
     )
 
 

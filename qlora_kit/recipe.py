@@ -145,7 +145,7 @@ class TrainSection(Section):
     max_steps: int | None = Field(None, gt=0)
     """Stop after this many optimizer steps."""
     micro_batch_size: int = Field(4, gt=0)
-    """Examples per forward pass."""
+    """Examples per forward pass; with data.packing, packed rows of up to data.max_seq_len tokens."""
     grad_accum: int = Field(1, gt=0)
     """Micro-batches accumulated per optimizer step."""
     logging_steps: int = Field(10, gt=0)

@@ -8,6 +8,7 @@ import torch
 from qlora_kit import Recipe, adapters, data, model, tiny
 from qlora_kit.data import DataError
 from qlora_kit.formats import IGNORE_INDEX
+from qlora_kit.packing import best_fit_decreasing, pack_dataset
 
 ROWS = [
     {"instruction": "What color is a lime?", "input": "", "output": "green"},
@@ -49,7 +50,8 @@ def section(**fields):
 
 
 def prepare(tokenizer, **fields):
-    return data.prepare_datasets(section(**fields), tokenizer, seed=0)
+    """Examples one per row unless a test asks for packing."""
+    return data.prepare_datasets(section(**{"packing": False, **fields}), tokenizer, seed=0)
 
 
 def make_source(kind, rows, folder):
@@ -177,14 +179,26 @@ def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_p
         )
         return losses[batch["labels"][:, 1:].flatten() != IGNORE_INDEX]
 
-    packed = data.build_collator(tokenizer, packing=True)(features)
-    assert packed["input_ids"].shape[0] == 1 and "position_ids" in packed and "attention_mask" not in packed
+    rows = pack_dataset(train, capacity=64)
+    assert len(rows) < len(train), "several examples share a row"
+    packed = data.build_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
+    assert "attention_mask" not in packed
+    assert (packed["position_ids"] == 0).sum() > len(rows), "positions restart inside rows"
     one_by_one = torch.cat(
         [token_losses(data.build_collator(tokenizer, packing=False)([f])) for f in features]
     )
-    assert torch.allclose(token_losses(packed), one_by_one, atol=1e-4)
+    # Rows reorder examples (longest first): compare the multiset of per-token losses.
+    assert torch.allclose(token_losses(packed).sort().values, one_by_one.sort().values, atol=1e-4)
     padded = token_losses(data.build_collator(tokenizer, packing=False)(features))
     assert torch.allclose(padded, one_by_one, atol=1e-4)
+
+
+def test_best_fit_decreasing_fills_rows_without_overflow():
+    lengths = [50, 10, 40, 30, 60, 20, 5]
+    rows = best_fit_decreasing(lengths, capacity=64)
+    assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in row) <= 64 for row in rows)
+    assert len(rows) == 4  # 215 tokens need at least ceil(215 / 64) = 4 rows
 
 
 def test_pad_share_counts_padding(tokenizer):
@@ -277,3 +291,18 @@ def test_each_source_and_format_trains_end_to_end(kind, fmt, rows, tmp_path):
     result = train(recipe)
     assert len(result.eval_losses) == 2 and all(loss > 0 for loss in result.eval_losses)
     assert (result.output_dir / "adapter_model.safetensors").is_file()
+
+
+def test_packing_keeps_every_token_and_restarts_positions(tokenizer, tmp_path):
+    path = str(write(tmp_path / "r.jsonl", ROWS * 8))
+    plain = prepare(tokenizer, path=path)
+    packed = prepare(tokenizer, path=path, packing=True, max_seq_len=96)
+    assert packed.example_lengths == [len(ids) for ids in plain.train["input_ids"]]
+    assert len(packed.train) < len(plain.train)
+    assert all(len(ids) <= 96 for ids in packed.train["input_ids"])
+    flat = sorted(t for ids in packed.train["input_ids"] for t in ids)
+    assert flat == sorted(t for ids in plain.train["input_ids"] for t in ids)
+    starts = sum(row.count(0) for row in packed.train["position_ids"])
+    assert starts == len(plain.train), "one position-0 per example"
+    shares = data.pad_shares(packed, section(packing=True, max_seq_len=96), batch_size=4, seed=0)
+    assert shares["packing"] < shares["padding"]

@@ -86,7 +86,7 @@ def test_data_command_shows_marked_examples_lengths_and_padding():
     assert result.stdout.count("example ") == 2 and "⟦" in result.stdout
     assert "p50" in result.stdout and "p99" in result.stdout
     assert "168 of 168 rows kept" in result.stdout
-    assert "packing 0.0%" in result.stdout
+    assert "padding 29.7%" in result.stdout and "packing 10.6%" in result.stdout
 
 
 def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):

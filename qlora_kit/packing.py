@@ -1,0 +1,84 @@
+"""Packing: several short examples per row of up to ``data.max_seq_len`` tokens, with no attention
+between them and almost no padding.
+
+Examples are placed into rows best-fit-decreasing (the longest first, each into the row it fills the
+most), as TRL's ``bfd`` packing and axolotl's multipack do. Inside a row, position ids restart at 0 for
+every example, and batches carry no attention mask: transformers then reads the restarting position
+ids as packed sequences and builds a block-diagonal causal mask (or FlashAttention's varlen kernels), so
+each token attends only to its own example. The first label of every example is -100: it would
+otherwise be predicted from the end of the previous example.
+
+Why rows rather than flattening a whole micro-batch into one sequence (``DataCollatorWithFlattening``):
+without a varlen kernel (CPUs, SDPA on GPUs) attention over one long flattened sequence costs the square
+of the whole batch's length; rows bound it by ``max_seq_len`` squared per row.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING, Any
+
+from qlora_kit.formats import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+CHUNK = 8192  # examples packed together; bounds memory and keeps datasets' map cache useful
+
+
+def pack_dataset(dataset: Dataset, capacity: int) -> Dataset:
+    """Rows of packed examples (input_ids, labels, position_ids), each at most ``capacity`` tokens."""
+
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        rows = best_fit_decreasing([len(ids) for ids in batch["input_ids"]], capacity)
+        packed: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+        for members in rows:
+            ids, labels, positions = [], [], []
+            for i in members:
+                ids += batch["input_ids"][i]
+                labels += [IGNORE_INDEX, *batch["labels"][i][1:]]
+                positions += range(len(batch["input_ids"][i]))
+            packed["input_ids"].append(ids)
+            packed["labels"].append(labels)
+            packed["position_ids"].append(positions)
+        return packed
+
+    return dataset.map(
+        pack, batched=True, batch_size=CHUNK, remove_columns=dataset.column_names, desc="packing"
+    )
+
+
+def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into bins of total length <= capacity; each item goes into the fullest bin it fits."""
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (free space, bin index), kept sorted
+    for i in sorted(range(len(lengths)), key=lambda k: -lengths[k]):
+        spot = bisect.bisect_left(free, (lengths[i], -1))
+        if spot < len(free):
+            space, b = free.pop(spot)
+            bins[b].append(i)
+            bisect.insort(free, (space - lengths[i], b))
+        else:
+            bins.append([i])
+            bisect.insort(free, (capacity - lengths[i], len(bins) - 1))
+    return bins
+
+
+class PackedRowCollator:
+    """Pads packed rows to the longest in the batch. Padding forms its own block (positions restart at 0,
+    labels -100) that no real token can attend to, since it comes after them; no attention mask is sent."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        import torch
+
+        width = max(len(f["input_ids"]) for f in features)
+        batch: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+        for f in features:
+            pad = width - len(f["input_ids"])
+            batch["input_ids"].append(list(f["input_ids"]) + [self.pad_token_id] * pad)
+            batch["labels"].append(list(f["labels"]) + [IGNORE_INDEX] * pad)
+            batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
+        return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
