@@ -17,7 +17,7 @@ from qlora_kit.recipe import Recipe, RecipeError
 if TYPE_CHECKING:
     from qlora_kit.pipeline import TrainResult
 
-__all__ = ["Recipe", "RecipeError", "TrainResult", "train"]
+__all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "generate", "merge", "train"]
 __version__ = "0.1.0"
 # The pipeline module is named pipeline, not train: a submodule named train would replace this
 # package's train() function as an attribute the moment it is imported.
@@ -33,11 +33,34 @@ class _DropOptionalKernelNotice(logging.Filter):
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernelNotice())
 
 
-def train(recipe: Recipe, overwrite: bool = False) -> TrainResult:
+def train(
+    recipe: Recipe, overwrite: bool = False, resume: bool | str = False, callbacks: list | None = None
+) -> TrainResult:
     """Run the whole QLoRA pipeline for ``recipe``; see ``qlora_kit.pipeline.run``."""
     from qlora_kit.pipeline import run
 
-    return run(recipe, overwrite=overwrite)
+    return run(recipe, overwrite=overwrite, resume=resume, callbacks=callbacks)
+
+
+def evaluate(recipe: Recipe | None = None, adapter_dir: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Loss, perplexity and exact match on the validation set; see ``qlora_kit.evaluate.evaluate``."""
+    from qlora_kit.evaluate import evaluate as run_evaluate
+
+    return run_evaluate(recipe, adapter_dir, **kwargs)
+
+
+def generate(adapter_dir: str | None, prompts: list[str], **kwargs: Any) -> list[str]:
+    """Answers from a trained adapter; see ``qlora_kit.generate.generate``."""
+    from qlora_kit.generate import generate as run_generate
+
+    return run_generate(adapter_dir, prompts, **kwargs)
+
+
+def merge(adapter_dir: str, out_dir: str, **kwargs: Any):
+    """Merge an adapter into its base and export it, drift-checked; see ``qlora_kit.merge.merge_adapter``."""
+    from qlora_kit.merge import merge_adapter
+
+    return merge_adapter(adapter_dir, out_dir, **kwargs)
 
 
 def __getattr__(name: str) -> Any:

@@ -60,3 +60,27 @@ def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:
         if param.requires_grad:
             trainable += count
     return trainable, total
+
+
+def recipe_of(adapter_dir: str | Path):
+    """The resolved recipe a run saved beside its adapter."""
+    from qlora_kit.recipe import Recipe, RecipeError
+
+    path = Path(adapter_dir) / "recipe.yaml"
+    if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        raise RecipeError(f"--adapter: {adapter_dir} holds no adapter (adapter_config.json is missing)")
+    if not path.is_file():
+        raise RecipeError(
+            f"--adapter: {adapter_dir} has no recipe.yaml; it was not written by qlora-kit train"
+        )
+    return Recipe.from_yaml(path)
+
+
+def load_trained(adapter_dir: str | Path, recipe=None):
+    """(recipe, tokenizer, model): the 4-bit base with the trained adapter, as it was trained."""
+    from qlora_kit import model as base_model
+
+    recipe = recipe or recipe_of(adapter_dir)
+    tokenizer = base_model.load_tokenizer(recipe.model, path=str(adapter_dir))
+    base = base_model.load_base_model(recipe.model, recipe.quant)
+    return recipe, tokenizer, load_adapter(base, adapter_dir)

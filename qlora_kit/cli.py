@@ -27,6 +27,7 @@ app = typer.Typer(
 console = Console()
 errors = Console(stderr=True)
 USER_ERROR = 2
+GUARD_STOP = 3  # a guard stopped training: the setup or the run went wrong, not the command line
 
 RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file, e.g. recipes/demo.yaml.")]
 SetOpt = Annotated[
@@ -41,6 +42,7 @@ def user_errors(command):
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         from qlora_kit.data import DataError
+        from qlora_kit.guards import TrainingGuardError
         from qlora_kit.outputs import OutputDirError
 
         try:
@@ -48,6 +50,9 @@ def user_errors(command):
         except (RecipeError, DataError, OutputDirError) as exc:
             errors.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(USER_ERROR) from None
+        except TrainingGuardError as exc:
+            errors.print(f"[bold red]training stopped:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(GUARD_STOP) from None
 
     return wrapper
 
@@ -68,12 +73,18 @@ def train(
     overwrite: Annotated[
         bool, typer.Option(help="Replace what an earlier run left in the output dir.")
     ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the output dir.")
+    ] = False,
+    resume_from: Annotated[
+        Path | None, typer.Option("--resume-from", help="Continue from this checkpoint folder.")
+    ] = None,
 ) -> None:
     """Fine-tune: load the 4-bit base, attach LoRA, train on the Trainer, save the adapter."""
     from qlora_kit.pipeline import run
 
     _configure_logging()
-    result = run(load_recipe(recipe, set_, output_dir), overwrite=overwrite)
+    result = run(load_recipe(recipe, set_, output_dir), overwrite=overwrite, resume=resume_from or resume)
     _print_summary(result)
 
 
@@ -94,6 +105,7 @@ def show_data(
     examples: Annotated[int, typer.Option(help="How many rendered examples to show.")] = 3,
 ) -> None:
     """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
+    _configure_logging()
     from qlora_kit.data_report import inspect_data
     from qlora_kit.model import load_tokenizer
 
@@ -122,6 +134,175 @@ def show_data(
     console.print(f"pad tokens per batch of {batch}: {shares}", highlight=False)
 
 
+AdapterOpt = Annotated[Path, typer.Option("--adapter", help="Folder written by qlora-kit train.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float, typer.Option(help="0 decodes greedily (repeatable); above 0 samples.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, with --temperature > 0.")]
+
+
+@app.command("eval")
+@user_errors
+def eval_command(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Recipe (default: the one saved with the adapter).")
+    ] = None,
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="Folder written by qlora-kit train.")
+    ] = None,
+    no_adapter: Annotated[bool, typer.Option("--no-adapter", help="Evaluate the base model alone.")] = False,
+    set_: SetOpt = None,
+    max_examples: Annotated[int | None, typer.Option(help="Evaluate on the first N validation rows.")] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="JSON results file (default: ADAPTER/eval.json).")
+    ] = None,
+) -> None:
+    """Loss, perplexity and exact-match accuracy on the validation set, as a table and as JSON."""
+    _configure_logging()
+    from qlora_kit.evaluate import evaluate
+
+    if recipe is None and (adapter is None or no_adapter):
+        raise RecipeError("eval: give a RECIPE, or --adapter DIR to use the recipe saved with it")
+    resolved = load_recipe(recipe, set_) if recipe is not None else None
+    if not no_adapter and adapter is None:
+        raise RecipeError("eval: --adapter DIR is required (or --no-adapter for the base model alone)")
+    adapter_dir = None if no_adapter else adapter
+    output = output or (adapter_dir / "eval.json" if adapter_dir is not None else None)
+    results = evaluate(resolved, adapter_dir, max_examples=max_examples, output=output)
+    table = Table(title=f"evaluation of {'the base model alone' if no_adapter else adapter}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples"):
+        if key in results:
+            value = results[key]
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if output is not None:
+        console.print(f"results written to {output}", highlight=False)
+
+
+@app.command()
+@user_errors
+def generate(
+    adapter: AdapterOpt,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", help='JSONL file, one {"prompt": ...} per line.')
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option(help="Send prompts as they are, without the training prompt format.")
+    ] = False,
+    max_new_tokens: MaxTokensOpt = 64,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+) -> None:
+    """Answer prompts with the trained adapter, streaming tokens as they come."""
+    _configure_logging()
+    from qlora_kit import adapters
+    from qlora_kit.generate import Sampling, complete, wrap_prompt
+
+    prompts = list(prompt or []) + (_prompts_from(file) if file is not None else [])
+    if not prompts:
+        raise RecipeError("generate: give --prompt TEXT or --file prompts.jsonl")
+    recipe, tokenizer, lm = adapters.load_trained(adapter)
+    sampling = Sampling(max_new_tokens, temperature, top_p)
+    for text in prompts:
+        console.print(f"[bold]> {text}[/]", highlight=False)
+        complete(
+            lm,
+            tokenizer,
+            text if raw else wrap_prompt(text, recipe.data.format, tokenizer),
+            sampling,
+            stream=True,
+        )
+
+
+@app.command()
+@user_errors
+def chat(
+    adapter: AdapterOpt,
+    max_new_tokens: MaxTokensOpt = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+) -> None:
+    """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
+    _configure_logging()
+    from qlora_kit import adapters
+    from qlora_kit.generate import Sampling, complete, wrap_prompt
+
+    recipe, tokenizer, lm = adapters.load_trained(adapter)
+    sampling = Sampling(max_new_tokens, temperature, top_p)
+    history: list[dict[str, str]] = []
+    keeps_history = recipe.data.format == "chat"
+    console.print("chat with the adapter; an empty line ends it", style="dim")
+    while True:
+        try:
+            text = input("you> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        console.print("model> ", end="")
+        answer = complete(
+            lm, tokenizer, wrap_prompt(text, recipe.data.format, tokenizer, history), sampling, stream=True
+        )
+        if keeps_history:
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+
+
+@app.command()
+@user_errors
+def merge(
+    adapter: AdapterOpt,
+    out: Annotated[Path, typer.Option("--out", help="New folder for the merged model.")],
+    base: Annotated[
+        str, typer.Option(help="dequantized (what the adapter trained against) or original.")
+    ] = "dequantized",
+    force: Annotated[bool, typer.Option(help="Export even when the drift check fails.")] = False,
+    max_kl: Annotated[float, typer.Option(help="Largest mean KL(adapter || merged) accepted.")] = 0.02,
+    min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement accepted.")] = 0.98,
+) -> None:
+    """Merge the adapter into its base and export a standalone model, checked for drift."""
+    _configure_logging()
+    from qlora_kit.merge import MergeDriftError, merge_adapter
+
+    if base not in ("dequantized", "original"):
+        raise RecipeError(f"--base: must be dequantized or original (got {base!r})")
+    try:
+        result = merge_adapter(adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force)
+    except MergeDriftError as exc:
+        errors.print(f"[bold red]refused:[/] {exc}", highlight=False, soft_wrap=True)
+        raise typer.Exit(GUARD_STOP) from None
+    drift = result.drift
+    console.print(
+        f"drift over {drift.positions} positions: mean KL {drift.mean_kl:.3g}, top-1 agreement {drift.top1_agreement:.1%}",
+        highlight=False,
+    )
+    console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
+
+
+def _prompts_from(path: Path) -> list[str]:
+    import json
+
+    from qlora_kit.data import DataError
+
+    prompts = []
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot read ({exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: row {number}: malformed JSON ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise DataError(f"{path}: row {number}: missing field 'prompt'")
+        prompts.append(row["prompt"])
+    return prompts
+
+
 def _print_summary(result) -> None:
     losses = result.eval_losses
     if len(losses) >= 2:
@@ -147,10 +328,20 @@ def _question(prompt: str) -> str:
 
 
 def _configure_logging() -> None:
+    import warnings
+
     from rich.logging import RichHandler
 
-    handler = RichHandler(console=errors, show_path=False, show_time=False, markup=False)
-    logging.basicConfig(level=logging.WARNING, format="%(message)s", handlers=[handler], force=True)
+    # peft still calls a transformers method that transformers 5 renamed; nothing for a user to act on.
+    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+
+    if errors.is_terminal:
+        handler: logging.Handler = RichHandler(console=errors, show_path=False, show_time=False, markup=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:  # logs and CI: one unwrapped line per message, so paths stay whole and grep finds them
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     logging.getLogger("qlora_kit").setLevel(logging.INFO)
 
 

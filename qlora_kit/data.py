@@ -56,27 +56,32 @@ class PreparedData:
     val: Dataset | None
     reports: list[LengthReport]
     example_lengths: list[int]  # token counts of the training examples kept, before any packing
+    val_rows: Dataset | None = None  # the validation rows as loaded, for prompts and references
+
+
+ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a train/validation split
 
 
 def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
     """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer."""
     train_source, val_source = _sources(data)
-    train, train_report = _tokenized(_load_source(train_source, data), data, tokenizer, train_source)
+    train_rows = _load_source(train_source, data)
+    val_rows = _load_source(val_source, data) if val_source is not None else None
+    if val_rows is None and data.val_fraction > 0 and len(train_rows) > 1:
+        numbered = train_rows.add_column(ROW, list(range(1, len(train_rows) + 1)))
+        parts = numbered.train_test_split(test_size=data.val_fraction, seed=seed)
+        train_rows, val_rows = parts["train"], parts["test"]
+    train, train_report = _tokenized(train_rows, data, tokenizer, train_source)
     reports = [train_report]
-    if val_source is not None:
-        val, val_report = _tokenized(_load_source(val_source, data), data, tokenizer, val_source)
+    val = None
+    if val_rows is not None:
+        val, val_report = _tokenized(val_rows, data, tokenizer, val_source or train_source)
         reports.append(val_report)
-    elif data.val_fraction > 0:
-        # Split after tokenizing, so row numbers in errors are the file's own.
-        parts = train.train_test_split(test_size=data.val_fraction, seed=seed)
-        train, val = parts["train"], parts["test"]
-    else:
-        val = None
     lengths = [len(ids) for ids in train["input_ids"]]
     if data.packing:
         train = pack_dataset(train, data.max_seq_len)
         val = pack_dataset(val, data.max_seq_len) if val is not None else None
-    return PreparedData(train, val, reports, lengths)
+    return PreparedData(train, val, reports, lengths, val_rows)
 
 
 def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed: int) -> dict[str, float]:
@@ -98,13 +103,6 @@ def _sources(data: DataSection) -> tuple[str, str | None]:
         train_file, val_file = tiny.demo_data_files(tiny.builtin_name(data.path))
         return str(train_file), str(val_file)
     return data.path, data.val_path
-
-
-def load_rows(data: DataSection, which: str = "train") -> tuple[Dataset | None, str | None]:
-    """Raw rows of one split (fields renamed to the format's names), for showing and sampling."""
-    train_source, val_source = _sources(data)
-    source = train_source if which == "train" else val_source
-    return (_load_source(source, data), source) if source is not None else (None, None)
 
 
 def _load_source(source: str, data: DataSection) -> Dataset:
@@ -175,7 +173,7 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
         try:
             segments = formats.render(row, fmt, tokenizer)
         except formats.RowError as exc:
-            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+            raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
         example = formats.tokenize(segments, tokenizer, train_on_inputs, add_bos)
         length = len(example["input_ids"])
         if length > max_len:
@@ -242,21 +240,15 @@ class PromptExample:
     reference: str
 
 
-def prompt_examples(data: DataSection, tokenizer, count: int) -> list[PromptExample]:
-    """The first ``count`` validation rows (training rows when there is no validation set)."""
-    if count == 0:
+def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count: int) -> list[PromptExample]:
+    """The first ``count`` validation rows as prompt + reference answer."""
+    if count == 0 or prepared.val_rows is None:
         return []
-    rows, _ = load_rows(data, "val")
-    if rows is None:
-        rows, _ = load_rows(data, "train")
     examples = []
-    for row in rows.select(range(min(count, len(rows)))):
+    for row in prepared.val_rows.select(range(min(count, len(prepared.val_rows)))):
         segments = formats.render(row, data.format, tokenizer)
         answer = next((s.text for s in segments if s.trained), "")
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
-        examples.append(
-            PromptExample(
-                formats.prompt_text(segments), tokenizer.decode(ids, skip_special_tokens=True).strip()
-            )
-        )
+        reference = tokenizer.decode(ids, skip_special_tokens=True).strip()
+        examples.append(PromptExample(formats.prompt_text(segments), reference))
     return examples

@@ -1,42 +1,98 @@
-"""Generation with a (possibly adapted) model through transformers' ``generate``; greedy by default."""
+"""Generation through transformers' ``generate``: greedy by default (repeatable), sampling on request,
+prompts wrapped the way the recipe's data format trained them, tokens streamed to the terminal."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from qlora_kit import formats
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 is greedy decoding
+    top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict:
+        if self.temperature <= 0:
+            return {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+
+
+def wrap_prompt(text: str, fmt: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+    """The user's text as the model saw prompts in training (alpaca template, chat template, or raw)."""
+    if fmt == "alpaca":
+        return formats.ALPACA_PROMPT.format(instruction=text)
+    if fmt == "chat" and tokenizer.chat_template is not None:
+        messages = [*(history or []), {"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return text
 
 
 def complete(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
     prompt: str,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_p: float = 1.0,
+    sampling: Sampling | None = None,
+    stream: bool = False,
+    max_new_tokens: int | None = None,
 ) -> str:
     """The model's continuation of ``prompt`` (without the prompt), special tokens removed."""
     import torch
+    from transformers import TextStreamer
 
+    sampling = sampling or Sampling()
+    kwargs = sampling.generate_kwargs()
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
     was_training = model.training
     model.eval()
-    inputs = tokenizer(prompt, return_tensors="pt").to(model.device)
-    sampling = (
-        {"do_sample": True, "temperature": temperature, "top_p": top_p}
-        if temperature > 0
-        else {"do_sample": False}
-    )
+    # Chat templates carry their own BOS; plain prompts get the tokenizer's usual special tokens.
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not _has_bos(prompt, tokenizer))
+    inputs = inputs.to(model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     try:
         with torch.no_grad():
             output = model.generate(
-                **inputs,
-                max_new_tokens=max_new_tokens,
-                use_cache=True,
-                pad_token_id=tokenizer.pad_token_id,
-                **sampling,
+                **inputs, use_cache=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs
             )
     finally:
         model.train(was_training)
     new_tokens = output[0, inputs["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+
+
+def _has_bos(prompt: str, tokenizer) -> bool:
+    return bool(tokenizer.bos_token) and prompt.startswith(tokenizer.bos_token)
+
+
+def generate(
+    adapter_dir: str | None,
+    prompts: list[str],
+    sampling: Sampling | None = None,
+    raw: bool = False,
+    recipe=None,
+    stream: bool = False,
+) -> list[str]:
+    """Answers to ``prompts`` from the trained adapter (or from the recipe's base model when adapter_dir
+    is None), each prompt wrapped as in training unless ``raw``."""
+    from qlora_kit import adapters, model
+
+    if adapter_dir is not None:
+        recipe, tokenizer, lm = adapters.load_trained(adapter_dir, recipe)
+    else:
+        tokenizer = model.load_tokenizer(recipe.model)
+        lm = model.load_base_model(recipe.model, recipe.quant)
+    fmt = recipe.data.format
+    texts = [p if raw else wrap_prompt(p, fmt, tokenizer) for p in prompts]
+    return [complete(lm, tokenizer, text, sampling, stream=stream) for text in texts]

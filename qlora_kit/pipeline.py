@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit import adapters, data, memory, model
-from qlora_kit.outputs import check_output_dir, prepare_output_dir
+from qlora_kit.manifest import build_manifest, write_manifest
+from qlora_kit.outputs import check_output_dir, find_resume_checkpoint, prepare_output_dir
 from qlora_kit.trainer_setup import build_trainer
 
 if TYPE_CHECKING:
@@ -45,11 +46,23 @@ class TrainResult:
         return [row["loss"] for row in self.metrics if "loss" in row]
 
 
-def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
-    """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``."""
+def run(
+    recipe: Recipe,
+    overwrite: bool = False,
+    resume: bool | str | Path = False,
+    callbacks: list | None = None,
+) -> TrainResult:
+    """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``.
+
+    ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
+    checkpoint. ``callbacks`` are extra ``transformers.TrainerCallback`` objects for the Trainer.
+    """
     from transformers import set_seed
 
-    check_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
+    output_dir = Path(recipe.train.output_dir).expanduser().resolve()
+    checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
+    if checkpoint is None:
+        check_output_dir(output_dir, overwrite=overwrite)
     set_seed(recipe.train.seed)
 
     tokenizer = model.load_tokenizer(recipe.model)
@@ -60,16 +73,24 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
     peft_model = adapters.attach_lora(base, recipe.lora)
     _log_setup(peft_model, checkpointed, prepared, recipe)
 
-    examples = data.prompt_examples(recipe.data, tokenizer, recipe.train.sample_prompts)
+    examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
     before = _answer(peft_model, tokenizer, examples)
 
-    output_dir = prepare_output_dir(Path(recipe.train.output_dir), overwrite=overwrite)
-    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir)
-    trainer.train()
+    if checkpoint is None:
+        prepare_output_dir(output_dir, overwrite=overwrite)
+    manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
+    log.info("run manifest: %s", write_manifest(output_dir, manifest))
+    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    trainer = build_trainer(
+        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks
+    )
+    if checkpoint is not None:
+        log.info("resuming from %s", checkpoint)
+    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
 
     peft_model.save_pretrained(output_dir)
     tokenizer.save_pretrained(output_dir)
-    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     log.info("adapter, tokenizer and recipe written to %s", output_dir)
     return TrainResult(
@@ -80,6 +101,12 @@ def run(recipe: Recipe, overwrite: bool = False) -> TrainResult:
         checkpointed_layers=checkpointed,
         samples=samples,
     )
+
+
+def _now() -> str:
+    import datetime
+
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def _log_setup(peft_model, checkpointed: list[int], prepared: data.PreparedData, recipe: Recipe) -> None:

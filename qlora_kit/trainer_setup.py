@@ -10,13 +10,13 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
+from transformers.trainer_utils import get_last_checkpoint
 
 from qlora_kit import data, memory
+from qlora_kit.guards import GradientGuard, check_loss
 
 if TYPE_CHECKING:
-    from transformers import Trainer
-
     from qlora_kit.recipe import Recipe
 
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
@@ -60,13 +60,23 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool):
     )
 
 
-def build_trainer(recipe: Recipe, peft_model, tokenizer, train_set, val_set, output_dir: Path) -> Trainer:
-    from transformers import Trainer
+class GuardedTrainer(Trainer):
+    """The Trainer, stopping at the first step whose loss is NaN or infinite (see guards.py)."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        check_loss(loss, self.state.global_step + 1, get_last_checkpoint(self.args.output_dir))
+        return loss
+
+
+def build_trainer(
+    recipe: Recipe, peft_model, tokenizer, train_set, val_set, output_dir: Path, callbacks: list | None = None
+) -> GuardedTrainer:
     from transformers.integrations import TensorBoardCallback
 
     args = training_arguments(recipe, output_dir, has_eval=val_set is not None)
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
-    trainer = Trainer(
+    trainer = GuardedTrainer(
         model=peft_model,
         args=args,
         train_dataset=train_set,
@@ -74,7 +84,12 @@ def build_trainer(recipe: Recipe, peft_model, tokenizer, train_set, val_set, out
         data_collator=data.build_collator(tokenizer, packing=recipe.data.packing),
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=memory.optimizer_class_and_kwargs(recipe.optimizer),
-        callbacks=[metrics_log, TensorBoardCallback(_summary_writer(output_dir / "tensorboard"))],
+        callbacks=[
+            metrics_log,
+            GradientGuard(peft_model),
+            TensorBoardCallback(_summary_writer(output_dir / "tensorboard")),
+            *(callbacks or []),
+        ],
     )
     trainer.metrics_log = metrics_log
     return trainer

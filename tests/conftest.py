@@ -38,3 +38,21 @@ def trained_run(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("run") / "out"
     return train(quick_recipe(out, **{"train.max_steps": 30, "train.logging_steps": 5}))
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory):
+    """The README's first command, once per session: the full demo recipe through the real CLI."""
+    import subprocess
+    import sys
+
+    out = tmp_path_factory.mktemp("demo") / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(DEMO), "--output-dir", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result

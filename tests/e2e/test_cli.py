@@ -21,11 +21,9 @@ def qlora_kit(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     )
 
 
-def test_demo_learns_and_shows_answers_before_and_after(tmp_path):
+def test_demo_learns_and_shows_answers_before_and_after(demo_run):
     """The README's first command: the full demo recipe, unchanged."""
-    out = tmp_path / "demo"
-    result = qlora_kit("train", str(DEMO), "--output-dir", str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
+    out, result = demo_run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
     assert rows[0]["step"] == 0 and "eval_loss" in rows[0], "first evaluation happens before training"
@@ -35,6 +33,7 @@ def test_demo_learns_and_shows_answers_before_and_after(tmp_path):
     assert result.stderr.count("nothing to page") == 1
     assert "Paged optimizers are not supported" not in result.stderr
     assert "kernels-community" not in result.stderr
+    assert f"run manifest: {out / 'manifest.json'}" in " ".join(result.stderr.split())
 
 
 def test_validate_prints_resolved_values_with_overrides():
@@ -111,3 +110,46 @@ def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
         == f"error: {bad}: row 2: malformed JSON (Expecting property name enclosed in double quotes at column 22)"
     )
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]
+
+
+def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path):
+    out, _ = demo_run
+    evaluated = qlora_kit("eval", "--adapter", str(out), "--output", str(tmp_path / "eval.json"))
+    assert evaluated.returncode == 0, evaluated.stderr
+    assert "exact_match" in evaluated.stdout
+    assert json.loads((tmp_path / "eval.json").read_text())["exact_match"] >= 0.9
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What sound does a dog make?"}\n')
+    generated = qlora_kit("generate", "--adapter", str(out), "--file", str(prompts))
+    assert generated.returncode == 0, generated.stderr
+    assert generated.stdout.splitlines()[-1].strip() == "woof"
+
+    chat = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "chat", "--adapter", str(out)],
+        input="What color is snow?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "model> white" in chat.stdout
+
+    refused = qlora_kit("merge", "--adapter", str(out), "--out", str(tmp_path / "m"), "--base", "original")
+    assert refused.returncode == 3 and "refused: merged model drifts" in refused.stderr
+    assert not (tmp_path / "m").exists()
+    merged = qlora_kit("merge", "--adapter", str(out), "--out", str(tmp_path / "m"))
+    assert merged.returncode == 0, merged.stderr
+    assert "top-1 agreement 100.0%" in merged.stdout
+
+
+def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = ("--output-dir", str(out), "--set", "train.max_steps=4", "--set", "train.save_steps=2")
+    first = qlora_kit("train", str(DEMO), *args, "--set", "train.sample_prompts=0")
+    assert first.returncode == 0, first.stderr
+    (out / "adapter_config.json").unlink()
+    resumed = qlora_kit("train", str(DEMO), *args, "--set", "train.sample_prompts=0", "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {out / 'checkpoint-4'}" in " ".join(resumed.stderr.split())
