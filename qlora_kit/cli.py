@@ -134,6 +134,70 @@ def show_data(
     console.print(f"pad tokens per batch of {batch}: {shares}", highlight=False)
 
 
+@app.command()
+@user_errors
+def plan(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    budget_gb: Annotated[
+        float | None, typer.Option("--budget-gb", help="Show which policies fit this many GiB.")
+    ] = None,
+    batch: Annotated[int | None, typer.Option(help="Rows per micro-batch (default: the recipe's).")] = None,
+    seq: Annotated[int | None, typer.Option(help="Tokens per row (default: data.max_seq_len).")] = None,
+    device: Annotated[str, typer.Option(help="cuda or cpu: what dropout masks cost differs.")] = "cuda",
+) -> None:
+    """Predict peak memory from the model config alone, for every checkpointing policy."""
+    from qlora_kit.planner import GIB
+    from qlora_kit.planner import plan as make_plan
+
+    resolved = load_recipe(recipe, set_)
+    result = make_plan(resolved, batch=batch, seq=seq, device=device)
+    shape, weights = result.shape, result.weights
+    table = Table(
+        title=f"{resolved.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
+    )
+    table.add_column("memory")
+    table.add_column("GiB", justify="right")
+    bits = 8 * weights.quantized / shape.quantized_values
+    table.add_row(
+        f"4-bit weights ({shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each)",
+        f"{weights.quantized / GIB:.3f}",
+    )
+    table.add_row(f"unquantized layers in {resolved.quant.compute_dtype}", f"{weights.unquantized / GIB:.3f}")
+    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", f"{weights.lora / GIB:.3f}")
+    table.add_row("LoRA gradients (during backward)", f"{result.lora_grads / GIB:.3f}")
+    table.add_row(
+        f"{resolved.optimizer.name} state ({result.optimizer_pageable / GIB:.3f} pageable)",
+        f"{result.optimizer_state / GIB:.3f}",
+    )
+    console.print(table)
+    policies = Table(title=f"per policy, at {result.batch} x {result.seq} tokens")
+    for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
+        policies.add_column(column, justify="right")
+    if budget_gb is not None:
+        policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
+    for row in result.policies:
+        cells = [
+            row.policy,
+            str(row.recompute_layers),
+            f"{row.activations / GIB:.3f}",
+            f"{row.spike / GIB:.3f}",
+            f"{row.peak / GIB:.3f}",
+        ]
+        if budget_gb is not None:
+            cells.append("yes" if row.peak <= budget_gb * GIB else "no")
+        policies.add_row(*cells)
+    console.print(policies)
+    if budget_gb is not None:
+        from qlora_kit.planner import choose_policy
+
+        policy, every_n, why = choose_policy(resolved, budget_gb, result)
+        console.print(
+            f"auto would pick {policy if policy != 'every_n' else f'every_n={every_n}'}: {why}",
+            highlight=False,
+        )
+
+
 AdapterOpt = Annotated[Path, typer.Option("--adapter", help="Folder written by qlora-kit train.")]
 MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
 TemperatureOpt = Annotated[float, typer.Option(help="0 decodes greedily (repeatable); above 0 samples.")]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from qlora_kit.recipe import MemorySection, OptimizerSection
+    from qlora_kit.recipe import MemorySection, OptimizerSection, Recipe
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +34,28 @@ OPTIMIZERS = {
 }
 
 
+def resolve_checkpointing(recipe: Recipe) -> MemorySection:
+    """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why)."""
+    memory = recipe.memory
+    if memory.checkpointing != "auto":
+        return memory
+    from qlora_kit.planner import choose_policy, plan
+
+    device = "cuda" if _has_cuda() else "cpu"
+    policy, every_n, why = choose_policy(recipe, memory.budget_gb, plan(recipe, device=device))
+    chosen = memory.model_copy(update={"checkpointing": policy, "every_n": every_n})
+    log.info(
+        "memory.checkpointing auto: %s (%s)", policy if policy != "every_n" else f"every_n={every_n}", why
+    )
+    return chosen
+
+
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
     """Apply the checkpointing policy to the decoder layers; returns the indices of checkpointed layers."""
     if memory.checkpointing == "none":
         return []
+    if memory.checkpointing == "auto":
+        raise ValueError("memory.checkpointing: resolve auto with resolve_checkpointing(recipe) first")
     every_n = memory.every_n if memory.checkpointing == "every_n" else 1
     offload = memory.offload_activations and _has_accelerator()
     if memory.offload_activations and not offload:

@@ -36,6 +36,7 @@ class TrainResult:
     tokenizer: PreTrainedTokenizerBase
     checkpointed_layers: list[int] = field(default_factory=list)
     samples: list[dict[str, str]] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)  # the run's largest saved bytes, CUDA peaks
 
     @property
     def eval_losses(self) -> list[float]:
@@ -69,9 +70,10 @@ def run(
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
     prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     base = model.load_base_model(recipe.model, recipe.quant)
-    checkpointed = memory.enable_checkpointing(base, recipe.memory)
+    checkpointed = memory.enable_checkpointing(base, memory.resolve_checkpointing(recipe))
     peft_model = adapters.attach_lora(base, recipe.lora)
     _log_setup(peft_model, checkpointed, prepared, recipe)
+    _log_optimizer_state(peft_model, recipe)
 
     examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
     before = _answer(peft_model, tokenizer, examples)
@@ -92,6 +94,8 @@ def run(
     tokenizer.save_pretrained(output_dir)
     write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
+    usage = trainer.memory_monitor.summary()
+    _log_memory(usage)
     log.info("adapter, tokenizer and recipe written to %s", output_dir)
     return TrainResult(
         output_dir=output_dir,
@@ -100,6 +104,7 @@ def run(
         tokenizer=tokenizer,
         checkpointed_layers=checkpointed,
         samples=samples,
+        memory=usage,
     )
 
 
@@ -129,6 +134,53 @@ def _log_setup(peft_model, checkpointed: list[int], prepared: data.PreparedData,
         mode,
         100 * shares["padding"],
     )
+
+
+def _log_optimizer_state(peft_model, recipe: Recipe) -> None:
+    """How much optimizer state the paged optimizer can page; warn when it is asked to page nothing."""
+    from qlora_kit.accounting import PAGEABLE_MIN_ELEMENTS, optimizer_state_report
+
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    report = optimizer_state_report(params, recipe.optimizer.name)
+    log.info(
+        "optimizer state: %.2f MiB, of which %.2f MiB pageable (%d of %d tensors have >= %s elements)",
+        report.total_bytes / 2**20,
+        report.pageable_bytes / 2**20,
+        report.pageable_tensors,
+        report.parameters,
+        f"{PAGEABLE_MIN_ELEMENTS:,}",
+    )
+    if recipe.optimizer.name.startswith("paged_") and report.pageable_bytes == 0:
+        largest = max(p.numel() for p in params)
+        log.warning(
+            "optimizer.name %s pages nothing here: bitsandbytes pages only tensors of >= %s elements and the "
+            "largest LoRA tensor has %s (raise lora.rank, or use %s)",
+            recipe.optimizer.name,
+            f"{PAGEABLE_MIN_ELEMENTS:,}",
+            f"{largest:,}",
+            recipe.optimizer.name.removeprefix("paged_"),
+        )
+
+
+def _log_memory(usage: dict[str, Any]) -> None:
+    if not usage:
+        return
+    layers = usage["saved_mib_layers"]
+    log.info(
+        "memory: at most %.1f MiB saved for backward (head %.1f MiB; decoder layers %.1f-%.1f MiB each)",
+        usage["saved_mib"],
+        usage["saved_mib_head"],
+        min(layers, default=0.0),
+        max(layers, default=0.0),
+    )
+    if "peak_backward_gib" in usage:
+        log.info(
+            "CUDA peaks: forward %.2f GiB, backward %.2f GiB, optimizer step %.2f GiB; device used %.2f GiB",
+            usage["peak_forward_gib"],
+            usage["peak_backward_gib"],
+            usage["peak_optimizer_gib"],
+            usage["device_used_gib"],
+        )
 
 
 def _answer(peft_model, tokenizer, examples: list[data.PromptExample]) -> list[str]:

@@ -77,12 +77,24 @@ class LoraSection(Section):
 
 
 class MemorySection(Section):
-    checkpointing: Literal["none", "full", "every_n"] = "full"
-    """Activation checkpointing of decoder layers: none, every layer (full), or every n-th layer."""
+    checkpointing: Literal["none", "full", "every_n", "auto"] = "full"
+    """Activation checkpointing of decoder layers: none, every layer (full), every n-th, or auto (see budget_gb)."""
     every_n: int = Field(2, ge=1)
     """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
+    budget_gb: float | None = Field(None, gt=0)
+    """With checkpointing: auto, the GPU memory (GiB) to fit: the policy with the least recompute that fits wins."""
     offload_activations: bool = False
     """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
+    chunked_loss: bool = True
+    """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept."""
+    loss_chunk_tokens: int = Field(1024, gt=0)
+    """Tokens per chunk of the chunked loss (each chunk materialises chunk x vocab logits)."""
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> MemorySection:
+        if self.checkpointing == "auto" and self.budget_gb is None:
+            raise ValueError("memory.budget_gb: required with memory.checkpointing: auto")
+        return self
 
 
 class OptimizerSection(Section):

@@ -1,20 +1,21 @@
-"""Building transformers' Trainer from a recipe, and the callback that writes ``metrics.jsonl``.
+"""Building transformers' Trainer from a recipe: arguments, optimizer, collator, loss head and callbacks.
 
 Imported only when a run starts (transformers is heavy), so it imports transformers at the top.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING
 
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from transformers.trainer_utils import get_last_checkpoint
 
 from qlora_kit import data, memory
+from qlora_kit.accounting import SavedTensors
 from qlora_kit.guards import GradientGuard, check_loss
+from qlora_kit.loss_head import chunked_lm_loss, supports_chunked_loss
+from qlora_kit.monitor import MemoryMonitor, MetricsLog
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -61,10 +62,36 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool):
 
 
 class GuardedTrainer(Trainer):
-    """The Trainer, stopping at the first step whose loss is NaN or infinite (see guards.py)."""
+    """The Trainer with qlora_kit's loss head and guards: the chunked loss (loss_head.py) when the recipe
+    asks for it, a stop at the first NaN or infinite loss (guards.py), and the bytes each training
+    forward pass saves for backward (accounting.py)."""
+
+    chunk_tokens: int | None = None  # None: transformers' own loss
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if not model.training:
+            return self._loss(model, inputs, return_outputs, num_items_in_batch)
+        counter = SavedTensors(model)
+        self.memory_monitor.phase_started()
+        with counter.counting():
+            result = self._loss(model, inputs, return_outputs, num_items_in_batch)
+        self.memory_monitor.forward_done(counter.result())
+        return result
+
+    def _loss(self, model, inputs, return_outputs, num_items_in_batch):
+        if self.chunk_tokens is None or return_outputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        causal_lm = self.accelerator.unwrap_model(model).get_base_model()
+        loss = chunked_lm_loss(causal_lm, inputs, self.chunk_tokens, num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # Trainer.compute_loss scales the models' own loss the same way: num_items_in_batch is the
+            # count over all processes, while DDP averages the gradients over processes.
+            loss = loss * self.accelerator.num_processes
+        return loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
+        self.memory_monitor.backward_done()
         check_loss(loss, self.state.global_step + 1, get_last_checkpoint(self.args.output_dir))
         return loss
 
@@ -76,6 +103,7 @@ def build_trainer(
 
     args = training_arguments(recipe, output_dir, has_eval=val_set is not None)
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
+    monitor = MemoryMonitor()
     trainer = GuardedTrainer(
         model=peft_model,
         args=args,
@@ -85,6 +113,7 @@ def build_trainer(
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=memory.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[
+            monitor,  # first: it adds the memory figures to the logs the next two write
             metrics_log,
             GradientGuard(peft_model),
             TensorBoardCallback(_summary_writer(output_dir / "tensorboard")),
@@ -92,6 +121,9 @@ def build_trainer(
         ],
     )
     trainer.metrics_log = metrics_log
+    trainer.memory_monitor = monitor
+    if recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model()):
+        trainer.chunk_tokens = recipe.memory.loss_chunk_tokens
     return trainer
 
 
@@ -99,33 +131,3 @@ def _summary_writer(folder: Path):
     from torch.utils.tensorboard import SummaryWriter
 
     return SummaryWriter(log_dir=str(folder))
-
-
-class MetricsLog(TrainerCallback):
-    """A Trainer callback: one JSON object per log event (step, loss, eval_loss, lr) in metrics.jsonl."""
-
-    KEYS: ClassVar[dict[str, str]] = {
-        "loss": "loss",
-        "eval_loss": "eval_loss",
-        "learning_rate": "lr",
-        "grad_norm": "grad_norm",
-    }
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.rows: list[dict[str, Any]] = []
-
-    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
-        if not state.is_world_process_zero or not logs:
-            return
-        row: dict[str, Any] = {"step": state.global_step}
-        for key, name in self.KEYS.items():
-            value = logs.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                row[name] = float(value)
-        if len(row) == 1:
-            return  # end-of-training summaries carry none of the per-step keys
-        row["epoch"] = round(float(state.epoch or 0.0), 4)
-        self.rows.append(row)
-        with self.path.open("a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row) + "\n")

@@ -1,0 +1,60 @@
+"""The chunked, recomputed loss head: ``lm_head`` + cross-entropy without ever keeping full logits.
+
+After gradient checkpointing, the loss head is the largest activation left: transformers computes
+(batch, seq, vocab) logits, upcasts them to fp32 and keeps the log-probabilities for backward
+(Llama-3's 128,256-token vocabulary: ~1 GB per 2,048-token sequence). Here the decoder runs without
+its head; only positions whose next-token label is trained are kept (completion-only training skips
+most of the prompt); and those go through the head in chunks of ``memory.loss_chunk_tokens``, each
+chunk under torch's non-reentrant checkpoint: forward keeps only the chunk's hidden states, backward
+recomputes the chunk's logits, so one chunk of logits exists at a time.
+
+Nothing in transformers, peft or PyTorch does this on every device: Liger's and Apple's
+cut-cross-entropy fused kernels are CUDA/Triton only. This stays plain PyTorch (about twenty lines)
+and works with any output head module, LoRA on ``lm_head`` included, with packing, and under
+gradient accumulation: the sum of token losses is divided by the Trainer's ``num_items_in_batch``
+exactly as transformers' ``ForCausalLMLoss`` divides it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from qlora_kit.formats import IGNORE_INDEX
+
+# Config fields of models whose head does more than lm_head(hidden): those keep transformers' loss.
+UNSUPPORTED_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
+
+
+def supports_chunked_loss(causal_lm) -> bool:
+    config = causal_lm.config.get_text_config()
+    return all(getattr(config, name, None) in (None, 1, 1.0) for name in UNSUPPORTED_HEAD_FIELDS)
+
+
+def chunked_lm_loss(
+    causal_lm, inputs: dict[str, Any], chunk_tokens: int, num_items_in_batch: torch.Tensor | int | None = None
+) -> torch.Tensor:
+    """Next-token cross-entropy of ``causal_lm`` on ``inputs`` (with labels), computed chunk by chunk."""
+    labels = inputs["labels"]
+    model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    hidden = causal_lm.get_decoder()(**model_inputs, use_cache=False).last_hidden_state  # (B, T, H)
+    targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
+    trained = targets != IGNORE_INDEX
+    kept_hidden = hidden[:, :-1][trained]  # (n, H): only positions whose next token is trained
+    kept_targets = targets[trained]  # (n,)
+    head = causal_lm.get_output_embeddings()
+    total = hidden[..., :1].sum().float() * 0.0  # stays in the graph when no token is trained
+    for start in range(0, kept_targets.numel(), chunk_tokens):
+        end = start + chunk_tokens
+        total = total + checkpoint(
+            _chunk_loss, head, kept_hidden[start:end], kept_targets[start:end], use_reentrant=False
+        )
+    denominator = num_items_in_batch if num_items_in_batch is not None else max(kept_targets.numel(), 1)
+    return total / denominator
+
+
+def _chunk_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # (chunk, V), as transformers upcasts before its loss
+    return torch.nn.functional.cross_entropy(logits, targets, reduction="sum")

@@ -1,0 +1,126 @@
+"""Trainer callbacks that record a run: ``metrics.jsonl`` and the memory figures of each logging step.
+
+``MemoryMonitor`` gathers what ``accounting.py`` measures (bytes saved for backward on every training
+forward pass; on CUDA the peak allocated memory of forward, backward and optimizer step, and the
+device's used memory) and adds the largest since the last log to the Trainer's logs, so the
+tensorboard callback and ``MetricsLog`` write them with the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers import TrainerCallback
+
+from qlora_kit.accounting import OUTSIDE, PhasePeaks, SavedBytes
+
+MIB = 1024**2
+
+
+class MemoryMonitor(TrainerCallback):
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.window: list[SavedBytes] = []  # since the last log
+        self.largest: SavedBytes | None = None  # over the whole run
+        self.peaks = PhasePeaks()
+        self.run_peaks = PhasePeaks()
+
+    # Called by the Trainer subclass around each training forward and backward pass.
+    def phase_started(self) -> None:
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+
+    def forward_done(self, saved: SavedBytes) -> None:
+        self.window.append(saved)
+        if self.largest is None or saved.total > self.largest.total:
+            self.largest = saved
+        if self.cuda:
+            self.peaks.forward = max(self.peaks.forward, torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+
+    def backward_done(self) -> None:
+        if self.cuda:
+            self.peaks.backward = max(self.peaks.backward, torch.cuda.max_memory_allocated())
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs) -> None:
+        self.phase_started()
+
+    def on_optimizer_step(self, args, state, control, **kwargs) -> None:
+        if self.cuda:
+            self.peaks.optimizer = max(self.peaks.optimizer, torch.cuda.max_memory_allocated())
+            free, total = torch.cuda.mem_get_info()
+            # Paged optimizer state is managed memory: only the device's own count sees it.
+            self.peaks.device_used = max(self.peaks.device_used, total - free)
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if logs is None or not self.window:
+            return
+        biggest = max(self.window, key=lambda saved: saved.total)
+        self.window.clear()
+        logs["memory/saved_mib"] = biggest.total / MIB
+        logs["memory/saved_mib_head"] = biggest.per_layer.get(OUTSIDE, 0) / MIB
+        for name, nbytes in sorted(biggest.per_layer.items()):
+            if name != OUTSIDE:
+                logs[f"memory/saved_mib_layer_{int(name.split()[-1]):03d}"] = nbytes / MIB
+        if self.cuda:
+            logs.update({f"memory/{k}": v for k, v in self.peaks.as_dict().items()})
+            for phase in ("forward", "backward", "optimizer", "device_used"):
+                setattr(
+                    self.run_peaks, phase, max(getattr(self.run_peaks, phase), getattr(self.peaks, phase))
+                )
+            self.peaks = PhasePeaks()
+
+    def summary(self) -> dict[str, Any]:
+        """The run's largest figures: saved bytes (total, head, per layer) and, on CUDA, phase peaks."""
+        if self.largest is None:
+            return {}
+        layers = [v for k, v in sorted(self.largest.per_layer.items()) if k != OUTSIDE]
+        result: dict[str, Any] = {
+            "saved_mib": self.largest.total / MIB,
+            "saved_mib_head": self.largest.per_layer.get(OUTSIDE, 0) / MIB,
+            "saved_mib_layers": [v / MIB for v in layers],
+        }
+        if self.cuda:
+            result |= self.run_peaks.as_dict()
+        return result
+
+
+class MetricsLog(TrainerCallback):
+    """One JSON object per log event in metrics.jsonl: step, loss, eval_loss, lr, grad_norm, epoch and
+    the memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks)."""
+
+    KEYS: ClassVar[dict[str, str]] = {
+        "loss": "loss",
+        "eval_loss": "eval_loss",
+        "learning_rate": "lr",
+        "grad_norm": "grad_norm",
+    }
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.rows: list[dict[str, Any]] = []
+
+    def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
+        if not state.is_world_process_zero or not logs:
+            return
+        row: dict[str, Any] = {"step": state.global_step}
+        for key, name in self.KEYS.items():
+            value = logs.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                row[name] = float(value)
+        if len(row) == 1:
+            return  # end-of-training summaries carry none of the per-step keys
+        row["epoch"] = round(float(state.epoch or 0.0), 4)
+        layers = [v for k, v in sorted(logs.items()) if k.startswith("memory/saved_mib_layer_")]
+        for key, value in logs.items():
+            if key.startswith("memory/") and not key.startswith("memory/saved_mib_layer_"):
+                row[key.removeprefix("memory/")] = round(float(value), 4)
+        if layers:
+            row["saved_mib_layers"] = [round(float(v), 4) for v in layers]
+        self.rows.append(row)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")

@@ -1,0 +1,111 @@
+"""The planner: weight figures, activation bytes against what autograd really saves, and auto."""
+
+import bitsandbytes as bnb
+import pytest
+import torch
+
+from qlora_kit import Recipe, adapters, memory, model
+from qlora_kit.accounting import OUTSIDE, measure_saved_bytes
+from qlora_kit.planner import GIB, activation_bytes, choose_policy, model_shape, plan, weight_bytes
+
+POLICIES = [("none", 2), ("every_n", 2), ("every_n", 3), ("full", 1)]
+SHAPES = [(1, 64), (2, 32), (4, 96)]
+
+
+def recipe_for(policy, every_n, arch="tiny-llama", chunked=False, dropout=0.05):
+    return Recipe.from_dict(
+        {
+            "model": {"path": f"builtin:{arch}"},
+            "memory": {"checkpointing": policy, "every_n": every_n, "chunked_loss": chunked, "loss_chunk_tokens": 40},
+            "lora": {"dropout": dropout},
+            "data": {"packing": False},
+        }
+    )
+
+
+@pytest.fixture(scope="module")
+def measured():
+    """Saved bytes per (arch, policy, every_n, chunked, batch, seq), one model per configuration."""
+    results = {}
+    for arch in ("tiny-llama", "tiny-qwen2"):
+        for policy, every_n in POLICIES:
+            for chunked in (False, True):
+                recipe = recipe_for(policy, every_n, arch, chunked)
+                base = model.load_base_model(recipe.model, recipe.quant)
+                memory.enable_checkpointing(base, recipe.memory)
+                peft_model = adapters.attach_lora(base, recipe.lora)
+                for batch, seq in SHAPES:
+                    ids = torch.randint(5, 600, (batch, seq), generator=torch.Generator().manual_seed(batch))
+                    saved = measure_saved_bytes(peft_model, {"input_ids": ids, "labels": ids}, 40 if chunked else None)
+                    results[arch, policy, every_n, chunked, batch, seq] = (recipe, saved)
+    return results
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
+@pytest.mark.parametrize(("policy", "every_n"), POLICIES)
+@pytest.mark.parametrize("chunked", [False, True], ids=["full-logits", "chunked-loss"])
+@pytest.mark.parametrize(("batch", "seq"), SHAPES)
+def test_predicted_activations_match_saved_bytes_within_5_percent(measured, arch, policy, every_n, chunked, batch, seq):
+    recipe, saved = measured[arch, policy, every_n, chunked, batch, seq]
+    predicted = activation_bytes(model_shape(recipe), recipe, policy, every_n, batch, seq, device="cpu")
+    assert predicted.total == pytest.approx(saved.total, rel=0.05)
+    assert predicted.head == pytest.approx(saved.per_layer[OUTSIDE], rel=0.05)
+    for index, nbytes in enumerate(predicted.per_layer):
+        assert nbytes == pytest.approx(saved.layer(index), rel=0.05), f"layer {index}"
+
+
+def test_weight_figures_match_the_loaded_model_and_published_counts():
+    recipe = Recipe()
+    base = model.load_base_model(recipe.model, recipe.quant)
+    weights = weight_bytes(model_shape(recipe), recipe)
+    quantized = unquantized = 0
+    for module in base.modules():
+        for param in module.parameters(recurse=False):
+            if isinstance(module, bnb.nn.Linear4bit) and param is module.weight:
+                state = param.quant_state  # packed weights + 8-bit absmax + second-level absmax and code
+                quantized += param.nbytes + state.absmax.nbytes + state.state2.absmax.nbytes
+                quantized += state.state2.code.nbytes + state.offset.nbytes
+            else:
+                unquantized += param.nbytes
+    assert weights.unquantized == unquantized
+    assert weights.quantized == pytest.approx(quantized, rel=0.01)
+    # The QLoRA paper: double quantization costs 8/64 + 32/(64*256) = 0.127 bits per parameter on top of 4.
+    llama3 = Recipe.from_dict({"model": {"path": "meta-llama/Meta-Llama-3-8B"}})
+    shape = model_shape(llama3)
+    bits = 8 * weight_bytes(shape, llama3).quantized / shape.quantized_values
+    assert bits == pytest.approx(4 + 0.127, abs=0.002)
+    # Published parameter counts: Llama-3-8B 8.03 B, Mistral-7B 7.25 B, Qwen2.5-7B 7.61 B.
+    for hub_id, billions in [
+        ("meta-llama/Meta-Llama-3-8B", 8.03),
+        ("mistralai/Mistral-7B-v0.3", 7.25),
+        ("Qwen/Qwen2.5-7B", 7.61),
+    ]:
+        shape = model_shape(Recipe.from_dict({"model": {"path": hub_id}}))
+        assert (shape.quantized_values + shape.unquantized_values) / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_lora_parameter_count_matches_peft():
+    recipe = Recipe.from_dict({"lora": {"rank": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}})
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    expected = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert weight_bytes(model_shape(recipe), recipe).lora_values == expected
+
+
+def test_auto_picks_the_least_recompute_that_fits():
+    recipe = Recipe.from_dict({"model": {"path": "meta-llama/Meta-Llama-3-8B"}, "lora": {"rank": 64}})
+    the_plan = plan(recipe, batch=4, seq=1024)
+    peaks = {p.policy: p.peak / GIB for p in the_plan.policies}
+    assert peaks["none"] > peaks["every_n=2"] > peaks["full"]
+    assert choose_policy(recipe, peaks["none"] + 1, the_plan)[:2] == ("none", 2)
+    policy, every_n, why = choose_policy(recipe, (peaks["every_n=2"] + peaks["full"]) / 2, the_plan)
+    assert (policy, every_n) == ("full", 2) and "recomputed" in why
+    policy, every_n, _ = choose_policy(recipe, peaks["every_n=2"] + 0.01, the_plan)
+    assert (policy, every_n) == ("every_n", 2)
+    policy, _, why = choose_policy(recipe, 1.0, the_plan)
+    assert policy == "full" and "nothing fits" in why
+
+
+def test_chunked_loss_shrinks_the_head_term():
+    full = plan(recipe_for("full", 1, "tiny-llama", chunked=False), batch=4, seq=256)
+    chunked = plan(recipe_for("full", 1, "tiny-llama", chunked=True), batch=4, seq=256)
+    assert chunked.chosen(recipe_for("full", 1, chunked=True)).activations < full.policies[-1].activations
