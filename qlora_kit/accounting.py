@@ -141,9 +141,10 @@ def optimizer_state_report(params: list[torch.nn.Parameter], name: str) -> Optim
 
 def state_bytes(elements: int, eight_bit: bool) -> int:
     """AdamW state for one parameter: two fp32 moments, or two uint8 moments plus one fp32 absmax per
-    256-element block; tensors under 4096 elements keep 32-bit state even in 8-bit optimizers."""
+    256-element block and the two 256-entry fp32 quantization maps; tensors under 4,096 elements keep
+    32-bit state even in 8-bit optimizers."""
     if eight_bit and elements >= 4096:
-        return 2 * elements + 2 * 4 * -(-elements // 256)
+        return 2 * elements + 2 * 4 * -(-elements // 256) + 2 * 256 * 4
     return 8 * elements
 
 

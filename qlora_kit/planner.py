@@ -10,8 +10,8 @@ Weights
   code table per tensor): 4.5 or ~4.127 bits per weight.
 - Left unquantized (embeddings, the output head, norms, biases): c bytes per value.
 - LoRA: r x (d_in + d_out) fp32 values per adapted linear; gradients the same; AdamW state 8 bytes per
-  value (32-bit) or 2 + 8/256 (8-bit: two uint8 moments and an fp32 absmax per 256-block; tensors
-  under 4,096 values stay 32-bit).
+  value (32-bit) or 2 + 8/256 (8-bit: two uint8 moments and an fp32 absmax per 256-block, plus two
+  1 KiB quantization maps per tensor; tensors under 4,096 values stay 32-bit).
 
 Activations kept for backward (what autograd saves; measured on the CPU with
 ``accounting.SavedTensors``; the unit test holds this to +-5%):

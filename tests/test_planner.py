@@ -16,7 +16,12 @@ def recipe_for(policy, every_n, arch="tiny-llama", chunked=False, dropout=0.05):
     return Recipe.from_dict(
         {
             "model": {"path": f"builtin:{arch}"},
-            "memory": {"checkpointing": policy, "every_n": every_n, "chunked_loss": chunked, "loss_chunk_tokens": 40},
+            "memory": {
+                "checkpointing": policy,
+                "every_n": every_n,
+                "chunked_loss": chunked,
+                "loss_chunk_tokens": 40,
+            },
             "lora": {"dropout": dropout},
             "data": {"packing": False},
         }
@@ -36,7 +41,9 @@ def measured():
                 peft_model = adapters.attach_lora(base, recipe.lora)
                 for batch, seq in SHAPES:
                     ids = torch.randint(5, 600, (batch, seq), generator=torch.Generator().manual_seed(batch))
-                    saved = measure_saved_bytes(peft_model, {"input_ids": ids, "labels": ids}, 40 if chunked else None)
+                    saved = measure_saved_bytes(
+                        peft_model, {"input_ids": ids, "labels": ids}, 40 if chunked else None
+                    )
                     results[arch, policy, every_n, chunked, batch, seq] = (recipe, saved)
     return results
 
@@ -45,7 +52,9 @@ def measured():
 @pytest.mark.parametrize(("policy", "every_n"), POLICIES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["full-logits", "chunked-loss"])
 @pytest.mark.parametrize(("batch", "seq"), SHAPES)
-def test_predicted_activations_match_saved_bytes_within_5_percent(measured, arch, policy, every_n, chunked, batch, seq):
+def test_predicted_activations_match_saved_bytes_within_5_percent(
+    measured, arch, policy, every_n, chunked, batch, seq
+):
     recipe, saved = measured[arch, policy, every_n, chunked, batch, seq]
     predicted = activation_bytes(model_shape(recipe), recipe, policy, every_n, batch, seq, device="cpu")
     assert predicted.total == pytest.approx(saved.total, rel=0.05)
