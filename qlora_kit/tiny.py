@@ -111,8 +111,9 @@ def _build(name: str, shape: dict, folder: Path) -> None:
 
     tokenizer = build_tokenizer()
     config_class, extra = TINY_ARCHITECTURES[name]
+    shape = dict(shape)
     config = getattr(transformers, config_class)(
-        vocab_size=len(tokenizer),
+        vocab_size=shape.pop("vocab_size", len(tokenizer)),  # benchmarks widen it; the tokenizer stays
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
