@@ -336,26 +336,34 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     state = sum(state_bytes(v, eight_bit) for v in per_tensor)
     pageable = sum(state_bytes(v, eight_bit) for v in per_tensor if paged and v >= 100_000)
     result = Plan(shape, weights, weights.lora, state, pageable, batch, seq)
-    n = batch * seq
-    for policy, every_n in candidate_policies(shape.layers):
-        acts = activation_bytes(shape, recipe, policy, every_n, batch, seq, device)
-        recompute = (
-            kept_layer_bytes(shape, recipe, n, device)
-            + weights.lora
-            + 2 * n * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
-        )
-        spike = max(loss_spike(shape, recipe, n), recompute)
-        flags = checkpointed(policy, every_n, shape.layers)
-        result.policies.append(
-            PolicyPlan(
-                policy_name(policy, every_n),
-                acts.total,
-                spike,
-                weights.total + state + acts.total + spike,
-                sum(flags),
-            )
-        )
+    wanted = candidate_policies(shape.layers)
+    own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
+    if recipe.memory.checkpointing in ("none", "full"):
+        own = (recipe.memory.checkpointing, 0 if own[0] == "none" else 1)
+    if own[0] != "auto" and policy_name(*own) not in {policy_name(*w) for w in wanted}:
+        wanted.append(own)  # the recipe's own every_n, when another n checkpoints as many layers
+    for policy, every_n in wanted:
+        result.policies.append(_policy_plan(shape, recipe, result, policy, every_n, device))
     return result
+
+
+def _policy_plan(
+    shape: ModelShape, recipe: Recipe, the_plan: Plan, policy: str, every_n: int, device: str
+) -> PolicyPlan:
+    batch, seq = the_plan.batch, the_plan.seq
+    n = batch * seq
+    acts = activation_bytes(shape, recipe, policy, every_n, batch, seq, device)
+    flags = checkpointed(policy, every_n, shape.layers)
+    # Backward holds the LoRA gradients and two hidden-state gradients in flight, plus, when a layer
+    # was checkpointed, that layer's activations rematerialised.
+    backward = the_plan.lora_grads + 2 * n * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
+    if any(flags):
+        backward += kept_layer_bytes(shape, recipe, n, device)
+    spike = max(loss_spike(shape, recipe, n), backward)
+    static = the_plan.weights.total + the_plan.optimizer_state
+    return PolicyPlan(
+        policy_name(policy, every_n), acts.total, spike, static + acts.total + spike, sum(flags)
+    )
 
 
 def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None) -> tuple[str, int, str]:

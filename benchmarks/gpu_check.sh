@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU check for a session lent the H200 (one call of the device tool, under 8 minutes):
+#   bash benchmarks/fetch_gpu_wheels.sh                                # here, once: wheels into .whl/
+#   device run: command "bash benchmarks/gpu_check.sh", carry [".whl"], timeout_s 540
+# Installs the carried wheels into /tmp/site, then runs benchmarks/gpu_check.py; its table is printed
+# last and its JSON lands in $OUT. Commit the table to benchmarks/results/gpu-h200.md with the date.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site
+fi
+export QLORA_KIT_CACHE=/tmp/qlora-kit-cache HF_DATASETS_CACHE=/tmp/hf-datasets
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+timeout 480 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"

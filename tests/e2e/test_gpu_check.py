@@ -1,0 +1,31 @@
+"""The GPU check script runs end to end on a tiny model (on the CPU here), so it cannot rot between the
+sessions that have a GPU to run it on."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/gpu_check.py", "--tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu-check.json").read_text())
+    settings = [row["setting"] for row in report["policies"]]
+    assert settings == ["none", "every_n=2", "full", "full (full logits)", "full + offload"]
+    for row in report["policies"]:
+        # on the CPU the saved bytes are exact; the planner and the run agree within 5%
+        assert abs(row["predicted_saved_mib"] / row["saved_mib"] - 1) < 0.05, row
+    assert [row["optimizer"] for row in report["optimizers"]] == ["paged_adamw_8bit", "adamw_8bit"]
+    assert all("error" not in row for row in report["optimizers"])
+    assert "long sequence" in result.stdout
