@@ -43,6 +43,7 @@ def user_errors(command):
     def wrapper(*args, **kwargs):
         from qlora_kit.data import DataError
         from qlora_kit.guards import TrainingGuardError
+        from qlora_kit.interrupts import Interrupted
         from qlora_kit.outputs import OutputDirError
 
         try:
@@ -53,6 +54,9 @@ def user_errors(command):
         except TrainingGuardError as exc:
             errors.print(f"[bold red]training stopped:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(GUARD_STOP) from None
+        except Interrupted as exc:
+            errors.print(f"[bold yellow]interrupted:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
 
     return wrapper
 

@@ -1,14 +1,27 @@
-"""Output-folder policy: a run never writes over what an earlier run left unless asked to, and resumes
-only from a checkpoint that was written completely."""
+"""Output-folder policy: a run never writes over what an earlier run left unless asked to, one run at a
+time holds a folder, and nothing half-written is ever taken for finished.
+
+- Checkpoints and final outputs are written under ``.staging/`` inside the output folder and renamed
+  into place (a rename within one filesystem is atomic), so a kill at any moment leaves either the
+  whole checkpoint or none of it; the finished marker (``adapter_config.json``) is moved last.
+- A lock (``filelock``: an OS-level lock that dies with its process, so a crashed run never leaves it
+  stuck) beside the folder stops a second run from writing into it at the same time.
+- Before training: the folder must be writable and its disk must have room for a checkpoint and the
+  final outputs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 FINISHED_MARKER = "adapter_config.json"
+STAGING = ".staging"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # The Trainer writes trainer_state.json last; the rest must be there for an exact resume.
 CHECKPOINT_FILES = ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")
@@ -23,7 +36,7 @@ def check_output_dir(path: Path, overwrite: bool) -> Path:
     path = path.expanduser().resolve()
     if path.exists() and not path.is_dir():
         raise OutputDirError(f"train.output_dir: {path} is a file, not a folder")
-    if path.exists() and any(path.iterdir()) and not overwrite:
+    if path.exists() and any(p.name != STAGING for p in path.iterdir()) and not overwrite:
         what = "a finished run" if (path / FINISHED_MARKER).exists() else "files"
         raise OutputDirError(
             f"train.output_dir: {path} already holds {what}; pass --overwrite to replace it "
@@ -62,8 +75,9 @@ def complete_checkpoints(output_dir: Path) -> list[Path]:
     return [p for _, p in sorted(found) if is_complete_checkpoint(p)]
 
 
-def find_resume_checkpoint(output_dir: Path, resume: bool | str | Path) -> Path:
-    """The checkpoint to resume from: the given one, or the newest complete one in ``output_dir``."""
+def find_resume_checkpoint(output_dir: Path, resume: bool | str | Path) -> Path | None:
+    """The checkpoint to resume from: the given one, or the newest complete one in ``output_dir``;
+    None when the run died before its first checkpoint (it then starts again from step 0)."""
     if resume is not True:
         checkpoint = Path(resume).expanduser().resolve()
         if not is_complete_checkpoint(checkpoint):
@@ -74,8 +88,103 @@ def find_resume_checkpoint(output_dir: Path, resume: bool | str | Path) -> Path:
     if (output_dir / FINISHED_MARKER).exists():
         raise OutputDirError(f"--resume: {output_dir} holds a finished run; there is nothing to resume")
     found = complete_checkpoints(output_dir)
-    if not found:
+    return found[-1] if found else None
+
+
+@contextlib.contextmanager
+def exclusive(output_dir: Path):
+    """Hold the output folder for this run; a second run into it fails at once with a clear message."""
+    from filelock import FileLock, Timeout
+
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(str(output_dir.parent / f".{output_dir.name}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
         raise OutputDirError(
-            f"--resume: no complete checkpoint in {output_dir} (set train.save_steps to write checkpoints)"
+            f"train.output_dir: {output_dir} is in use by another run; wait for it to end or choose another --output-dir"
+        ) from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def check_writable(output_dir: Path, needed_bytes: int) -> None:
+    """The folder can be created and written, and its disk has ``needed_bytes`` free."""
+    try:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=output_dir, prefix=".write-test-"):
+            pass
+    except OSError as exc:
+        raise OutputDirError(
+            f"train.output_dir: {output_dir} is not writable ({exc.strerror or exc})"
+        ) from None
+    check_free_space(output_dir, needed_bytes)
+
+
+def check_free_space(path: Path, needed_bytes: int) -> None:
+    free = shutil.disk_usage(path).free
+    if free < needed_bytes:
+        raise OutputDirError(
+            f"train.output_dir: {free / 2**20:,.0f} MiB free on the disk of {path}; a checkpoint and the final "
+            f"adapter need about {needed_bytes / 2**20:,.0f} MiB"
         )
-    return found[-1]
+
+
+def staging_dir(output_dir: Path) -> Path:
+    """A fresh folder under ``.staging/`` to write into before renaming into place."""
+    root = output_dir / STAGING
+    root.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(dir=root))
+
+
+def move_into_place(staged: Path, destination: Path, last: str | None = None) -> None:
+    """Rename ``staged`` to ``destination`` (a folder), or, when ``destination`` exists, each of its files
+    into it with ``last`` moved last; flushed to disk first so a power cut cannot reorder them."""
+    for file in staged.rglob("*"):
+        if file.is_file():
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
+    if not destination.exists():
+        os.replace(staged, destination)
+    else:
+        files = sorted(staged.iterdir(), key=lambda p: p.name == last)
+        for item in files:
+            target = destination / item.name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            os.replace(item, target)
+        staged.rmdir()
+    _fsync_dir(destination.parent)
+    _fsync_dir(destination)
+
+
+def _fsync_dir(folder: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def clear_staging(output_dir: Path) -> None:
+    """What a killed run left half-written: never used, removed at the next start."""
+    shutil.rmtree(output_dir / STAGING, ignore_errors=True)
+
+
+def truncate_metrics(output_dir: Path, last_step: int) -> None:
+    """Drop metrics.jsonl rows logged after the checkpoint a run resumes from (they are logged again)."""
+    path = output_dir / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= last_step]
+    path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+
+
+def _step_of(line: str) -> int:
+    try:
+        return int(json.loads(line).get("step", 0))
+    except ValueError:
+        return 1 << 62  # a torn last line: drop it

@@ -13,8 +13,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit import adapters, data, memory, model
+from qlora_kit.interrupts import Interrupted, StopOnSignal
 from qlora_kit.manifest import build_manifest, write_manifest
-from qlora_kit.outputs import check_output_dir, find_resume_checkpoint, prepare_output_dir
+from qlora_kit.outputs import (
+    FINISHED_MARKER,
+    check_output_dir,
+    check_writable,
+    clear_staging,
+    complete_checkpoints,
+    exclusive,
+    find_resume_checkpoint,
+    move_into_place,
+    prepare_output_dir,
+    staging_dir,
+    truncate_metrics,
+)
 from qlora_kit.trainer_setup import build_trainer
 
 if TYPE_CHECKING:
@@ -61,38 +74,57 @@ def run(
     from transformers import set_seed
 
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
-    checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
-    if checkpoint is None:
-        check_output_dir(output_dir, overwrite=overwrite)
-    set_seed(recipe.train.seed)
+    with exclusive(output_dir):
+        checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
+        if not resume:
+            check_output_dir(output_dir, overwrite=overwrite)
+        set_seed(recipe.train.seed)
 
-    tokenizer = model.load_tokenizer(recipe.model)
-    # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    base = model.load_base_model(recipe.model, recipe.quant)
-    checkpointed = memory.enable_checkpointing(base, memory.resolve_checkpointing(recipe))
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    _log_setup(peft_model, checkpointed, prepared, recipe)
-    _log_optimizer_state(peft_model, recipe)
+        tokenizer = model.load_tokenizer(recipe.model)
+        # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
+        prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+        base = model.load_base_model(recipe.model, recipe.quant)
+        checkpointed = memory.enable_checkpointing(base, memory.resolve_checkpointing(recipe))
+        peft_model = adapters.attach_lora(base, recipe.lora)
+        _log_setup(peft_model, checkpointed, prepared, recipe)
+        _log_optimizer_state(peft_model, recipe)
 
-    examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
-    before = _answer(peft_model, tokenizer, examples)
+        examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
+        before = _answer(peft_model, tokenizer, examples)
 
-    if checkpoint is None:
-        prepare_output_dir(output_dir, overwrite=overwrite)
-    manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
-    log.info("run manifest: %s", write_manifest(output_dir, manifest))
-    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
-    trainer = build_trainer(
-        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks
-    )
-    if checkpoint is not None:
-        log.info("resuming from %s", checkpoint)
-    trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        if not resume:
+            prepare_output_dir(output_dir, overwrite=overwrite)
+        check_writable(output_dir, _output_bytes(peft_model, recipe))
+        clear_staging(output_dir)
+        if resume:
+            truncate_metrics(output_dir, _step_of(checkpoint))
+            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
+        manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
+        log.info("run manifest: %s", write_manifest(output_dir, manifest))
+        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        stopper = StopOnSignal()
+        trainer = build_trainer(
+            recipe,
+            peft_model,
+            tokenizer,
+            prepared.train,
+            prepared.val,
+            output_dir,
+            [stopper, *(callbacks or [])],
+        )
+        stopper.install()
+        try:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+        finally:
+            stopper.restore()
+        if stopper.received is not None:
+            newest = complete_checkpoints(output_dir)
+            raise Interrupted(
+                stopper.received, trainer.state.global_step, str(newest[-1]) if newest else None
+            )
 
-    peft_model.save_pretrained(output_dir)
-    tokenizer.save_pretrained(output_dir)
-    write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
+        _save_final(peft_model, tokenizer, output_dir)
+        write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     usage = trainer.memory_monitor.summary()
     _log_memory(usage)
@@ -106,6 +138,29 @@ def run(
         samples=samples,
         memory=usage,
     )
+
+
+def _save_final(peft_model, tokenizer, output_dir: Path) -> None:
+    """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last."""
+    staged = staging_dir(output_dir)
+    peft_model.save_pretrained(staged)
+    tokenizer.save_pretrained(staged)
+    move_into_place(staged, output_dir, last=FINISHED_MARKER)
+
+
+def _output_bytes(peft_model, recipe: Recipe) -> int:
+    """Room for a checkpoint (adapter + optimizer state) and the final adapter, with a margin."""
+    from qlora_kit.accounting import state_bytes
+
+    eight_bit = "8bit" in recipe.optimizer.name
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    adapter = sum(p.numel() * 4 for p in params)
+    state = sum(state_bytes(p.numel(), eight_bit) for p in params)
+    return 2 * (2 * adapter + state) + 64 * 2**20
+
+
+def _step_of(checkpoint: Path | None) -> int:
+    return int(checkpoint.name.split("-")[-1]) if checkpoint else 0
 
 
 def _now() -> str:

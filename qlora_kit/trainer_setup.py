@@ -5,6 +5,7 @@ Imported only when a run starts (transformers is heavy), so it imports transform
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from qlora_kit.accounting import SavedTensors
 from qlora_kit.guards import GradientGuard, check_loss
 from qlora_kit.loss_head import chunked_lm_loss, supports_chunked_loss
 from qlora_kit.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.outputs import move_into_place, staging_dir
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -88,6 +90,24 @@ class GuardedTrainer(Trainer):
             # count over all processes, while DDP averages the gradients over processes.
             loss = loss * self.accelerator.num_processes
         return loss
+
+    _staging: Path | None = None
+
+    def _save_checkpoint(self, model, trial) -> None:
+        # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
+        # the previous checkpoint as the newest complete one, never a half-written one.
+        output_dir = Path(self.args.output_dir)
+        self._staging = staging_dir(output_dir)
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            staged, self._staging = self._staging, None
+        for checkpoint in staged.glob("checkpoint-*"):
+            move_into_place(checkpoint, output_dir / checkpoint.name)
+        shutil.rmtree(staged, ignore_errors=True)
+
+    def _get_output_dir(self, trial) -> str:
+        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)

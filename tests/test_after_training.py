@@ -111,9 +111,9 @@ def test_resumed_run_ends_with_the_same_adapter_bit_for_bit(tmp_path):
     assert state["global_step"] == 8
 
 
-def test_resume_needs_a_complete_checkpoint(tmp_path, trained_run):
-    with pytest.raises(OutputDirError, match="no complete checkpoint"):
-        train(quick_recipe(tmp_path / "empty", **{"train.max_steps": 2}), resume=True)
+def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tmp_path, trained_run):
+    started = train(quick_recipe(tmp_path / "empty", **{"train.max_steps": 2}), resume=True)
+    assert json.loads((started.output_dir / "manifest.json").read_text())["steps"] == 2
     with pytest.raises(OutputDirError, match="holds a finished run"):
         train(quick_recipe(trained_run.output_dir, **{"train.max_steps": 2}), resume=True)
 

@@ -1,0 +1,56 @@
+"""Ctrl-C and pre-emption: SIGINT or SIGTERM finishes the current step, writes a checkpoint and stops.
+
+The handler only raises a flag; the Trainer callback turns it into "save, then stop" at the end of the
+step, so the checkpoint is a consistent one that ``--resume`` continues exactly. A second signal while
+that is under way ends the run at once (the previous complete checkpoint stays the newest).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+from transformers import TrainerCallback
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(RuntimeError):
+    """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal."""
+
+    def __init__(self, signum: int, step: int, checkpoint: str | None) -> None:
+        self.exit_code = 128 + signum
+        name = signal.Signals(signum).name
+        kept = f"checkpoint {checkpoint} written" if checkpoint else "no checkpoint written"
+        super().__init__(
+            f"stopped by {name} after step {step}; {kept}; continue with the same command and --resume"
+        )
+
+
+class StopOnSignal(TrainerCallback):
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (notebooks run there too)
+        for signum in SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._handle)
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+        self._previous.clear()
+
+    def _handle(self, signum, frame) -> None:
+        if self.received is not None:
+            self.restore()
+            raise KeyboardInterrupt  # a second signal: stop now
+        self.received = signum
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.received is not None:
+            control.should_save = True
+            control.should_training_stop = True
+        return control
