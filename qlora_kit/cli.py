@@ -97,6 +97,7 @@ def train(
 def validate(recipe: RecipeArg, set_: SetOpt = None, output_dir: OutputOpt = None) -> None:
     """Load a recipe, apply overrides, and print every resolved value."""
     resolved = load_recipe(recipe, set_, output_dir)
+    resolved.check_paths()
     console.print(f"# {recipe}: valid", style="green", highlight=False)
     console.print(resolved.to_yaml(), highlight=False, markup=False)
 
@@ -414,7 +415,24 @@ def _configure_logging() -> None:
 
 
 def main() -> None:
-    app(prog_name="qlora-kit")
+    # Typer's own usage errors (an unknown flag, a missing argument, a value of the wrong type) become
+    # one line and exit code 2, like every other mistake a user can make.
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="qlora-kit", standalone_mode=False)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:
+        # Duck-typed: typer vendors its own copy of click's UsageError.
+        if getattr(exc, "exit_code", None) != USER_ERROR or not hasattr(exc, "format_message"):
+            raise
+        if not exc.format_message().strip():
+            sys.exit(0)  # no arguments at all: the help was shown
+        context = getattr(exc, "ctx", None)
+        where = f"{context.command_path}: " if context is not None else ""
+        errors.print(f"[bold red]error:[/] {where}{exc.format_message()}", highlight=False, soft_wrap=True)
+        sys.exit(USER_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":

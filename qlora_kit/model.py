@@ -55,7 +55,8 @@ def bnb_config(quant: QuantSection):
 
 
 def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
-    """The base model with 4-bit linear layers, on the GPU when there is one, otherwise on the CPU."""
+    """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
+    GPU when there is one, otherwise on the CPU."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -63,7 +64,7 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
     base = AutoModelForCausalLM.from_pretrained(
         path or resolve_model_path(model),
-        quantization_config=bnb_config(quant),
+        quantization_config=bnb_config(quant) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
         device_map=_device_map(),
         trust_remote_code=model.trust_remote_code,

@@ -96,13 +96,20 @@ def exclusive(output_dir: Path):
     """Hold the output folder for this run; a second run into it fails at once with a clear message."""
     from filelock import FileLock, Timeout
 
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    blocking = next((p for p in [output_dir, *output_dir.parents] if p.exists() and not p.is_dir()), None)
+    if blocking is not None:
+        raise OutputDirError(f"train.output_dir: {blocking} is a file, not a folder")
     lock = FileLock(str(output_dir.parent / f".{output_dir.name}.lock"))
     try:
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
         lock.acquire(timeout=0)
-    except Timeout:
+    except Timeout:  # (a subclass of OSError: caught first)
         raise OutputDirError(
             f"train.output_dir: {output_dir} is in use by another run; wait for it to end or choose another --output-dir"
+        ) from None
+    except OSError as exc:
+        raise OutputDirError(
+            f"train.output_dir: {output_dir} is not writable ({exc.strerror or exc})"
         ) from None
     try:
         yield

@@ -73,6 +73,7 @@ def run(
     """
     from transformers import set_seed
 
+    recipe.check_paths()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir):
         checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
@@ -114,7 +115,11 @@ def run(
         )
         stopper.install()
         try:
-            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+            if checkpoint is not None and _finished_training(checkpoint):
+                _load_checkpoint_adapter(peft_model, checkpoint)
+                trainer.state.global_step = _step_of(checkpoint)
+            else:
+                trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
         finally:
             stopper.restore()
         if stopper.received is not None:
@@ -157,6 +162,22 @@ def _output_bytes(peft_model, recipe: Recipe) -> int:
     adapter = sum(p.numel() * 4 for p in params)
     state = sum(state_bytes(p.numel(), eight_bit) for p in params)
     return 2 * (2 * adapter + state) + 64 * 2**20
+
+
+def _finished_training(checkpoint: Path) -> bool:
+    """The checkpoint is the run's last step (a kill hit the final save). Resuming the Trainer from there
+    would train one step too many (transformers 5.24 restarts the epoch's remaining batches)."""
+    import json
+
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    return state["global_step"] >= state.get("max_steps", float("inf"))
+
+
+def _load_checkpoint_adapter(peft_model, checkpoint: Path) -> None:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    set_peft_model_state_dict(peft_model, load_file(checkpoint / "adapter_model.safetensors"))
 
 
 def _step_of(checkpoint: Path | None) -> int:

@@ -176,6 +176,8 @@ def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
     else:
         constants = blocks * 4
     quantized = math.ceil(shape.quantized_values / 2) + constants
+    if recipe.quant.bits == 16:
+        quantized = shape.quantized_values * c
     lora_values = shape.layers * sum(recipe.lora.rank * (li.d_in + li.d_out) for li in targets(shape, recipe))
     return Weights(quantized, shape.unquantized_values * c, lora_values * 4, lora_values)
 

@@ -47,6 +47,8 @@ class ModelSection(Section):
 
 
 class QuantSection(Section):
+    bits: Literal[4, 16] = 4
+    """4: the base's linear weights in 4 bits (QLoRA); 16: the base in compute_dtype (plain LoRA, for comparison)."""
     quant_type: Literal["nf4", "fp4"] = "nf4"
     """4-bit data type for the frozen linear weights (NF4 is the QLoRA paper's)."""
     double_quant: bool = True
@@ -55,6 +57,14 @@ class QuantSection(Section):
     """Dtype the 4-bit weights are dequantized to for each matmul; also the dtype of unquantized layers."""
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
     """Container dtype of the packed 4-bit weights; FSDP needs it equal to compute_dtype."""
+
+    @model_validator(mode="after")
+    def _check_bits(self) -> QuantSection:
+        if self.bits == 16:
+            for name in ("double_quant", "quant_type", "quant_storage"):
+                if name in self.model_fields_set:
+                    raise ValueError(f"quant.{name}: only applies to 4-bit weights (quant.bits is 16)")
+        return self
 
 
 class LoraSection(Section):
@@ -170,6 +180,8 @@ class TrainSection(Section):
     """Seed for initialisation, dropout and data order."""
     sample_prompts: int = Field(0, ge=0)
     """After training, print this many validation prompts answered before and after fine-tuning."""
+    fsdp: bool = False
+    """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
 
 
 class Recipe(Section):
@@ -188,6 +200,12 @@ class Recipe(Section):
         if self.train.eval_steps is not None and not self.has_validation_data:
             raise ValueError(
                 "train.eval_steps: needs validation data (set data.val_path or data.val_fraction)"
+            )
+        if self.train.fsdp and self.quant.bits == 4 and self.quant.quant_storage != self.quant.compute_dtype:
+            raise ValueError(
+                f"quant.quant_storage: must equal quant.compute_dtype ({self.quant.compute_dtype}) with train.fsdp "
+                f"(got {self.quant.quant_storage}); FSDP shards flat tensors of one dtype, and uint8 storage "
+                "crashes or trains with loss 0 / NaN gradients"
             )
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
@@ -225,6 +243,14 @@ class Recipe(Section):
             return cls.model_validate(values)
         except ValidationError as exc:
             raise RecipeError(describe_validation_error(exc)) from None
+
+    def check_paths(self) -> None:
+        """Local files and folders the recipe names must exist (hub ids and builtin: names are not checked)."""
+        for section, fields in _PATH_FIELDS.items():
+            for name in fields:
+                value = getattr(getattr(self, section), name)
+                if isinstance(value, str) and _looks_local(value) and not Path(value).expanduser().exists():
+                    raise RecipeError(f"{section}.{name}: no such file or folder: {value}")
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
         return Recipe.from_dict(self.model_dump(), overrides)
@@ -286,10 +312,11 @@ def describe_validation_error(exc: ValidationError) -> str:
     errors = exc.errors()
     first = errors[0]
     more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    if first["type"] == "value_error" and not first["loc"]:
-        # Whole-recipe validators name the fields themselves.
-        return f"{(first.get('ctx') or {}).get('error', first['msg'])}{more}"
     loc = ".".join(str(part) for part in first["loc"])
+    if first["type"] == "value_error":
+        message = str((first.get("ctx") or {}).get("error", first["msg"]))
+        if not loc or message.startswith(f"{loc}."):
+            return f"{message}{more}"  # recipe- and section-level validators name the field themselves
     return f"{loc}: {_message_for(first)}{more}"
 
 

@@ -1,0 +1,205 @@
+"""Faults: SIGKILL at any moment, SIGTERM, two runs into one folder, an unwritable folder, a full disk.
+
+Every killed run is resumed with the CLI's --resume and must end with the same adapter, bit for bit,
+as a run that was never interrupted.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit.outputs import OutputDirError, check_free_space, is_complete_checkpoint
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS, SAVE_EVERY = 40, 10
+RECIPE = f"""
+lora:
+  dropout: 0.1
+data:
+  max_seq_len: 64
+  packing: false
+optimizer:
+  lr: 1.0e-3
+train:
+  max_steps: {STEPS}
+  save_steps: {SAVE_EVERY}
+  logging_steps: 1
+  micro_batch_size: 8
+"""
+
+
+def cli(*args, **kwargs):
+    return subprocess.run(
+        [sys.executable, "-m", "qlora_kit", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        **kwargs,
+    )
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("faults") / "recipe.yaml"
+    path.write_text(RECIPE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def reference(recipe, tmp_path_factory):
+    """The adapter of a run that nobody interrupts."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    result = cli("train", str(recipe), "--output-dir", str(out))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return load_file(out / "adapter_model.safetensors")
+
+
+def assert_same_adapter(out: Path, reference) -> None:
+    got = load_file(out / "adapter_model.safetensors")
+    assert got.keys() == reference.keys()
+    assert all(torch.equal(got[k], reference[k]) for k in got)
+
+
+def assert_only_complete_checkpoints(out: Path) -> list[int]:
+    steps = []
+    for folder in out.glob("checkpoint-*"):
+        assert is_complete_checkpoint(folder), folder
+        steps.append(int(folder.name.split("-")[1]))
+    return sorted(steps)
+
+
+@pytest.mark.parametrize(
+    ("where", "checkpoints_left"),
+    [
+        ("step:5", []),  # before the first checkpoint
+        ("save:20", [10]),  # half-way through writing checkpoint-20
+        ("step:27", [10, 20]),  # between checkpoints
+        ("final", [10, 20, 30, 40]),  # half-way through moving the final adapter into place
+    ],
+)
+def test_sigkill_anywhere_then_resume_gives_the_same_adapter(
+    where, checkpoints_left, recipe, reference, tmp_path
+):
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(recipe), str(out), where],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert not (out / "adapter_config.json").exists(), "a killed run never looks finished"
+    assert assert_only_complete_checkpoints(out) == checkpoints_left
+    resumed = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_adapter(out, reference)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s] == list(range(1, STEPS + 1)), "each step logged once, resume or not"
+    assert not (out / ".staging").exists() or not any((out / ".staging").iterdir())
+
+
+def wait_for_step(out: Path, step: int, process, seconds: float = 300) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        metrics = out / "metrics.jsonl"
+        if metrics.exists() and any(
+            json.loads(line)["step"] >= step for line in metrics.read_text().splitlines() if line
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the run did not reach step {step}")
+
+
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(recipe, reference, tmp_path):
+    out = tmp_path / "out"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(out, 3, process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "stopped by SIGTERM after step" in last and "--resume" in last
+    stopped_at = int(last.split("after step ")[1].split(";")[0])
+    assert stopped_at < STEPS and stopped_at in assert_only_complete_checkpoints(out)
+    resumed = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_adapter(out, reference)
+
+
+def test_second_run_into_the_same_folder_refuses_and_a_killed_run_leaves_no_stuck_lock(
+    recipe, reference, tmp_path
+):
+    out = tmp_path / "out"
+    first = subprocess.Popen(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(out)],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_step(out, 2, first)
+        second = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+        assert second.returncode == 2
+        assert "is in use by another run" in second.stderr and len(second.stderr.strip().splitlines()) == 1
+    finally:
+        first.kill()
+        first.wait(timeout=60)
+    resumed = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_adapter(out, reference)
+
+
+def test_unwritable_output_folder_is_one_line_before_any_work(recipe, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    result = cli("train", str(recipe), "--output-dir", str(blocker / "out"))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"error: train.output_dir: {blocker} is a file, not a folder"
+
+
+def test_full_disk_is_refused_before_training(tmp_path):
+    check_free_space(tmp_path, needed_bytes=1)
+    with pytest.raises(OutputDirError, match="MiB free on the disk of"):
+        check_free_space(tmp_path, needed_bytes=1 << 60)
+
+
+def test_resume_reads_torch_files_only_with_weights_only(recipe, tmp_path, monkeypatch):
+    """Nothing is unpickled: every torch.load on resume passes weights_only=True."""
+    from qlora_kit import Recipe, train
+
+    out = tmp_path / "out"
+    config = Recipe.from_yaml(recipe, overrides={"train.output_dir": str(out), "train.max_steps": 12})
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == SAVE_EVERY
+
+    train(config, callbacks=[StopAt()])
+    (out / "adapter_config.json").unlink()
+    calls = []
+    real_load = torch.load
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("weights_only"))
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", spy)
+    train(config, resume=True)
+    assert calls and all(flag is True for flag in calls)
+    assert not list(out.rglob("*.bin")) or all(p.name == "training_args.bin" for p in out.rglob("*.bin"))
