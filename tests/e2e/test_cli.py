@@ -58,7 +58,7 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
                 "--set",
                 "data.val_fraction=0.1",
             ),
-            "none.jsonl: no such file",
+            "data.path: no such file or folder",
         ),
     ]
     for args, message in cases:
