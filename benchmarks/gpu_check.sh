@@ -12,4 +12,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export QLORA_KIT_CACHE=/tmp/qlora-kit-cache HF_DATASETS_CACHE=/tmp/hf-datasets
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-timeout 480 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
+# FSDP-QLoRA wiring, one process (the shipped accelerate config; quant_storage = compute dtype).
+timeout 120 python3 -m accelerate.commands.launch --config_file recipes/accelerate/fsdp-qlora.yaml --num_processes 1 \
+  -m qlora_kit train recipes/demo.yaml --output-dir /tmp/fsdp-check --overwrite --set train.fsdp=true \
+  --set quant.quant_storage=bfloat16 --set memory.chunked_loss=false --set train.max_steps=10 \
+  --set train.sample_prompts=0 > "${OUT:-/tmp}/fsdp-check.log" 2>&1
+echo "fsdp-qlora 1 process: exit $? ($(grep -o 'eval loss: .*' "${OUT:-/tmp}/fsdp-check.log" | tail -1))"
+timeout 420 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"

@@ -102,10 +102,7 @@ def measure_saved_bytes(
     counter = SavedTensors(model)
     model.train()
     with counter.counting():
-        if chunk_tokens is None:
-            loss = model(**batch).loss
-        else:
-            loss = chunked_lm_loss(model.get_base_model(), batch, chunk_tokens)
+        loss = model(**batch).loss if chunk_tokens is None else chunked_lm_loss(model, batch, chunk_tokens)
     loss.backward()
     return counter.result()
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -411,7 +412,9 @@ def _configure_logging() -> None:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
-    logging.getLogger("qlora_kit").setLevel(logging.INFO)
+    # Under accelerate/torchrun only the main process reports; the others stay quiet unless they fail.
+    main_process = os.environ.get("RANK", "0") == "0"
+    logging.getLogger("qlora_kit").setLevel(logging.INFO if main_process else logging.WARNING)
 
 
 def main() -> None:

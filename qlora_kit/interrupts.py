@@ -12,6 +12,8 @@ import threading
 
 from transformers import TrainerCallback
 
+from qlora_kit.distributed import any_rank
+
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
@@ -29,7 +31,8 @@ class Interrupted(RuntimeError):
 
 class StopOnSignal(TrainerCallback):
     def __init__(self) -> None:
-        self.received: int | None = None
+        self.received: int | None = None  # the signal this process got
+        self.stopped = False  # this run stopped on a signal (any rank's)
         self._previous: dict[int, object] = {}
 
     def install(self) -> None:
@@ -50,7 +53,9 @@ class StopOnSignal(TrainerCallback):
         self.received = signum
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.received is not None:
+        # Every rank must stop at the same step, even if the signal reached only some of them.
+        if any_rank(self.received is not None):
+            self.stopped = True
             control.should_save = True
             control.should_training_stop = True
         return control

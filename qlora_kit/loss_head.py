@@ -8,6 +8,9 @@ most of the prompt); and those go through the head in chunks of ``memory.loss_ch
 chunk under torch's non-reentrant checkpoint: forward keeps only the chunk's hidden states, backward
 recomputes the chunk's logits, so one chunk of logits exists at a time.
 
+The forward pass still runs through the model's own forward (with an identity in place of the head),
+so wrappers such as DDP see it and all-reduce the gradients.
+
 Nothing in transformers, peft or PyTorch does this on every device: Liger's and Apple's
 cut-cross-entropy fused kernels are CUDA/Triton only. This stays plain PyTorch (about twenty lines)
 and works with any output head module, LoRA on ``lm_head`` included, with packing, and under
@@ -30,21 +33,37 @@ UNSUPPORTED_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_mul
 
 def supports_chunked_loss(causal_lm) -> bool:
     config = causal_lm.config.get_text_config()
-    return all(getattr(config, name, None) in (None, 1, 1.0) for name in UNSUPPORTED_HEAD_FIELDS)
+    plain_head = all(getattr(config, name, None) in (None, 1, 1.0) for name in UNSUPPORTED_HEAD_FIELDS)
+    return plain_head and hasattr(causal_lm, "set_output_embeddings")
 
 
 def chunked_lm_loss(
-    causal_lm, inputs: dict[str, Any], chunk_tokens: int, num_items_in_batch: torch.Tensor | int | None = None
+    model,
+    inputs: dict[str, Any],
+    chunk_tokens: int,
+    num_items_in_batch: torch.Tensor | int | None = None,
+    causal_lm=None,
 ) -> torch.Tensor:
-    """Next-token cross-entropy of ``causal_lm`` on ``inputs`` (with labels), computed chunk by chunk."""
+    """Next-token cross-entropy of ``model`` on ``inputs`` (with labels), computed chunk by chunk.
+
+    ``model`` is what the forward pass runs through (the peft model, or its DDP wrapper, whose forward
+    must run for gradients to be all-reduced); ``causal_lm`` the transformers model inside it.
+    """
+    causal_lm = causal_lm if causal_lm is not None else model.get_base_model()
     labels = inputs["labels"]
     model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
-    hidden = causal_lm.get_decoder()(**model_inputs, use_cache=False).last_hidden_state  # (B, T, H)
+    head = causal_lm.get_output_embeddings()
+    # For the forward pass the head is an identity, so the model returns its final hidden states where
+    # it would return logits; the real head is then applied chunk by chunk below.
+    causal_lm.set_output_embeddings(torch.nn.Identity())
+    try:
+        hidden = model(**model_inputs, use_cache=False).logits  # (B, T, H)
+    finally:
+        causal_lm.set_output_embeddings(head)
     targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
     trained = targets != IGNORE_INDEX
     kept_hidden = hidden[:, :-1][trained]  # (n, H): only positions whose next token is trained
     kept_targets = targets[trained]  # (n,)
-    head = causal_lm.get_output_embeddings()
     total = hidden[..., :1].sum().float() * 0.0  # stays in the graph when no token is trained
     for start in range(0, kept_targets.numel(), chunk_tokens):
         end = start + chunk_tokens

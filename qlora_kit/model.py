@@ -54,7 +54,9 @@ def bnb_config(quant: QuantSection):
     )
 
 
-def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
+def load_base_model(
+    model: ModelSection, quant: QuantSection, path: str | None = None, fsdp: bool = False
+) -> PreTrainedModel:
     """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
     GPU when there is one, otherwise on the CPU."""
     import torch
@@ -66,7 +68,9 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         path or resolve_model_path(model),
         quantization_config=bnb_config(quant) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
-        device_map=_device_map(),
+        # FSDP places and shards the model itself (rank 0 loads, the others receive); without FSDP each
+        # process puts its whole copy on its own device.
+        device_map=None if fsdp else _device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
     )

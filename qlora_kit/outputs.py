@@ -139,11 +139,15 @@ def check_free_space(path: Path, needed_bytes: int) -> None:
         )
 
 
-def staging_dir(output_dir: Path) -> Path:
-    """A fresh folder under ``.staging/`` to write into before renaming into place."""
+def staging_dir(output_dir: Path, name: str | None = None) -> Path:
+    """A folder under ``.staging/`` to write into before renaming into place: a fresh one, or the one
+    called ``name`` (shared by the processes of a multi-process run)."""
     root = output_dir / STAGING
     root.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=root))
+    if name is None:
+        return Path(tempfile.mkdtemp(dir=root))
+    (root / name).mkdir(exist_ok=True)
+    return root / name
 
 
 def move_into_place(staged: Path, destination: Path, last: str | None = None) -> None:

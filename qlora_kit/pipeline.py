@@ -7,12 +7,14 @@ The Trainer owns the loop: accumulation, clipping, scheduling, evaluation, loggi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit import adapters, data, memory, model
+from qlora_kit.distributed import Ranks, launched_with_fsdp
 from qlora_kit.interrupts import Interrupted, StopOnSignal
 from qlora_kit.manifest import build_manifest, write_manifest
 from qlora_kit.outputs import (
@@ -74,8 +76,10 @@ def run(
     from transformers import set_seed
 
     recipe.check_paths()
+    _check_launch(recipe)
+    ranks = Ranks()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
-    with exclusive(output_dir):
+    with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
         checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
         if not resume:
             check_output_dir(output_dir, overwrite=overwrite)
@@ -83,26 +87,24 @@ def run(
 
         tokenizer = model.load_tokenizer(recipe.model)
         # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-        prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-        base = model.load_base_model(recipe.model, recipe.quant)
+        with ranks.main_first():
+            prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+        base = model.load_base_model(recipe.model, recipe.quant, fsdp=recipe.train.fsdp)
         checkpointed = memory.enable_checkpointing(base, memory.resolve_checkpointing(recipe))
         peft_model = adapters.attach_lora(base, recipe.lora)
-        _log_setup(peft_model, checkpointed, prepared, recipe)
-        _log_optimizer_state(peft_model, recipe)
-
-        examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
+        examples = []
+        if ranks.is_main:
+            _log_setup(peft_model, checkpointed, prepared, recipe)
+            _log_optimizer_state(peft_model, recipe)
+            examples = data.prompt_examples(prepared, recipe.data, tokenizer, recipe.train.sample_prompts)
         before = _answer(peft_model, tokenizer, examples)
 
-        if not resume:
-            prepare_output_dir(output_dir, overwrite=overwrite)
-        check_writable(output_dir, _output_bytes(peft_model, recipe))
-        clear_staging(output_dir)
-        if resume:
-            truncate_metrics(output_dir, _step_of(checkpoint))
-            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
-        manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
-        log.info("run manifest: %s", write_manifest(output_dir, manifest))
-        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+        manifest = (
+            _prepare_folder(output_dir, recipe, peft_model, overwrite, resume, checkpoint)
+            if ranks.is_main
+            else {}
+        )
+        ranks.barrier()
         stopper = StopOnSignal()
         trainer = build_trainer(
             recipe,
@@ -113,27 +115,16 @@ def run(
             output_dir,
             [stopper, *(callbacks or [])],
         )
-        stopper.install()
-        try:
-            if checkpoint is not None and _finished_training(checkpoint):
-                _load_checkpoint_adapter(peft_model, checkpoint)
-                trainer.state.global_step = _step_of(checkpoint)
-            else:
-                trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
-        finally:
-            stopper.restore()
-        if stopper.received is not None:
-            newest = complete_checkpoints(output_dir)
-            raise Interrupted(
-                stopper.received, trainer.state.global_step, str(newest[-1]) if newest else None
-            )
-
-        _save_final(peft_model, tokenizer, output_dir)
-        write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
+        _train(trainer, stopper, peft_model, checkpoint, output_dir)
+        _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
+        if ranks.is_main:
+            write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
+        ranks.barrier()
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     usage = trainer.memory_monitor.summary()
-    _log_memory(usage)
-    log.info("adapter, tokenizer and recipe written to %s", output_dir)
+    if ranks.is_main:
+        _log_memory(usage)
+        log.info("adapter, tokenizer and recipe written to %s", output_dir)
     return TrainResult(
         output_dir=output_dir,
         metrics=trainer.metrics_log.rows,
@@ -145,12 +136,62 @@ def run(
     )
 
 
-def _save_final(peft_model, tokenizer, output_dir: Path) -> None:
-    """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last."""
-    staged = staging_dir(output_dir)
-    peft_model.save_pretrained(staged)
-    tokenizer.save_pretrained(staged)
-    move_into_place(staged, output_dir, last=FINISHED_MARKER)
+def _check_launch(recipe: Recipe) -> None:
+    from qlora_kit.recipe import RecipeError
+
+    if launched_with_fsdp() and not recipe.train.fsdp:
+        raise RecipeError(
+            "train.fsdp: this run is launched with an FSDP config; set train.fsdp: true "
+            "(and quant.quant_storage equal to quant.compute_dtype)"
+        )
+
+
+def _prepare_folder(
+    output_dir: Path, recipe: Recipe, peft_model, overwrite: bool, resume, checkpoint
+) -> dict:
+    """The main process readies the output folder; returns the run manifest it wrote."""
+    if not resume:
+        prepare_output_dir(output_dir, overwrite=overwrite)
+    check_writable(output_dir, _output_bytes(peft_model, recipe))
+    clear_staging(output_dir)
+    if resume:
+        truncate_metrics(output_dir, _step_of(checkpoint))
+        log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
+    manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
+    log.info("run manifest: %s", write_manifest(output_dir, manifest))
+    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    return manifest
+
+
+def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, output_dir: Path) -> None:
+    stopper.install()
+    try:
+        if checkpoint is not None and _finished_training(checkpoint):
+            _load_checkpoint_adapter(peft_model, checkpoint)
+            trainer.state.global_step = _step_of(checkpoint)
+        else:
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    finally:
+        stopper.restore()
+    if stopper.stopped:
+        newest = complete_checkpoints(output_dir)
+        raise Interrupted(
+            stopper.received or 15, trainer.state.global_step, str(newest[-1]) if newest else None
+        )
+
+
+def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, fsdp: bool) -> None:
+    """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last.
+    Under FSDP every rank takes part in gathering the sharded adapter (the Trainer's save_model)."""
+    staged = staging_dir(output_dir, name="final")
+    if fsdp:
+        trainer.save_model(str(staged))
+    elif ranks.is_main:
+        peft_model.save_pretrained(staged)
+    ranks.barrier()
+    if ranks.is_main:
+        tokenizer.save_pretrained(staged)
+        move_into_place(staged, output_dir, last=FINISHED_MARKER)
 
 
 def _output_bytes(peft_model, recipe: Recipe) -> int:

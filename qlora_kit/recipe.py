@@ -207,6 +207,11 @@ class Recipe(Section):
                 f"(got {self.quant.quant_storage}); FSDP shards flat tensors of one dtype, and uint8 storage "
                 "crashes or trains with loss 0 / NaN gradients"
             )
+        if self.train.fsdp and self.memory.chunked_loss:
+            raise ValueError(
+                "memory.chunked_loss: set it to false with train.fsdp (the chunked head runs outside FSDP's "
+                "forward, where the sharded head's weights are not gathered)"
+            )
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
         return self

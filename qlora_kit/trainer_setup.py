@@ -84,7 +84,7 @@ class GuardedTrainer(Trainer):
         if self.chunk_tokens is None or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         causal_lm = self.accelerator.unwrap_model(model).get_base_model()
-        loss = chunked_lm_loss(causal_lm, inputs, self.chunk_tokens, num_items_in_batch)
+        loss = chunked_lm_loss(model, inputs, self.chunk_tokens, num_items_in_batch, causal_lm=causal_lm)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # Trainer.compute_loss scales the models' own loss the same way: num_items_in_batch is the
             # count over all processes, while DDP averages the gradients over processes.
@@ -95,16 +95,20 @@ class GuardedTrainer(Trainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
-        # the previous checkpoint as the newest complete one, never a half-written one.
+        # the previous checkpoint as the newest complete one, never a half-written one. Every rank writes
+        # its part (RNG states) into the same staging folder; the main process moves it once all are done.
         output_dir = Path(self.args.output_dir)
-        self._staging = staging_dir(output_dir)
+        self._staging = staging_dir(output_dir, name=f"step-{self.state.global_step}")
         try:
             super()._save_checkpoint(model, trial)
         finally:
             staged, self._staging = self._staging, None
-        for checkpoint in staged.glob("checkpoint-*"):
-            move_into_place(checkpoint, output_dir / checkpoint.name)
-        shutil.rmtree(staged, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        if self.accelerator.is_main_process:
+            for checkpoint in staged.glob("checkpoint-*"):
+                move_into_place(checkpoint, output_dir / checkpoint.name)
+            shutil.rmtree(staged, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
 
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
@@ -119,9 +123,11 @@ class GuardedTrainer(Trainer):
 def build_trainer(
     recipe: Recipe, peft_model, tokenizer, train_set, val_set, output_dir: Path, callbacks: list | None = None
 ) -> GuardedTrainer:
+    from accelerate import PartialState
     from transformers.integrations import TensorBoardCallback
 
     args = training_arguments(recipe, output_dir, has_eval=val_set is not None)
+    main = PartialState().is_main_process  # set up by distributed.Ranks at the start of the run
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
     trainer = GuardedTrainer(
@@ -136,7 +142,7 @@ def build_trainer(
             monitor,  # first: it adds the memory figures to the logs the next two write
             metrics_log,
             GradientGuard(peft_model),
-            TensorBoardCallback(_summary_writer(output_dir / "tensorboard")),
+            *([TensorBoardCallback(_summary_writer(output_dir / "tensorboard"))] if main else []),
             *(callbacks or []),
         ],
     )

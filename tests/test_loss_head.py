@@ -29,7 +29,7 @@ def loss_and_grads(peft_model, batch, chunk=None, num_items=None):
         kwargs = {"num_items_in_batch": num_items} if num_items is not None else {}
         loss = peft_model(**batch, **kwargs).loss
     else:
-        loss = chunked_lm_loss(peft_model.get_base_model(), batch, chunk, num_items)
+        loss = chunked_lm_loss(peft_model, batch, chunk, num_items)
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}
 
@@ -85,7 +85,7 @@ def test_packed_rows_and_accumulation_normalise_per_trained_token():
             if chunked is None:
                 loss = peft_model(**part, num_items_in_batch=items).loss
             else:
-                loss = chunked_lm_loss(peft_model.get_base_model(), part, chunked, items)
+                loss = chunked_lm_loss(peft_model, part, chunked, items)
             loss.backward()
             total += float(loss)
         grads = {n: p.grad.clone() for n, p in peft_model.named_parameters() if p.requires_grad}

@@ -95,3 +95,21 @@ def test_resolved_recipe_round_trips_through_yaml(tmp_path):
     recipe = Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=["lora.rank=4"])
     again = Recipe.from_dict(yaml.safe_load(recipe.to_yaml()))
     assert again == recipe
+
+
+def test_fsdp_needs_quant_storage_equal_to_compute_dtype_and_no_chunked_head():
+    with pytest.raises(RecipeError, match=r"^quant.quant_storage: must equal quant.compute_dtype \(bfloat16\)"):
+        Recipe.from_dict({"train": {"fsdp": True}, "memory": {"chunked_loss": False}})
+    with pytest.raises(RecipeError, match=r"^memory.chunked_loss: set it to false with train.fsdp"):
+        Recipe.from_dict({"train": {"fsdp": True}, "quant": {"quant_storage": "bfloat16"}})
+    recipe = Recipe.from_yaml(ROOT / "recipes" / "llama3-8b-alpaca-fsdp-2x24gb.yaml")
+    assert recipe.quant.quant_storage == recipe.quant.compute_dtype and recipe.train.fsdp
+
+
+def test_a_run_launched_with_fsdp_refuses_a_recipe_without_it(monkeypatch, tmp_path):
+    from qlora_kit import train
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(RecipeError, match="^train.fsdp: this run is launched with an FSDP config"):
+        train(Recipe.from_dict({"train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}))
+    assert not (tmp_path / "out").exists()

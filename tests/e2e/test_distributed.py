@@ -1,0 +1,77 @@
+"""Data-parallel training on the CPU: 2 processes (torchrun, gloo, loopback only) against 1.
+
+Two processes with micro-batch b must follow the loss curve of one process with micro-batch 2b (same
+seed, same data order), only the main process writes, and the adapter it writes loads and generates.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from safetensors.torch import load_file
+
+from qlora_kit.generate import Sampling, generate
+
+ROOT = Path(__file__).resolve().parents[2]
+# fp32 compute and 32-bit AdamW, so the comparison is exact up to reduction order; 8 steps stay in the
+# first epoch (an epoch's last, short batch is split differently across processes).
+SETTINGS = [
+    "--set", "train.max_steps=8", "--set", "train.save_steps=4", "--set", "train.logging_steps=1",
+    "--set", "train.eval_steps=null", "--set", "train.sample_prompts=0", "--set", "lora.dropout=0.0",
+    "--set", "optimizer.name=adamw_torch", "--set", "quant.compute_dtype=float32",
+]  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def losses(out: Path) -> list[float]:
+    return [
+        row["loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "loss" in (row := json.loads(line))
+    ]
+
+
+def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(one), *SETTINGS,
+         "--set", "train.micro_batch_size=8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    parallel = subprocess.run(
+        [*torchrun, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(two), *SETTINGS,
+         "--set", "train.micro_batch_size=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+
+    expected, got = losses(one), losses(two)
+    assert len(expected) == len(got) == 8
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
+
+    # Only the main process wrote: each step logged once, one tensorboard file, one manifest, whole files.
+    steps = [json.loads(line)["step"] for line in (two / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 9))
+    assert len(list((two / "tensorboard").glob("events.out.tfevents.*"))) == 1
+    assert sorted(p.name for p in (two / "checkpoint-8").glob("rng_state_*.pth")) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]
+    assert not (two / ".staging").exists() or not any((two / ".staging").iterdir())
+    assert parallel.stderr.count("run manifest:") == 1, "logs come from the main process only"
+    adapter = load_file(two / "adapter_model.safetensors")
+    assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name), "the adapter trained"
+    answers = generate(str(two), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
+    assert len(answers) == 1 and isinstance(answers[0], str)
