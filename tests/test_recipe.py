@@ -98,7 +98,9 @@ def test_resolved_recipe_round_trips_through_yaml(tmp_path):
 
 
 def test_fsdp_needs_quant_storage_equal_to_compute_dtype_and_no_chunked_head():
-    with pytest.raises(RecipeError, match=r"^quant.quant_storage: must equal quant.compute_dtype \(bfloat16\)"):
+    with pytest.raises(
+        RecipeError, match=r"^quant.quant_storage: must equal quant.compute_dtype \(bfloat16\)"
+    ):
         Recipe.from_dict({"train": {"fsdp": True}, "memory": {"chunked_loss": False}})
     with pytest.raises(RecipeError, match=r"^memory.chunked_loss: set it to false with train.fsdp"):
         Recipe.from_dict({"train": {"fsdp": True}, "quant": {"quant_storage": "bfloat16"}})
@@ -110,6 +112,6 @@ def test_a_run_launched_with_fsdp_refuses_a_recipe_without_it(monkeypatch, tmp_p
     from qlora_kit import train
 
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    with pytest.raises(RecipeError, match="^train.fsdp: this run is launched with an FSDP config"):
+    with pytest.raises(RecipeError, match=r"^train\.fsdp: this run is launched with an FSDP config"):
         train(Recipe.from_dict({"train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}))
     assert not (tmp_path / "out").exists()

@@ -1,0 +1,251 @@
+"""qlora_kit against the script users would otherwise write: TRL's SFTTrainer + peft + BitsAndBytesConfig.
+
+Both train the same tiny base model (built from a config, loaded NF4 + double quantization), LoRA r=16
+on all linear layers, the same prompt/completion data with completion-only loss, sequences up to 256
+tokens, micro-batch 8, paged 8-bit AdamW, gradient checkpointing, lr 2e-4 constant, the same number of
+steps. Each run is its own process (peak resident memory is per process), run interleaved — A B A B
+... over several rounds, after a warm-up pair — and reports the median step time, trained (label)
+tokens per second, peak RSS and the final loss.
+
+1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
+   default; it does not change the loss);
+2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults.
+
+    pip install -e ".[bench]"; python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+SHAPE = {
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
+BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0
+
+
+def make_dataset(folder: Path, rows: int = 1024) -> Path:
+    """prompt/completion rows whose lengths vary about 10x (20 to 220 tokens)."""
+    from qlora_kit.tiny import _corpus
+
+    words = " ".join(_corpus([])).split()
+    rng = random.Random(SEED)
+    path = folder / "prompt-completion.jsonl"
+    with path.open("w") as handle:
+        for _ in range(rows):
+            prompt = " ".join(rng.choice(words) for _ in range(rng.randint(4, 40)))
+            completion = " ".join(rng.choice(words) for _ in range(rng.randint(6, 70)))
+            handle.write(json.dumps({"prompt": prompt + "\n", "completion": completion}) + "\n")
+    return path
+
+
+class Counter:
+    """Wraps a data collator: counts trained tokens (labels != -100) of every batch it builds."""
+
+    def __init__(self, collate) -> None:
+        self.collate, self.tokens = collate, []
+
+    def __call__(self, features):
+        batch = self.collate(features)
+        self.tokens.append(int((batch["labels"] != -100).sum()))
+        return batch
+
+
+def step_timer():
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        def __init__(self) -> None:
+            self.times, self.start = [], 0.0
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.times.append(time.perf_counter() - self.start)
+
+    return StepTimer()
+
+
+def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool) -> dict:
+    import qlora_kit.data
+    from qlora_kit import Recipe, train
+
+    counters = []
+    real_build_collator = qlora_kit.data.build_collator
+
+    def counting_collator(*args, **kwargs):  # the benchmark counts what the run's own collator builds
+        counters.append(Counter(real_build_collator(*args, **kwargs)))
+        return counters[-1]
+
+    qlora_kit.data.build_collator = counting_collator
+    recipe = Recipe.from_dict(
+        {
+            "model": {"path": model_dir},
+            "data": {"path": data, "format": "completion", "max_seq_len": MAX_LEN, "packing": packing},
+            "optimizer": {"lr": LR, "warmup_ratio": 0.0},
+            "train": {
+                "output_dir": out,
+                "max_steps": steps,
+                "micro_batch_size": BATCH,
+                "logging_steps": 1,
+                "seed": SEED,
+            },
+        }
+    )
+    timer = step_timer()
+    result = train(recipe, callbacks=[timer])
+    return {"times": timer.times, "losses": result.train_losses, "tokens": counters[0].tokens}
+
+
+def run_trl(model_dir: str, data: str, out: str, steps: int) -> dict:
+    import torch
+    from datasets import load_dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+    from trl import SFTConfig, SFTTrainer
+
+    # The way TRL's documentation sets up QLoRA.
+    quantization = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=quantization, dtype=torch.bfloat16
+    )
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = load_dataset("json", data_files=data, split="train")
+    peft_config = LoraConfig(
+        r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
+    )
+    args = SFTConfig(
+        output_dir=out,
+        max_steps=steps,
+        per_device_train_batch_size=BATCH,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        optim="paged_adamw_8bit",
+        max_grad_norm=0.3,
+        gradient_checkpointing=True,
+        max_length=MAX_LEN,
+        logging_steps=1,
+        report_to="none",
+        save_strategy="no",
+        seed=SEED,
+        use_cpu=not torch.cuda.is_available(),
+    )
+    trainer = SFTTrainer(
+        model=model, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
+    )
+    trainer.data_collator = counter = Counter(trainer.data_collator)
+    timer = step_timer()
+    trainer.add_callback(timer)
+    trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    return {"times": timer.times, "losses": losses, "tokens": counter.tokens}
+
+
+def child(system: str, model_dir: str, data: str, steps: int, packing: bool) -> None:
+    with tempfile.TemporaryDirectory() as out:
+        if system == "trl":
+            result = run_trl(model_dir, data, str(Path(out) / "run"), steps)
+        else:
+            result = run_qlora_kit(model_dir, data, str(Path(out) / "run"), steps, packing)
+    result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool) -> dict:
+    command = [sys.executable, __file__, "--child", system, model_dir, data, str(steps), str(int(packing))]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    if line is None:
+        raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
+    return json.loads(line[7:])
+
+
+def summarise(runs: list[dict]) -> dict:
+    times = [t for run in runs for t in run["times"][1:]]  # each run's first step warms up
+    tokens = sum(sum(run["tokens"][1 : len(run["times"])]) for run in runs)
+    return {
+        "step": statistics.median(times),
+        "tokens_per_s": tokens / sum(times),
+        "rss": max(run["peak_rss_mib"] for run in runs),
+        "loss": statistics.mean(run["losses"][-1] for run in runs),
+        "loss_spread": max(run["losses"][-1] for run in runs) - min(run["losses"][-1] for run in runs),
+    }
+
+
+def main() -> None:
+    from common import markdown_table, write_result
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        system, model_dir, data, steps, packing = args.child
+        child(system, model_dir, data, int(steps), packing == "1")
+        return
+
+    from qlora_kit import tiny
+
+    model_dir = str(tiny.ensure_tiny_model("tiny-llama", **SHAPE))
+    folder = Path(tempfile.mkdtemp())
+    data = str(make_dataset(folder))
+    comparisons = {"equal settings (padded batches)": False, "defaults (qlora_kit packs)": True}
+    rows, verdicts = [], []
+    for name, packing in comparisons.items():
+        spawn("qlora_kit", model_dir, data, 4, packing)  # warm-up pair: caches, page cache
+        spawn("trl", model_dir, data, 4, packing)
+        ours, theirs = [], []
+        for _ in range(args.rounds):
+            ours.append(spawn("qlora_kit", model_dir, data, args.steps, packing))
+            theirs.append(spawn("trl", model_dir, data, args.steps, packing))
+        a, b = summarise(ours), summarise(theirs)
+        for system, r in (("qlora_kit", a), ("TRL SFTTrainer", b)):
+            rows.append(
+                [
+                    name,
+                    system,
+                    f"{r['step']:.3f}",
+                    f"{r['tokens_per_s']:,.0f}",
+                    f"{r['rss']:,.0f}",
+                    f"{r['loss']:.3f} (±{r['loss_spread'] / 2:.3f})",
+                ]
+            )
+        verdicts.append(
+            f"{name}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x TRL's, peak RSS {a['rss'] / b['rss']:.2f}x"
+        )
+    table = markdown_table(
+        ["comparison", "system", "median step (s)", "trained tokens/s", "peak RSS (MiB)", "final loss"], rows
+    )
+    notes = (
+        "; ".join(verdicts)
+        + f". Tiny Llama {SHAPE}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
+        f"micro-batch {BATCH}, max length {MAX_LEN}, completion-only loss on 1,024 prompt/completion rows of "
+        f"20-220 tokens; {args.rounds} interleaved rounds of {args.steps} steps per system after a warm-up pair; "
+        "every run its own process. Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
+        "loss; defaults >= 1.5x trained tokens/s."
+    )
+    write_result("vs-trl-cpu", "qlora_kit vs a TRL + PEFT script (CPU)", table, notes)
+
+
+if __name__ == "__main__":
+    main()
