@@ -1,0 +1,58 @@
+"""The lock files and pyproject.toml agree, so the image and CI install what the project declares."""
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKS = [ROOT / "docker" / "requirements.lock", ROOT / "docker" / "requirements-cpu.lock"]
+CUDA_ONLY = re.compile(r"^(nvidia-.*|cuda-.*|triton)$")
+sys.path.insert(0, str(ROOT / "scripts"))
+from check_lock import pins  # noqa: E402
+
+
+def declared() -> list[Requirement]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return [Requirement(line) for line in project["dependencies"]]
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
+def test_every_declared_dependency_is_locked_within_its_range(lock):
+    locked = pins(lock.read_text())
+    for requirement in declared():
+        name = re.sub(r"[-_.]+", "-", requirement.name).lower()
+        assert name in locked, f"{lock.name} lacks {name}"
+        assert requirement.specifier.contains(Version(locked[name]), prereleases=True), (name, locked[name])
+
+
+@pytest.mark.parametrize("lock", LOCKS, ids=lambda p: p.name)
+def test_every_pin_carries_a_hash(lock):
+    entries = re.split(r"\n(?=[A-Za-z0-9])", lock.read_text())
+    for entry in entries:
+        if PIN_LINE.match(entry):
+            assert "--hash=sha256:" in entry, entry.splitlines()[0]
+
+
+PIN_LINE = re.compile(r"^[A-Za-z0-9_.\-]+==")
+
+
+def test_cpu_and_gpu_locks_pin_the_same_versions_but_for_torch_and_cuda():
+    gpu, cpu = (pins(lock.read_text()) for lock in LOCKS)
+    assert gpu["torch"] == cpu["torch"].split("+")[0]
+    shared = {name for name in gpu if not CUDA_ONLY.match(name)} - {"torch"}
+    assert shared == set(cpu) - {"torch"}
+    assert all(gpu[name] == cpu[name] for name in shared)
+
+
+def test_this_environment_runs_the_locked_versions():
+    """CI installs the CPU lock before running the tests: what the tests run is what the image holds."""
+    from importlib import metadata
+
+    cpu = pins(LOCKS[1].read_text())
+    for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "pydantic"):
+        assert metadata.version(name) == cpu[name], name
