@@ -4,8 +4,8 @@ Both train the same tiny base model (built from a config, loaded NF4 + double qu
 on all linear layers, the same prompt/completion data with completion-only loss, sequences up to 256
 tokens, micro-batch 8, paged 8-bit AdamW, gradient checkpointing, lr 2e-4 constant, the same number of
 steps. Each run is its own process (peak resident memory is per process), run interleaved — A B A B
-... over several rounds, after a warm-up pair — and reports the median step time, trained (label)
-tokens per second, peak RSS and the final loss.
+... over several rounds, after a warm-up pair, round r with seed r — and reports the median step time,
+trained (label) tokens per second, peak RSS and the mean final loss with its span over the seeds.
 
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
    default; it does not change the loss);
@@ -34,7 +34,7 @@ SHAPE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
-BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0
+BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0  # SEED: the data; each round trains with its own seed
 
 
 def make_dataset(folder: Path, rows: int = 1024) -> Path:
@@ -80,7 +80,7 @@ def step_timer():
     return StepTimer()
 
 
-def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool) -> dict:
+def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool, seed: int) -> dict:
     import qlora_kit.data
     from qlora_kit import Recipe, train
 
@@ -111,7 +111,7 @@ def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool
     return {"times": timer.times, "losses": result.train_losses, "tokens": counters[0].tokens}
 
 
-def run_trl(model_dir: str, data: str, out: str, steps: int) -> dict:
+def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -146,7 +146,7 @@ def run_trl(model_dir: str, data: str, out: str, steps: int) -> dict:
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        seed=SEED,
+        seed=seed,
         use_cpu=not torch.cuda.is_available(),
     )
     trainer = SFTTrainer(
@@ -160,18 +160,28 @@ def run_trl(model_dir: str, data: str, out: str, steps: int) -> dict:
     return {"times": timer.times, "losses": losses, "tokens": counter.tokens}
 
 
-def child(system: str, model_dir: str, data: str, steps: int, packing: bool) -> None:
+def child(system: str, model_dir: str, data: str, steps: int, packing: bool, seed: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         if system == "trl":
-            result = run_trl(model_dir, data, str(Path(out) / "run"), steps)
+            result = run_trl(model_dir, data, str(Path(out) / "run"), steps, seed)
         else:
-            result = run_qlora_kit(model_dir, data, str(Path(out) / "run"), steps, packing)
+            result = run_qlora_kit(model_dir, data, str(Path(out) / "run"), steps, packing, seed)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool) -> dict:
-    command = [sys.executable, __file__, "--child", system, model_dir, data, str(steps), str(int(packing))]
+def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool, seed: int = SEED) -> dict:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        system,
+        model_dir,
+        data,
+        str(steps),
+        str(int(packing)),
+        str(seed),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
@@ -197,11 +207,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        system, model_dir, data, steps, packing = args.child
-        child(system, model_dir, data, int(steps), packing == "1")
+        system, model_dir, data, steps, packing, seed = args.child
+        child(system, model_dir, data, int(steps), packing == "1", int(seed))
         return
 
     from qlora_kit import tiny
@@ -215,9 +225,9 @@ def main() -> None:
         spawn("qlora_kit", model_dir, data, 4, packing)  # warm-up pair: caches, page cache
         spawn("trl", model_dir, data, 4, packing)
         ours, theirs = [], []
-        for _ in range(args.rounds):
-            ours.append(spawn("qlora_kit", model_dir, data, args.steps, packing))
-            theirs.append(spawn("trl", model_dir, data, args.steps, packing))
+        for seed in range(args.rounds):
+            ours.append(spawn("qlora_kit", model_dir, data, args.steps, packing, seed))
+            theirs.append(spawn("trl", model_dir, data, args.steps, packing, seed))
         a, b = summarise(ours), summarise(theirs)
         for system, r in (("qlora_kit", a), ("TRL SFTTrainer", b)):
             rows.append(
@@ -227,7 +237,7 @@ def main() -> None:
                     f"{r['step']:.3f}",
                     f"{r['tokens_per_s']:,.0f}",
                     f"{r['rss']:,.0f}",
-                    f"{r['loss']:.3f} (±{r['loss_spread'] / 2:.3f})",
+                    f"{r['loss']:.3f} (seeds span {r['loss_spread']:.3f})",
                 ]
             )
         verdicts.append(
@@ -241,7 +251,7 @@ def main() -> None:
         + f". Tiny Llama {SHAPE}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
         f"micro-batch {BATCH}, max length {MAX_LEN}, completion-only loss on 1,024 prompt/completion rows of "
         f"20-220 tokens; {args.rounds} interleaved rounds of {args.steps} steps per system after a warm-up pair; "
-        "every run its own process. Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
+        "every run its own process, round r with seed r (LoRA init, dropout and data order). Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
         "loss; defaults >= 1.5x trained tokens/s."
     )
     write_result("vs-trl-cpu", "qlora_kit vs a TRL + PEFT script (CPU)", table, notes)

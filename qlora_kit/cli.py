@@ -268,9 +268,10 @@ def generate(
     """Answer prompts with the trained adapter, streaming tokens as they come."""
     _configure_logging()
     from qlora_kit import adapters
+    from qlora_kit.data import read_prompts
     from qlora_kit.generate import Sampling, complete, wrap_prompt
 
-    prompts = list(prompt or []) + (_prompts_from(file) if file is not None else [])
+    prompts = list(prompt or []) + (read_prompts(str(file)) if file is not None else [])
     if not prompts:
         raise RecipeError("generate: give --prompt TEXT or --file prompts.jsonl")
     recipe, tokenizer, lm = adapters.load_trained(adapter)
@@ -348,29 +349,6 @@ def merge(
         highlight=False,
     )
     console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
-
-
-def _prompts_from(path: Path) -> list[str]:
-    import json
-
-    from qlora_kit.data import DataError
-
-    prompts = []
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot read ({exc})") from None
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: row {number}: malformed JSON ({exc.msg})") from None
-        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise DataError(f"{path}: row {number}: missing field 'prompt'")
-        prompts.append(row["prompt"])
-    return prompts
 
 
 def _print_summary(result) -> None:

@@ -252,3 +252,19 @@ def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count:
         reference = tokenizer.decode(ids, skip_special_tokens=True).strip()
         examples.append(PromptExample(formats.prompt_text(segments), reference))
     return examples
+
+
+def read_prompts(path: str) -> list[str]:
+    """The ``prompt`` of every row of a prompts file (``qlora-kit generate --file``), read like any data."""
+    from qlora_kit.recipe import DataSection
+
+    rows = _load_source(path, DataSection(path=path))
+    if "prompt" not in rows.column_names:
+        raise DataError(f"{path}: row 1: missing field 'prompt' (has {', '.join(rows.column_names)})")
+    prompts = list(rows["prompt"])
+    for number, prompt in enumerate(prompts, start=1):
+        if not isinstance(prompt, str):
+            raise DataError(
+                f"{path}: row {number}: field 'prompt' must be text (got {type(prompt).__name__})"
+            )
+    return prompts
