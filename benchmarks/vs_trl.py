@@ -5,11 +5,13 @@ on all linear layers, the same prompt/completion data with completion-only loss,
 tokens, micro-batch 8, paged 8-bit AdamW, gradient checkpointing, lr 2e-4 constant, the same number of
 steps. Each run is its own process (peak resident memory is per process), run interleaved — A B A B
 ... over several rounds, after a warm-up pair, round r with seed r — and reports the median step time,
-trained (label) tokens per second, peak RSS and the mean final loss with its span over the seeds.
+trained (label) tokens per second (the median of per-step rates), peak RSS and the mean final loss with
+its span over the seeds.
 
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
-   default; it does not change the loss);
-2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults.
+   default; it does not change the loss), TRL without its default bf16 autocast (qlora_kit keeps LoRA
+   in fp32 on CPUs), so both compute in the same precision;
+2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast).
 
     pip install -e ".[bench]"; python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
 """
@@ -102,7 +104,7 @@ def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool
                 "max_steps": steps,
                 "micro_batch_size": BATCH,
                 "logging_steps": 1,
-                "seed": SEED,
+                "seed": seed,
             },
         }
     )
@@ -111,7 +113,7 @@ def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool
     return {"times": timer.times, "losses": result.train_losses, "tokens": counters[0].tokens}
 
 
-def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int) -> dict:
+def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int, defaults: bool) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -148,6 +150,9 @@ def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int) -> dict:
         save_strategy="no",
         seed=seed,
         use_cpu=not torch.cuda.is_available(),
+        # TRL turns bf16 autocast on by default; qlora_kit computes the 4-bit layers in bf16 and the LoRA
+        # matrices in fp32 without autocast on CPUs. Equal settings means the same precision.
+        **({} if defaults else {"bf16": False}),
     )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
@@ -163,7 +168,7 @@ def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int) -> dict:
 def child(system: str, model_dir: str, data: str, steps: int, packing: bool, seed: int) -> None:
     with tempfile.TemporaryDirectory() as out:
         if system == "trl":
-            result = run_trl(model_dir, data, str(Path(out) / "run"), steps, seed)
+            result = run_trl(model_dir, data, str(Path(out) / "run"), steps, seed, defaults=packing)
         else:
             result = run_qlora_kit(model_dir, data, str(Path(out) / "run"), steps, packing, seed)
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -190,11 +195,12 @@ def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool, see
 
 
 def summarise(runs: list[dict]) -> dict:
-    times = [t for run in runs for t in run["times"][1:]]  # each run's first step warms up
-    tokens = sum(sum(run["tokens"][1 : len(run["times"])]) for run in runs)
+    # Each run's first step warms up. Throughput is the median of per-step rates, so one stalled step
+    # (a page-cache miss, the other process of the machine) does not decide the comparison.
+    steps = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["times"][1:], strict=False)]
     return {
-        "step": statistics.median(times),
-        "tokens_per_s": tokens / sum(times),
+        "step": statistics.median(t for _, t in steps),
+        "tokens_per_s": statistics.median(n / t for n, t in steps),
         "rss": max(run["peak_rss_mib"] for run in runs),
         "loss": statistics.mean(run["losses"][-1] for run in runs),
         "loss_spread": max(run["losses"][-1] for run in runs) - min(run["losses"][-1] for run in runs),

@@ -14,8 +14,8 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
-from rich.table import Table
 
+from qlora_kit import views
 from qlora_kit.recipe import Recipe, RecipeError
 
 app = typer.Typer(
@@ -90,7 +90,7 @@ def train(
 
     _configure_logging()
     result = run(load_recipe(recipe, set_, output_dir), overwrite=overwrite, resume=resume_from or resume)
-    _print_summary(result)
+    views.show_run(console, result)
 
 
 @app.command()
@@ -116,28 +116,7 @@ def show_data(
     from qlora_kit.model import load_tokenizer
 
     resolved = load_recipe(recipe, set_)
-    view = inspect_data(resolved, load_tokenizer(resolved.model), count=examples)
-    for i, runs in enumerate(view.examples, start=1):
-        console.rule(f"example {i} (trained text in [bold green]green[/], between ⟦ ⟧)")
-        for text, trained in runs:
-            console.print(
-                f"⟦{text}⟧" if trained else text,
-                style="bold green" if trained else "dim",
-                end="",
-                markup=False,
-                highlight=False,
-            )
-        console.print()
-    table = Table(title="token lengths (before truncation)")
-    for name in view.percentiles:
-        table.add_column(name, justify="right")
-    table.add_row(*(str(v) for v in view.percentiles.values()))
-    console.print(table)
-    for report in view.reports:
-        console.print(report.summary(), highlight=False)
-    batch = resolved.train.micro_batch_size
-    shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
-    console.print(f"pad tokens per batch of {batch}: {shares}", highlight=False)
+    views.show_data(console, inspect_data(resolved, load_tokenizer(resolved.model), count=examples), resolved)
 
 
 @app.command()
@@ -153,55 +132,10 @@ def plan(
     device: Annotated[str, typer.Option(help="cuda or cpu: what dropout masks cost differs.")] = "cuda",
 ) -> None:
     """Predict peak memory from the model config alone, for every checkpointing policy."""
-    from qlora_kit.planner import GIB
     from qlora_kit.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
-    result = make_plan(resolved, batch=batch, seq=seq, device=device)
-    shape, weights = result.shape, result.weights
-    table = Table(
-        title=f"{resolved.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
-    )
-    table.add_column("memory")
-    table.add_column("GiB", justify="right")
-    bits = 8 * weights.quantized / shape.quantized_values
-    table.add_row(
-        f"4-bit weights ({shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each)",
-        f"{weights.quantized / GIB:.3f}",
-    )
-    table.add_row(f"unquantized layers in {resolved.quant.compute_dtype}", f"{weights.unquantized / GIB:.3f}")
-    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", f"{weights.lora / GIB:.3f}")
-    table.add_row("LoRA gradients (during backward)", f"{result.lora_grads / GIB:.3f}")
-    table.add_row(
-        f"{resolved.optimizer.name} state ({result.optimizer_pageable / GIB:.3f} pageable)",
-        f"{result.optimizer_state / GIB:.3f}",
-    )
-    console.print(table)
-    policies = Table(title=f"per policy, at {result.batch} x {result.seq} tokens")
-    for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
-        policies.add_column(column, justify="right")
-    if budget_gb is not None:
-        policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
-    for row in result.policies:
-        cells = [
-            row.policy,
-            str(row.recompute_layers),
-            f"{row.activations / GIB:.3f}",
-            f"{row.spike / GIB:.3f}",
-            f"{row.peak / GIB:.3f}",
-        ]
-        if budget_gb is not None:
-            cells.append("yes" if row.peak <= budget_gb * GIB else "no")
-        policies.add_row(*cells)
-    console.print(policies)
-    if budget_gb is not None:
-        from qlora_kit.planner import choose_policy
-
-        policy, every_n, why = choose_policy(resolved, budget_gb, result)
-        console.print(
-            f"auto would pick {policy if policy != 'every_n' else f'every_n={every_n}'}: {why}",
-            highlight=False,
-        )
+    views.show_plan(console, make_plan(resolved, batch=batch, seq=seq, device=device), resolved, budget_gb)
 
 
 AdapterOpt = Annotated[Path, typer.Option("--adapter", help="Folder written by qlora-kit train.")]
@@ -238,14 +172,7 @@ def eval_command(
     adapter_dir = None if no_adapter else adapter
     output = output or (adapter_dir / "eval.json" if adapter_dir is not None else None)
     results = evaluate(resolved, adapter_dir, max_examples=max_examples, output=output)
-    table = Table(title=f"evaluation of {'the base model alone' if no_adapter else adapter}")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key in ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples"):
-        if key in results:
-            value = results[key]
-            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
-    console.print(table)
+    views.show_eval(console, results, "the base model alone" if no_adapter else str(adapter))
     if output is not None:
         console.print(f"results written to {output}", highlight=False)
 
@@ -349,30 +276,6 @@ def merge(
         highlight=False,
     )
     console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
-
-
-def _print_summary(result) -> None:
-    losses = result.eval_losses
-    if len(losses) >= 2:
-        console.print(
-            f"eval loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / losses[0]:.1%} of the first)"
-        )
-    if result.samples:
-        table = Table(title="Answers before and after fine-tuning")
-        for column in ("prompt", "reference", "before", "after"):
-            table.add_column(column, overflow="fold")
-        for row in result.samples:
-            table.add_row(
-                _question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''"
-            )
-        console.print(table)
-    console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
-
-
-def _question(prompt: str) -> str:
-    # Show the question itself, not the prompt template around it.
-    lines = [line for line in prompt.splitlines() if line and not line.startswith("###")]
-    return " ".join(lines)
 
 
 def _configure_logging() -> None:

@@ -1,0 +1,107 @@
+"""How the CLI shows results: rich tables and lines for a run, the data view, the plan and an evaluation.
+
+Kept apart from cli.py so the command functions stay one screen each and hold no rendering.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from qlora_kit.data_report import DataView
+    from qlora_kit.pipeline import TrainResult
+    from qlora_kit.planner import Plan
+    from qlora_kit.recipe import Recipe
+
+
+def show_run(console: Console, result: TrainResult) -> None:
+    losses = result.eval_losses
+    if len(losses) >= 2:
+        console.print(
+            f"eval loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / losses[0]:.1%} of the first)"
+        )
+    if result.samples:
+        table = Table(title="Answers before and after fine-tuning")
+        for column in ("prompt", "reference", "before", "after"):
+            table.add_column(column, overflow="fold")
+        for row in result.samples:
+            table.add_row(
+                _question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''"
+            )
+        console.print(table)
+    console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
+
+
+def _question(prompt: str) -> str:
+    # Show the question itself, not the prompt template around it.
+    lines = [line for line in prompt.splitlines() if line and not line.startswith("###")]
+    return " ".join(lines)
+
+
+def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
+    for i, runs in enumerate(view.examples, start=1):
+        console.rule(f"example {i} (trained text in [bold green]green[/], between ⟦ ⟧)")
+        for text, trained in runs:
+            style = "bold green" if trained else "dim"
+            console.print(
+                f"⟦{text}⟧" if trained else text, style=style, end="", markup=False, highlight=False
+            )
+        console.print()
+    table = Table(title="token lengths (before truncation)")
+    for name in view.percentiles:
+        table.add_column(name, justify="right")
+    table.add_row(*(str(v) for v in view.percentiles.values()))
+    console.print(table)
+    for report in view.reports:
+        console.print(report.summary(), highlight=False)
+    shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
+    console.print(f"pad tokens per batch of {recipe.train.micro_batch_size}: {shares}", highlight=False)
+
+
+def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:
+    from qlora_kit.planner import GIB, choose_policy
+
+    shape, weights = plan.shape, plan.weights
+    table = Table(
+        title=f"{recipe.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
+    )
+    table.add_column("memory")
+    table.add_column("GiB", justify="right")
+    bits = 8 * weights.quantized / shape.quantized_values
+    values = f"{shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each"
+    table.add_row(f"{recipe.quant.bits}-bit weights ({values})", f"{weights.quantized / GIB:.3f}")
+    table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", f"{weights.unquantized / GIB:.3f}")
+    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", f"{weights.lora / GIB:.3f}")
+    table.add_row("LoRA gradients (during backward)", f"{plan.lora_grads / GIB:.3f}")
+    pageable = f"{plan.optimizer_pageable / GIB:.3f} pageable"
+    table.add_row(f"{recipe.optimizer.name} state ({pageable})", f"{plan.optimizer_state / GIB:.3f}")
+    console.print(table)
+    policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens")
+    for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
+        policies.add_column(column, justify="right")
+    if budget_gb is not None:
+        policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
+    for row in plan.policies:
+        sizes = [f"{nbytes / GIB:.3f}" for nbytes in (row.activations, row.spike, row.peak)]
+        fits = [("yes" if row.peak <= budget_gb * GIB else "no")] if budget_gb is not None else []
+        policies.add_row(row.policy, str(row.recompute_layers), *sizes, *fits)
+    console.print(policies)
+    if budget_gb is not None:
+        policy, every_n, why = choose_policy(recipe, budget_gb, plan)
+        name = f"every_n={every_n}" if policy == "every_n" else policy
+        console.print(f"auto would pick {name}: {why}", highlight=False)
+
+
+def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
+    table = Table(title=f"evaluation of {subject}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key in ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples"):
+        if key in results:
+            value = results[key]
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
