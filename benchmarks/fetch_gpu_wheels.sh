@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Download, here, the wheels the lent GPU machine lacks (its image has torch, accelerate, typer, rich and
-# pyyaml, but no bitsandbytes, datasets or pydantic, and an older transformers), into .whl/ (ignored by git),
+# pyyaml, but no bitsandbytes, datasets, pydantic or trl, and an older transformers), into .whl/ (ignored by git),
 # for the device tool's `carry`. Python 3.12, x86-64, as that machine runs. About 60 MiB of the 64 allowed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,7 +10,7 @@ platforms=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --p
            --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
   "bitsandbytes==0.50.2" "transformers==5.24.0" "peft==0.21.2" "datasets==5.2.0" "dill==0.4.0" "multiprocess==0.70.18" \
-  "pydantic==2.14.4" "pydantic-core==2.50.5" "typing-inspection" "annotated-types"
+  "pydantic==2.14.4" "pydantic-core==2.50.5" "typing-inspection" "annotated-types" "trl==1.16.0"
 # Our own package, without dependencies, so the check imports it as installed.
 python3 -m pip wheel -q --no-deps -w .whl .
 du -sh .whl && ls .whl

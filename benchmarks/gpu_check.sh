@@ -19,3 +19,5 @@ timeout 120 python3 -m accelerate.commands.launch --config_file recipes/accelera
   --set train.sample_prompts=0 > "${OUT:-/tmp}/fsdp-check.log" 2>&1
 echo "fsdp-qlora 1 process: exit $? ($(grep -o 'eval loss: .*' "${OUT:-/tmp}/fsdp-check.log" | tail -1))"
 timeout 420 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
+# qlora_kit against the TRL + PEFT script on the GPU (benchmarks/vs_trl.py; writes results/vs-trl-gpu.md).
+timeout 150 python3 benchmarks/vs_trl.py --rounds 2 --steps 16 2>&1 | grep -A12 "^| comparison"

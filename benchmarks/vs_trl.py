@@ -260,7 +260,10 @@ def main() -> None:
         "every run its own process, round r with seed r (LoRA init, dropout and data order). Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
         "loss; defaults >= 1.5x trained tokens/s."
     )
-    write_result("vs-trl-cpu", "qlora_kit vs a TRL + PEFT script (CPU)", table, notes)
+    import torch
+
+    device = "gpu" if torch.cuda.is_available() else "cpu"
+    write_result(f"vs-trl-{device}", f"qlora_kit vs a TRL + PEFT script ({device.upper()})", table, notes)
 
 
 if __name__ == "__main__":
