@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -97,7 +98,7 @@ def project_commit() -> str | None:
 def machine() -> dict[str, Any]:
     import torch
 
-    info: dict[str, Any] = {"platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": _cpu_count()}
+    info: dict[str, Any] = {"platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count()}
     if torch.cuda.is_available():
         info["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
         info["cuda"] = torch.version.cuda
@@ -112,12 +113,6 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def _cpu_count() -> int | None:
-    import os
-
-    return os.cpu_count()
 
 
 def _config_hash(model_path: str, recipe: Recipe) -> str:
