@@ -101,23 +101,25 @@ def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
     return results
 
 
+def measured_cells(r: dict, base_time: float, ratio_digits: int) -> list[str]:
+    """Saved MiB, planner MiB (with its error), median step and the step's ratio to a baseline."""
+    saved, predicted = r["saved"].total, r["predicted"].total
+    return [
+        f"{saved / MIB:.1f}",
+        f"{predicted / MIB:.1f} ({predicted / saved - 1:+.1%})",
+        f"{r['time']:.2f}",
+        f"{r['time'] / base_time:.{ratio_digits}f}x",
+    ]
+
+
 def checkpointing_table(results: dict) -> tuple[str, str]:
     from qlora_kit.accounting import OUTSIDE
 
     base_time, base_saved = results["none"]["time"], results["none"]["saved"].total
     rows = []
     for name, r in results.items():
-        saved = r["saved"]
-        rows.append(
-            [
-                name,
-                f"{saved.total / MIB:.1f}",
-                f"{saved.total / base_saved:.3f}",
-                f"{r['predicted'].total / MIB:.1f} ({r['predicted'].total / saved.total - 1:+.1%})",
-                f"{r['time']:.2f}",
-                f"{r['time'] / base_time:.2f}x",
-            ]
-        )
+        saved, planned, step, ratio = measured_cells(r, base_time, ratio_digits=2)
+        rows.append([name, saved, f"{r['saved'].total / base_saved:.3f}", planned, step, ratio])
     full = results["full"]["saved"]
     c = 2  # bf16
     layers, hidden = SHAPE["num_hidden_layers"], SHAPE["hidden_size"]
@@ -138,19 +140,8 @@ def checkpointing_table(results: dict) -> tuple[str, str]:
 
 
 def loss_head_table(results: dict, vocab: int) -> tuple[str, str]:
-    rows = []
     plain, chunked = results["full, transformers loss"], results["full, chunked loss"]
-    for name, r in results.items():
-        saved = r["saved"]
-        rows.append(
-            [
-                name,
-                f"{saved.total / MIB:.1f}",
-                f"{r['predicted'].total / MIB:.1f} ({r['predicted'].total / saved.total - 1:+.1%})",
-                f"{r['time']:.2f}",
-                f"{r['time'] / plain['time']:.3f}x",
-            ]
-        )
+    rows = [[name, *measured_cells(r, plain["time"], ratio_digits=3)] for name, r in results.items()]
     layers, hidden, c = SHAPE["num_hidden_layers"], SHAPE["hidden_size"], 2
     chunk = chunked["recipe"].memory.loss_chunk_tokens
     n = BATCH * SEQ

@@ -153,7 +153,6 @@ class PhasePeaks:
     backward: int = 0
     optimizer: int = 0
     device_used: int = 0
-    samples: int = 0
 
     def as_dict(self) -> dict[str, float]:
         gib = 1024**3

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from qlora_kit import formats, tiny
 from qlora_kit.data_errors import DataError, diagnose_load_failure
 from qlora_kit.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
+from qlora_kit.recipe import FORMAT_FIELDS
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from qlora_kit.recipe import DataSection
 
 IGNORE_INDEX = formats.IGNORE_INDEX
-ALPACA_FRAMING = formats.ALPACA_FRAMING
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 __all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepare_datasets"]
@@ -159,7 +159,7 @@ def _quiet_datasets(progress: bool = True):
 def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
-    required = [n for n in formats.FIELDS[data.format] if n not in formats.OPTIONAL_FIELDS]
+    required = [n for n in FORMAT_FIELDS[data.format] if n not in formats.OPTIONAL_FIELDS]
     missing = [n for n in required if n not in rows.column_names]
     if missing:
         raise DataError(

@@ -22,8 +22,7 @@ ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
 
-# The fields each format reads; OPTIONAL_FIELDS may be absent or empty.
-FIELDS = FORMAT_FIELDS
+# Of the fields each format reads (recipe.FORMAT_FIELDS), these may be absent or empty.
 OPTIONAL_FIELDS = {"input"}
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 
@@ -40,7 +39,7 @@ class Segment:
 
 def render(row: dict[str, Any], fmt: str, tokenizer) -> list[Segment]:
     """The row as text segments; the response (or each assistant turn) is the trained part."""
-    for name in FIELDS[fmt]:
+    for name in FORMAT_FIELDS[fmt]:
         _check_field(row, name)
     if fmt == "alpaca":
         template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT

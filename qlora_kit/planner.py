@@ -290,12 +290,16 @@ class PolicyPlan:
 class Plan:
     shape: ModelShape
     weights: Weights
-    lora_grads: int
     optimizer_state: int
     optimizer_pageable: int
     batch: int
     seq: int
     policies: list[PolicyPlan] = field(default_factory=list)
+
+    @property
+    def lora_grads(self) -> int:
+        """LoRA gradients (fp32, one per parameter) exist during backward."""
+        return self.weights.lora
 
     def chosen(self, recipe: Recipe) -> PolicyPlan:
         return next(
@@ -337,7 +341,7 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     paged = recipe.optimizer.name.startswith("paged_")
     state = sum(state_bytes(v, eight_bit) for v in per_tensor)
     pageable = sum(state_bytes(v, eight_bit) for v in per_tensor if paged and v >= 100_000)
-    result = Plan(shape, weights, weights.lora, state, pageable, batch, seq)
+    result = Plan(shape, weights, state, pageable, batch, seq)
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
     if recipe.memory.checkpointing in ("none", "full"):
