@@ -28,9 +28,9 @@ MODES = {
 
 def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     """Text rows whose token counts spread from ~24 to ~240."""
-    from qlora_kit.tiny import _corpus
+    from qlora_kit.tiny import corpus_words
 
-    words = " ".join(_corpus([])).split()
+    words = corpus_words()
     rng = random.Random(seed)
     path = folder / "variable.jsonl"
     with path.open("w") as handle:

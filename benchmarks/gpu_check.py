@@ -1,21 +1,25 @@
-"""The GPU check: qlora_kit's memory figures on a real CUDA device, measured against the planner.
+"""The GPU check: qlora_kit's memory figures on a real CUDA device, through ``trainer.train()``.
 
-On a ~1B-parameter Llama built from a config (random weights, Llama-3's 128,256-token vocabulary so
-the loss head matters), loaded in 4-bit through the ordinary loading code:
+Every measurement is a real run of ``qlora_kit.pipeline.run`` — the code path of ``qlora-kit train``:
+accelerate's prepare, the device's mixed precision (bf16 autocast with fp32 output conversion on a
+bf16 GPU), the guards, the optimizer the recipe names — on a ~1B-parameter Llama built from a config
+(random weights, Llama-3's 128,256-token vocabulary so the loss head matters), loaded in 4-bit, on
+rows of exactly ``seq`` tokens:
 
 1. per checkpointing policy: peak allocated memory of forward, backward (with recompute) and the
    optimizer step, from the run's own MemoryMonitor, next to the planner's predicted peak;
-2. the chunked loss head on and off: forward and backward peaks;
-3. a long-sequence batch (1 x 8,192 tokens, full checkpointing) showing the recompute spike as the
-   backward peak over the forward peak;
+2. the chunked loss head on and off;
+3. a long-sequence batch (1 x 8,192 tokens, full checkpointing): the recompute spike is the backward
+   peak over the forward peak;
 4. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess (CUDA errors in
-   paged memory end the process): peak allocated, device memory used, step time.
+   paged memory end the process): peak allocated, device memory used, step time; the paged one is
+   then resumed from its checkpoint and reports how many state tensors went back to paged memory.
 
 Prints a table last and writes everything as JSON to $OUT (or ./gpu-check-out). ``--tiny`` runs the
 same code on a tiny model, on the CPU when there is no GPU: the test suite uses it so this script
 cannot rot between the sessions that have a GPU.
 
-    bash benchmarks/gpu_check.sh          # on the lent machine (it installs carried wheels first)
+    bash benchmarks/gpu_check.sh          # on the lent machine (doctor first, then this)
     python benchmarks/gpu_check.py --tiny # anywhere
 """
 
@@ -24,11 +28,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
+import random
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -44,6 +47,13 @@ FULL_SHAPE = {
     "max_position_embeddings": 8192,
 }
 TINY_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "vocab_size": 4096}
+POLICIES = [
+    {"checkpointing": "none"},
+    {"checkpointing": "every_n", "every_n": 2},
+    {"checkpointing": "full"},
+    {"checkpointing": "full", "chunked_loss": False},
+    {"checkpointing": "full", "offload_activations": True},
+]
 
 
 def versions() -> dict[str, str]:
@@ -66,135 +76,104 @@ def model_folder(tiny: bool) -> Path:
     return builtin.ensure_tiny_model("tiny-llama", **(TINY_SHAPE if tiny else FULL_SHAPE))
 
 
-def setup(
-    folder: Path, memory: dict, optimizer: str = "paged_adamw_8bit", rank: int = 16, out: Path | None = None
-):
-    from qlora_kit import Recipe, adapters, data, model
-    from qlora_kit import memory as policy
-    from qlora_kit.trainer_setup import build_trainer
+def text_rows(folder: Path, seq: int, rows: int) -> Path:
+    """Rows of plain text longer than ``seq`` tokens: truncated, each is exactly ``seq`` tokens."""
+    from qlora_kit.tiny import corpus_words
 
-    recipe = Recipe.from_dict(
-        {
-            "model": {"path": str(folder)},
-            "memory": memory,
-            "lora": {"rank": rank},
-            "optimizer": {"name": optimizer},
-            "data": {"packing": False},
-            "train": {"output_dir": str(out or tempfile.mkdtemp()), "max_steps": 1000},
-        }
-    )
-    base = model.load_base_model(recipe.model, recipe.quant)
-    policy.enable_checkpointing(base, recipe.memory)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    tokenizer = model.load_tokenizer(recipe.model)
-    prepared = data.prepare_datasets(Recipe().data, tokenizer, 0)
-    trainer = build_trainer(
-        recipe, peft_model, tokenizer, prepared.train, None, Path(recipe.train.output_dir)
-    )
-    trainer.create_optimizer()
-    trainer.current_gradient_accumulation_steps = 1
-    return recipe, trainer
+    words, rng = corpus_words(), random.Random(0)
+    path = folder / f"text-{seq}.jsonl"
+    with path.open("w", encoding="utf-8") as handle:
+        for _ in range(rows):
+            handle.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq))}) + "\n")
+    return path
 
 
-def run_steps(trainer, vocab: int, batch: int, seq: int, steps: int) -> list[float]:
-    device = trainer.model.device
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    times = []
-    for _ in range(steps):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        trainer.training_step(trainer.model, {"input_ids": ids, "labels": ids.clone()})
-        trainer.callback_handler.on_pre_optimizer_step(trainer.args, trainer.state, trainer.control)
-        trainer.optimizer.step()
-        trainer.callback_handler.on_optimizer_step(trainer.args, trainer.state, trainer.control)
-        trainer.optimizer.zero_grad(set_to_none=True)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return times
+def recipe_for(folder: Path, data: Path, memory: dict, batch: int, seq: int, steps: int, **more):
+    from qlora_kit import Recipe
+
+    values = {
+        "model": {"path": str(folder)},
+        "memory": memory,
+        "data": {"path": str(data), "format": "text", "max_seq_len": seq, "packing": False},
+        "train": {
+            "output_dir": tempfile.mkdtemp(prefix="gpu-check-"),
+            "max_steps": steps,
+            "micro_batch_size": batch,
+            "logging_steps": 1,
+        },
+    }
+    for key, value in more.items():
+        section, _, field = key.partition("__")
+        values.setdefault(section, {})[field] = value
+    return Recipe.from_dict(values)
 
 
-def policy_rows(folder: Path, vocab: int, batch: int, seq: int, steps: int) -> list[dict]:
+def train(recipe, resume: str | None = None) -> dict:
+    """One real run (``qlora-kit train``'s code path); its memory summary and tokens/s."""
+    from qlora_kit.pipeline import run
+
+    result = run(recipe, resume=resume or False, overwrite=resume is None)
+    usage = dict(result.memory)
+    del result
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return usage
+
+
+def policy_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[dict]:
     from qlora_kit.planner import plan, policy_name
 
     rows = []
-    settings = [
-        {"checkpointing": "none"},
-        {"checkpointing": "every_n", "every_n": 2},
-        {"checkpointing": "full"},
-        {"checkpointing": "full", "chunked_loss": False},
-        {"checkpointing": "full", "offload_activations": True},
-    ]
-    for memory in settings:
-        recipe, trainer = setup(folder, memory)
-        times = run_steps(trainer, vocab, batch, seq, steps)
-        monitor = trainer.memory_monitor
-        predicted = plan(recipe, batch=batch, seq=seq, device="cuda" if torch.cuda.is_available() else "cpu")
-        chosen = next(
-            p
-            for p in predicted.policies
-            if p.policy == policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
-        )
-        measured = max(monitor.peaks.forward, monitor.peaks.backward, monitor.peaks.optimizer)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    for memory in POLICIES:
+        recipe = recipe_for(folder, data, memory, batch, seq, steps)
+        usage = train(recipe)
+        chosen = plan(recipe, batch=batch, seq=seq, device=device).chosen(recipe)
         label = policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
         label += "" if recipe.memory.chunked_loss else " (full logits)"
         label += " + offload" if recipe.memory.offload_activations else ""
+        peaks = [usage.get(f"peak_{phase}_gib", 0.0) for phase in ("forward", "backward", "optimizer")]
         rows.append(
             {
                 "setting": label,
-                "forward_gib": monitor.peaks.forward / GIB,
-                "backward_gib": monitor.peaks.backward / GIB,
-                "optimizer_gib": monitor.peaks.optimizer / GIB,
+                "forward_gib": peaks[0],
+                "backward_gib": peaks[1],
+                "optimizer_gib": peaks[2],
+                "measured_peak_gib": max(peaks),
                 "predicted_peak_gib": chosen.peak / GIB,
-                "measured_peak_gib": measured / GIB,
-                "saved_mib": monitor.largest.total / 2**20,
+                "saved_mib": usage["saved_mib"],
                 "predicted_saved_mib": chosen.activations / 2**20,
-                "step_s": statistics.median(times[1:] or times),
+                "step_s": batch * seq / usage["tokens_per_s"],
             }
         )
-        del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
     return rows
 
 
-def optimizer_child(folder: str, optimizer: str, vocab: int, batch: int, seq: int, steps: int) -> None:
-    """Run in a subprocess: one optimizer's peak and step time, printed as JSON."""
-    _, trainer = setup(Path(folder), {"checkpointing": "full"}, optimizer=optimizer, rank=64)
-    times = run_steps(trainer, vocab, batch, seq, steps)
-    peaks = trainer.memory_monitor.peaks
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "optimizer": optimizer,
-                "peak_allocated_gib": max(peaks.forward, peaks.backward, peaks.optimizer) / GIB,
-                "device_used_gib": peaks.device_used / GIB,
-                "step_s": statistics.median(times[1:] or times),
-            }
-        )
-    )
+def optimizer_child(folder: str, data: str, optimizer: str, batch: int, seq: int, steps: int) -> None:
+    """In a subprocess: one optimizer's peak, step time and, resumed, how many tensors page again."""
+    settings = {"optimizer__name": optimizer, "lora__rank": 64, "train__save_steps": steps}
+    recipe = recipe_for(Path(folder), Path(data), {"checkpointing": "full"}, batch, seq, steps, **settings)
+    usage = train(recipe)
+    checkpoint = Path(recipe.train.output_dir) / f"checkpoint-{steps}"
+    resumed = train(recipe.with_overrides({"train.max_steps": steps + 1}), resume=str(checkpoint))
+    result = {
+        "optimizer": optimizer,
+        "peak_allocated_gib": max(
+            usage.get(f"peak_{p}_gib", 0.0) for p in ("forward", "backward", "optimizer")
+        ),
+        "device_used_gib": usage.get("device_used_gib", 0.0),
+        "step_s": batch * seq / usage["tokens_per_s"],
+        "repaged_after_resume": resumed.get("repaged_optimizer_tensors", 0),
+    }
+    print("RESULT " + json.dumps(result))
 
 
-def optimizer_rows(folder: Path, vocab: int, batch: int, seq: int, steps: int) -> list[dict]:
+def optimizer_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[dict]:
     rows = []
     for optimizer in ("paged_adamw_8bit", "adamw_8bit"):
+        command = [sys.executable, __file__, "--child", str(folder), str(data), optimizer]
         child = subprocess.run(
-            [
-                sys.executable,
-                __file__,
-                "--child",
-                str(folder),
-                optimizer,
-                str(vocab),
-                str(batch),
-                str(seq),
-                str(steps),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
+            [*command, str(batch), str(seq), str(steps)], capture_output=True, text=True, timeout=300
         )
         line = next((ln for ln in child.stdout.splitlines() if ln.startswith("RESULT ")), None)
         rows.append(json.loads(line[7:]) if line else {"optimizer": optimizer, "error": child.stderr[-500:]})
@@ -207,33 +186,32 @@ def main() -> None:
     parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        folder, optimizer, vocab, batch, seq, steps = args.child
-        optimizer_child(folder, optimizer, int(vocab), int(batch), int(seq), int(steps))
+        folder, data, optimizer, batch, seq, steps = args.child
+        optimizer_child(folder, data, optimizer, int(batch), int(seq), int(steps))
         return
     out = Path(os.environ.get("OUT", "gpu-check-out"))
     out.mkdir(parents=True, exist_ok=True)
     report = {"versions": versions()}
     print(json.dumps(report["versions"]), flush=True)
     folder = model_folder(args.tiny)
-    vocab = (TINY_SHAPE if args.tiny else FULL_SHAPE)["vocab_size"]
-    batch, seq, steps = (2, 64, 2) if args.tiny else (4, 2048, 4)
-    report["policies"] = policy_rows(folder, vocab, batch, seq, steps)
+    batch, seq, steps = (2, 64, 3) if args.tiny else (4, 2048, 4)
     long_seq = 256 if args.tiny else 8192
-    report["long_sequence"] = policy_rows_long(folder, vocab, long_seq, steps)
-    report["optimizers"] = optimizer_rows(folder, vocab, batch, seq, steps)
+    rows_folder = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
+    data, long_data = text_rows(rows_folder, seq, 64), text_rows(rows_folder, long_seq, 8)
+    report["policies"] = policy_rows(folder, data, batch, seq, steps)
+    long_usage = train(recipe_for(folder, long_data, {"checkpointing": "full"}, 1, long_seq, steps))
+    report["long_sequence"] = {
+        "seq": long_seq,
+        "forward_gib": long_usage.get("peak_forward_gib", 0.0),
+        "backward_gib": long_usage.get("peak_backward_gib", 0.0),
+    }
+    report["optimizers"] = optimizer_rows(folder, data, batch, seq, steps)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
     print_table(report, batch, seq, long_seq)
 
 
-def policy_rows_long(folder: Path, vocab: int, seq: int, steps: int) -> dict:
-    _, trainer = setup(folder, {"checkpointing": "full"})
-    run_steps(trainer, vocab, 1, seq, steps)
-    peaks = trainer.memory_monitor.peaks
-    return {"seq": seq, "forward_gib": peaks.forward / GIB, "backward_gib": peaks.backward / GIB}
-
-
 def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
-    print(f"\n{report['versions']['device']}: batch {batch} x {seq} tokens")
+    print(f"\n{report['versions']['device']}: batch {batch} x {seq} tokens, through trainer.train()")
     print(
         f"{'setting':34} {'fwd':>7} {'bwd':>7} {'optim':>7} {'peak':>7} {'planned':>8} {'saved MiB':>10} {'planned':>8} {'step s':>7}"
     )
@@ -253,7 +231,8 @@ def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
         else:
             print(
                 f"{r['optimizer']:18} r=64: peak allocated {r['peak_allocated_gib']:.2f} GiB, "
-                f"device used {r['device_used_gib']:.2f} GiB, step {r['step_s']:.3f} s"
+                f"device used {r['device_used_gib']:.2f} GiB, step {r['step_s']:.3f} s, "
+                f"re-paged after resume: {r['repaged_after_resume']} tensors"
             )
 
 

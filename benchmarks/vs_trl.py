@@ -41,9 +41,9 @@ BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0  # SEED: the data; each round trains 
 
 def make_dataset(folder: Path, rows: int = 1024) -> Path:
     """prompt/completion rows whose lengths vary about 10x (20 to 220 tokens)."""
-    from qlora_kit.tiny import _corpus
+    from qlora_kit.tiny import corpus_words
 
-    words = " ".join(_corpus([])).split()
+    words = corpus_words()
     rng = random.Random(SEED)
     path = folder / "prompt-completion.jsonl"
     with path.open("w") as handle:

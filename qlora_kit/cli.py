@@ -278,6 +278,25 @@ def merge(
     console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
 
 
+@app.command()
+@user_errors
+def doctor(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Also plan this recipe against the device's free memory.")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Prove this machine: versions, device, a short real training run on it, reload, merge; exit 1 on a failure."""
+    _configure_logging()
+    from qlora_kit.doctor import diagnose
+
+    resolved = load_recipe(recipe, set_) if recipe is not None else None
+    checks = diagnose(resolved)
+    views.show_doctor(console, checks)
+    if not all(check.ok for check in checks):
+        raise typer.Exit(1)
+
+
 def _configure_logging() -> None:
     import warnings
 

@@ -11,6 +11,13 @@ recomputes the chunk's logits, so one chunk of logits exists at a time.
 The forward pass still runs through the model's own forward (with an identity in place of the head),
 so wrappers such as DDP see it and all-reduce the gradients.
 
+On a GPU the Trainer runs the forward pass under accelerate's autocast and converts its outputs to
+fp32 on the way out, while ``compute_loss`` runs outside autocast. So the hidden states come back in
+fp32 next to a bf16 head: they are cast back to the head's dtype before they are kept (fp32 copies
+would double what the head keeps), and the chunks run under the same autocast as the forward pass
+(``autocast``, the Trainer's ``accelerator.autocast``), which makes the loss equal transformers' own
+under autocast.
+
 Nothing in transformers, peft or PyTorch does this on every device: Liger's and Apple's
 cut-cross-entropy fused kernels are CUDA/Triton only. This stays plain PyTorch (about twenty lines)
 and works with any output head module, LoRA on ``lm_head`` included, with packing, and under
@@ -20,6 +27,9 @@ exactly as transformers' ``ForCausalLMLoss`` divides it.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -43,11 +53,13 @@ def chunked_lm_loss(
     chunk_tokens: int,
     num_items_in_batch: torch.Tensor | int | None = None,
     causal_lm=None,
+    autocast: Callable[[], AbstractContextManager] = contextlib.nullcontext,
 ) -> torch.Tensor:
     """Next-token cross-entropy of ``model`` on ``inputs`` (with labels), computed chunk by chunk.
 
     ``model`` is what the forward pass runs through (the peft model, or its DDP wrapper, whose forward
-    must run for gradients to be all-reduced); ``causal_lm`` the transformers model inside it.
+    must run for gradients to be all-reduced); ``causal_lm`` the transformers model inside it;
+    ``autocast`` the mixed-precision context the forward pass ran under.
     """
     causal_lm = causal_lm if causal_lm is not None else model.get_base_model()
     labels = inputs["labels"]
@@ -62,14 +74,17 @@ def chunked_lm_loss(
         causal_lm.set_output_embeddings(head)
     targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
     trained = targets != IGNORE_INDEX
-    kept_hidden = hidden[:, :-1][trained]  # (n, H): only positions whose next token is trained
+    # (n, H): only positions whose next token is trained, in the head's dtype (a lossless cast back when
+    # accelerate converted bf16 outputs to fp32)
+    kept_hidden = hidden[:, :-1][trained].to(head.weight.dtype)
     kept_targets = targets[trained]  # (n,)
     total = hidden[..., :1].sum().float() * 0.0  # stays in the graph when no token is trained
-    for start in range(0, kept_targets.numel(), chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(
-            _chunk_loss, head, kept_hidden[start:end], kept_targets[start:end], use_reentrant=False
-        )
+    with autocast():  # torch's checkpoint records it and recomputes each chunk under it
+        for start in range(0, kept_targets.numel(), chunk_tokens):
+            end = start + chunk_tokens
+            total = total + checkpoint(
+                _chunk_loss, head, kept_hidden[start:end], kept_targets[start:end], use_reentrant=False
+            )
     denominator = num_items_in_batch if num_items_in_batch is not None else max(kept_targets.numel(), 1)
     return total / denominator
 

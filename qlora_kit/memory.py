@@ -96,6 +96,38 @@ def optimizer_class_and_kwargs(optimizer: OptimizerSection) -> tuple[type, dict[
     return getattr(bnb.optim, class_name), kwargs
 
 
+def repage_optimizer_state(optimizer) -> int:
+    """Move a resumed paged optimizer's state back into paged (unified) memory; returns how many tensors.
+
+    The Trainer loads optimizer.pt onto the CPU and bitsandbytes' ``load_state_dict`` moves each state
+    tensor to its parameter's device as an ordinary CUDA tensor (``Optimizer8bit.load_state_dict``), so
+    after ``--resume`` a paged optimizer would page nothing. Each such tensor is copied into a buffer
+    from the optimizer's own ``get_state_buffer``, which pages exactly what a fresh run pages (CUDA
+    parameters of >= 100,000 elements); on a CPU nothing is paged and nothing changes.
+    """
+    inner = getattr(optimizer, "optimizer", optimizer)  # accelerate's AcceleratedOptimizer wraps it
+    if not getattr(inner, "is_paged", False):
+        return 0
+    moved = 0
+    for group in inner.param_groups:
+        for param in group["params"]:
+            state = inner.state.get(param, {})
+            for key in ("state1", "state2"):
+                value = state.get(key)
+                if value is None or getattr(value, "is_paged", False) or value.shape != param.shape:
+                    continue
+                buffer = inner.get_state_buffer(param, dtype=value.dtype)
+                if getattr(buffer, "is_paged", False):
+                    buffer.copy_(value)
+                    state[key] = buffer
+                    moved += 1
+    if moved:
+        import torch
+
+        torch.cuda.empty_cache()  # the ordinary copies just replaced
+    return moved
+
+
 def _has_cuda() -> bool:
     import torch
 

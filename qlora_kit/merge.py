@@ -111,28 +111,54 @@ def _export(recipe: Recipe, adapter_dir: Path, folder: Path, base: str) -> None:
 
 
 def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: int = DRIFT_PROMPTS) -> Drift:
-    """KL and top-1 agreement between 4-bit base + adapter and the merged model on held-out text."""
+    """KL and top-1 agreement between 4-bit base + adapter and the merged model on held-out text.
+
+    One model on the device at a time (a 16-bit 8B model and its 4-bit twin would not both fit a 24 GB
+    GPU): the trained model's log-probabilities are kept on the host, then the merged model is loaded
+    onto the same device and compared with them. Every input goes to the device of its model.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
-    merged = AutoModelForCausalLM.from_pretrained(
-        merged_dir, dtype=getattr(torch, recipe.quant.compute_dtype)
-    )
     texts = _held_out_texts(recipe, tokenizer, prompts)
+    batches = [tokenizer(text, return_tensors="pt")["input_ids"] for text in texts]
+    references = _log_probs(trained, batches)
+    del trained
+    _free_device_memory()
+    merged = AutoModelForCausalLM.from_pretrained(
+        merged_dir, dtype=getattr(torch, recipe.quant.compute_dtype), device_map=model.device_map()
+    )
+    candidates = _log_probs(merged, batches)
     kl_sum, agree, positions = 0.0, 0, 0
-    trained.eval()
-    merged.eval()
-    with torch.no_grad():
-        for text in texts:
-            ids = tokenizer(text, return_tensors="pt")["input_ids"]
-            reference = torch.log_softmax(trained(input_ids=ids).logits.float()[0], dim=-1)  # (T, V)
-            candidate = torch.log_softmax(merged(input_ids=ids).logits.float()[0], dim=-1)
-            kl = torch.nn.functional.kl_div(candidate, reference, log_target=True, reduction="none").sum(-1)
-            kl_sum += float(kl.sum())
-            agree += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
-            positions += ids.shape[1]
+    for reference, candidate in zip(references, candidates, strict=True):
+        kl = torch.nn.functional.kl_div(candidate, reference, log_target=True, reduction="none").sum(-1)
+        kl_sum += float(kl.sum())
+        agree += int((reference.argmax(-1) == candidate.argmax(-1)).sum())
+        positions += reference.shape[0]
     return Drift(mean_kl=kl_sum / positions, top1_agreement=agree / positions, positions=positions)
+
+
+def _log_probs(lm, batches: list) -> list:
+    """Next-token log-probabilities (T, V) of each batch of ids, in fp32 on the host."""
+    import torch
+
+    lm.eval()
+    with torch.no_grad():
+        return [
+            torch.log_softmax(lm(input_ids=ids.to(lm.device)).logits.float()[0], dim=-1).cpu()
+            for ids in batches
+        ]
+
+
+def _free_device_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _held_out_texts(recipe: Recipe, tokenizer, count: int) -> list[str]:

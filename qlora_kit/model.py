@@ -70,7 +70,7 @@ def load_base_model(
         dtype=getattr(torch, quant.compute_dtype),
         # FSDP places and shards the model itself (rank 0 loads, the others receive); without FSDP each
         # process puts its whole copy on its own device.
-        device_map=None if fsdp else _device_map(),
+        device_map=None if fsdp else device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
     )
@@ -79,7 +79,8 @@ def load_base_model(
     return base
 
 
-def _device_map() -> dict[str, int | str]:
+def device_map() -> dict[str, int | str]:
+    """The whole model on this process's GPU (its local rank under a multi-process launch), else the CPU."""
     import torch
 
     if torch.cuda.is_available():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,11 +29,19 @@ class MemoryMonitor(TrainerCallback):
         self.largest: SavedBytes | None = None  # over the whole run
         self.peaks = PhasePeaks()
         self.run_peaks = PhasePeaks()
+        self.tokens = 0  # input positions of training forward passes, for tokens/s
+        self.first_forward: float | None = None
+        self.last_backward: float | None = None
 
     # Called by the Trainer subclass around each training forward and backward pass.
     def phase_started(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
+
+    def count_tokens(self, inputs: dict[str, Any]) -> None:
+        self.tokens += inputs["input_ids"].numel()  # a shape, not a value: no device sync
+        if self.first_forward is None:
+            self.first_forward = time.perf_counter()
 
     def forward_done(self, saved: SavedBytes) -> None:
         self.window.append(saved)
@@ -43,6 +52,7 @@ class MemoryMonitor(TrainerCallback):
             torch.cuda.reset_peak_memory_stats()
 
     def backward_done(self) -> None:
+        self.last_backward = time.perf_counter()
         if self.cuda:
             self.peaks.backward = max(self.peaks.backward, torch.cuda.max_memory_allocated())
 
@@ -84,6 +94,9 @@ class MemoryMonitor(TrainerCallback):
             "saved_mib_head": self.largest.per_layer.get(OUTSIDE, 0) / MIB,
             "saved_mib_layers": [v / MIB for v in layers],
         }
+        if self.first_forward is not None and self.last_backward is not None:
+            seconds = max(self.last_backward - self.first_forward, 1e-9)
+            result |= {"tokens_per_s": self.tokens / seconds, "train_seconds": seconds}
         if self.cuda:
             result |= self.run_peaks.as_dict()
         return result

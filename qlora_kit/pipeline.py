@@ -30,6 +30,7 @@ from qlora_kit.outputs import (
     staging_dir,
     truncate_metrics,
 )
+from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.trainer_setup import build_trainer
 
 if TYPE_CHECKING:
@@ -67,16 +68,19 @@ def run(
     overwrite: bool = False,
     resume: bool | str | Path = False,
     callbacks: list | None = None,
+    guards: bool = True,
 ) -> TrainResult:
     """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``.
 
     ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
     checkpoint. ``callbacks`` are extra ``transformers.TrainerCallback`` objects for the Trainer.
+    ``guards=False`` drops the loss and gradient guards (for measuring what they cost; never for a run).
     """
     from transformers import set_seed
 
     recipe.check_paths()
     _check_launch(recipe)
+    resolve_mixed_precision(recipe)  # a precision this machine cannot run is refused before any work
     ranks = Ranks()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
@@ -114,14 +118,20 @@ def run(
             prepared.val,
             output_dir,
             [stopper, *(callbacks or [])],
+            guards=guards,
         )
         _train(trainer, stopper, peft_model, checkpoint, output_dir)
+        # Take accelerate's autocast wrapper off the model's forward: the model handed back computes as
+        # it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
+        trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
         _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
         if ranks.is_main:
             write_manifest(output_dir, manifest | {"finished_at": _now(), "steps": trainer.state.global_step})
         ranks.barrier()
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     usage = trainer.memory_monitor.summary()
+    if checkpoint is not None:
+        usage["repaged_optimizer_tensors"] = trainer.repaged_tensors
     if ranks.is_main:
         _log_memory(usage)
         log.info("adapter, tokenizer and recipe written to %s", output_dir)
@@ -166,7 +176,7 @@ def _prepare_folder(
 def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, output_dir: Path) -> None:
     stopper.install()
     try:
-        if checkpoint is not None and _finished_training(checkpoint):
+        if checkpoint is not None and _finished_training(checkpoint, trainer.args.max_steps):
             _load_checkpoint_adapter(peft_model, checkpoint)
             trainer.state.global_step = _step_of(checkpoint)
         else:
@@ -205,13 +215,16 @@ def _output_bytes(peft_model, recipe: Recipe) -> int:
     return 2 * (2 * adapter + state) + 64 * 2**20
 
 
-def _finished_training(checkpoint: Path) -> bool:
+def _finished_training(checkpoint: Path, max_steps: int) -> bool:
     """The checkpoint is the run's last step (a kill hit the final save). Resuming the Trainer from there
-    would train one step too many (transformers 5.24 restarts the epoch's remaining batches)."""
+    would train one step too many (transformers 5.24 restarts the epoch's remaining batches).
+    ``max_steps``: this run's (-1: by epochs, as the checkpoint's run counted them), so a resume that
+    raises train.max_steps trains on."""
     import json
 
     state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
-    return state["global_step"] >= state.get("max_steps", float("inf"))
+    last = max_steps if max_steps > 0 else state.get("max_steps", float("inf"))
+    return state["global_step"] >= last
 
 
 def _load_checkpoint_adapter(peft_model, checkpoint: Path) -> None:
@@ -280,8 +293,8 @@ def _log_optimizer_state(peft_model, recipe: Recipe) -> None:
 
 
 def _log_memory(usage: dict[str, Any]) -> None:
-    if not usage:
-        return
+    if "saved_mib" not in usage:
+        return  # no training step ran
     layers = usage["saved_mib_layers"]
     log.info(
         "memory: at most %.1f MiB saved for backward (head %.1f MiB; decoder layers %.1f-%.1f MiB each)",

@@ -182,6 +182,8 @@ class TrainSection(Section):
     """After training, print this many validation prompts answered before and after fine-tuning."""
     fsdp: bool = False
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
+    mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
+    """Autocast of the forward pass: auto (on a GPU: bf16, or fp16 for compute_dtype float16; no on a CPU), bf16, fp16 (GPU only, with a gradient scaler) or no."""
 
 
 class Recipe(Section):
@@ -211,6 +213,18 @@ class Recipe(Section):
             raise ValueError(
                 "memory.chunked_loss: set it to false with train.fsdp (the chunked head runs outside FSDP's "
                 "forward, where the sharded head's weights are not gathered)"
+            )
+        autocast = {"bf16": "bfloat16", "fp16": "float16"}.get(self.train.mixed_precision)
+        if autocast and self.quant.compute_dtype not in (autocast, "float32"):
+            raise ValueError(
+                f"train.mixed_precision: {self.train.mixed_precision} autocast with quant.compute_dtype "
+                f"{self.quant.compute_dtype} casts every layer twice; use {autocast} for both (or auto)"
+            )
+        if self.quant.bits == 4 and self.lora.init in ("pissa", "olora"):
+            raise ValueError(
+                f"lora.init: {self.lora.init} needs full-precision base weights (it subtracts the adapter's "
+                "start from them): peft's PiSSA refuses 4-bit storage and OLoRA quantizes the weights a second "
+                "time, so the adapter no longer fits your base; use default or gaussian, or quant.bits: 16"
             )
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")

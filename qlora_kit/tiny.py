@@ -164,6 +164,11 @@ def build_tokenizer():
     )
 
 
+def corpus_words() -> list[str]:
+    """The words of the demo data, for benchmarks that need text the builtin tokenizer knows."""
+    return " ".join(_corpus([])).split()
+
+
 def _corpus(framing: list[str]) -> list[str]:
     texts = list(framing)
     for path in DEMO_DATASETS["demo-facts"]:

@@ -5,16 +5,16 @@ Imported only when a run starts (transformers is heavy), so it imports transform
 
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from transformers import Trainer
-from transformers.trainer_utils import get_last_checkpoint
 
 from qlora_kit import data, memory
 from qlora_kit.accounting import SavedTensors
-from qlora_kit.guards import GradientGuard, check_loss
+from qlora_kit.guards import TrainingGuard
 from qlora_kit.loss_head import chunked_lm_loss, supports_chunked_loss
 from qlora_kit.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.outputs import move_into_place, staging_dir
@@ -22,10 +22,13 @@ from qlora_kit.outputs import move_into_place, staging_dir
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
 
+log = logging.getLogger(__name__)
+
 SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
 
 
-def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool):
+def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str):
+    """The Trainer's arguments; ``precision`` is the resolved mixed precision (bf16, fp16 or no)."""
     import torch
     from transformers import TrainingArguments
 
@@ -52,15 +55,40 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool):
         train_sampling_strategy="group_by_length" if recipe.data.group_by_length else "random",
         seed=train.seed,
         data_seed=train.seed,
-        # bf16 autocast on GPUs (the QLoRA setting); on CPUs the 4-bit layers already compute in
-        # quant.compute_dtype and the fp32 LoRA matrices are faster without autocast's casts.
-        bf16=recipe.quant.compute_dtype == "bfloat16" and torch.cuda.is_available(),
-        fp16=recipe.quant.compute_dtype == "float16" and torch.cuda.is_available(),
+        # accelerate's autocast and fp32 output conversion, on a CPU as on a GPU (precision.py)
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        # The Trainer's default for a PeftModel is True: a graph walk every step, and with LoRA on
+        # lm_head under the chunked loss head (applied outside the forward) a crash. Every LoRA
+        # parameter gets a gradient each step, so DDP needs no search.
+        ddp_find_unused_parameters=False,
+        # Its check reads the loss on the host after every micro-batch (a GPU sync); the loss guard
+        # already stops a run at a non-finite loss, before anything is logged (guards.py).
+        logging_nan_inf_filter=False,
         label_names=["labels"],  # peft's wrapper hides the signature the Trainer infers this from
         report_to="none",  # tensorboard is attached below with a fixed folder
         dataloader_pin_memory=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
     )
+
+
+def pin_to_one_device(args) -> None:
+    """One process sees several GPUs: train on the first, as the recipe's batch says.
+
+    The Trainer would multiply the batch by every visible GPU (``n_gpu``) while the 4-bit model sits on
+    GPU 0 alone (bitsandbytes models are never wrapped in DataParallel): a bigger batch than the
+    recipe's and an OOM risk. transformers does the same for model-parallel models (Trainer.__init__).
+    """
+    from transformers.training_args import ParallelMode
+
+    if args.n_gpu > 1 and args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
+        log.warning(
+            "%d GPUs visible to one process: training on GPU 0 only. For all of them, launch one process "
+            "per GPU: accelerate launch --num_processes %d -m qlora_kit train RECIPE",
+            args.n_gpu,
+            args.n_gpu,
+        )
+        args._n_gpu = 1
 
 
 class GuardedTrainer(Trainer):
@@ -69,12 +97,14 @@ class GuardedTrainer(Trainer):
     forward pass saves for backward (accounting.py)."""
 
     chunk_tokens: int | None = None  # None: transformers' own loss
+    guard: TrainingGuard | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
             return self._loss(model, inputs, return_outputs, num_items_in_batch)
         counter = SavedTensors(model)
         self.memory_monitor.phase_started()
+        self.memory_monitor.count_tokens(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
@@ -84,7 +114,14 @@ class GuardedTrainer(Trainer):
         if self.chunk_tokens is None or return_outputs:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         causal_lm = self.accelerator.unwrap_model(model).get_base_model()
-        loss = chunked_lm_loss(model, inputs, self.chunk_tokens, num_items_in_batch, causal_lm=causal_lm)
+        loss = chunked_lm_loss(
+            model,
+            inputs,
+            self.chunk_tokens,
+            num_items_in_batch,
+            causal_lm=causal_lm,
+            autocast=self.accelerator.autocast,
+        )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             # Trainer.compute_loss scales the models' own loss the same way: num_items_in_batch is the
             # count over all processes, while DDP averages the gradients over processes.
@@ -113,20 +150,43 @@ class GuardedTrainer(Trainer):
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Overridden (a private method; transformers is pinned <6 for it) so a resumed paged optimizer
+        # pages again: loading its state makes ordinary CUDA tensors of it (memory.repage_optimizer_state).
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is not None:
+            self.repaged_tensors = memory.repage_optimizer_state(self.optimizer)
+
+    repaged_tensors = 0
+
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.memory_monitor.backward_done()
-        check_loss(loss, self.state.global_step + 1, get_last_checkpoint(self.args.output_dir))
+        if self.guard is not None:
+            self.guard.record_loss(loss)
         return loss
 
 
 def build_trainer(
-    recipe: Recipe, peft_model, tokenizer, train_set, val_set, output_dir: Path, callbacks: list | None = None
+    recipe: Recipe,
+    peft_model,
+    tokenizer,
+    train_set,
+    val_set,
+    output_dir: Path,
+    callbacks: list | None = None,
+    guards: bool = True,
 ) -> GuardedTrainer:
+    """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost)."""
     from accelerate import PartialState
     from transformers.integrations import TensorBoardCallback
 
-    args = training_arguments(recipe, output_dir, has_eval=val_set is not None)
+    from qlora_kit.precision import resolve_mixed_precision
+
+    precision = resolve_mixed_precision(recipe)
+    args = training_arguments(recipe, output_dir, has_eval=val_set is not None, precision=precision)
+    pin_to_one_device(args)
+    guard = TrainingGuard(peft_model) if guards else None
     main = PartialState().is_main_process  # set up by distributed.Ranks at the start of the run
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
@@ -141,13 +201,14 @@ def build_trainer(
         callbacks=[
             monitor,  # first: it adds the memory figures to the logs the next two write
             metrics_log,
-            GradientGuard(peft_model),
+            *([guard] if guard is not None else []),
             *([TensorBoardCallback(_summary_writer(output_dir / "tensorboard"))] if main else []),
             *(callbacks or []),
         ],
     )
     trainer.metrics_log = metrics_log
     trainer.memory_monitor = monitor
+    trainer.guard = guard
     if recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model()):
         trainer.chunk_tokens = recipe.memory.loss_chunk_tokens
     return trainer

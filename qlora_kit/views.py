@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from rich.console import Console
 
     from qlora_kit.data_report import DataView
+    from qlora_kit.doctor import Check
     from qlora_kit.pipeline import TrainResult
     from qlora_kit.planner import Plan
     from qlora_kit.recipe import Recipe
@@ -105,3 +106,20 @@ def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
             value = results[key]
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
     console.print(table)
+
+
+def show_doctor(console: Console, checks: list[Check]) -> None:
+    table = Table(title="qlora-kit doctor")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for check in checks:
+        table.add_row(check.name, "[green]pass[/]" if check.ok else "[bold red]FAIL[/]", check.detail)
+    console.print(table)
+    failed = [check.name for check in checks if not check.ok]
+    console.print(
+        f"[bold red]{len(failed)} failed:[/] {', '.join(failed)}"
+        if failed
+        else "[green]all checks passed[/]",
+        highlight=False,
+    )

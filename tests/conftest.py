@@ -31,13 +31,19 @@ def quick_recipe(output_dir: Path, **overrides):
     return Recipe.from_yaml(DEMO, overrides=values)
 
 
-@pytest.fixture(scope="session")
-def trained_run(tmp_path_factory):
-    """One short real training run (30 steps on the tiny Llama) shared by read-only tests."""
+# The Trainer's two code paths: no autocast (the CPU's default), and bf16 autocast with fp32 output
+# conversion through accelerate (every bf16 GPU's default), which the CPU runs too.
+PRECISIONS = ["no", "bf16"]
+
+
+@pytest.fixture(scope="session", params=PRECISIONS)
+def trained_run(request, tmp_path_factory):
+    """One short real training run (30 steps on the tiny Llama) per precision, shared by read-only tests."""
     from qlora_kit import train
 
-    out = tmp_path_factory.mktemp("run") / "out"
-    return train(quick_recipe(out, **{"train.max_steps": 30, "train.logging_steps": 5}))
+    out = tmp_path_factory.mktemp(f"run-{request.param}") / "out"
+    settings = {"train.max_steps": 30, "train.logging_steps": 5, "train.mixed_precision": request.param}
+    return train(quick_recipe(out, **settings))
 
 
 @pytest.fixture(scope="session")

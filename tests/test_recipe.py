@@ -52,7 +52,10 @@ def test_every_shipped_recipe_validates(path):
         (["train.epochs=abc"], "train.epochs: input should be a valid number"),
         (["lora.dropout=1.5"], "lora.dropout: must be < 1.0 (got 1.5)"),
         (["data.path=rows.jsonl", "train.eval_steps=10"], "train.eval_steps: needs validation data"),
-        (["lora.dora=true", "lora.init=pissa"], "lora.init: pissa cannot be combined with lora.dora"),
+        (
+            ["lora.dora=true", "lora.init=pissa", "quant.bits=16"],
+            "lora.init: pissa cannot be combined with lora.dora",
+        ),
         (["lora.rank"], "--set 'lora.rank': expected section.field=value"),
         (["rank=3"], "--set rank: expected section.field"),
     ],

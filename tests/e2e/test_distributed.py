@@ -75,3 +75,34 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name), "the adapter trained"
     answers = generate(str(two), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
     assert len(answers) == 1 and isinstance(answers[0], str)
+
+
+def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
+    """The GPU's default path on 2 processes: bf16 autocast, the chunked head applying a LoRA lm_head
+    outside the forward pass (DDP must not search for unused parameters, or it fails there)."""
+    bf16 = [
+        "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
+        "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
+    ]  # fmt: skip
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(one), *SETTINGS,
+         *bf16, "--set", "train.micro_batch_size=8"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-2000:]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    parallel = subprocess.run(
+        [*torchrun, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(two), *SETTINGS,
+         *bf16, "--set", "train.micro_batch_size=4"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    expected, got = losses(one), losses(two)
+    assert len(expected) == len(got) == 6
+    for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
+        assert abs(a - b) <= 2e-2 * abs(a), (expected, got)
+    adapter = load_file(two / "adapter_model.safetensors")
+    head = [name for name in adapter if "lm_head.lora_B" in name]
+    assert head and all(adapter[name].abs().sum() > 0 for name in head), "the head's LoRA trained"

@@ -28,4 +28,6 @@ def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
         assert abs(row["predicted_saved_mib"] / row["saved_mib"] - 1) < 0.05, row
     assert [row["optimizer"] for row in report["optimizers"]] == ["paged_adamw_8bit", "adamw_8bit"]
     assert all("error" not in row for row in report["optimizers"])
+    # resumed from its checkpoint with one more step (nothing pages on a CPU)
+    assert [row["repaged_after_resume"] for row in report["optimizers"]] == [0, 0]
     assert "long sequence" in result.stdout
