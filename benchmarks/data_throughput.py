@@ -28,7 +28,7 @@ MODES = {
 
 def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     """Text rows whose token counts spread from ~24 to ~240."""
-    from qlora_kit.tiny import corpus_words
+    from qlora_kit.builtin import corpus_words
 
     words = corpus_words()
     rng = random.Random(seed)
@@ -41,8 +41,9 @@ def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
 
 
 def build(mode: str, data_path: Path, out: Path, batch: int):
-    from qlora_kit import Recipe, adapters, data, memory, model
-    from qlora_kit.trainer_setup import build_trainer
+    """The mode's run set up by pipeline.build, as `qlora-kit train` sets it up."""
+    from qlora_kit import Recipe
+    from qlora_kit.pipeline import build as build_run
 
     overrides = {
         "data.path": str(data_path),
@@ -53,15 +54,10 @@ def build(mode: str, data_path: Path, out: Path, batch: int):
         "train.max_steps": 10_000,
         **MODES[mode],
     }
-    recipe = Recipe.from_dict({}, overrides)
-    tokenizer = model.load_tokenizer(recipe.model)
-    base = model.load_base_model(recipe.model, recipe.quant)
-    memory.enable_checkpointing(base, recipe.memory)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, None, out / mode)
+    trainer = build_run(Recipe.from_dict({}, overrides)).trainer
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); read by training_step
+    # Steps are driven one at a time so the modes interleave (machine noise hits all alike).
     return trainer, endless(trainer.get_train_dataloader())
 
 

@@ -71,14 +71,14 @@ def versions() -> dict[str, str]:
 
 
 def model_folder(tiny: bool) -> Path:
-    from qlora_kit import tiny as builtin
+    from qlora_kit import builtin
 
     return builtin.ensure_tiny_model("tiny-llama", **(TINY_SHAPE if tiny else FULL_SHAPE))
 
 
 def text_rows(folder: Path, seq: int, rows: int) -> Path:
     """Rows of plain text longer than ``seq`` tokens: truncated, each is exactly ``seq`` tokens."""
-    from qlora_kit.tiny import corpus_words
+    from qlora_kit.builtin import corpus_words
 
     words, rng = corpus_words(), random.Random(0)
     path = folder / f"text-{seq}.jsonl"
@@ -121,7 +121,7 @@ def train(recipe, resume: str | None = None) -> dict:
 
 
 def policy_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[dict]:
-    from qlora_kit.planner import plan, policy_name
+    from qlora_kit.memory.planner import plan, policy_name
 
     rows = []
     device = "cuda" if torch.cuda.is_available() else "cpu"

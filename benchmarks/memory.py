@@ -36,10 +36,11 @@ MIB = 2**20
 
 
 def build(name: str, vocab: int, memory_fields: dict, out: Path):
-    from qlora_kit import Recipe, adapters, data, memory, model, tiny
-    from qlora_kit.trainer_setup import build_trainer
+    """The policy's run set up by pipeline.build, as `qlora-kit train` sets it up."""
+    from qlora_kit import Recipe, builtin
+    from qlora_kit.pipeline import build as build_run
 
-    folder = tiny.ensure_tiny_model("tiny-llama", **SHAPE, vocab_size=vocab)
+    folder = builtin.ensure_tiny_model("tiny-llama", **SHAPE, vocab_size=vocab)
     recipe = Recipe.from_dict(
         {
             "model": {"path": str(folder)},
@@ -48,15 +49,10 @@ def build(name: str, vocab: int, memory_fields: dict, out: Path):
             "train": {"output_dir": str(out / name), "micro_batch_size": BATCH, "max_steps": 1000},
         }
     )
-    base = model.load_base_model(recipe.model, recipe.quant)
-    memory.enable_checkpointing(base, recipe.memory)
-    torch.manual_seed(0)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    tokenizer = model.load_tokenizer(recipe.model)
-    prepared = data.prepare_datasets(Recipe().data, tokenizer, 0)  # only for the Trainer's signature
-    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, None, out / name)
+    trainer = build_run(recipe).trainer
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
+    # One fixed batch of SEQ tokens per row, stepped by hand so the policies interleave.
     ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
     return recipe, trainer, {"input_ids": ids, "labels": ids.clone()}
 
@@ -70,7 +66,7 @@ def step(trainer, batch) -> float:
 
 
 def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
-    from qlora_kit.planner import activation_bytes, model_shape
+    from qlora_kit.memory.planner import activation_bytes, model_shape
 
     runs = {name: build(name, vocab, fields, out) for name, fields in settings.items()}
     times = {name: [] for name in settings}
@@ -113,7 +109,7 @@ def measured_cells(r: dict, base_time: float, ratio_digits: int) -> list[str]:
 
 
 def checkpointing_table(results: dict) -> tuple[str, str]:
-    from qlora_kit.accounting import OUTSIDE
+    from qlora_kit.memory.accounting import OUTSIDE
 
     base_time, base_saved = results["none"]["time"], results["none"]["saved"].total
     rows = []

@@ -41,7 +41,7 @@ BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0  # SEED: the data; each round trains 
 
 def make_dataset(folder: Path, rows: int = 1024) -> Path:
     """prompt/completion rows whose lengths vary about 10x (20 to 220 tokens)."""
-    from qlora_kit.tiny import corpus_words
+    from qlora_kit.builtin import corpus_words
 
     words = corpus_words()
     rng = random.Random(SEED)
@@ -87,13 +87,13 @@ def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool
     from qlora_kit import Recipe, train
 
     counters = []
-    real_build_collator = qlora_kit.data.build_collator
+    real_build_collator = qlora_kit.prepare.build_collator
 
     def counting_collator(*args, **kwargs):  # the benchmark counts what the run's own collator builds
         counters.append(Counter(real_build_collator(*args, **kwargs)))
         return counters[-1]
 
-    qlora_kit.data.build_collator = counting_collator
+    qlora_kit.prepare.build_collator = counting_collator
     recipe = Recipe.from_dict(
         {
             "model": {"path": model_dir},
@@ -220,9 +220,9 @@ def main() -> None:
         child(system, model_dir, data, int(steps), packing == "1", int(seed))
         return
 
-    from qlora_kit import tiny
+    from qlora_kit import builtin
 
-    model_dir = str(tiny.ensure_tiny_model("tiny-llama", **SHAPE))
+    model_dir = str(builtin.ensure_tiny_model("tiny-llama", **SHAPE))
     folder = Path(tempfile.mkdtemp())
     data = str(make_dataset(folder))
     comparisons = {"equal settings (padded batches)": False, "defaults (qlora_kit packs)": True}

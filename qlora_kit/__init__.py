@@ -43,22 +43,22 @@ def train(
 
 
 def evaluate(recipe: Recipe | None = None, adapter_dir: str | None = None, **kwargs: Any) -> dict[str, Any]:
-    """Loss, perplexity and exact match on the validation set; see ``qlora_kit.evaluate.evaluate``."""
-    from qlora_kit.evaluate import evaluate as run_evaluate
+    """Loss, perplexity and exact match on the validation set; see ``qlora_kit.after.evaluate.evaluate``."""
+    from qlora_kit.after.evaluate import evaluate as run_evaluate
 
     return run_evaluate(recipe, adapter_dir, **kwargs)
 
 
 def generate(adapter_dir: str | None, prompts: list[str], **kwargs: Any) -> list[str]:
-    """Answers from a trained adapter; see ``qlora_kit.generate.generate``."""
-    from qlora_kit.generate import generate as run_generate
+    """Answers from a trained adapter; see ``qlora_kit.after.generate.generate``."""
+    from qlora_kit.after.generate import generate as run_generate
 
     return run_generate(adapter_dir, prompts, **kwargs)
 
 
 def merge(adapter_dir: str, out_dir: str, **kwargs: Any):
-    """Merge an adapter into its base and export it, drift-checked; see ``qlora_kit.merge.merge_adapter``."""
-    from qlora_kit.merge import merge_adapter
+    """Merge an adapter into its base and export it, drift-checked; see ``qlora_kit.after.merge.merge_adapter``."""
+    from qlora_kit.after.merge import merge_adapter
 
     return merge_adapter(adapter_dir, out_dir, **kwargs)
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from peft import LoraConfig, PeftModel, get_peft_model
+
+from qlora_kit import model as base_model
+from qlora_kit.recipe import Recipe, RecipeError
+
 if TYPE_CHECKING:
-    from peft import PeftModel
     from transformers import PreTrainedModel
 
     from qlora_kit.recipe import LoraSection
@@ -20,7 +24,6 @@ PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora":
 
 
 def lora_config(lora: LoraSection):
-    from peft import LoraConfig
 
     return LoraConfig(
         r=lora.rank,
@@ -37,13 +40,11 @@ def lora_config(lora: LoraSection):
 
 def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
-    from peft import get_peft_model
 
     return get_peft_model(model, lora_config(lora))
 
 
 def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
-    from peft import PeftModel
 
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
 
@@ -64,7 +65,6 @@ def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:
 
 def recipe_of(adapter_dir: str | Path):
     """The resolved recipe a run saved beside its adapter."""
-    from qlora_kit.recipe import Recipe, RecipeError
 
     path = Path(adapter_dir) / "recipe.yaml"
     if not (Path(adapter_dir) / "adapter_config.json").is_file():
@@ -76,9 +76,23 @@ def recipe_of(adapter_dir: str | Path):
     return Recipe.from_yaml(path)
 
 
+def load_for_inference(adapter_dir: str | Path | None, recipe: Recipe | None = None):
+    """(recipe, tokenizer, model) for eval and generation: the 4-bit base with the trained adapter, as
+    it was trained (the recipe defaults to the one saved beside it), or, without ``adapter_dir``, the
+    recipe's base model alone, for comparison."""
+    if adapter_dir is not None:
+        return load_trained(adapter_dir, recipe)
+    if recipe is None:
+        raise RecipeError("give a recipe, an adapter directory, or both")
+    return (
+        recipe,
+        base_model.load_tokenizer(recipe.model),
+        base_model.load_base_model(recipe.model, recipe.quant),
+    )
+
+
 def load_trained(adapter_dir: str | Path, recipe=None):
     """(recipe, tokenizer, model): the 4-bit base with the trained adapter, as it was trained."""
-    from qlora_kit import model as base_model
 
     recipe = recipe or recipe_of(adapter_dir)
     tokenizer = base_model.load_tokenizer(recipe.model, path=str(adapter_dir))

@@ -42,7 +42,7 @@ def user_errors(command):
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
-        from qlora_kit.data import DataError
+        from qlora_kit.data.errors import DataError
         from qlora_kit.guards import TrainingGuardError
         from qlora_kit.interrupts import Interrupted
         from qlora_kit.outputs import OutputDirError
@@ -112,7 +112,7 @@ def show_data(
 ) -> None:
     """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
     _configure_logging()
-    from qlora_kit.data_report import inspect_data
+    from qlora_kit.data.report import inspect_data
     from qlora_kit.model import load_tokenizer
 
     resolved = load_recipe(recipe, set_)
@@ -132,7 +132,7 @@ def plan(
     device: Annotated[str, typer.Option(help="cuda or cpu: what dropout masks cost differs.")] = "cuda",
 ) -> None:
     """Predict peak memory from the model config alone, for every checkpointing policy."""
-    from qlora_kit.planner import plan as make_plan
+    from qlora_kit.memory.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
     views.show_plan(console, make_plan(resolved, batch=batch, seq=seq, device=device), resolved, budget_gb)
@@ -162,7 +162,7 @@ def eval_command(
 ) -> None:
     """Loss, perplexity and exact-match accuracy on the validation set, as a table and as JSON."""
     _configure_logging()
-    from qlora_kit.evaluate import evaluate
+    from qlora_kit.after.evaluate import evaluate
 
     if recipe is None and (adapter is None or no_adapter):
         raise RecipeError("eval: give a RECIPE, or --adapter DIR to use the recipe saved with it")
@@ -195,8 +195,8 @@ def generate(
     """Answer prompts with the trained adapter, streaming tokens as they come."""
     _configure_logging()
     from qlora_kit import adapters
-    from qlora_kit.data import read_prompts
-    from qlora_kit.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.data.prepare import read_prompts
 
     prompts = list(prompt or []) + (read_prompts(str(file)) if file is not None else [])
     if not prompts:
@@ -225,12 +225,13 @@ def chat(
     """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
     _configure_logging()
     from qlora_kit import adapters
-    from qlora_kit.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.data.formats import FORMATS
 
     recipe, tokenizer, lm = adapters.load_trained(adapter)
     sampling = Sampling(max_new_tokens, temperature, top_p)
     history: list[dict[str, str]] = []
-    keeps_history = recipe.data.format == "chat"
+    keeps_history = FORMATS[recipe.data.format].multi_turn
     console.print("chat with the adapter; an empty line ends it", style="dim")
     while True:
         try:
@@ -261,7 +262,7 @@ def merge(
 ) -> None:
     """Merge the adapter into its base and export a standalone model, checked for drift."""
     _configure_logging()
-    from qlora_kit.merge import MergeDriftError, merge_adapter
+    from qlora_kit.after.merge import MergeDriftError, merge_adapter
 
     if base not in ("dequantized", "original"):
         raise RecipeError(f"--base: must be dequantized or original (got {base!r})")

@@ -11,11 +11,13 @@ from __future__ import annotations
 import contextlib
 import os
 
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+
 
 class Ranks:
     def __init__(self) -> None:
-        import torch
-        from accelerate import PartialState
 
         # The first PartialState of a process fixes its distributed setup; on a machine without CUDA it
         # must be told cpu=True to join a multi-process (gloo) run, as the Trainer's would be.
@@ -40,8 +42,6 @@ class Ranks:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (so all ranks stop at the same step)."""
-    import torch
-    import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag

@@ -12,7 +12,9 @@ Each check is one row: name, pass/fail, detail. The CLI prints the table and exi
 
 from __future__ import annotations
 
+import os
 import platform
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -20,6 +22,15 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import psutil
+import torch
+from peft import PeftModel
+
+from qlora_kit import model
+from qlora_kit.after.merge import MergeDriftError, merge_adapter
+from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+from qlora_kit.pipeline import run
+from qlora_kit.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe import Recipe
 
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
@@ -70,9 +81,6 @@ def _attempt(checks: list[Check], name: str, work: Callable):
 
 
 def _versions() -> Check:
-    import sys
-
-    import torch
 
     found = [f"python {platform.python_version()}"]
     for name in PACKAGES:
@@ -98,9 +106,6 @@ def _bitsandbytes_native() -> str | None:
 
 
 def _device() -> Check:
-    import os
-
-    import torch
 
     if not torch.cuda.is_available():
         return Check(
@@ -118,8 +123,6 @@ def _device() -> Check:
 
 
 def _train(folder: Path):
-    from qlora_kit.pipeline import run
-    from qlora_kit.precision import Device, resolve_mixed_precision
 
     # The device's own defaults: bf16 where the GPU has it, fp16 (with its gradient scaler) before Ampere.
     compute = "bfloat16" if Device.here().bf16 else "float16"
@@ -146,10 +149,6 @@ def _train(folder: Path):
 
 def _reload(result):
     """The saved adapter, loaded with plain peft onto a freshly loaded 4-bit base: the same logits."""
-    import torch
-    from peft import PeftModel
-
-    from qlora_kit import model
 
     recipe = Recipe.from_yaml(result.output_dir / "recipe.yaml")
     base = model.load_base_model(recipe.model, recipe.quant)
@@ -164,7 +163,6 @@ def _reload(result):
 
 
 def _merge(result, out: Path):
-    from qlora_kit.merge import MergeDriftError, merge_adapter
 
     try:
         merged = merge_adapter(result.output_dir, out)
@@ -175,23 +173,18 @@ def _merge(result, out: Path):
 
 
 def _plan(recipe: Recipe):
-    import torch
-
-    from qlora_kit.planner import GIB, choose_policy, plan
 
     if torch.cuda.is_available():
         free = torch.cuda.mem_get_info()[0] / GIB
         device = "cuda"
     else:
-        import psutil
-
         free = psutil.virtual_memory().available / GIB
         device = "cpu"
     the_plan = plan(recipe, device=device)
     chosen = the_plan.chosen(recipe) if recipe.memory.checkpointing != "auto" else None
     policy, every_n, why = choose_policy(recipe, free, the_plan)
     fits = bool(the_plan.fitting(free))
-    label = policy if policy != "every_n" else f"every_n={every_n}"
+    label = policy_name(policy, every_n)
     detail = f"{free:.1f} GiB free on the {device}: " + (
         f"fits with checkpointing {label} ({why})" if fits else why
     )

@@ -15,7 +15,7 @@ On a GPU every ``bool(tensor)`` is a host sync that stalls the queue of kernels.
 step's micro-batches are folded into one device flag without reading it, and the guard reads the
 loss flag and the gradients' finiteness together, once per optimizer step, after DDP's all-reduce
 and with the flags themselves all-reduced, so every rank stops at the same step. (The Trainer's own
-per-micro-batch read, ``logging_nan_inf_filter``, is turned off in trainer_setup.py: the guard stops
+per-micro-batch read, ``logging_nan_inf_filter``, is turned off in trainer.py: the guard stops
 a run before such a loss could be logged.) The dead-gradient check reads each tensor once, batched.
 """
 

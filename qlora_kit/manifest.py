@@ -17,7 +17,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit import tiny
+import torch
+from transformers import AutoConfig
+
+from qlora_kit import builtin
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -35,7 +38,11 @@ LIBRARIES = (
 MANIFEST = "manifest.json"
 
 
-def build_manifest(recipe: Recipe, model_path: str, started: bool = True) -> dict[str, Any]:
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def build_manifest(recipe: Recipe, model_path: str) -> dict[str, Any]:
     return {
         "recipe": recipe.model_dump(mode="json"),
         "versions": {"python": platform.python_version(), **{name: _version(name) for name in LIBRARIES}},
@@ -45,7 +52,7 @@ def build_manifest(recipe: Recipe, model_path: str, started: bool = True) -> dic
         "git_commit": project_commit(),
         "machine": machine(),
         "argv": sys.argv,
-        "started_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "started_at": utc_now(),
     }
 
 
@@ -59,8 +66,8 @@ def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
 
 def data_hashes(recipe: Recipe) -> dict[str, str]:
     """sha256 of each local data file (every file of a saved-dataset folder); hub names as given."""
-    if tiny.is_builtin(recipe.data.path):
-        sources = [str(p) for p in tiny.demo_data_files(tiny.builtin_name(recipe.data.path))]
+    if builtin.is_builtin(recipe.data.path):
+        sources = [str(p) for p in builtin.demo_data_files(builtin.builtin_name(recipe.data.path))]
     else:
         sources = [recipe.data.path] + ([recipe.data.val_path] if recipe.data.val_path else [])
     hashes = {}
@@ -96,7 +103,6 @@ def project_commit() -> str | None:
 
 
 def machine() -> dict[str, Any]:
-    import torch
 
     info: dict[str, Any] = {"platform": platform.platform(), "cpu": _cpu_name(), "cpu_count": os.cpu_count()}
     if torch.cuda.is_available():
@@ -119,7 +125,6 @@ def _config_hash(model_path: str, recipe: Recipe) -> str:
     config = Path(model_path) / "config.json"
     if config.is_file():
         return _sha256(config)
-    from transformers import AutoConfig
 
     loaded = AutoConfig.from_pretrained(
         model_path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision

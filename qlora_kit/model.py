@@ -11,7 +11,12 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING
 
-from qlora_kit import tiny
+import bitsandbytes as bnb
+import torch
+from accelerate import PartialState
+from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from qlora_kit import builtin
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -23,13 +28,12 @@ log = logging.getLogger(__name__)
 
 def resolve_model_path(model: ModelSection) -> str:
     """A local folder or hub id; builtin names are built (once) into the cache first."""
-    if tiny.is_builtin(model.path):
-        return str(tiny.ensure_tiny_model(tiny.builtin_name(model.path)))
+    if builtin.is_builtin(model.path):
+        return str(builtin.ensure_tiny_model(builtin.builtin_name(model.path)))
     return model.path
 
 
 def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(
         path or resolve_model_path(model), trust_remote_code=model.trust_remote_code, revision=model.revision
@@ -42,8 +46,6 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
 
 
 def bnb_config(quant: QuantSection):
-    import torch
-    from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(
         load_in_4bit=True,
@@ -59,8 +61,6 @@ def load_base_model(
 ) -> PreTrainedModel:
     """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
     GPU when there is one, otherwise on the CPU."""
-    import torch
-    from transformers import AutoModelForCausalLM
 
     if model.trust_remote_code:
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
@@ -81,11 +81,9 @@ def load_base_model(
 
 def device_map() -> dict[str, int | str]:
     """The whole model on this process's GPU (its local rank under a multi-process launch), else the CPU."""
-    import torch
 
     if torch.cuda.is_available():
         # One process per GPU under accelerate/torchrun: each rank loads onto its own device.
-        from accelerate import PartialState
 
         return {"": PartialState().local_process_index}
     return {"": "cpu"}
@@ -99,7 +97,6 @@ def disable_cpu_weight_repacking(model: PreTrainedModel) -> int:
     input gradients silently, and merging reads garbage. See bitsandbytes' ``Linear4bit.forward``
     (``_convert_weight_packed_for_cpu``). Returns how many layers were changed.
     """
-    import bitsandbytes as bnb
 
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     for layer in layers:

@@ -20,6 +20,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from filelock import FileLock, Timeout
+
 FINISHED_MARKER = "adapter_config.json"
 STAGING = ".staging"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -91,10 +93,24 @@ def find_resume_checkpoint(output_dir: Path, resume: bool | str | Path) -> Path 
     return found[-1] if found else None
 
 
+def checkpoint_step(checkpoint: Path | None) -> int:
+    """The step a checkpoint folder (``checkpoint-N``) was written at; 0 for none."""
+    return int(checkpoint.name.split("-")[-1]) if checkpoint else 0
+
+
+def finished_training(checkpoint: Path, max_steps: int) -> bool:
+    """The checkpoint is the run's last step (a kill hit the final save). Resuming the Trainer from there
+    would train one step too many (transformers 5.24 restarts the epoch's remaining batches).
+    ``max_steps``: this run's (-1: by epochs, as the checkpoint's run counted them), so a resume that
+    raises train.max_steps trains on."""
+    state = json.loads((checkpoint / "trainer_state.json").read_text(encoding="utf-8"))
+    last = max_steps if max_steps > 0 else state.get("max_steps", float("inf"))
+    return state["global_step"] >= last
+
+
 @contextlib.contextmanager
 def exclusive(output_dir: Path):
     """Hold the output folder for this run; a second run into it fails at once with a clear message."""
-    from filelock import FileLock, Timeout
 
     blocking = next((p for p in [output_dir, *output_dir.parents] if p.exists() and not p.is_dir()), None)
     if blocking is not None:
@@ -190,11 +206,13 @@ def truncate_metrics(output_dir: Path, last_step: int) -> None:
     path = output_dir / "metrics.jsonl"
     if not path.exists():
         return
-    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if _step_of(line) <= last_step]
+    kept = [
+        line for line in path.read_text(encoding="utf-8").splitlines() if _metrics_step(line) <= last_step
+    ]
     path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
-def _step_of(line: str) -> int:
+def _metrics_step(line: str) -> int:
     try:
         return int(json.loads(line).get("step", 0))
     except ValueError:

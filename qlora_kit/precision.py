@@ -15,6 +15,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import torch
+
+from qlora_kit.recipe import RecipeError
+
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
 
@@ -31,7 +35,6 @@ class Device:
 
     @classmethod
     def here(cls) -> Device:
-        import torch
 
         if not torch.cuda.is_available():
             return cls(cuda=False, bf16=True)
@@ -47,7 +50,6 @@ def resolve_mixed_precision(recipe: Recipe, device: Device | None = None) -> str
     """``bf16``, ``fp16`` or ``no`` for this recipe on ``device`` (default: this machine).
 
     Raises RecipeError naming the field when the recipe asks for what the device cannot do."""
-    from qlora_kit.recipe import RecipeError
 
     device = device or Device.here()
     wanted = recipe.train.mixed_precision

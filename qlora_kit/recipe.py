@@ -8,7 +8,7 @@ only the values that differ from these defaults.
 
 Paths in a recipe (``model.path``, ``data.path``, ``data.val_path``) are resolved relative to the recipe
 file, so a recipe runs the same from any working directory. ``builtin:`` names refer to the embedded
-demo model and data (see ``tiny.py``).
+demo model and data (see ``builtin.py``).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-# The fields each data format reads (kept here, not in formats.py: the recipe imports nothing of ours).
-FORMAT_FIELDS = {
-    "alpaca": ("instruction", "input", "output"),
-    "chat": ("messages",),
-    "completion": ("prompt", "completion"),
-    "text": ("text",),
-}
+# The two extension points are registries the recipe reads its choices from (both import nothing of
+# ours and nothing heavy): adding an optimizer or a data format is one entry there.
+from qlora_kit.data.formats import FORMATS
+from qlora_kit.memory.optimizers import OPTIMIZERS
+
+OptimizerName = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
+FormatName = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
 
 
 class RecipeError(ValueError):
@@ -108,7 +108,7 @@ class MemorySection(Section):
 
 
 class OptimizerSection(Section):
-    name: Literal["paged_adamw_8bit", "paged_adamw_32bit", "adamw_8bit", "adamw_torch"] = "paged_adamw_8bit"
+    name: OptimizerName = "paged_adamw_8bit"
     """Optimizer: bitsandbytes paged/8-bit AdamW variants, or torch's AdamW."""
     lr: float = Field(2e-4, gt=0)
     """Peak learning rate."""
@@ -125,7 +125,7 @@ class OptimizerSection(Section):
 class DataSection(Section):
     path: str = "builtin:demo-facts"
     """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a hub dataset, or builtin:demo-facts."""
-    format: Literal["alpaca", "chat", "completion", "text"] = "alpaca"
+    format: FormatName = "alpaca"
     """Row format: alpaca (instruction/input/output), chat (messages), completion (prompt/completion) or text."""
     fields: dict[str, str] = {}
     """Column names of your data for the format's fields, e.g. {instruction: question, output: answer}."""
@@ -146,7 +146,7 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _check_fields(self) -> DataSection:
-        known = FORMAT_FIELDS[self.format]
+        known = FORMATS[self.format].fields
         for name in self.fields:
             if name not in known:
                 raise ValueError(

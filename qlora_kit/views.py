@@ -9,13 +9,15 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+GIB = 1024**3
+
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qlora_kit.data_report import DataView
+    from qlora_kit.data.report import DataView
     from qlora_kit.doctor import Check
+    from qlora_kit.memory.planner import Plan
     from qlora_kit.pipeline import TrainResult
-    from qlora_kit.planner import Plan
     from qlora_kit.recipe import Recipe
 
 
@@ -64,8 +66,6 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
 
 
 def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:
-    from qlora_kit.planner import GIB, choose_policy
-
     shape, weights = plan.shape, plan.weights
     table = Table(
         title=f"{recipe.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
@@ -92,6 +92,8 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
         policies.add_row(row.policy, str(row.recompute_layers), *sizes, *fits)
     console.print(policies)
     if budget_gb is not None:
+        from qlora_kit.memory.planner import choose_policy  # the CLI boundary: torch loads only here
+
         policy, every_n, why = choose_policy(recipe, budget_gb, plan)
         name = f"every_n={every_n}" if policy == "every_n" else policy
         console.print(f"auto would pick {name}: {why}", highlight=False)

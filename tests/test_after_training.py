@@ -9,14 +9,17 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from qlora_kit import Recipe, adapters, memory, model, tiny, train
-from qlora_kit.evaluate import evaluate
-from qlora_kit.generate import generate
+from qlora_kit import Recipe, adapters, builtin, model, train
+from qlora_kit.after.evaluate import evaluate
+from qlora_kit.after.generate import generate
+from qlora_kit.after.merge import MergeDriftError, merge_adapter
 from qlora_kit.guards import TrainingGuardError
-from qlora_kit.merge import MergeDriftError, merge_adapter
+from qlora_kit.memory import checkpointing
 from qlora_kit.outputs import OutputDirError
 
 from .conftest import DEMO, PRECISIONS, quick_recipe
+
+pytestmark = pytest.mark.slow  # trains: the full suite runs it, the inner loop skips it
 
 
 def folder_digest(folder):
@@ -121,8 +124,8 @@ def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tm
 
 
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
-    from qlora_kit import data
-    from qlora_kit.trainer_setup import build_trainer
+    from qlora_kit.data import prepare
+    from qlora_kit.trainer import build_trainer
 
     recipe = quick_recipe(tmp_path, **{"train.max_steps": 3, "memory.checkpointing": "none"})
     base = model.load_base_model(recipe.model, recipe.quant)
@@ -131,7 +134,7 @@ def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
     base.disable_input_require_grads()
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
-    prepared = data.prepare_datasets(recipe.data, tokenizer, seed=0)
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, seed=0)
     trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, None, tmp_path)
     with pytest.raises(
         TrainingGuardError, match=r"step 1: 7 LoRA tensors got no gradient .* in model\.layers\.0\."
@@ -179,9 +182,9 @@ def test_manifest_records_recipe_versions_data_hashes_and_machine(trained_run):
     assert manifest["seed"] == 42 and manifest["steps"] == 30
     for library in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"):
         assert manifest["versions"][library], library
-    for path in tiny.demo_data_files("demo-facts"):
+    for path in builtin.demo_data_files("demo-facts"):
         assert manifest["data_files"][str(path)] == hashlib.sha256(path.read_bytes()).hexdigest()
-    config = tiny.ensure_tiny_model("tiny-llama") / "config.json"
+    config = builtin.ensure_tiny_model("tiny-llama") / "config.json"
     assert manifest["base_model"]["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()
     assert manifest["machine"]["cpu"] and manifest["finished_at"]
     commit = manifest["git_commit"]
@@ -196,7 +199,7 @@ def test_checkpointing_policy_does_not_change_the_gradients():
             {"memory": {"checkpointing": policy}, "quant": {"compute_dtype": "float32"}}
         )
         base = model.load_base_model(recipe.model, recipe.quant)
-        memory.enable_checkpointing(base, recipe.memory)
+        checkpointing.enable_checkpointing(base, recipe.memory)
         torch.manual_seed(0)  # the same A init for both policies
         peft_model = adapters.attach_lora(
             base, recipe.lora.model_copy(update={"dropout": 0.0, "init": "gaussian"})
@@ -216,9 +219,9 @@ def test_checkpointing_policy_does_not_change_the_gradients():
 def test_eval_generate_and_merge_an_adapter_trained_in_either_precision(trained_run, tmp_path):
     """What comes after training reads an adapter from either code path; every input goes to its model's
     device (one device here, so this also guards the calls themselves)."""
-    from qlora_kit.evaluate import evaluate
-    from qlora_kit.generate import Sampling, generate
-    from qlora_kit.merge import merge_adapter
+    from qlora_kit.after.evaluate import evaluate
+    from qlora_kit.after.generate import Sampling, generate
+    from qlora_kit.after.merge import merge_adapter
 
     adapter = trained_run.output_dir
     trained = evaluate(adapter_dir=adapter, max_examples=16)

@@ -5,10 +5,11 @@ import json
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, data, model, tiny
-from qlora_kit.data import DataError
-from qlora_kit.formats import IGNORE_INDEX
-from qlora_kit.packing import best_fit_decreasing, pack_dataset
+from qlora_kit import Recipe, adapters, builtin, model
+from qlora_kit.data import prepare
+from qlora_kit.data.errors import DataError
+from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.data.packing import best_fit_decreasing, pack_dataset
 
 ROWS = [
     {"instruction": "What color is a lime?", "input": "", "output": "green"},
@@ -49,9 +50,9 @@ def section(**fields):
     return Recipe.from_dict({"data": fields}).data
 
 
-def prepare(tokenizer, **fields):
+def prepared_data(tokenizer, **fields):
     """Examples one per row unless a test asks for packing."""
-    return data.prepare_datasets(section(**{"packing": False, **fields}), tokenizer, seed=0)
+    return prepare.prepare_datasets(section(**{"packing": False, **fields}), tokenizer, seed=0)
 
 
 def make_source(kind, rows, folder):
@@ -75,14 +76,14 @@ def make_source(kind, rows, folder):
 
 @pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "save_to_disk"])
 def test_every_source_gives_the_same_tokens(kind, tokenizer, tmp_path):
-    reference = prepare(tokenizer, path=str(write(tmp_path / "ref.jsonl", ROWS))).train
-    got = prepare(tokenizer, path=str(make_source(kind, ROWS, tmp_path))).train
+    reference = prepared_data(tokenizer, path=str(write(tmp_path / "ref.jsonl", ROWS))).train
+    got = prepared_data(tokenizer, path=str(make_source(kind, ROWS, tmp_path))).train
     assert got["input_ids"] == reference["input_ids"]
     assert got["labels"] == reference["labels"]
 
 
 def test_alpaca_labels_are_ignored_exactly_on_prompt_tokens(tokenizer, tmp_path):
-    train = prepare(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS))).train
+    train = prepared_data(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS))).train
     for row, ids, labels in zip(ROWS, train["input_ids"], train["labels"], strict=True):
         prompt = "### Instruction:\n" + row["instruction"] + "\n\n"
         prompt += f"### Input:\n{row['input']}\n\n" if row["input"] else ""
@@ -95,13 +96,13 @@ def test_alpaca_labels_are_ignored_exactly_on_prompt_tokens(tokenizer, tmp_path)
 
 
 def test_train_on_inputs_trains_every_token(tokenizer, tmp_path):
-    train = prepare(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), train_on_inputs=True).train
+    train = prepared_data(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), train_on_inputs=True).train
     assert train["labels"] == train["input_ids"]
 
 
 def test_chat_trains_only_assistant_turns_token_by_token(tokenizer, tmp_path):
     """Checked against the template's own {% generation %} mask, computed by transformers."""
-    train = prepare(tokenizer, path=str(write(tmp_path / "c.jsonl", CHATS)), format="chat").train
+    train = prepared_data(tokenizer, path=str(write(tmp_path / "c.jsonl", CHATS)), format="chat").train
     for chat, ids, labels in zip(CHATS, train["input_ids"], train["labels"], strict=True):
         oracle = tokenizer.apply_chat_template(
             chat["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -115,7 +116,7 @@ def test_chat_trains_only_assistant_turns_token_by_token(tokenizer, tmp_path):
 
 def test_completion_text_and_renamed_fields(tokenizer, tmp_path):
     rows = [{"question": "2+2=", "answer": "4"}]
-    got = prepare(
+    got = prepared_data(
         tokenizer,
         path=str(write(tmp_path / "q.jsonl", rows)),
         format="completion",
@@ -124,7 +125,7 @@ def test_completion_text_and_renamed_fields(tokenizer, tmp_path):
     prompt_len = len(tokenizer("2+2=")["input_ids"])
     assert got["labels"][0][:prompt_len] == [IGNORE_INDEX] * prompt_len
     assert tokenizer.decode(got["labels"][0][prompt_len:]) == "4</s>"
-    text = prepare(
+    text = prepared_data(
         tokenizer, path=str(write(tmp_path / "t.jsonl", [{"text": "hello world"}])), format="text"
     ).train
     assert text["labels"] == text["input_ids"]
@@ -133,29 +134,29 @@ def test_completion_text_and_renamed_fields(tokenizer, tmp_path):
 def test_truncate_and_drop_are_counted(tokenizer, tmp_path):
     rows = [*ROWS, {"instruction": "word " * 80, "input": "", "output": "long"}]
     path = str(write(tmp_path / "r.jsonl", rows))
-    cut = prepare(tokenizer, path=path, max_seq_len=40)
+    cut = prepared_data(tokenizer, path=path, max_seq_len=40)
     assert (cut.reports[0].truncated, cut.reports[0].dropped, cut.reports[0].untrainable) == (1, 0, 1)
     assert len(cut.train) == 4  # the truncated row lost its whole response: nothing left to train
     assert max(len(ids) for ids in cut.train["input_ids"]) <= 40
-    dropped = prepare(tokenizer, path=path, max_seq_len=40, overlong="drop")
+    dropped = prepared_data(tokenizer, path=path, max_seq_len=40, overlong="drop")
     assert (dropped.reports[0].truncated, dropped.reports[0].dropped) == (0, 1)
     assert len(dropped.train) == 4
 
 
 def test_val_fraction_split_is_seeded(tokenizer, tmp_path):
     path = str(write(tmp_path / "r.jsonl", ROWS * 5))
-    first = prepare(tokenizer, path=path, val_fraction=0.25)
-    again = prepare(tokenizer, path=path, val_fraction=0.25)
+    first = prepared_data(tokenizer, path=path, val_fraction=0.25)
+    again = prepared_data(tokenizer, path=path, val_fraction=0.25)
     assert len(first.val) == 5 and len(first.train) == 15
     assert first.val["input_ids"] == again.val["input_ids"]
 
 
 def test_second_preparation_reads_the_tokenization_cache(tokenizer, tmp_path):
     path = str(write(tmp_path / "r.jsonl", ROWS))
-    first = prepare(tokenizer, path=path).train
+    first = prepared_data(tokenizer, path=path).train
     files = [f["filename"] for f in first.cache_files]
     stamps = [__import__("os").stat(f).st_mtime_ns for f in files]
-    second = prepare(tokenizer, path=path).train
+    second = prepared_data(tokenizer, path=path).train
     assert [f["filename"] for f in second.cache_files] == files
     assert [__import__("os").stat(f).st_mtime_ns for f in files] == stamps
 
@@ -168,7 +169,7 @@ def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_p
             if "lora_B" in name:
                 param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     peft_model.eval()
-    train = prepare(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), train_on_inputs=True).train
+    train = prepared_data(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), train_on_inputs=True).train
     features = [train[i] for i in range(len(train))]
 
     def token_losses(batch):
@@ -181,15 +182,15 @@ def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_p
 
     rows = pack_dataset(train, capacity=64)
     assert len(rows) < len(train), "several examples share a row"
-    packed = data.build_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
+    packed = prepare.build_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
     assert "attention_mask" not in packed
     assert (packed["position_ids"] == 0).sum() > len(rows), "positions restart inside rows"
     one_by_one = torch.cat(
-        [token_losses(data.build_collator(tokenizer, packing=False)([f])) for f in features]
+        [token_losses(prepare.build_collator(tokenizer, packing=False)([f])) for f in features]
     )
     # Rows reorder examples (longest first): compare the multiset of per-token losses.
     assert torch.allclose(token_losses(packed).sort().values, one_by_one.sort().values, atol=1e-4)
-    padded = token_losses(data.build_collator(tokenizer, packing=False)(features))
+    padded = token_losses(prepare.build_collator(tokenizer, packing=False)(features))
     assert torch.allclose(padded, one_by_one, atol=1e-4)
 
 
@@ -202,14 +203,14 @@ def test_best_fit_decreasing_fills_rows_without_overflow():
 
 
 def test_pad_share_counts_padding(tokenizer):
-    assert data.pad_share([4, 4, 4, 4], batch_size=2, group_by_length=False) == 0
-    assert data.pad_share([2, 4], batch_size=2, group_by_length=False) == pytest.approx(0.25)
-    assert data.pad_share([1, 9, 1, 9], batch_size=2, group_by_length=True) == 0
+    assert prepare.pad_share([4, 4, 4, 4], batch_size=2, group_by_length=False) == 0
+    assert prepare.pad_share([2, 4], batch_size=2, group_by_length=False) == pytest.approx(0.25)
+    assert prepare.pad_share([1, 9, 1, 9], batch_size=2, group_by_length=True) == 0
 
 
 def test_builtin_demo_has_its_own_validation_set(tokenizer):
-    prepared = prepare(tokenizer)
-    train_file, val_file = tiny.demo_data_files("demo-facts")
+    prepared = prepared_data(tokenizer)
+    train_file, val_file = builtin.demo_data_files("demo-facts")
     assert len(prepared.train) == len(train_file.read_text().splitlines())
     assert len(prepared.val) == len(val_file.read_text().splitlines())
 
@@ -246,7 +247,7 @@ def test_bad_rows_name_the_file_row_and_problem(case, tokenizer, tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DataError) as info:
-        prepare(tokenizer, path=str(path), max_seq_len=32, overlong="drop")
+        prepared_data(tokenizer, path=str(path), max_seq_len=32, overlong="drop")
     text = str(info.value)
     assert text.startswith(str(path)) and message in text, text
     assert "\n" not in text
@@ -255,12 +256,12 @@ def test_bad_rows_name_the_file_row_and_problem(case, tokenizer, tmp_path):
 def test_chat_without_assistant_turn_is_named(tokenizer, tmp_path):
     rows = [CHATS[1], {"messages": [{"role": "user", "content": "hi"}]}]
     with pytest.raises(DataError, match=r"row 2: conversation has no assistant turn"):
-        prepare(tokenizer, path=str(write(tmp_path / "c.jsonl", rows)), format="chat")
+        prepared_data(tokenizer, path=str(write(tmp_path / "c.jsonl", rows)), format="chat")
 
 
 def test_mapping_to_a_column_that_does_not_exist_is_named(tokenizer, tmp_path):
     with pytest.raises(DataError, match=r"missing field 'answer' \(data.fields.output"):
-        prepare(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), fields={"output": "answer"})
+        prepared_data(tokenizer, path=str(write(tmp_path / "r.jsonl", ROWS)), fields={"output": "answer"})
 
 
 @pytest.mark.parametrize(
@@ -295,8 +296,8 @@ def test_each_source_and_format_trains_end_to_end(kind, fmt, rows, tmp_path):
 
 def test_packing_keeps_every_token_and_restarts_positions(tokenizer, tmp_path):
     path = str(write(tmp_path / "r.jsonl", ROWS * 8))
-    plain = prepare(tokenizer, path=path)
-    packed = prepare(tokenizer, path=path, packing=True, max_seq_len=96)
+    plain = prepared_data(tokenizer, path=path)
+    packed = prepared_data(tokenizer, path=path, packing=True, max_seq_len=96)
     assert packed.example_lengths == [len(ids) for ids in plain.train["input_ids"]]
     assert len(packed.train) < len(plain.train)
     assert all(len(ids) <= 96 for ids in packed.train["input_ids"])
@@ -304,5 +305,5 @@ def test_packing_keeps_every_token_and_restarts_positions(tokenizer, tmp_path):
     assert flat == sorted(t for ids in plain.train["input_ids"] for t in ids)
     starts = sum(row.count(0) for row in packed.train["position_ids"])
     assert starts == len(plain.train), "one position-0 per example"
-    shares = data.pad_shares(packed, section(packing=True, max_seq_len=96), batch_size=4, seed=0)
+    shares = prepare.pad_shares(packed, section(packing=True, max_seq_len=96), batch_size=4, seed=0)
     assert shares["packing"] < shares["padding"]

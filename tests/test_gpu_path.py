@@ -7,9 +7,9 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from qlora_kit import Recipe, adapters, model
-from qlora_kit.accounting import OUTSIDE, SavedTensors
-from qlora_kit.formats import IGNORE_INDEX
-from qlora_kit.loss_head import chunked_lm_loss
+from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.memory.accounting import OUTSIDE, SavedTensors
+from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
 
@@ -93,17 +93,14 @@ def test_chunked_head_keeps_16_bit_hidden_states_under_autocast():
     assert kept["bf16"] < kept["no"] + trained * hidden * 2, "fp32 copies of the hidden states were kept"
 
 
-class OverflowingScaler(torch.amp.GradScaler):
-    """A real GradScaler started far too high: its first steps overflow, as fp16 runs do early on."""
-
-
+@pytest.mark.slow
 def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypatch):
     """fp16 on a GPU: GradScaler overflow steps give inf gradients that the scaler skips; the guard must
     not stop the run for them. The CPU has no fp16 scaler in accelerate, so a real torch GradScaler
     and fp16 autocast are put where accelerate puts them on CUDA."""
-    from qlora_kit import data
-    from qlora_kit.trainer_setup import build_trainer
+    from qlora_kit.pipeline import build
 
+    # The run is set up as on a pre-Ampere GPU (fp16 with compute_dtype float16), on this CPU.
     monkeypatch.setattr(
         Device, "here", classmethod(lambda cls: Device(cuda=True, bf16=False, name="pre-Ampere"))
     )
@@ -111,15 +108,9 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
         tmp_path, **{"train.max_steps": 12, "quant.compute_dtype": "float16", "train.logging_steps": 1}
     )
     assert resolve_mixed_precision(recipe) == "fp16"
-    tokenizer = model.load_tokenizer(recipe.model)
-    prepared = data.prepare_datasets(recipe.data, tokenizer, seed=0)
-    base = model.load_base_model(recipe.model, recipe.quant)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    from qlora_kit import memory
-
-    memory.enable_checkpointing(base, recipe.memory)
-    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, None, tmp_path)
-    scaler = OverflowingScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    trainer = build(recipe, tmp_path).trainer
+    # A real GradScaler started far too high: its first steps overflow, as fp16 runs do early on.
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
     trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
     trainer.train()
     assert scaler.get_scale() < 2.0**40, "the scaler skipped overflow steps"
@@ -130,7 +121,7 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
 
 def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, caplog):
     """transformers multiplies the batch by every visible GPU; the 4-bit model sits on one."""
-    from qlora_kit.trainer_setup import pin_to_one_device, training_arguments
+    from qlora_kit.trainer import pin_to_one_device, training_arguments
 
     recipe = quick_recipe(tmp_path, **{"train.micro_batch_size": 4})
     args = training_arguments(recipe, tmp_path, has_eval=False, precision="no")
@@ -142,7 +133,7 @@ def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, cap
 
 
 def test_ddp_does_not_search_for_unused_parameters(tmp_path):
-    from qlora_kit.trainer_setup import training_arguments
+    from qlora_kit.trainer import training_arguments
 
     args = training_arguments(quick_recipe(tmp_path), tmp_path, has_eval=False, precision="bf16")
     assert args.ddp_find_unused_parameters is False  # the Trainer's default for a PeftModel is True

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, data, model
-from qlora_kit.accounting import OUTSIDE, measure_saved_bytes
-from qlora_kit.formats import IGNORE_INDEX
-from qlora_kit.loss_head import chunked_lm_loss
+from qlora_kit import Recipe, adapters, model
+from qlora_kit.data import prepare
+from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
+from qlora_kit.memory.loss_head import chunked_lm_loss
 
 
 def fp32_model(targets="all-linear"):
@@ -71,8 +72,10 @@ def test_packed_rows_and_accumulation_normalise_per_trained_token():
     """Two packed micro-batches with the Trainer's num_items_in_batch: the same sum as one big batch."""
     peft_model = fp32_model()
     tokenizer = model.load_tokenizer(Recipe().model)
-    prepared = data.prepare_datasets(Recipe.from_dict({"data": {"max_seq_len": 64}}).data, tokenizer, seed=0)
-    collate = data.build_collator(tokenizer, packing=True)
+    prepared = prepare.prepare_datasets(
+        Recipe.from_dict({"data": {"max_seq_len": 64}}).data, tokenizer, seed=0
+    )
+    collate = prepare.build_collator(tokenizer, packing=True)
     first, second = (
         collate([prepared.train[i] for i in range(2)]),
         collate([prepared.train[i] for i in range(2, 4)]),

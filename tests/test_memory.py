@@ -4,14 +4,16 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, data, memory, model
-from qlora_kit.trainer_setup import build_trainer
+from qlora_kit import Recipe, adapters, model
+from qlora_kit.data import prepare
+from qlora_kit.memory import checkpointing, optimizers
+from qlora_kit.trainer import build_trainer
 
 
 def base_with(**memory_fields):
     recipe = Recipe.from_dict({"memory": memory_fields})
     base = model.load_base_model(recipe.model, recipe.quant)
-    return recipe, base, memory.enable_checkpointing(base, recipe.memory)
+    return recipe, base, checkpointing.enable_checkpointing(base, recipe.memory)
 
 
 @pytest.mark.parametrize(
@@ -47,7 +49,7 @@ def test_every_lora_tensor_gets_finite_nonzero_gradients_through_checkpointed_la
     recipe, base, _ = base_with(checkpointing="full")
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
-    train_set = data.prepare_datasets(recipe.data, tokenizer, seed=0).train
+    train_set = prepare.prepare_datasets(recipe.data, tokenizer, seed=0).train
     recipe = recipe.with_overrides({"train.max_steps": 1, "train.output_dir": str(tmp_path)})
     trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
     batch = next(iter(trainer.get_train_dataloader()))
@@ -72,7 +74,7 @@ def test_trainer_builds_the_paged_8bit_optimizer_with_the_recipe_lr(tmp_path):
     base = model.load_base_model(recipe.model, recipe.quant)
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
-    train_set = data.prepare_datasets(recipe.data, tokenizer, seed=0).train
+    train_set = prepare.prepare_datasets(recipe.data, tokenizer, seed=0).train
     trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
     optimizer = trainer.create_optimizer()
     assert type(optimizer) is bnb.optim.PagedAdamW8bit
@@ -88,6 +90,6 @@ def test_trainer_builds_the_paged_8bit_optimizer_with_the_recipe_lr(tmp_path):
 )
 def test_optimizer_names_map_to_classes(name, cls):
     recipe = Recipe.from_dict({"optimizer": {"name": name}})
-    optimizer_class, kwargs = memory.optimizer_class_and_kwargs(recipe.optimizer)
+    optimizer_class, kwargs = optimizers.optimizer_class_and_kwargs(recipe.optimizer)
     assert optimizer_class.__name__ == cls
     assert kwargs["lr"] == recipe.optimizer.lr

@@ -4,7 +4,8 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, memory, model
+from qlora_kit import Recipe, adapters, model
+from qlora_kit.memory import checkpointing
 
 
 def load(**quant):
@@ -61,7 +62,7 @@ def test_lora_gradients_do_not_change_after_an_eval_pass():
     """Regression: on AVX512-BF16 CPUs an eval forward without grad used to repack the 4-bit weights."""
     recipe = Recipe.from_dict({"lora": {"dropout": 0.0}})
     base = model.load_base_model(recipe.model, recipe.quant)
-    memory.enable_checkpointing(base, recipe.memory)
+    checkpointing.enable_checkpointing(base, recipe.memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
     # Non-zero B so both A and B receive gradients on the first backward.
     with torch.no_grad():

@@ -12,6 +12,8 @@ from qlora_kit.outputs import OutputDirError
 
 from .conftest import quick_recipe
 
+pytestmark = pytest.mark.slow  # trains: the full suite runs it, the inner loop skips it
+
 
 def test_run_writes_adapter_tokenizer_recipe_metrics_and_tensorboard(trained_run):
     out = trained_run.output_dir
@@ -76,7 +78,7 @@ def test_other_architectures_run_the_same_pipeline(arch, tmp_path):
 
 
 def test_bad_data_with_overwrite_keeps_the_earlier_run(trained_run, tmp_path):
-    from qlora_kit.data import DataError
+    from qlora_kit.data.errors import DataError
 
     out = trained_run.output_dir
     before = sorted(p.name for p in out.iterdir())

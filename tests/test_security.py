@@ -4,7 +4,7 @@ against the recipe file and recorded, as resolved, in the manifest; outputs are 
 import json
 import shutil
 
-from qlora_kit import Recipe, model, tiny, train
+from qlora_kit import Recipe, builtin, model, train
 
 
 def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):
@@ -16,7 +16,7 @@ def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):
 
 
 def test_relative_paths_resolve_against_the_recipe_and_land_in_the_manifest(tmp_path):
-    train_file, val_file = tiny.demo_data_files("demo-facts")
+    train_file, val_file = builtin.demo_data_files("demo-facts")
     (tmp_path / "data").mkdir()
     shutil.copy(train_file, tmp_path / "data" / "train.jsonl")
     shutil.copy(val_file, tmp_path / "data" / "val.jsonl")

@@ -11,9 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
-from qlora_kit.generate import Sampling, generate
+from qlora_kit.after.generate import Sampling, generate
+
+pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 ROOT = Path(__file__).resolve().parents[2]
 # fp32 compute and 32-bit AdamW, so the comparison is exact up to reduction order; 8 steps stay in the

@@ -5,6 +5,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -17,6 +17,8 @@ from safetensors.torch import load_file
 
 from qlora_kit.outputs import OutputDirError, check_free_space, is_complete_checkpoint
 
+pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS, SAVE_EVERY = 40, 10
 RECIPE = f"""

@@ -6,18 +6,18 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from qlora_kit import tiny
+from qlora_kit import builtin
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
-    first = tiny.ensure_tiny_model("tiny-llama")
+    first = builtin.ensure_tiny_model("tiny-llama")
     stamp = (first / "model.safetensors").stat().st_mtime_ns
-    assert tiny.ensure_tiny_model("tiny-llama") == first
+    assert builtin.ensure_tiny_model("tiny-llama") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp, "second call must not rebuild"
     monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
-    second = tiny.ensure_tiny_model("tiny-llama")
+    second = builtin.ensure_tiny_model("tiny-llama")
     assert second != first
     a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
@@ -26,7 +26,7 @@ def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
 
 
 def test_tokenizer_round_trips_the_demo_text_and_has_a_chat_template():
-    tokenizer = tiny.build_tokenizer()
+    tokenizer = builtin.build_tokenizer()
     text = "### Instruction:\nWhat sound does a cow make?\n\n### Response:\nmoo"
     assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
     chat = tokenizer.apply_chat_template(
@@ -40,7 +40,7 @@ def test_shipped_demo_data_matches_its_generator():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     train, val = module.build_rows()
-    train_file, val_file = tiny.demo_data_files("demo-facts")
+    train_file, val_file = builtin.demo_data_files("demo-facts")
     assert [json.loads(line) for line in train_file.read_text().splitlines()] == train
     assert [json.loads(line) for line in val_file.read_text().splitlines()] == val
     questions = lambda rows: {r["instruction"] + r["input"] for r in rows}  # noqa: E731

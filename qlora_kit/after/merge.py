@@ -14,13 +14,20 @@ in a temporary folder beside the destination, unless forced. The adapter folder 
 
 from __future__ import annotations
 
+import gc
 import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qlora_kit import adapters, data, model
+import torch
+from transformers import AutoModelForCausalLM
+
+from qlora_kit import adapters, model
+from qlora_kit.data import prepare
+from qlora_kit.outputs import OutputDirError
+from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -60,7 +67,6 @@ def merge_adapter(
     force: bool = False,
 ) -> MergeResult:
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced)."""
-    from qlora_kit.outputs import OutputDirError
 
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -84,8 +90,6 @@ def merge_adapter(
 
 
 def _export(recipe: Recipe, adapter_dir: Path, folder: Path, base: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
 
     if base == "dequantized":
         quantized = model.load_base_model(recipe.model, recipe.quant)
@@ -117,8 +121,6 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     GPU): the trained model's log-probabilities are kept on the host, then the merged model is loaded
     onto the same device and compared with them. Every input goes to the device of its model.
     """
-    import torch
-    from transformers import AutoModelForCausalLM
 
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
     texts = _held_out_texts(recipe, tokenizer, prompts)
@@ -141,7 +143,6 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
 
 def _log_probs(lm, batches: list) -> list:
     """Next-token log-probabilities (T, V) of each batch of ids, in fp32 on the host."""
-    import torch
 
     lm.eval()
     with torch.no_grad():
@@ -152,9 +153,6 @@ def _log_probs(lm, batches: list) -> list:
 
 
 def _free_device_memory() -> None:
-    import gc
-
-    import torch
 
     gc.collect()
     if torch.cuda.is_available():
@@ -162,10 +160,8 @@ def _free_device_memory() -> None:
 
 
 def _held_out_texts(recipe: Recipe, tokenizer, count: int) -> list[str]:
-    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    examples = data.prompt_examples(prepared, recipe.data, tokenizer, count)
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
     if not examples:
-        from qlora_kit.recipe import RecipeError
-
         raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
     return [ex.prompt + ex.reference for ex in examples]

@@ -1,4 +1,10 @@
-"""Row formats: render a row as text segments, each trained or not, then tokenize with labels.
+"""The format registry: one ``FormatSpec`` per ``data.format``, and tokenizing rendered rows with labels.
+
+A spec says which fields a row has, how it renders as trained and untrained text, how a user's text is
+wrapped for generation the way training saw prompts, whether a reference answer can be checked
+exactly (``qlora-kit eval``), and whether a conversation keeps its history (``qlora-kit chat``). The
+recipe's choices, data preparation, generation, evaluation and the CLI all read it, so adding a format
+is one entry here (plus its tests). This module imports nothing heavy: the recipe reads it.
 
 A row becomes a list of ``Segment(text, trained)``. Segments are tokenized one by one and concatenated,
 so a BPE merge across a boundary can never blur which tokens are trained; labels are -100 on every
@@ -12,18 +18,15 @@ works with any template that renders a conversation's prefix as a prefix of the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-from qlora_kit.recipe import FORMAT_FIELDS
 
 IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
 
-# Of the fields each format reads (recipe.FORMAT_FIELDS), these may be absent or empty.
-OPTIONAL_FIELDS = {"input"}
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 
 
@@ -39,20 +42,31 @@ class Segment:
 
 def render(row: dict[str, Any], fmt: str, tokenizer) -> list[Segment]:
     """The row as text segments; the response (or each assistant turn) is the trained part."""
-    for name in FORMAT_FIELDS[fmt]:
-        _check_field(row, name)
-    if fmt == "alpaca":
-        template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
-        prompt = template.format(instruction=row["instruction"], input=row.get("input"))
-        return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
-    if fmt == "completion":
-        return [Segment(row["prompt"], False), Segment(row["completion"] + tokenizer.eos_token, True)]
-    if fmt == "text":
-        return [Segment(row["text"] + tokenizer.eos_token, True)]
+    spec = FORMATS[fmt]
+    for name in spec.fields:
+        _check_field(row, name, optional=name in spec.optional)
+    return spec.render(row, tokenizer)
+
+
+def _render_alpaca(row: dict[str, Any], tokenizer) -> list[Segment]:
+    template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
+    prompt = template.format(instruction=row["instruction"], input=row.get("input"))
+    return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
+
+
+def _render_completion(row: dict[str, Any], tokenizer) -> list[Segment]:
+    return [Segment(row["prompt"], False), Segment(row["completion"] + tokenizer.eos_token, True)]
+
+
+def _render_text(row: dict[str, Any], tokenizer) -> list[Segment]:
+    return [Segment(row["text"] + tokenizer.eos_token, True)]
+
+
+def _render_chat(row: dict[str, Any], tokenizer) -> list[Segment]:
     return render_chat(row["messages"], tokenizer)
 
 
-def _check_field(row: dict[str, Any], name: str) -> None:
+def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
     value = row.get(name)
     if name == "messages":
         if not isinstance(value, list) or not value:
@@ -61,7 +75,7 @@ def _check_field(row: dict[str, Any], name: str) -> None:
             )
         return
     if value is None:
-        if name in OPTIONAL_FIELDS:
+        if optional:
             return
         raise RowError(f"missing field {name!r}")
     if not isinstance(value, str):
@@ -133,3 +147,49 @@ def prompt_text(segments: list[Segment]) -> str:
 def _show(value: Any, limit: int = 40) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _alpaca_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+    return ALPACA_PROMPT.format(instruction=text)
+
+
+def _chat_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+    if tokenizer.chat_template is None:
+        return text
+    messages = [*(history or []), {"role": "user", "content": text}]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _raw_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+    return text
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One data format: its fields and how it renders for training and for generation."""
+
+    name: str
+    fields: tuple[str, ...]  # what a row has (data.fields may rename them)
+    render: Callable[[dict[str, Any], Any], list[Segment]]  # (row, tokenizer) -> segments
+    prompt: Callable[..., str]  # (text, tokenizer, history) -> the prompt a model continues
+    optional: frozenset[str] = frozenset()  # fields that may be absent or empty
+    checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
+    multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
+    chat_template: bool = False  # rendered by the tokenizer's chat template, which adds its own BOS
+
+
+FORMATS: dict[str, FormatSpec] = {
+    spec.name: spec
+    for spec in (
+        FormatSpec(
+            "alpaca",
+            ("instruction", "input", "output"),
+            _render_alpaca,
+            _alpaca_prompt,
+            optional=frozenset({"input"}),
+        ),
+        FormatSpec("chat", ("messages",), _render_chat, _chat_prompt, multi_turn=True, chat_template=True),
+        FormatSpec("completion", ("prompt", "completion"), _render_completion, _raw_prompt),
+        FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
+    )
+}

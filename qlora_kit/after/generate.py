@@ -6,7 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit import formats
+import torch
+from transformers import TextStreamer
+
+from qlora_kit import adapters
+from qlora_kit.data.formats import FORMATS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -30,13 +34,8 @@ class Sampling:
 
 
 def wrap_prompt(text: str, fmt: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
-    """The user's text as the model saw prompts in training (alpaca template, chat template, or raw)."""
-    if fmt == "alpaca":
-        return formats.ALPACA_PROMPT.format(instruction=text)
-    if fmt == "chat" and tokenizer.chat_template is not None:
-        messages = [*(history or []), {"role": "user", "content": text}]
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return text
+    """The user's text as the model saw prompts in training (the format's own prompt, data/formats.py)."""
+    return FORMATS[fmt].prompt(text, tokenizer, history)
 
 
 def complete(
@@ -48,8 +47,6 @@ def complete(
     max_new_tokens: int | None = None,
 ) -> str:
     """The model's continuation of ``prompt`` (without the prompt), special tokens removed."""
-    import torch
-    from transformers import TextStreamer
 
     sampling = sampling or Sampling()
     kwargs = sampling.generate_kwargs()
@@ -86,13 +83,8 @@ def generate(
 ) -> list[str]:
     """Answers to ``prompts`` from the trained adapter (or from the recipe's base model when adapter_dir
     is None), each prompt wrapped as in training unless ``raw``."""
-    from qlora_kit import adapters, model
 
-    if adapter_dir is not None:
-        recipe, tokenizer, lm = adapters.load_trained(adapter_dir, recipe)
-    else:
-        tokenizer = model.load_tokenizer(recipe.model)
-        lm = model.load_base_model(recipe.model, recipe.quant)
+    recipe, tokenizer, lm = adapters.load_for_inference(adapter_dir, recipe)
     fmt = recipe.data.format
     texts = [p if raw else wrap_prompt(p, fmt, tokenizer) for p in prompts]
     return [complete(lm, tokenizer, text, sampling, stream=stream) for text in texts]

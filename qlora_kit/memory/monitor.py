@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from transformers import TrainerCallback
 
-from qlora_kit.accounting import OUTSIDE, PhasePeaks, SavedBytes
+from qlora_kit.memory.accounting import OUTSIDE, PhasePeaks, SavedBytes
 
 MIB = 1024**2
 

@@ -16,6 +16,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from qlora_kit.data.formats import ALPACA_FRAMING
+
 BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 DEMO_DATASETS = {"demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl")}
@@ -106,9 +113,6 @@ def _cache_key(name: str, shape: dict) -> str:
 
 
 def _build(name: str, shape: dict, folder: Path) -> None:
-    import torch
-    import transformers
-
     tokenizer = build_tokenizer()
     config_class, extra = TINY_ARCHITECTURES[name]
     shape = dict(shape)
@@ -139,11 +143,6 @@ def _build(name: str, shape: dict, folder: Path) -> None:
 
 def build_tokenizer():
     """A byte-level BPE tokenizer trained on the demo dataset (deterministic), with a chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from qlora_kit.formats import ALPACA_FRAMING
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

@@ -1,6 +1,24 @@
-"""Building transformers' Trainer from a recipe: arguments, optimizer, collator, loss head and callbacks.
+"""The Trainer subclass and its construction from a recipe: arguments, optimizer, collator, callbacks.
 
-Imported only when a run starts (transformers is heavy), so it imports transformers at the top.
+transformers' Trainer runs the loop (accumulation, clipping, scheduling, evaluation, logging,
+checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not, and one
+optimizer step runs in this order (``Trainer._inner_training_loop``, transformers 5.24):
+
+1. per micro-batch: ``compute_loss`` — the forward pass (under accelerate's autocast) with transformers'
+   loss or the chunked loss head (memory/loss_head.py), while ``SavedTensors`` counts the bytes saved
+   for backward and the monitor counts tokens;
+2. ``training_step`` — backward; then the micro-batch's loss is folded into the guard's device flag
+   (no host read) and the monitor closes the backward phase;
+3. after the last micro-batch: DDP's all-reduce, then the Trainer unscales (fp16) and clips;
+4. ``on_pre_optimizer_step`` — the guard reads its flags once: a non-finite loss or gradient stops the
+   run here, before the optimizer applies it; dead LoRA gradients stop it too (guards.py);
+5. the optimizer step (with a GradScaler under fp16, which skips overflow steps itself), the scheduler;
+6. logging (``MemoryMonitor`` adds its figures to the logs ``MetricsLog`` and tensorboard write);
+7. a checkpoint when due: ``_save_checkpoint`` stages it and renames it into place.
+
+Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
+``_save_checkpoint`` and ``_get_output_dir`` (atomic checkpoints), ``_load_optimizer_and_scheduler``
+(a resumed paged optimizer pages again).
 """
 
 from __future__ import annotations
@@ -10,14 +28,19 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from transformers import Trainer
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.integrations import TensorBoardCallback
+from transformers.training_args import ParallelMode
 
-from qlora_kit import data, memory
-from qlora_kit.accounting import SavedTensors
+from qlora_kit.data import prepare
 from qlora_kit.guards import TrainingGuard
-from qlora_kit.loss_head import chunked_lm_loss, supports_chunked_loss
-from qlora_kit.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.memory import optimizers
+from qlora_kit.memory.accounting import SavedTensors
+from qlora_kit.memory.loss_head import chunked_lm_loss, supports_chunked_loss
+from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.outputs import move_into_place, staging_dir
+from qlora_kit.precision import resolve_mixed_precision
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -29,8 +52,6 @@ SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "
 
 def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str):
     """The Trainer's arguments; ``precision`` is the resolved mixed precision (bf16, fp16 or no)."""
-    import torch
-    from transformers import TrainingArguments
 
     train, opt = recipe.train, recipe.optimizer
     evaluating = has_eval and train.eval_steps is not None
@@ -79,7 +100,6 @@ def pin_to_one_device(args) -> None:
     GPU 0 alone (bitsandbytes models are never wrapped in DataParallel): a bigger batch than the
     recipe's and an OOM risk. transformers does the same for model-parallel models (Trainer.__init__).
     """
-    from transformers.training_args import ParallelMode
 
     if args.n_gpu > 1 and args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
         log.warning(
@@ -92,12 +112,29 @@ def pin_to_one_device(args) -> None:
 
 
 class GuardedTrainer(Trainer):
-    """The Trainer with qlora_kit's loss head and guards: the chunked loss (loss_head.py) when the recipe
-    asks for it, a stop at the first NaN or infinite loss (guards.py), and the bytes each training
-    forward pass saves for backward (accounting.py)."""
+    """The Trainer with qlora_kit's loss head, guards and memory accounting (see the module docstring).
 
-    chunk_tokens: int | None = None  # None: transformers' own loss
-    guard: TrainingGuard | None = None
+    ``chunk_tokens``: tokens per chunk of the chunked loss head, or None for transformers' own loss;
+    ``guard``: the training guard (None to measure a run without it); ``memory_monitor`` and
+    ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``.
+    """
+
+    def __init__(
+        self,
+        *args,
+        memory_monitor: MemoryMonitor,
+        metrics_log: MetricsLog,
+        guard: TrainingGuard | None = None,
+        chunk_tokens: int | None = None,
+        **kwargs,
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory_monitor = memory_monitor
+        self.metrics_log = metrics_log
+        self.guard = guard
+        self.chunk_tokens = chunk_tokens
+        self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
+        self._staging: Path | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
@@ -128,8 +165,6 @@ class GuardedTrainer(Trainer):
             loss = loss * self.accelerator.num_processes
         return loss
 
-    _staging: Path | None = None
-
     def _save_checkpoint(self, model, trial) -> None:
         # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
         # the previous checkpoint as the newest complete one, never a half-written one. Every rank writes
@@ -152,12 +187,10 @@ class GuardedTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Overridden (a private method; transformers is pinned <6 for it) so a resumed paged optimizer
-        # pages again: loading its state makes ordinary CUDA tensors of it (memory.repage_optimizer_state).
+        # pages again: loading its state makes ordinary CUDA tensors of it (optimizers.repage_optimizer_state).
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            self.repaged_tensors = memory.repage_optimizer_state(self.optimizer)
-
-    repaged_tensors = 0
+            self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         loss = super().training_step(model, inputs, num_items_in_batch)
@@ -178,43 +211,34 @@ def build_trainer(
     guards: bool = True,
 ) -> GuardedTrainer:
     """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost)."""
-    from accelerate import PartialState
-    from transformers.integrations import TensorBoardCallback
-
-    from qlora_kit.precision import resolve_mixed_precision
 
     precision = resolve_mixed_precision(recipe)
     args = training_arguments(recipe, output_dir, has_eval=val_set is not None, precision=precision)
     pin_to_one_device(args)
     guard = TrainingGuard(peft_model) if guards else None
-    main = PartialState().is_main_process  # set up by distributed.Ranks at the start of the run
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
-    trainer = GuardedTrainer(
+    # Its writer (and folder) is created at the start of training, on the main process only.
+    tensorboard = TensorBoardCallback()
+    tensorboard.logging_dir = str(output_dir / "tensorboard")
+    chunked = recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model())
+    return GuardedTrainer(
         model=peft_model,
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        data_collator=data.build_collator(tokenizer, packing=recipe.data.packing),
+        data_collator=prepare.build_collator(tokenizer, packing=recipe.data.packing),
         processing_class=tokenizer,
-        optimizer_cls_and_kwargs=memory.optimizer_class_and_kwargs(recipe.optimizer),
+        optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[
             monitor,  # first: it adds the memory figures to the logs the next two write
             metrics_log,
             *([guard] if guard is not None else []),
-            *([TensorBoardCallback(_summary_writer(output_dir / "tensorboard"))] if main else []),
+            tensorboard,
             *(callbacks or []),
         ],
+        memory_monitor=monitor,
+        metrics_log=metrics_log,
+        guard=guard,
+        chunk_tokens=recipe.memory.loss_chunk_tokens if chunked else None,
     )
-    trainer.metrics_log = metrics_log
-    trainer.memory_monitor = monitor
-    trainer.guard = guard
-    if recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model()):
-        trainer.chunk_tokens = recipe.memory.loss_chunk_tokens
-    return trainer
-
-
-def _summary_writer(folder: Path):
-    from torch.utils.tensorboard import SummaryWriter
-
-    return SummaryWriter(log_dir=str(folder))

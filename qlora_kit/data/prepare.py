@@ -11,21 +11,23 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from qlora_kit import formats, tiny
-from qlora_kit.data_errors import DataError, diagnose_load_failure
-from qlora_kit.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
-from qlora_kit.recipe import FORMAT_FIELDS
+import datasets
+from datasets import Dataset
+from datasets.utils import logging as datasets_logging
+from transformers import DataCollatorForSeq2Seq
 
-if TYPE_CHECKING:
-    from datasets import Dataset
+from qlora_kit import builtin
+from qlora_kit.data import formats
+from qlora_kit.data.errors import DataError, diagnose_load_failure
+from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
+from qlora_kit.data.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
+from qlora_kit.recipe import DataSection
 
-    from qlora_kit.recipe import DataSection
-
-IGNORE_INDEX = formats.IGNORE_INDEX
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 __all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepare_datasets"]
@@ -99,15 +101,13 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
 
 
 def _sources(data: DataSection) -> tuple[str, str | None]:
-    if tiny.is_builtin(data.path):
-        train_file, val_file = tiny.demo_data_files(tiny.builtin_name(data.path))
+    if builtin.is_builtin(data.path):
+        train_file, val_file = builtin.demo_data_files(builtin.builtin_name(data.path))
         return str(train_file), str(val_file)
     return data.path, data.val_path
 
 
 def _load_source(source: str, data: DataSection) -> Dataset:
-    import datasets
-
     path = Path(source).expanduser()
     try:
         with _quiet_datasets(progress=False):
@@ -141,8 +141,6 @@ def _rename_fields(rows: Dataset, data: DataSection, source: str) -> Dataset:
 @contextlib.contextmanager
 def _quiet_datasets(progress: bool = True):
     # datasets logs its own multi-line error before raising; ours is the one line the user sees.
-    from datasets.utils import logging as datasets_logging
-
     logger = logging.getLogger("datasets")
     level, bars = logger.level, datasets_logging.is_progress_bar_enabled()
     logger.setLevel(logging.CRITICAL)
@@ -159,7 +157,8 @@ def _quiet_datasets(progress: bool = True):
 def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
-    required = [n for n in FORMAT_FIELDS[data.format] if n not in formats.OPTIONAL_FIELDS]
+    spec = FORMATS[data.format]
+    required = [n for n in spec.fields if n not in spec.optional]
     missing = [n for n in required if n not in rows.column_names]
     if missing:
         raise DataError(
@@ -167,7 +166,7 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
         )
     fmt, max_len, drop = data.format, data.max_seq_len, data.overlong == "drop"
-    train_on_inputs, add_bos = data.train_on_inputs, data.format != "chat"
+    train_on_inputs, add_bos = data.train_on_inputs, not spec.chat_template
 
     def tokenize(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
@@ -211,8 +210,6 @@ def build_collator(tokenizer, packing: bool):
     """Packed rows (see packing.py), or examples padded to the longest in the batch with -100 labels."""
     if packing:
         return PackedRowCollator(tokenizer.pad_token_id)
-    from transformers import DataCollatorForSeq2Seq
-
     return DataCollatorForSeq2Seq(
         tokenizer, padding=True, label_pad_token_id=IGNORE_INDEX, return_tensors="pt"
     )
@@ -221,8 +218,6 @@ def build_collator(tokenizer, packing: bool):
 def pad_share(lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0) -> float:
     """Share of padding tokens when batches of ``batch_size`` are padded to their longest example,
     in a shuffled order (or sorted into similar lengths, as group_by_length does)."""
-    import random
-
     order = sorted(lengths) if group_by_length else random.Random(seed).sample(lengths, len(lengths))
     padded = real = 0
     for start in range(0, len(order), batch_size):
@@ -256,8 +251,6 @@ def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count:
 
 def read_prompts(path: str) -> list[str]:
     """The ``prompt`` of every row of a prompts file (``qlora-kit generate --file``), read like any data."""
-    from qlora_kit.recipe import DataSection
-
     rows = _load_source(path, DataSection(path=path))
     if "prompt" not in rows.column_names:
         raise DataError(f"{path}: row 1: missing field 'prompt' (has {', '.join(rows.column_names)})")

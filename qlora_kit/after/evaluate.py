@@ -14,14 +14,16 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit import data
-from qlora_kit.formats import IGNORE_INDEX
-from qlora_kit.generate import complete
+import torch
+
+from qlora_kit import adapters
+from qlora_kit.after.generate import complete
+from qlora_kit.data import prepare
+from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
+from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
-
-EXACT_MATCH_FORMATS = {"alpaca", "completion", "chat"}
 
 
 def evaluate(
@@ -35,23 +37,15 @@ def evaluate(
     With ``adapter_dir`` the adapter is loaded onto its 4-bit base (the recipe defaults to the one saved
     beside the adapter); without it, the recipe's base model is evaluated alone, for comparison.
     """
-    from qlora_kit import adapters, model
-    from qlora_kit.recipe import RecipeError
 
-    if adapter_dir is not None:
-        recipe, tokenizer, lm = adapters.load_trained(adapter_dir, recipe)
-    elif recipe is not None:
-        tokenizer = model.load_tokenizer(recipe.model)
-        lm = model.load_base_model(recipe.model, recipe.quant)
-    else:
-        raise RecipeError("evaluate: give a recipe, an adapter directory, or both")
+    recipe, tokenizer, lm = adapters.load_for_inference(adapter_dir, recipe)
     if not recipe.has_validation_data:
         raise RecipeError(
             "data.val_path: evaluation needs validation data (set data.val_path or data.val_fraction)"
         )
-    prepared = data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     val = prepared.val.select(range(min(max_examples, len(prepared.val)))) if max_examples else prepared.val
-    loss, tokens = token_weighted_loss(lm, val, data.build_collator(tokenizer, recipe.data.packing))
+    loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packing))
     results: dict[str, Any] = {
         "adapter": str(adapter_dir) if adapter_dir is not None else None,
         "base_model": recipe.model.path,
@@ -59,8 +53,8 @@ def evaluate(
         "perplexity": math.exp(loss) if loss < 700 else math.inf,
         "tokens": tokens,
     }
-    if recipe.data.format in EXACT_MATCH_FORMATS:
-        examples = data.prompt_examples(
+    if FORMATS[recipe.data.format].checkable:
+        examples = prepare.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)
         )
         hits = [_matches(lm, tokenizer, ex) for ex in examples]
@@ -72,7 +66,6 @@ def evaluate(
 
 def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[float, int]:
     """Mean cross-entropy over every trained token of ``dataset`` and how many tokens that was."""
-    import torch
 
     was_training = lm.training
     lm.eval()
@@ -99,7 +92,7 @@ def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[flo
     return total / max(count, 1), count
 
 
-def _matches(lm, tokenizer, example: data.PromptExample) -> bool:
+def _matches(lm, tokenizer, example: prepare.PromptExample) -> bool:
     reference_tokens = len(tokenizer(example.reference, add_special_tokens=False)["input_ids"])
     answer = complete(lm, tokenizer, example.prompt, max_new_tokens=reference_tokens + 4)
     return answer.strip() == example.reference.strip()

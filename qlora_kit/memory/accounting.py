@@ -1,5 +1,4 @@
-"""Memory accounting during training: what autograd keeps for backward, peaks per phase on CUDA, and
-how much optimizer state a paged optimizer can actually page.
+"""Memory accounting during training: what autograd keeps for backward, and peaks per phase on CUDA.
 
 - ``SavedTensors`` counts the bytes autograd saves for backward during a forward pass, through
   ``torch.autograd.graph.saved_tensors_hooks``: parameters are excluded, a storage shared by several
@@ -11,9 +10,8 @@ how much optimizer state a paged optimizer can actually page.
   recompute) and the optimizer step, resetting the peak between phases, plus the device's used memory
   from ``torch.cuda.mem_get_info``: paged optimizer state lives in CUDA managed memory, which the
   caching allocator does not count.
-- ``optimizer_state_report`` splits the optimizer's state bytes into pageable and resident:
-  bitsandbytes pages only state tensors of parameters with at least 100,000 elements
-  (``Optimizer8bit.get_state_buffer``).
+
+(What the optimizer's state takes, pageable or not, is the optimizer registry's: ``optimizers.py``.)
 """
 
 from __future__ import annotations
@@ -21,18 +19,18 @@ from __future__ import annotations
 import contextlib
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
+import torch
+from transformers.modeling_layers import GradientCheckpointingLayer
 
-PAGEABLE_MIN_ELEMENTS = 100_000  # bitsandbytes.optim.optimizer.Optimizer8bit.get_state_buffer
+from qlora_kit.memory.loss_head import chunked_lm_loss
+
 OUTSIDE = "outside layers"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
+    """The model's decoder layers, in order (transformers marks each as a GradientCheckpointingLayer)."""
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -40,9 +38,6 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 class SavedBytes:
     total: int = 0
     per_layer: dict[str, int] = field(default_factory=dict)
-
-    def layer(self, index: int) -> int:
-        return self.per_layer.get(f"layer {index}", 0)
 
 
 class SavedTensors:
@@ -56,8 +51,6 @@ class SavedTensors:
 
     @contextlib.contextmanager
     def counting(self):
-        import torch
-
         handles = []
         for index, layer in enumerate(decoder_layers(self.model)):
             handles.append(layer.register_forward_pre_hook(self._enter(f"layer {index}")))
@@ -97,52 +90,12 @@ def measure_saved_bytes(
 ) -> SavedBytes:
     """Bytes saved for backward by one training forward pass of ``model`` (a peft model) on ``batch``,
     with transformers' loss, or with the chunked loss head when ``chunk_tokens`` is given."""
-    from qlora_kit.loss_head import chunked_lm_loss
-
     counter = SavedTensors(model)
     model.train()
     with counter.counting():
         loss = model(**batch).loss if chunk_tokens is None else chunked_lm_loss(model, batch, chunk_tokens)
     loss.backward()
     return counter.result()
-
-
-@dataclass
-class OptimizerStateReport:
-    pageable_bytes: int
-    resident_bytes: int
-    pageable_tensors: int
-    parameters: int
-
-    @property
-    def total_bytes(self) -> int:
-        return self.pageable_bytes + self.resident_bytes
-
-
-def optimizer_state_report(params: list[torch.nn.Parameter], name: str) -> OptimizerStateReport:
-    """State bytes the optimizer will hold, split into what bitsandbytes pages and what stays resident."""
-    from qlora_kit.memory import OPTIMIZERS
-
-    class_name, paged = OPTIMIZERS[name]
-    eight_bit = class_name is not None and "8bit" in class_name
-    pageable = resident = tensors = 0
-    for param in params:
-        nbytes = state_bytes(param.numel(), eight_bit)
-        if paged and param.numel() >= PAGEABLE_MIN_ELEMENTS:
-            pageable += nbytes
-            tensors += 1
-        else:
-            resident += nbytes
-    return OptimizerStateReport(pageable, resident, tensors, len(params))
-
-
-def state_bytes(elements: int, eight_bit: bool) -> int:
-    """AdamW state for one parameter: two fp32 moments, or two uint8 moments plus one fp32 absmax per
-    256-element block and the two 256-entry fp32 quantization maps; tensors under 4,096 elements keep
-    32-bit state even in 8-bit optimizers."""
-    if eight_bit and elements >= 4096:
-        return 2 * elements + 2 * 4 * -(-elements // 256) + 2 * 256 * 4
-    return 8 * elements
 
 
 @dataclass

@@ -46,12 +46,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from qlora_kit.accounting import state_bytes
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from qlora_kit.memory.accounting import decoder_layers
+from qlora_kit.memory.optimizers import OPTIMIZERS
+from qlora_kit.model import resolve_model_path
+from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
 
-BUNDLED_CONFIGS = Path(__file__).resolve().parent / "configs"
+BUNDLED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCK = 64  # bitsandbytes' 4-bit blocksize as transformers configures it
 NESTED_BLOCK = 256
@@ -84,9 +90,6 @@ class ModelShape:
 
 def model_shape(recipe: Recipe) -> ModelShape:
     """Shapes from the config, through a model built on the meta device (no weights are read)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
     config = load_config(recipe)
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
@@ -101,7 +104,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
             counted.add(id(param))
             if not (module in quantized and param is module.weight):
                 unquantized += param.numel()
-    layer = _first_decoder_layer(meta)
+    layer = decoder_layers(meta)[0]
     linears = [
         LinearShape(name, m.in_features, m.out_features, m.bias is not None)
         for name, m in layer.named_modules()
@@ -127,11 +130,6 @@ def model_shape(recipe: Recipe) -> ModelShape:
 def load_config(recipe: Recipe):
     """The model's config: a local folder's, a bundled copy for the shipped recipes' hub models (so they
     plan offline), or the hub's."""
-    from transformers import AutoConfig
-
-    from qlora_kit.model import resolve_model_path
-    from qlora_kit.recipe import RecipeError
-
     path = resolve_model_path(recipe.model)
     bundled = BUNDLED_CONFIGS / (path.replace("/", "--") + ".json")
     if not Path(path).exists() and bundled.is_file():
@@ -144,12 +142,6 @@ def load_config(recipe: Recipe):
     except (OSError, ValueError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
         raise RecipeError(f"model.path: cannot read the config of {path} ({reason})") from None
-
-
-def _first_decoder_layer(model):
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return next(m for m in model.modules() if isinstance(m, GradientCheckpointingLayer))
 
 
 @dataclass
@@ -337,10 +329,9 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     weights = weight_bytes(shape, recipe)
     per_tensor = [recipe.lora.rank * d for li in targets(shape, recipe) for d in (li.d_in, li.d_out)]
     per_tensor *= shape.layers
-    eight_bit = recipe.optimizer.name in ("paged_adamw_8bit", "adamw_8bit")
-    paged = recipe.optimizer.name.startswith("paged_")
-    state = sum(state_bytes(v, eight_bit) for v in per_tensor)
-    pageable = sum(state_bytes(v, eight_bit) for v in per_tensor if paged and v >= 100_000)
+    optimizer = OPTIMIZERS[recipe.optimizer.name]
+    state = sum(optimizer.state_bytes(v) for v in per_tensor)
+    pageable = sum(optimizer.state_bytes(v) for v in per_tensor if optimizer.pageable(v))
     result = Plan(shape, weights, state, pageable, batch, seq)
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)

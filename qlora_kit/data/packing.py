@@ -18,7 +18,9 @@ from __future__ import annotations
 import bisect
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit.formats import IGNORE_INDEX
+import torch
+
+from qlora_kit.data.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -72,8 +74,6 @@ class PackedRowCollator:
         self.pad_token_id = pad_token_id
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        import torch
-
         width = max(len(f["input_ids"]) for f in features)
         batch: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
         for f in features:

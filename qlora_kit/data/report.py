@@ -7,8 +7,8 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit import data
-from qlora_kit.formats import IGNORE_INDEX
+from qlora_kit.data import prepare
+from qlora_kit.data.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -19,7 +19,7 @@ PERCENTILES = (50, 90, 99)
 @dataclass
 class DataView:
     examples: list[list[tuple[str, bool]]]  # each example as (text, trained) runs
-    reports: list[data.LengthReport]
+    reports: list[prepare.LengthReport]
     percentiles: dict[str, int]
     pad_share: dict[str, float]  # batching mode -> share of pad tokens
 
@@ -27,7 +27,7 @@ class DataView:
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     # Examples one by one: packed rows would show several examples glued together.
     unpacked = recipe.data.model_copy(update={"packing": False})
-    prepared = data.prepare_datasets(unpacked, tokenizer, recipe.train.seed)
+    prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed)
     train = prepared.train
     examples = [
         _runs(train[i]["input_ids"], train[i]["labels"], tokenizer) for i in range(min(count, len(train)))
@@ -35,7 +35,7 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     lengths = prepared.reports[0].lengths
     cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
-    shares = data.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
+    shares = prepare.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
     return DataView(examples, prepared.reports, percentiles, shares)
 
 
