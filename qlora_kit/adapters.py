@@ -9,9 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import bitsandbytes as bnb
+import torch
 from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils.error import NoMatchingPeftModuleError
 
 from qlora_kit import model as base_model
+from qlora_kit.paths import check_adapter_folder
 from qlora_kit.recipe import Recipe, RecipeError
 
 if TYPE_CHECKING:
@@ -40,8 +44,18 @@ def lora_config(lora: LoraSection):
 
 def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
+    try:
+        return get_peft_model(model, lora_config(lora))
+    except NoMatchingPeftModuleError:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        raise RecipeError(
+            f"lora.target_modules: none of {lora.target_modules} is a linear layer of this model; "
+            f"its linear layers are: {', '.join(names)} (or use all-linear)"
+        ) from None
 
-    return get_peft_model(model, lora_config(lora))
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.Linear, bnb.nn.Linear4bit))
 
 
 def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
@@ -67,8 +81,7 @@ def recipe_of(adapter_dir: str | Path):
     """The resolved recipe a run saved beside its adapter."""
 
     path = Path(adapter_dir) / "recipe.yaml"
-    if not (Path(adapter_dir) / "adapter_config.json").is_file():
-        raise RecipeError(f"--adapter: {adapter_dir} holds no adapter (adapter_config.json is missing)")
+    check_adapter_folder(Path(adapter_dir))
     if not path.is_file():
         raise RecipeError(
             f"--adapter: {adapter_dir} has no recipe.yaml; it was not written by qlora-kit train"

@@ -171,6 +171,10 @@ def eval_command(
         raise RecipeError("eval: --adapter DIR is required (or --no-adapter for the base model alone)")
     adapter_dir = None if no_adapter else adapter
     output = output or (adapter_dir / "eval.json" if adapter_dir is not None else None)
+    if output is not None:
+        from qlora_kit.paths import check_output_file
+
+        check_output_file(output.expanduser().resolve(), "--output")
     results = evaluate(resolved, adapter_dir, max_examples=max_examples, output=output)
     views.show_eval(console, results, "the base model alone" if no_adapter else str(adapter))
     if output is not None:

@@ -8,15 +8,19 @@ the output head stay in ``quant.compute_dtype``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import bitsandbytes as bnb
 import torch
 from accelerate import PartialState
+from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_kit import builtin
+from qlora_kit.paths import check_model_folder
+from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -34,10 +38,13 @@ def resolve_model_path(model: ModelSection) -> str:
 
 
 def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTokenizerBase:
-
-    tokenizer = AutoTokenizer.from_pretrained(
-        path or resolve_model_path(model), trust_remote_code=model.trust_remote_code, revision=model.revision
-    )
+    if path is None:  # else the tokenizer saved beside an adapter
+        path = resolve_model_path(model)
+        check_model_folder(path, weights=False)
+    with _model_path_errors(path):
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
     if tokenizer.pad_token is None:
         # Llama-style tokenizers ship without a pad token. Padded label positions are -100 anyway
         # (see data.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
@@ -64,8 +71,30 @@ def load_base_model(
 
     if model.trust_remote_code:
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
-    base = AutoModelForCausalLM.from_pretrained(
-        path or resolve_model_path(model),
+    path = path or resolve_model_path(model)
+    check_model_folder(path)
+    with _model_path_errors(path):
+        base = _from_pretrained(model, quant, path, fsdp)
+    disable_cpu_weight_repacking(base)
+    base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return base
+
+
+@contextlib.contextmanager
+def _model_path_errors(path: str):
+    """What transformers raises for a folder it cannot load (OSError, a conversion ValueError, a damaged
+    safetensors file) becomes one line naming model.path."""
+    try:
+        yield
+    except (OSError, ValueError, SafetensorError) as exc:
+        text = str(exc).strip()
+        reason = text.splitlines()[0] if text else exc.__class__.__name__
+        raise RecipeError(f"model.path: cannot load {path} ({reason[:300]})") from None
+
+
+def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: bool) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(
+        path,
         quantization_config=bnb_config(quant) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
         # FSDP places and shards the model itself (rank 0 loads, the others receive); without FSDP each
@@ -74,9 +103,6 @@ def load_base_model(
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
     )
-    disable_cpu_weight_repacking(base)
-    base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
-    return base
 
 
 def device_map() -> dict[str, int | str]:

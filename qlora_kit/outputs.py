@@ -47,14 +47,29 @@ def check_output_dir(path: Path, overwrite: bool) -> Path:
     return path
 
 
-def prepare_output_dir(path: Path, overwrite: bool) -> Path:
-    """Empty (when allowed) and create the folder; called once model and data have loaded without error,
-    so a mistake in the recipe or the data never costs the user an earlier run."""
+def prepare_output_dir(path: Path, overwrite: bool) -> Path | None:
+    """Create the folder, empty; called once model and data have loaded without error. What an earlier run
+    left there (with ``overwrite``) is moved aside, not deleted: ``restore_aside`` puts it back if the
+    new run fails before it has anything to replace it with, ``drop_aside`` deletes it once it has.
+    Returns the aside folder (a hidden sibling), or None when there was nothing to keep."""
     path = check_output_dir(path, overwrite)
+    aside = None
     if path.exists() and any(path.iterdir()):
-        shutil.rmtree(path)
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.previous-", dir=path.parent))
+        os.replace(path, aside / "run")  # a rename: nothing is copied or lost
     path.mkdir(parents=True, exist_ok=True)
-    return path
+    return aside
+
+
+def restore_aside(path: Path, aside: Path) -> None:
+    """Put the earlier run back where it was, in place of the failed one."""
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(aside / "run", path)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def drop_aside(aside: Path) -> None:
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def is_complete_checkpoint(folder: Path) -> bool:

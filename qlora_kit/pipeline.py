@@ -33,14 +33,17 @@ from qlora_kit.outputs import (
     checkpoint_step,
     clear_staging,
     complete_checkpoints,
+    drop_aside,
     exclusive,
     find_resume_checkpoint,
     finished_training,
     move_into_place,
     prepare_output_dir,
+    restore_aside,
     staging_dir,
     truncate_metrics,
 )
+from qlora_kit.paths import check_checkpoint, check_model_folder, check_output_folder
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
 from qlora_kit.trainer import GuardedTrainer, build_trainer
@@ -88,9 +91,12 @@ class TrainResult:
 
 
 def check_runnable(recipe: Recipe) -> None:
-    """What can be refused before any work: missing local paths, a launch the recipe does not match, a
-    mixed precision this machine cannot run."""
+    """What can be refused before any work: missing local paths, a base-model folder that cannot load, an
+    output folder that cannot be written, a launch the recipe does not match, a mixed precision this
+    machine cannot run."""
     recipe.check_paths()
+    check_model_folder(model.resolve_model_path(recipe.model))
+    check_output_folder(Path(recipe.train.output_dir).expanduser().resolve(), "train.output_dir")
     if launched_with_fsdp() and not recipe.train.fsdp:
         raise RecipeError(
             "train.fsdp: this run is launched with an FSDP config; set train.fsdp: true "
@@ -107,13 +113,16 @@ def build(
     gradient guards (for measuring what they cost; never for a run)."""
     check_runnable(recipe)
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
+    memory = checkpointing.resolve_checkpointing(
+        recipe
+    )  # auto: planned from the config, refused if it cannot fit
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
     with Ranks().main_first():
         prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     base = model.load_base_model(recipe.model, recipe.quant, fsdp=recipe.train.fsdp)
-    checkpointed = checkpointing.enable_checkpointing(base, checkpointing.resolve_checkpointing(recipe))
+    checkpointed = checkpointing.enable_checkpointing(base, memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards
@@ -138,6 +147,8 @@ def run(
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
         checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
+        if checkpoint is not None:
+            check_checkpoint(checkpoint)
         if not resume:
             check_output_dir(output_dir, overwrite=overwrite)
         stopper = StopOnSignal()
@@ -151,22 +162,28 @@ def run(
                 setup.data, recipe.data, tokenizer, recipe.train.sample_prompts
             )
         before = _answer(peft_model, tokenizer, examples)
-        manifest = (
+        manifest, aside = (
             _prepare_folder(output_dir, recipe, peft_model, overwrite, resume, checkpoint)
             if ranks.is_main
-            else {}
+            else ({}, None)
         )
-        ranks.barrier()
-        _train(trainer, stopper, peft_model, checkpoint, output_dir)
-        # Take accelerate's autocast wrapper off the model's forward: the model handed back computes as
-        # it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
-        trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
-        _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
-        if ranks.is_main:
-            write_manifest(
-                output_dir, manifest | {"finished_at": utc_now(), "steps": trainer.state.global_step}
-            )
-        ranks.barrier()
+        try:
+            ranks.barrier()
+            _train(trainer, stopper, peft_model, checkpoint, output_dir)
+            # Take accelerate's autocast wrapper off the model's forward: the model handed back computes
+            # as it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
+            trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
+            _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
+            if ranks.is_main:
+                steps = trainer.state.global_step
+                write_manifest(output_dir, manifest | {"finished_at": utc_now(), "steps": steps})
+            ranks.barrier()
+        except BaseException:
+            if aside is not None:
+                _after_failed_overwrite(output_dir, aside)
+            raise
+        if aside is not None:
+            drop_aside(aside)
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     usage = trainer.memory_monitor.summary()
     if checkpoint is not None:
@@ -185,12 +202,27 @@ def run(
     )
 
 
+def _after_failed_overwrite(output_dir: Path, aside: Path) -> None:
+    """The run that was to replace an earlier one failed: with no checkpoint of its own to resume from,
+    the earlier run comes back as it was; with one, the earlier run is gone for it."""
+    newest = complete_checkpoints(output_dir)
+    if newest:
+        drop_aside(aside)
+        log.warning("--overwrite: the earlier run was replaced; this run can --resume from %s", newest[-1])
+    else:
+        restore_aside(output_dir, aside)
+        log.warning(
+            "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
+            output_dir,
+        )
+
+
 def _prepare_folder(
     output_dir: Path, recipe: Recipe, peft_model, overwrite: bool, resume, checkpoint
-) -> dict:
-    """The main process readies the output folder; returns the run manifest it wrote."""
-    if not resume:
-        prepare_output_dir(output_dir, overwrite=overwrite)
+) -> tuple[dict, Path | None]:
+    """The main process readies the output folder; returns the run manifest it wrote, and where an
+    earlier run's files were set aside (--overwrite)."""
+    aside = None if resume else prepare_output_dir(output_dir, overwrite=overwrite)
     check_writable(output_dir, _output_bytes(peft_model, recipe))
     clear_staging(output_dir)
     if resume:
@@ -199,7 +231,7 @@ def _prepare_folder(
     manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
     log.info("run manifest: %s", write_manifest(output_dir, manifest))
     (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
-    return manifest
+    return manifest, aside
 
 
 def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, output_dir: Path) -> None:

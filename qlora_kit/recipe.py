@@ -34,7 +34,10 @@ class RecipeError(ValueError):
 
 class Section(BaseModel):
     # Attribute docstrings become field descriptions (shown by `qlora-kit validate`); unknown keys are errors.
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    # allow_inf_nan=False: .inf / .nan in any float field is a mistake caught here, not by a guard later.
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
 
 class ModelSection(Section):
@@ -93,6 +96,8 @@ class MemorySection(Section):
     """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
     budget_gb: float | None = Field(None, gt=0)
     """With checkpointing: auto, the GPU memory (GiB) to fit: the policy with the least recompute that fits wins."""
+    over_budget: bool = False
+    """With checkpointing: auto, train with full checkpointing even when no policy is predicted to fit budget_gb."""
     offload_activations: bool = False
     """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
     chunked_loss: bool = True

@@ -1,6 +1,9 @@
 """Bad input, generated: every wrong recipe or command line gives one clear line and exit code 2."""
 
+import shutil
 import sys
+from pathlib import Path
+from typing import get_args
 
 import pytest
 import yaml
@@ -8,6 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlora_kit import Recipe, cli
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SECTIONS = {name: type(getattr(Recipe(), name)) for name in Recipe.model_fields}
 NUMERIC_LIMITS = [
@@ -166,7 +171,7 @@ def test_unknown_flags_are_one_line_and_exit_2(command, flag, monkeypatch, capsy
         (["plan", "recipes/demo.yaml", "--budget-gb", "lots"], "Invalid value for '--budget-gb'"),
         (["generate", "--adapter", "x", "--max-new-tokens", "many"], "Invalid value for '--max-new-tokens'"),
         (["merge", "--adapter", "x"], "Missing option '--out'"),
-        (["generate", "--adapter", "nowhere", "--prompt", "hi"], "--adapter: nowhere holds no adapter"),
+        (["generate", "--adapter", "nowhere", "--prompt", "hi"], "--adapter: nowhere does not exist"),
         (
             ["merge", "--adapter", "outputs", "--out", "m", "--base", "int3"],
             "--base: must be dequantized or original",
@@ -180,3 +185,248 @@ def test_bad_command_lines_are_one_line_and_exit_2(argv, message, monkeypatch, c
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], err
+
+
+FLOAT_FIELDS = [
+    (section, name)
+    for section, model in SECTIONS.items()
+    for name, info in model.model_fields.items()
+    if info.annotation is float or float in get_args(info.annotation)
+]
+
+
+@pytest.mark.parametrize("value", [".inf", "-.inf", ".nan"])
+@pytest.mark.parametrize(("section", "name"), FLOAT_FIELDS)
+def test_non_finite_numbers_are_refused_at_validation(section, name, value, tmp_path, monkeypatch, capsys):
+    path = tmp_path / "r.yaml"
+    path.write_text(f"{section}:\n  {name}: {value}\n")
+    code, err = run_cli(["validate", str(path)], monkeypatch, capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {section}.{name}: "), err
+    assert "finite" in lines[0]
+
+
+# --- Every path argument of every subcommand, pointed at something wrong -----------------------------
+# Each case: (command line with {WRONG} where the bad path goes, the kind of wrong path). Kinds are made
+# by make_wrong_path below: missing, an empty folder, a file where a folder goes (and the reverse),
+# corrupt JSON / YAML / safetensors contents, and the wrong kind of folder.
+RECIPE = "recipes/demo.yaml"
+RUN_FOLDER_KINDS = [
+    "missing",
+    "file",
+    "empty folder",
+    "corrupt adapter config",
+    "truncated adapter",
+    "model folder",
+]
+MODEL_FOLDER_KINDS = [
+    "file",
+    "empty folder",
+    "config not json",
+    "config without weights",
+    "truncated weights",
+    "no tokenizer",
+    "adapter folder",
+]
+PATH_CASES = [
+    *[(["train", "{WRONG}"], kind) for kind in ["missing yaml", "folder", "corrupt yaml"]],
+    *[(["validate", "{WRONG}"], kind) for kind in ["missing yaml", "folder", "corrupt yaml"]],
+    *[(["data", "{WRONG}"], kind) for kind in ["missing yaml", "folder", "corrupt yaml"]],
+    *[(["plan", "{WRONG}"], kind) for kind in ["missing yaml", "corrupt yaml"]],
+    *[(["doctor", "{WRONG}"], kind) for kind in ["missing yaml", "corrupt yaml"]],
+    *[
+        (["train", RECIPE, "--output-dir", "{NEW}", "--set", "model.path={WRONG}"], kind)
+        for kind in MODEL_FOLDER_KINDS
+    ],
+    *[
+        (["data", RECIPE, "--set", "model.path={WRONG}"], kind)  # data reads the tokenizer, not the weights
+        for kind in MODEL_FOLDER_KINDS
+        if "weights" not in kind
+    ],
+    *[
+        (["plan", RECIPE, "--set", "model.path={WRONG}"], kind)
+        for kind in ["file", "empty folder", "config not json"]
+    ],
+    *[
+        (["train", RECIPE, "--set", "data.path={WRONG}"], kind)
+        for kind in ["missing jsonl", "folder", "corrupt jsonl"]
+    ],
+    *[(["train", RECIPE, "--output-dir", "{WRONG}"], kind) for kind in ["file", "under a file"]],
+    *[
+        (["train", RECIPE, "--output-dir", "{RUN}", "--resume-from", "{WRONG}"], kind)
+        for kind in RUN_FOLDER_KINDS
+    ],
+    *[(["eval", "--adapter", "{WRONG}"], kind) for kind in RUN_FOLDER_KINDS],
+    *[
+        (["eval", "--adapter", "{RUN}", "--output", "{WRONG}"], kind)
+        for kind in ["folder", "under a missing folder"]
+    ],
+    *[(["generate", "--adapter", "{WRONG}", "--prompt", "hi"], kind) for kind in RUN_FOLDER_KINDS],
+    *[
+        (["generate", "--adapter", "{RUN}", "--file", "{WRONG}"], kind)
+        for kind in ["missing jsonl", "folder", "corrupt jsonl"]
+    ],
+    *[(["chat", "--adapter", "{WRONG}"], kind) for kind in RUN_FOLDER_KINDS],
+    *[(["merge", "--adapter", "{WRONG}", "--out", "{NEW}"], kind) for kind in RUN_FOLDER_KINDS],
+    *[
+        (["merge", "--adapter", "{RUN}", "--out", "{WRONG}"], kind)
+        for kind in ["file", "inside the adapter", "under a file"]
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A real finished run (2 steps) with a checkpoint, that bad commands must leave as it was."""
+    from qlora_kit import train
+
+    from .conftest import quick_recipe
+
+    out = tmp_path_factory.mktemp("finished") / "run"
+    train(quick_recipe(out, **{"train.max_steps": 2, "train.save_steps": 1}))
+    return out
+
+
+def make_wrong_path(kind: str, where: Path, run: Path) -> Path:
+    path = where / "wrong"
+    if kind.startswith("missing"):
+        return where / ("nope.yaml" if "yaml" in kind else "nope.jsonl" if "jsonl" in kind else "nope")
+    if kind in ("folder", "empty folder"):
+        path.mkdir()
+    elif kind == "file":
+        path.write_text("not a folder\n")
+    elif kind == "corrupt yaml":
+        path = where / "bad.yaml"
+        path.write_text("lora: [rank: : 3\n")
+    elif kind == "corrupt jsonl":
+        path = where / "bad.jsonl"
+        path.write_text('{"prompt": "fine"}\n{"prompt": \n')
+    elif kind in ("under a file", "under a missing folder"):
+        (where / "plain").write_text("x") if kind == "under a file" else None
+        return where / "plain" / "sub" / "out.json"
+    elif kind == "inside the adapter":
+        return run / "merged"
+    elif kind in ("corrupt adapter config", "truncated adapter"):
+        shutil.copytree(run, path)
+        if kind == "corrupt adapter config":
+            (path / "adapter_config.json").write_text("{not json")
+        else:
+            weights = path / "adapter_model.safetensors"
+            weights.write_bytes(weights.read_bytes()[:100])
+        return path
+    elif kind == "model folder" or kind in MODEL_FOLDER_KINDS:
+        from qlora_kit import builtin
+
+        if kind == "adapter folder":
+            return run
+        shutil.copytree(builtin.ensure_tiny_model("tiny-llama"), path)
+        if kind == "config not json":
+            (path / "config.json").write_text("{")
+        elif kind == "config without weights":
+            for weights in path.glob("*.safetensors"):
+                weights.unlink()
+        elif kind == "truncated weights":
+            weights = next(path.glob("*.safetensors"))
+            weights.write_bytes(weights.read_bytes()[:1000])
+        elif kind == "no tokenizer":
+            for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json"):
+                (path / name).unlink(missing_ok=True)
+    return path
+
+
+def snapshot(folder: Path) -> dict[str, str]:
+    """Every file under ``folder`` and a hash of its bytes."""
+    import hashlib
+
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock")
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("argv", "kind"), PATH_CASES, ids=[f"{' '.join(a)}[{k}]" for a, k in PATH_CASES])
+def test_every_path_argument_pointed_at_something_wrong_is_one_line_and_exit_2(
+    argv, kind, finished_run, tmp_path, monkeypatch, capsys
+):
+    """Always exit 2, one error line, no traceback; nothing written outside the command's own output,
+    and the finished run it points at left byte for byte as it was."""
+    monkeypatch.chdir(ROOT)
+    wrong = make_wrong_path(kind, tmp_path, finished_run)
+    before_run, before_tmp = snapshot(finished_run), snapshot(tmp_path)
+    values = {"{WRONG}": str(wrong), "{RUN}": str(finished_run), "{NEW}": str(tmp_path / "new")}
+    line = [values.get(a, a) for a in argv]
+    line = [a.replace("{WRONG}", str(wrong)) for a in line]
+    code, err = run_cli(line, monkeypatch, capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2, err[-2000:]
+    assert len(errors) == 1 and "Traceback" not in err, err[-2000:]
+    assert snapshot(finished_run) == before_run, "the finished run was changed"
+    assert snapshot(tmp_path) == before_tmp, "something was written beside the command's input"
+
+
+@pytest.mark.slow
+def test_target_modules_that_match_nothing_list_the_models_linear_layers(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    argv = [
+        "train",
+        RECIPE,
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--set",
+        "lora.target_modules=[qkv, dense]",
+    ]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-2000:]
+    assert errors[0].startswith("error: lora.target_modules: none of ['qkv', 'dense'] is a linear layer")
+    assert "down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj" in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_budget_no_policy_fits_is_refused_with_the_knobs(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    settings = ["--set", "memory.checkpointing=auto", "--set", "memory.budget_gb=0.001"]
+    code, err = run_cli(
+        ["train", RECIPE, "--output-dir", str(tmp_path / "out"), *settings], monkeypatch, capsys
+    )
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-2000:]
+    assert errors[0].startswith("error: memory.budget_gb: no checkpointing policy fits 0.001 GiB")
+    for knob in (
+        "train.micro_batch_size (16)",
+        "data.max_seq_len (64)",
+        "lora.rank (16)",
+        "memory.over_budget",
+    ):
+        assert knob in errors[0]
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_overwrite_with_a_run_that_fails_first_gives_the_earlier_run_back(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    """--overwrite onto a finished run, and the new run's loss blows up before its first checkpoint:
+    the earlier run is back, byte for byte."""
+    monkeypatch.chdir(ROOT)
+    run = tmp_path / "run"
+    shutil.copytree(finished_run, run)
+    before = snapshot(run)
+    blow_up = [
+        "--set",
+        "optimizer.name=adamw_torch",
+        "--set",
+        "optimizer.lr=1e20",
+        "--set",
+        "train.save_steps=null",
+    ]
+    argv = ["train", RECIPE, "--output-dir", str(run), "--overwrite", "--set", "train.max_steps=6", *blow_up]
+    argv += ["--set", "train.eval_steps=null", "--set", "train.sample_prompts=0"]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    assert code == 3, err[-2000:]  # the guard stopped it
+    assert "the earlier run in" in err and "is back as it was" in err
+    assert snapshot(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["run"]

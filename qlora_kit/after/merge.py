@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from transformers import AutoModelForCausalLM
 from qlora_kit import adapters, model
 from qlora_kit.data import prepare
 from qlora_kit.outputs import OutputDirError
+from qlora_kit.paths import check_model_folder, check_output_folder
 from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
@@ -69,15 +71,19 @@ def merge_adapter(
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced)."""
 
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
+    check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputDirError(f"--out: {out_dir} already holds files; choose an empty or new folder")
-    if out_dir == adapter_dir or adapter_dir in out_dir.parents:
-        raise OutputDirError("--out: must be outside the adapter folder (merging never writes into it)")
     recipe = adapters.recipe_of(adapter_dir)
+    check_model_folder(model.resolve_model_path(recipe.model))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
-    _export(recipe, adapter_dir, staging, base)
-    drift = measure_drift(recipe, adapter_dir, staging)
+    try:
+        _export(recipe, adapter_dir, staging, base)
+        drift = measure_drift(recipe, adapter_dir, staging)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # nothing half-made is left beside the destination
+        raise
     if not drift.within(max_kl, min_top1) and not force:
         raise MergeDriftError(
             f"merged model drifts from the adapter: mean KL {drift.mean_kl:.4g} (max {max_kl}), top-1 agreement "

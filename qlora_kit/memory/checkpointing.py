@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.memory.planner import choose_policy, plan, policy_name
+from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -31,7 +32,16 @@ def resolve_checkpointing(recipe: Recipe) -> MemorySection:
     if memory.checkpointing != "auto":
         return memory
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    policy, every_n, why = choose_policy(recipe, memory.budget_gb, plan(recipe, device=device))
+    the_plan = plan(recipe, device=device)
+    if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
+        smallest = min(the_plan.policies, key=lambda p: p.peak)
+        raise RecipeError(
+            f"memory.budget_gb: no checkpointing policy fits {memory.budget_gb:g} GiB (the smallest predicted "
+            f"peak is {smallest.peak / GIB:.2f} GiB, with full checkpointing); lower train.micro_batch_size "
+            f"({recipe.train.micro_batch_size}), data.max_seq_len ({recipe.data.max_seq_len}) or lora.rank "
+            f"({recipe.lora.rank}), or set memory.over_budget: true to train anyway"
+        )
+    policy, every_n, why = choose_policy(recipe, memory.budget_gb, the_plan)
     chosen = memory.model_copy(update={"checkpointing": policy, "every_n": every_n})
     log.info("memory.checkpointing auto: %s (%s)", policy_name(policy, every_n), why)
     return chosen
