@@ -83,17 +83,17 @@ def step_timer():
 
 
 def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool, seed: int) -> dict:
-    import qlora_kit.data
     from qlora_kit import Recipe, train
+    from qlora_kit.data import prepare
 
     counters = []
-    real_build_collator = qlora_kit.prepare.build_collator
+    real_build_collator = prepare.build_collator
 
     def counting_collator(*args, **kwargs):  # the benchmark counts what the run's own collator builds
         counters.append(Counter(real_build_collator(*args, **kwargs)))
         return counters[-1]
 
-    qlora_kit.prepare.build_collator = counting_collator
+    prepare.build_collator = counting_collator  # trainer.py looks it up on the module at each build
     recipe = Recipe.from_dict(
         {
             "model": {"path": model_dir},

@@ -18,7 +18,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import set_seed
 
-from qlora_kit import adapters, model, run_log
+from qlora_kit import adapters, builtin, model, run_log
 from qlora_kit.after.generate import complete
 from qlora_kit.data import prepare
 from qlora_kit.distributed import Ranks, launched_with_fsdp
@@ -95,8 +95,9 @@ def check_runnable(recipe: Recipe) -> None:
     output folder that cannot be written, a launch the recipe does not match, a mixed precision this
     machine cannot run."""
     recipe.check_paths()
-    check_model_folder(model.resolve_model_path(recipe.model))
     check_output_folder(Path(recipe.train.output_dir).expanduser().resolve(), "train.output_dir")
+    if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
+        check_model_folder(recipe.model.path)
     if launched_with_fsdp() and not recipe.train.fsdp:
         raise RecipeError(
             "train.fsdp: this run is launched with an FSDP config; set train.fsdp: true "

@@ -14,7 +14,7 @@ demo model and data (see ``builtin.py``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -61,10 +61,12 @@ class QuantSection(Section):
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
     """Container dtype of the packed 4-bit weights; FSDP needs it equal to compute_dtype."""
 
+    FOUR_BIT_ONLY: ClassVar[tuple[str, ...]] = ("double_quant", "quant_type", "quant_storage")
+
     @model_validator(mode="after")
     def _check_bits(self) -> QuantSection:
         if self.bits == 16:
-            for name in ("double_quant", "quant_type", "quant_storage"):
+            for name in self.FOUR_BIT_ONLY:
                 if name in self.model_fields_set:
                     raise ValueError(f"quant.{name}: only applies to 4-bit weights (quant.bits is 16)")
         return self
@@ -142,6 +144,8 @@ class DataSection(Section):
     """Tokens per example."""
     overlong: Literal["truncate", "drop"] = "truncate"
     """What to do with an example longer than max_seq_len: cut its end off, or leave it out."""
+    system_prompt_mode: Literal["keep", "merge_into_first_user", "drop"] = "keep"
+    """Chat rows' system prompts: keep them, merge them into the first user message (templates without a system role), or drop them."""
     train_on_inputs: bool = False
     """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
     packing: bool = True
@@ -157,6 +161,10 @@ class DataSection(Section):
                 raise ValueError(
                     f"data.fields: {name!r} is not a field of format {self.format} ({', '.join(known)})"
                 )
+        if self.system_prompt_mode != "keep" and self.format != "chat":
+            raise ValueError(
+                f"data.system_prompt_mode: only applies to format chat (data.format is {self.format})"
+            )
         if self.packing and self.group_by_length:
             raise ValueError(
                 "data.group_by_length: pointless with data.packing (packed batches have no padding)"
@@ -277,10 +285,19 @@ class Recipe(Section):
                     raise RecipeError(f"{section}.{name}: no such file or folder: {value}")
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
-        return Recipe.from_dict(self.model_dump(), overrides)
+        return Recipe.from_dict(self.resolved_values(), overrides)
 
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        return yaml.safe_dump(self.resolved_values(), sort_keys=False)
+
+    def resolved_values(self) -> dict[str, Any]:
+        """Every field's value, as a recipe file holds them: what loads back into this same recipe (the
+        4-bit-only quant fields are left out of a quant.bits 16 recipe, where setting them is an error)."""
+        values = self.model_dump(mode="json")
+        if self.quant.bits == 16:
+            for name in QuantSection.FOUR_BIT_ONLY:
+                values["quant"].pop(name)
+        return values
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,26 @@ def trained_run(request, tmp_path_factory):
     return train(quick_recipe(out, **settings))
 
 
+def lora_model(compute_dtype: str = "bfloat16", targets="all-linear"):
+    """The tiny 4-bit model with LoRA, in training mode, B drawn non-zero so every LoRA matrix gets a
+    gradient from the first step (peft starts B at zero)."""
+    import torch
+
+    from qlora_kit import Recipe, adapters, model
+
+    recipe = Recipe.from_dict(
+        {"quant": {"compute_dtype": compute_dtype}, "lora": {"dropout": 0.0, "target_modules": targets}}
+    )
+    base = model.load_base_model(recipe.model, recipe.quant)
+    torch.manual_seed(0)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    return peft_model.train()
+
+
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory):
     """The README's first command, once per session: the full demo recipe through the real CLI."""

@@ -6,14 +6,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
 
-from .conftest import quick_recipe
+from .conftest import lora_model, quick_recipe
 
 
 def fresh_accelerator(precision: str) -> Accelerator:
@@ -23,15 +23,7 @@ def fresh_accelerator(precision: str) -> Accelerator:
 
 
 def bf16_model(targets="all-linear"):
-    recipe = Recipe.from_dict({"lora": {"dropout": 0.0, "target_modules": targets}})
-    base = model.load_base_model(recipe.model, recipe.quant)
-    torch.manual_seed(0)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    with torch.no_grad():  # B non-zero, so every LoRA matrix gets a gradient
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-    return peft_model.train()
+    return lora_model("bfloat16", targets)
 
 
 def completion_batch():

@@ -9,19 +9,11 @@ from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.loss_head import chunked_lm_loss
 
+from .conftest import lora_model
+
 
 def fp32_model(targets="all-linear"):
-    recipe = Recipe.from_dict(
-        {"quant": {"compute_dtype": "float32"}, "lora": {"dropout": 0.0, "target_modules": targets}}
-    )
-    base = model.load_base_model(recipe.model, recipe.quant)
-    torch.manual_seed(0)
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    with torch.no_grad():  # B non-zero, so every LoRA matrix gets a gradient
-        for name, param in peft_model.named_parameters():
-            if "lora_B" in name:
-                param.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
-    return peft_model.train()
+    return lora_model("float32", targets)
 
 
 def loss_and_grads(peft_model, batch, chunk=None, num_items=None):

@@ -118,3 +118,21 @@ def test_a_run_launched_with_fsdp_refuses_a_recipe_without_it(monkeypatch, tmp_p
     with pytest.raises(RecipeError, match=r"^train\.fsdp: this run is launched with an FSDP config"):
         train(Recipe.from_dict({"train": {"output_dir": str(tmp_path / "out"), "max_steps": 1}}))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        {},
+        {"quant": {"bits": 16}},
+        {"quant": {"bits": 16}, "lora": {"init": "pissa"}},
+        {"data": {"format": "chat", "system_prompt_mode": "merge_into_first_user"}},
+        {"memory": {"checkpointing": "auto", "budget_gb": 20, "over_budget": True}},
+    ],
+)
+def test_the_saved_recipe_loads_back_as_the_same_recipe(values):
+    """recipe.yaml beside an adapter is what eval, generate, merge and --resume load: it must round-trip
+    (a quant.bits 16 recipe used to write 4-bit-only fields that its own validation then refused)."""
+    recipe = Recipe.from_dict(values)
+    assert Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe
+    assert recipe.with_overrides({"train.max_steps": 3}).train.max_steps == 3

@@ -10,10 +10,8 @@ A row becomes a list of ``Segment(text, trained)``. Segments are tokenized one b
 so a BPE merge across a boundary can never blur which tokens are trained; labels are -100 on every
 untrained token (the QLoRA paper's ``train_on_source=False``).
 
-Chat rows go through the tokenizer's own chat template. The trained part of each assistant turn is
-what rendering ``messages[:i+1]`` adds to rendering ``messages[:i]`` with the generation prompt: it
-works with any template that renders a conversation's prefix as a prefix of the whole, and needs no
-``{% generation %}`` markers (Llama 3's and Qwen 2.5's templates have none).
+Chat rows go through the tokenizer's own chat template, rendered once; chat.py finds the trained
+spans in that text.
 """
 
 from __future__ import annotations
@@ -22,48 +20,42 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
+from qlora_kit.data.segments import RowError, Segment
+
 IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
 
-CHAT_ROLES = {"system", "user", "assistant", "tool"}
+__all__ = ["FORMATS", "IGNORE_INDEX", "FormatSpec", "RowError", "Segment", "render", "tokenize"]
 
 
-class RowError(ValueError):
-    """What is wrong with one row; the caller adds the file and the row number."""
-
-
-@dataclass(frozen=True)
-class Segment:
-    text: str
-    trained: bool
-
-
-def render(row: dict[str, Any], fmt: str, tokenizer) -> list[Segment]:
-    """The row as text segments; the response (or each assistant turn) is the trained part."""
+def render(row: dict[str, Any], fmt: str, tokenizer, system_prompt_mode: str = "keep") -> list[Segment]:
+    """The row as text segments; the response (or each assistant turn) is the trained part.
+    ``system_prompt_mode`` (data.system_prompt_mode) only changes chat rows."""
     spec = FORMATS[fmt]
     for name in spec.fields:
         _check_field(row, name, optional=name in spec.optional)
-    return spec.render(row, tokenizer)
+    return spec.render(row, tokenizer, system_prompt_mode)
 
 
-def _render_alpaca(row: dict[str, Any], tokenizer) -> list[Segment]:
+def _render_alpaca(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
     template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
     prompt = template.format(instruction=row["instruction"], input=row.get("input"))
     return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
 
 
-def _render_completion(row: dict[str, Any], tokenizer) -> list[Segment]:
+def _render_completion(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
     return [Segment(row["prompt"], False), Segment(row["completion"] + tokenizer.eos_token, True)]
 
 
-def _render_text(row: dict[str, Any], tokenizer) -> list[Segment]:
+def _render_text(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
     return [Segment(row["text"] + tokenizer.eos_token, True)]
 
 
-def _render_chat(row: dict[str, Any], tokenizer) -> list[Segment]:
-    return render_chat(row["messages"], tokenizer)
+def _render_chat(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
+    return render_chat(row["messages"], tokenizer, system_prompt_mode)
 
 
 def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
@@ -80,45 +72,6 @@ def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
         raise RowError(f"missing field {name!r}")
     if not isinstance(value, str):
         raise RowError(f"field {name!r} must be text (got {type(value).__name__} {_show(value)})")
-
-
-def render_chat(messages: list[dict[str, Any]], tokenizer) -> list[Segment]:
-    """Segments of a conversation: assistant turns trained, everything else not."""
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise RowError(f"messages[{i}]: role must be one of {sorted(CHAT_ROLES)} (got {_show(message)})")
-        if not isinstance(message.get("content"), str):
-            raise RowError(f"messages[{i}]: content must be text (got {_show(message.get('content'))})")
-    if not any(m["role"] == "assistant" for m in messages):
-        raise RowError("conversation has no assistant turn to train on")
-    if tokenizer.chat_template is None:
-        raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
-    segments: list[Segment] = []
-    done = ""  # text rendered so far
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        prefix = _apply_template(tokenizer, messages[:i], generation_prompt=True)
-        whole = _apply_template(tokenizer, messages[: i + 1], generation_prompt=False)
-        if not prefix.startswith(done) or not whole.startswith(prefix):
-            raise RowError(
-                "the chat template does not render a conversation's start as a prefix of the whole"
-            )
-        reply = whole[len(prefix) :].rstrip()  # the separator after a turn's end token is not the reply
-        segments += [Segment(prefix[len(done) :], False), Segment(reply, True)]
-        done = prefix + reply
-    rest = _apply_template(tokenizer, messages, generation_prompt=False)[len(done) :]
-    if rest:
-        segments.append(Segment(rest, False))  # turns after the last assistant reply
-    return [s for s in segments if s.text]
-
-
-def _apply_template(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(
-        [{"role": m["role"], "content": m["content"]} for m in messages],
-        tokenize=False,
-        add_generation_prompt=generation_prompt,
-    )
 
 
 def tokenize(
@@ -153,11 +106,16 @@ def _alpaca_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = 
     return ALPACA_PROMPT.format(instruction=text)
 
 
-def _chat_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+def _chat_prompt(
+    text: str, tokenizer, history: list[dict[str, str]] | None = None, system_prompt_mode: str = "keep"
+) -> str:
+    """The conversation so far and the user's text, rendered as training rendered it (chat.py)."""
     if tokenizer.chat_template is None:
         return text
-    messages = [*(history or []), {"role": "user", "content": text}]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    messages = apply_system_prompt_mode(
+        [*(history or []), {"role": "user", "content": text}], system_prompt_mode
+    )
+    return apply_template(tokenizer, messages, generation_prompt=True, mode=system_prompt_mode)
 
 
 def _raw_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
@@ -170,7 +128,7 @@ class FormatSpec:
 
     name: str
     fields: tuple[str, ...]  # what a row has (data.fields may rename them)
-    render: Callable[[dict[str, Any], Any], list[Segment]]  # (row, tokenizer) -> segments
+    render: Callable[[dict[str, Any], Any, str], list[Segment]]  # (row, tokenizer, system mode) -> segments
     prompt: Callable[..., str]  # (text, tokenizer, history) -> the prompt a model continues
     optional: frozenset[str] = frozenset()  # fields that may be absent or empty
     checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)

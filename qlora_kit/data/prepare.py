@@ -166,11 +166,12 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
         )
     fmt, max_len, drop = data.format, data.max_seq_len, data.overlong == "drop"
+    system_mode = data.system_prompt_mode
     train_on_inputs, add_bos = data.train_on_inputs, not spec.chat_template
 
     def tokenize(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
-            segments = formats.render(row, fmt, tokenizer)
+            segments = formats.render(row, fmt, tokenizer, system_mode)
         except formats.RowError as exc:
             raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
         example = formats.tokenize(segments, tokenizer, train_on_inputs, add_bos)
@@ -241,7 +242,7 @@ def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count:
         return []
     examples = []
     for row in prepared.val_rows.select(range(min(count, len(prepared.val_rows)))):
-        segments = formats.render(row, data.format, tokenizer)
+        segments = formats.render(row, data.format, tokenizer, data.system_prompt_mode)
         answer = next((s.text for s in segments if s.trained), "")
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         reference = tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -42,23 +42,28 @@ def losses(out: Path) -> list[float]:
     ]
 
 
-def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
+def one_and_two_processes(tmp_path: Path, *settings: str) -> tuple[Path, Path, str]:
+    """The demo trained by one process with micro-batch 8 and by two (torchrun, gloo) with 4 each:
+    (one's output, two's output, two's stderr)."""
     one, two = tmp_path / "one", tmp_path / "two"
+    train = [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", *SETTINGS, *settings]
     single = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(one), *SETTINGS,
-         "--set", "train.micro_batch_size=8"],
+        [*train, "--output-dir", str(one), "--set", "train.micro_batch_size=8"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert single.returncode == 0, single.stderr[-2000:]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     parallel = subprocess.run(
-        [*torchrun, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(two), *SETTINGS,
-         "--set", "train.micro_batch_size=4"],
+        [*torchrun, *train[1:], "--output-dir", str(two), "--set", "train.micro_batch_size=4"],
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert parallel.returncode == 0, parallel.stderr[-3000:]
+    return one, two, parallel.stderr
 
+
+def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
+    one, two, stderr = one_and_two_processes(tmp_path)
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):
@@ -73,7 +78,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
         "rng_state_1.pth",
     ]
     assert not (two / ".staging").exists() or not any((two / ".staging").iterdir())
-    assert parallel.stderr.count("run manifest:") == 1, "logs come from the main process only"
+    assert stderr.count("run manifest:") == 1, "logs come from the main process only"
     adapter = load_file(two / "adapter_model.safetensors")
     assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name), "the adapter trained"
     answers = generate(str(two), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
@@ -87,21 +92,7 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
         "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
         "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
     ]  # fmt: skip
-    one, two = tmp_path / "one", tmp_path / "two"
-    single = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(one), *SETTINGS,
-         *bf16, "--set", "train.micro_batch_size=8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert single.returncode == 0, single.stderr[-2000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    parallel = subprocess.run(
-        [*torchrun, "-m", "qlora_kit", "train", "recipes/demo.yaml", "--output-dir", str(two), *SETTINGS,
-         *bf16, "--set", "train.micro_batch_size=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert parallel.returncode == 0, parallel.stderr[-3000:]
+    one, two, _ = one_and_two_processes(tmp_path, *bf16)
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 6
     for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split

@@ -163,7 +163,10 @@ def test_unwritable_output_folder_is_one_line_before_any_work(recipe, tmp_path):
     blocker.write_text("not a folder")
     result = cli("train", str(recipe), "--output-dir", str(blocker / "out"))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"error: train.output_dir: {blocker} is a file, not a folder"
+    assert (
+        result.stderr.strip()
+        == f"error: train.output_dir: {blocker} is a file, so {blocker / 'out'} cannot be made"
+    )
 
 
 def test_full_disk_is_refused_before_training(tmp_path):

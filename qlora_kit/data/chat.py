@@ -1,0 +1,160 @@
+"""Chat rows: the conversation rendered once by the tokenizer's own chat template, and the trained spans
+found in that text.
+
+Each assistant message's content is located in the rendered text, left to right, and trained together
+with the end-of-turn marker the template puts right after it (the first special token there, such as
+``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>`` or ``</s>``); everything else — headers,
+system prompts (the template's default one too), user turns, separators and whatever the template
+appends after the whole conversation — is not trained. This needs no property of the template beyond
+rendering each reply's text: it works where rendering a conversation's start is not a prefix of
+rendering the whole (Mistral v0.3 puts the system prompt in the *last* user turn, Phi-3 appends EOS
+after the conversation, Qwen3 drops the reasoning of earlier turns). A reply is found verbatim, or
+trimmed (templates that ``| trim`` content), with the spaces just before it (Mistral's
+``[/INST] reply``: the model generates that space), or, for an earlier turn whose ``<think>`` block the
+template dropped, as the answer after it — the dropped reasoning is then not trained in that turn,
+since the model never sees it there.
+
+Templates with ``{% generation %}`` markers are checked against transformers' own assistant mask
+(``return_assistant_tokens_mask``): both must train the same text, or the row is refused.
+
+``data.system_prompt_mode`` makes system prompts usable with templates that have no system role:
+``keep`` (as given), ``merge_into_first_user`` (prepended to the first user message) or ``drop``.
+A template that refuses a conversation (no system role, strict alternation) is one line naming the row
+and the template's own message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from qlora_kit.data.segments import RowError, Segment
+
+CHAT_ROLES = {"system", "user", "assistant", "tool"}
+SYSTEM_PROMPT_MODES = ("keep", "merge_into_first_user", "drop")
+REASONING_END = "</think>"
+
+
+def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep") -> list[Segment]:
+    """Segments of a conversation: each assistant reply and its end-of-turn marker trained, nothing else."""
+    _check_messages(messages)
+    if tokenizer.chat_template is None:
+        raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
+    messages = apply_system_prompt_mode(messages, system_prompt_mode)
+    text = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode)
+    markers = end_of_turn_markers(tokenizer)
+    segments: list[Segment] = []
+    cursor = 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        start, reply = _locate(text, message["content"], cursor)
+        if start < 0:
+            raise RowError(
+                f"messages[{i}]: the chat template changes this assistant message's text, so the tokens "
+                "to train cannot be found in the rendered conversation"
+            )
+        end = start + len(reply)
+        end += len(_marker_at(text, end, markers))
+        while start > cursor and text[start - 1] == " ":
+            # "[/INST] reply": the model generates that space (SentencePiece's "▁reply"), so it is trained
+            start -= 1
+        segments += [Segment(text[cursor:start], False), Segment(text[start:end], True)]
+        cursor = end
+    segments.append(Segment(text[cursor:], False))  # turns after the last reply, a trailing EOS
+    segments = [s for s in segments if s.text]
+    if _has_generation_markers(tokenizer):
+        _check_against_generation_mask(tokenizer, messages, segments)
+    return segments
+
+
+def apply_system_prompt_mode(messages: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
+    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    if mode == "keep" or not any(m["role"] == "system" for m in messages):
+        return messages
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+    rest = [m for m in messages if m["role"] != "system"]
+    if mode == "merge_into_first_user":
+        first = next((i for i, m in enumerate(rest) if m["role"] == "user"), None)
+        if first is None:
+            raise RowError("data.system_prompt_mode merge_into_first_user: the conversation has no user turn")
+        rest[first] = {"role": "user", "content": f"{system}\n\n{rest[first]['content']}"}
+    return rest
+
+
+def apply_template(
+    tokenizer, messages: list[dict[str, Any]], generation_prompt: bool, mode: str = "keep"
+) -> str:
+    """The template's text for ``messages``; a template that refuses them is a RowError with its message."""
+    from jinja2.exceptions import TemplateError  # jinja2 loads with the template, not with the recipe
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt
+        )
+    except TemplateError as exc:
+        hint = ""
+        if mode == "keep" and any(m["role"] == "system" for m in messages):
+            hint = "; set data.system_prompt_mode: merge_into_first_user (or drop) for a template without a system role"
+        raise RowError(f"the chat template refuses this conversation: {exc}{hint}") from None
+
+
+def end_of_turn_markers(tokenizer) -> list[str]:
+    """The tokenizer's special tokens, longest first: an end-of-turn marker is one of them."""
+    special = set(tokenizer.all_special_tokens)
+    special |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted((t for t in special if t), key=len, reverse=True)
+
+
+def _check_messages(messages: list[Any]) -> None:
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
+            raise RowError(f"messages[{i}]: role must be one of {sorted(CHAT_ROLES)} (got {_show(message)})")
+        if not isinstance(message.get("content"), str):
+            raise RowError(f"messages[{i}]: content must be text (got {_show(message.get('content'))})")
+    if not any(m["role"] == "assistant" for m in messages):
+        raise RowError("conversation has no assistant turn to train on")
+
+
+def _locate(text: str, content: str, cursor: int) -> tuple[int, str]:
+    """(offset, the reply as rendered): verbatim, trimmed, or the answer after dropped reasoning."""
+    candidates = [content, content.strip()]
+    if REASONING_END in content:
+        candidates.append(content.split(REASONING_END)[-1].strip())
+    for candidate in candidates:
+        if candidate:
+            start = text.find(candidate, cursor)
+            if start >= 0:
+                return start, candidate
+    return -1, content
+
+
+def _marker_at(text: str, end: int, markers: list[str]) -> str:
+    """The end-of-turn marker right after a reply (spaces before it included, as Llama 2's ' </s>')."""
+    spaces = len(text[end:]) - len(text[end:].lstrip(" "))
+    return next((text[end : end + spaces + len(m)] for m in markers if text.startswith(m, end + spaces)), "")
+
+
+def _has_generation_markers(tokenizer) -> bool:
+    template = tokenizer.chat_template or ""
+    return "generation %}" in template
+
+
+def _check_against_generation_mask(
+    tokenizer, messages: list[dict[str, Any]], segments: list[Segment]
+) -> None:
+    rendered = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    ids = [t for t, m in zip(rendered["input_ids"], rendered["assistant_masks"], strict=True) if m]
+    theirs = tokenizer.decode(ids)
+    ours = "".join(s.text for s in segments if s.trained)
+    if theirs.split() != ours.split():  # decoding may normalise spaces; the words must match
+        raise RowError(
+            f"the chat template's {{% generation %}} markers train {_show(theirs)} but its rendered text "
+            f"puts the replies at {_show(ours)}"
+        )
+
+
+def _show(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

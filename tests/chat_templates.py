@@ -1,0 +1,75 @@
+"""Chat templates written for the tests, each behaving like a popular model family's (on the demo
+tokenizer, with that family's special tokens added): what the masking must handle.
+
+Each entry: the template, the special tokens it needs, its end-of-turn marker, and whether it accepts a
+system message as it is.
+"""
+
+LLAMA3 = (  # BOS inside the template, header tokens, <|eot_id|> after every turn
+    "<|begin_of_text|>{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+QWEN25 = (  # ChatML with a default system prompt when the conversation has none
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+MISTRAL_V03 = (  # the system prompt goes into the *last* user turn; </s> after each reply
+    "{{ bos_token }}{% set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | list %}"
+    "{% set loop_messages = messages | rejectattr('role', 'equalto', 'system') | list %}"
+    "{% set last_user = (loop_messages | selectattr('role', 'equalto', 'user') | list | length) %}"
+    "{% set ns = namespace(users=0) %}"
+    "{% for m in loop_messages %}{% if m['role'] == 'user' %}{% set ns.users = ns.users + 1 %}"
+    "[INST] {% if ns.users == last_user and system %}{{ system[0] }}\n\n{% endif %}{{ m['content'] }}[/INST]"
+    "{% else %} {{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+
+PHI3 = (  # <|end|> after each turn, and EOS appended after the whole conversation
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% else %}{{ eos_token }}{% endif %}"
+)
+
+GEMMA = (  # no system role, strict alternation, 'model' for the assistant
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] | trim }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+QWEN3 = (  # ChatML; the reasoning of every assistant turn but the last is dropped
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.index0 != ns.last and '</think>' in m['content'] %}"
+    "{{ m['content'].split('</think>')[-1].lstrip('\n') }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+GENERATION_MARKERS = (  # ChatML with {% generation %} around each reply and its <|im_end|>
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
+FAMILIES = {
+    # name: (template, special tokens to add, end-of-turn marker, takes a system message as it is)
+    "llama3": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|eot_id|>",
+        True,
+    ),
+    "qwen2.5": (QWEN25, CHATML_TOKENS, "<|im_end|>", True),
+    "mistral-v0.3": (MISTRAL_V03, ["[INST]", "[/INST]"], "</s>", True),
+    "phi3": (PHI3, ["<|user|>", "<|assistant|>", "<|system|>", "<|end|>"], "<|end|>", True),
+    "gemma": (GEMMA, ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", False),
+    "qwen3": (QWEN3, CHATML_TOKENS, "<|im_end|>", True),
+    "generation-markers": (GENERATION_MARKERS, CHATML_TOKENS, "<|im_end|>", True),
+}

@@ -1,0 +1,154 @@
+"""Chat masking on templates that behave like the popular families' (tests/chat_templates.py): each
+assistant turn's reply and its end-of-turn marker are trained, token by token, and nothing else; the
+prompt at inference is the prefix training saw; templates that refuse a conversation are one line."""
+
+import copy
+import json
+
+import pytest
+
+from qlora_kit import Recipe, model
+from qlora_kit.data import formats, prepare
+from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
+from qlora_kit.data.errors import DataError
+from qlora_kit.data.formats import IGNORE_INDEX, RowError
+
+from .chat_templates import FAMILIES
+
+SYSTEM = {"role": "system", "content": "Answer in one word."}
+ONE_TURN = [
+    {"role": "user", "content": "What sound does a cow make?"},
+    {"role": "assistant", "content": "moo"},
+]
+MULTI_TURN = [
+    *ONE_TURN,
+    {"role": "user", "content": "And a cat?"},
+    {"role": "assistant", "content": "<think>\nCats purr and meow.\n</think>\n\nmeow"},
+]
+CASES = [
+    (family, turns, system)
+    for family in FAMILIES
+    for turns in ("1-turn", "multi-turn")
+    for system in (False, True)
+]
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    return model.load_tokenizer(Recipe().model)
+
+
+def family_tokenizer(demo_tokenizer, family: str):
+    template, tokens, _, _ = FAMILIES[family]
+    tokenizer = copy.deepcopy(demo_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def conversation(turns: str, system: bool) -> list[dict[str, str]]:
+    return [*([SYSTEM] if system else []), *(ONE_TURN if turns == "1-turn" else MULTI_TURN)]
+
+
+def trained_runs(labels: list[int]) -> list[list[int]]:
+    runs, current = [], []
+    for label in labels:
+        if label == IGNORE_INDEX:
+            if current:
+                runs.append(current)
+            current = []
+        else:
+            current.append(label)
+    return runs + ([current] if current else [])
+
+
+def rendered_reply(family: str, messages: list[dict[str, str]], index: int) -> str:
+    """The reply as the family renders it: Qwen3 drops earlier turns' reasoning, trimming templates trim."""
+    content = messages[index]["content"]
+    is_last = index == max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if family == "qwen3" and not is_last:
+        return content.split("</think>")[-1].lstrip("\n")
+    return content.strip() if family in ("llama3", "gemma") else content
+
+
+@pytest.mark.parametrize(
+    ("family", "turns", "system"),
+    CASES,
+    ids=[f"{f}-{t}-{'system' if s else 'no-system'}" for f, t, s in CASES],
+)
+def test_each_reply_and_its_end_marker_are_trained_and_nothing_else(demo_tokenizer, family, turns, system):
+    tokenizer = family_tokenizer(demo_tokenizer, family)
+    _, _, marker, takes_system = FAMILIES[family]
+    mode = "keep" if takes_system or not system else "merge_into_first_user"
+    messages = conversation(turns, system)
+    segments = render_chat(messages, tokenizer, mode)
+    example = formats.tokenize(segments, tokenizer, train_on_inputs=False, add_bos=False)
+
+    shown = apply_system_prompt_mode(messages, mode)
+    replies = [i for i, m in enumerate(shown) if m["role"] == "assistant"]
+    decoded = [tokenizer.decode(run).strip() for run in trained_runs(example["labels"])]
+    assert decoded == [rendered_reply(family, shown, i) + marker for i in replies]
+    # Every token is the rendered conversation's: nothing added, nothing lost.
+    assert tokenizer.decode(example["input_ids"]) == apply_template(tokenizer, shown, generation_prompt=False)
+    # The prompt at inference (generate, chat, sample prompts, exact match) is exactly what training put
+    # before the reply. (Within a longer conversation Mistral v0.3 moves the system prompt to the last
+    # user turn, so an earlier turn's prefix is the template's own, not a one-turn prompt's.)
+    if turns == "1-turn":
+        assert formats.prompt_text(segments) == apply_template(tokenizer, shown[:-1], generation_prompt=True)
+
+
+def test_a_template_without_a_system_role_is_one_line_with_the_way_out(demo_tokenizer, tmp_path):
+    tokenizer = family_tokenizer(demo_tokenizer, "gemma")
+    with pytest.raises(
+        RowError,
+        match=r"^the chat template refuses this conversation: System role not supported; set data\.system_prompt_mode",
+    ):
+        render_chat([SYSTEM, *ONE_TURN], tokenizer)
+    path = tmp_path / "chats.jsonl"
+    path.write_text("\n".join(json.dumps({"messages": m}) for m in [ONE_TURN, [SYSTEM, *ONE_TURN]]) + "\n")
+    data = Recipe.from_dict({"data": {"path": str(path), "format": "chat"}}).data
+    with pytest.raises(
+        DataError, match=rf"^{path}: row 2: the chat template refuses this conversation: System role"
+    ):
+        prepare.prepare_datasets(data, tokenizer, seed=0)
+    merged = data.model_copy(update={"system_prompt_mode": "merge_into_first_user"})
+    assert len(prepare.prepare_datasets(merged, tokenizer, seed=0).train) >= 1
+    dropped = render_chat([SYSTEM, *ONE_TURN], tokenizer, "drop")
+    assert "Answer in one word." not in "".join(s.text for s in dropped)
+
+
+def test_strict_alternation_is_the_templates_own_message(demo_tokenizer):
+    tokenizer = family_tokenizer(demo_tokenizer, "gemma")
+    twice = [ONE_TURN[0], ONE_TURN[0], ONE_TURN[1]]
+    with pytest.raises(RowError, match=r"refuses this conversation: Conversation roles must alternate"):
+        render_chat(twice, tokenizer)
+
+
+def test_a_template_that_rewrites_a_reply_names_the_message(demo_tokenizer):
+    tokenizer = copy.deepcopy(demo_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+    )
+    with pytest.raises(
+        RowError, match=r"^messages\[1\]: the chat template changes this assistant message's text"
+    ):
+        render_chat(ONE_TURN, tokenizer)
+
+
+def test_generation_markers_and_the_rendered_text_must_agree(demo_tokenizer):
+    """The marker template agrees (checked inside render_chat); a template whose markers cover only the
+    reply while the turn ends with <|im_end|> is refused."""
+    tokenizer = family_tokenizer(demo_tokenizer, "generation-markers")
+    render_chat(MULTI_TURN, tokenizer)  # agrees: no error
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{{ m['content'] }}<|im_end|>{% endgeneration %}", "{{ m['content'] }}{% endgeneration %}<|im_end|>"
+    )
+    with pytest.raises(RowError, match=r"generation %\} markers train"):
+        render_chat(MULTI_TURN, tokenizer)
+
+
+def test_system_prompt_mode_only_applies_to_chat():
+    from qlora_kit.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match=r"^data\.system_prompt_mode: only applies to format chat"):
+        Recipe.from_dict({"data": {"system_prompt_mode": "drop"}})
