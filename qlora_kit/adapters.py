@@ -79,7 +79,6 @@ def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:
 
 def recipe_of(adapter_dir: str | Path):
     """The resolved recipe a run saved beside its adapter."""
-
     path = Path(adapter_dir) / "recipe.yaml"
     check_adapter_folder(Path(adapter_dir))
     if not path.is_file():
@@ -106,7 +105,6 @@ def load_for_inference(adapter_dir: str | Path | None, recipe: Recipe | None = N
 
 def load_trained(adapter_dir: str | Path, recipe=None):
     """(recipe, tokenizer, model): the 4-bit base with the trained adapter, as it was trained."""
-
     recipe = recipe or recipe_of(adapter_dir)
     tokenizer = base_model.load_tokenizer(recipe.model, path=str(adapter_dir))
     base = base_model.load_base_model(recipe.model, recipe.quant)

@@ -42,7 +42,6 @@ class Ranks:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (so all ranks stop at the same step)."""
-
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return flag
     value = torch.tensor([1 if flag else 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")

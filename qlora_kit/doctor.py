@@ -149,7 +149,6 @@ def _train(folder: Path):
 
 def _reload(result):
     """The saved adapter, loaded with plain peft onto a freshly loaded 4-bit base: the same logits."""
-
     recipe = Recipe.from_yaml(result.output_dir / "recipe.yaml")
     base = model.load_base_model(recipe.model, recipe.quant)
     reloaded = PeftModel.from_pretrained(base, str(result.output_dir)).eval()

@@ -68,7 +68,6 @@ def load_base_model(
 ) -> PreTrainedModel:
     """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
     GPU when there is one, otherwise on the CPU."""
-
     if model.trust_remote_code:
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
     path = path or resolve_model_path(model)
@@ -107,7 +106,6 @@ def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: 
 
 def device_map() -> dict[str, int | str]:
     """The whole model on this process's GPU (its local rank under a multi-process launch), else the CPU."""
-
     if torch.cuda.is_available():
         # One process per GPU under accelerate/torchrun: each rank loads onto its own device.
 

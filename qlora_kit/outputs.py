@@ -126,7 +126,6 @@ def finished_training(checkpoint: Path, max_steps: int) -> bool:
 @contextlib.contextmanager
 def exclusive(output_dir: Path):
     """Hold the output folder for this run; a second run into it fails at once with a clear message."""
-
     blocking = next((p for p in [output_dir, *output_dir.parents] if p.exists() and not p.is_dir()), None)
     if blocking is not None:
         raise OutputDirError(f"train.output_dir: {blocking} is a file, not a folder")

@@ -50,7 +50,6 @@ def resolve_mixed_precision(recipe: Recipe, device: Device | None = None) -> str
     """``bf16``, ``fp16`` or ``no`` for this recipe on ``device`` (default: this machine).
 
     Raises RecipeError naming the field when the recipe asks for what the device cannot do."""
-
     device = device or Device.here()
     wanted = recipe.train.mixed_precision
     compute = recipe.quant.compute_dtype

@@ -52,7 +52,6 @@ SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "
 
 def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str):
     """The Trainer's arguments; ``precision`` is the resolved mixed precision (bf16, fp16 or no)."""
-
     train, opt = recipe.train, recipe.optimizer
     evaluating = has_eval and train.eval_steps is not None
     return TrainingArguments(
@@ -211,7 +210,6 @@ def build_trainer(
     guards: bool = True,
 ) -> GuardedTrainer:
     """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost)."""
-
     precision = resolve_mixed_precision(recipe)
     args = training_arguments(recipe, output_dir, has_eval=val_set is not None, precision=precision)
     pin_to_one_device(args)

@@ -66,7 +66,6 @@ def evaluate(
 
 def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[float, int]:
     """Mean cross-entropy over every trained token of ``dataset`` and how many tokens that was."""
-
     was_training = lm.training
     lm.eval()
     total, count = 0.0, 0

@@ -47,7 +47,6 @@ def complete(
     max_new_tokens: int | None = None,
 ) -> str:
     """The model's continuation of ``prompt`` (without the prompt), special tokens removed."""
-
     sampling = sampling or Sampling()
     kwargs = sampling.generate_kwargs()
     if max_new_tokens is not None:
@@ -83,7 +82,6 @@ def generate(
 ) -> list[str]:
     """Answers to ``prompts`` from the trained adapter (or from the recipe's base model when adapter_dir
     is None), each prompt wrapped as in training unless ``raw``."""
-
     recipe, tokenizer, lm = adapters.load_for_inference(adapter_dir, recipe)
     fmt = recipe.data.format
     texts = [p if raw else wrap_prompt(p, fmt, tokenizer) for p in prompts]

@@ -69,7 +69,6 @@ def merge_adapter(
     force: bool = False,
 ) -> MergeResult:
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced)."""
-
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -149,7 +148,6 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
 
 def _log_probs(lm, batches: list) -> list:
     """Next-token log-probabilities (T, V) of each batch of ids, in fp32 on the host."""
-
     lm.eval()
     with torch.no_grad():
         return [
