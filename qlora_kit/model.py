@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import bitsandbytes as bnb
@@ -34,14 +35,16 @@ def resolve_model_path(model: ModelSection) -> str:
     """A local folder or hub id; builtin names are built (once) into the cache first."""
     if builtin.is_builtin(model.path):
         return str(builtin.ensure_tiny_model(builtin.builtin_name(model.path)))
-    return model.path
+    local = Path(model.path).expanduser()
+    return str(local) if local.exists() else model.path  # a hub id stays as it is
 
 
 def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTokenizerBase:
-    if path is None:  # else the tokenizer saved beside an adapter
-        path = resolve_model_path(model)
+    field = "--adapter"  # the tokenizer saved beside an adapter
+    if path is None:
+        path, field = resolve_model_path(model), "model.path"
         check_model_folder(path, weights=False)
-    with _model_path_errors(path):
+    with _model_path_errors(path, field):
         tokenizer = AutoTokenizer.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
@@ -80,15 +83,15 @@ def load_base_model(
 
 
 @contextlib.contextmanager
-def _model_path_errors(path: str):
+def _model_path_errors(path: str, field: str = "model.path"):
     """What transformers raises for a folder it cannot load (OSError, a conversion ValueError, a damaged
-    safetensors file) becomes one line naming model.path."""
+    safetensors file) becomes one line naming the field; the original stays chained for debugging."""
     try:
         yield
     except (OSError, ValueError, SafetensorError) as exc:
         text = str(exc).strip()
         reason = text.splitlines()[0] if text else exc.__class__.__name__
-        raise RecipeError(f"model.path: cannot load {path} ({reason[:300]})") from None
+        raise RecipeError(f"{field}: cannot load {path} ({reason[:300]})") from exc
 
 
 def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: bool) -> PreTrainedModel:

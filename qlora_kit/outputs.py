@@ -23,6 +23,7 @@ from pathlib import Path
 from filelock import FileLock, Timeout
 
 FINISHED_MARKER = "adapter_config.json"
+PREVIOUS = ".previous-"  # an earlier run set aside by --overwrite, inside the output folder
 STAGING = ".staging"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # The Trainer writes trainer_state.json last; the rest must be there for an exact resume.
@@ -51,21 +52,35 @@ def prepare_output_dir(path: Path, overwrite: bool) -> Path | None:
     """Create the folder, empty; called once model and data have loaded without error. What an earlier run
     left there (with ``overwrite``) is moved aside, not deleted: ``restore_aside`` puts it back if the
     new run fails before it has anything to replace it with, ``drop_aside`` deletes it once it has.
-    Returns the aside folder (a hidden sibling), or None when there was nothing to keep."""
+    The aside is a hidden folder *inside* the output folder, so the renames stay on one filesystem
+    even when the folder is a mounted volume. Returns it, or None when there was nothing to keep."""
     path = check_output_dir(path, overwrite)
-    aside = None
-    if path.exists() and any(path.iterdir()):
-        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}.previous-", dir=path.parent))
-        os.replace(path, aside / "run")  # a rename: nothing is copied or lost
     path.mkdir(parents=True, exist_ok=True)
+    earlier = list(path.iterdir())
+    if not earlier:
+        return None
+    aside = Path(tempfile.mkdtemp(prefix=PREVIOUS, dir=path))
+    moved: list[Path] = []
+    try:
+        for item in earlier:
+            os.replace(item, aside / item.name)  # a rename: nothing is copied or lost
+            moved.append(item)
+    except OSError:
+        for item in moved:
+            os.replace(aside / item.name, item)
+        aside.rmdir()
+        raise
     return aside
 
 
 def restore_aside(path: Path, aside: Path) -> None:
     """Put the earlier run back where it was, in place of the failed one."""
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(aside / "run", path)
-    shutil.rmtree(aside, ignore_errors=True)
+    for item in path.iterdir():
+        if item != aside:
+            shutil.rmtree(item) if item.is_dir() and not item.is_symlink() else item.unlink()
+    for item in aside.iterdir():
+        os.replace(item, path / item.name)
+    aside.rmdir()
 
 
 def drop_aside(aside: Path) -> None:

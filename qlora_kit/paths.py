@@ -29,7 +29,9 @@ WEIGHT_PATTERNS = (
     "*.safetensors.index.json",
     "pytorch_model.bin.index.json",
 )
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "tokenizer.tiktoken")
+# Any of these makes a folder a tokenizer's (fast tokenizers, SentencePiece, BPE vocabularies, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+TOKENIZER_PATTERNS = ("*.model", "*.tiktoken")
 
 
 def check_model_folder(path: str, field: str = "model.path", weights: bool = True) -> None:
@@ -52,7 +54,9 @@ def check_model_folder(path: str, field: str = "model.path", weights: bool = Tru
         for file in files:
             if file.suffix == ".safetensors":
                 check_safetensors(file, field)
-    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+    tokenizer_files = [folder / name for name in TOKENIZER_FILES]
+    tokenizer_files += [f for pattern in TOKENIZER_PATTERNS for f in folder.glob(pattern)]
+    if not any(f.is_file() for f in tokenizer_files):
         raise RecipeError(
             f"{field}: {folder} has no tokenizer files ({' or '.join(TOKENIZER_FILES[:2])}); save the "
             "tokenizer into the model's folder (tokenizer.save_pretrained)"
@@ -106,6 +110,20 @@ def check_output_folder(path: Path, flag: str, reading: Path | None = None) -> N
     if reading is not None and (path == reading or reading in path.parents):
         raise OutputDirError(f"{flag}: {path} is inside {reading}, which this command reads; choose another")
     _check_writable_parent(path, flag)
+
+
+def check_output_holds_no_input(output_dir: Path, inputs: dict[str, str | None]) -> None:
+    """A run's folder must not hold what the run reads: --overwrite sets a folder's contents aside and
+    deletes them once the run has its own."""
+    for field, value in inputs.items():
+        read = Path(value).expanduser() if value else None
+        if read is not None and read.exists():
+            read = read.resolve()
+            if read == output_dir or output_dir in read.parents:
+                raise RecipeError(
+                    f"train.output_dir: {output_dir} holds {field} {read}; a run replaces what its folder "
+                    "holds (--overwrite), so write it elsewhere"
+                )
 
 
 def check_output_file(path: Path, flag: str) -> None:

@@ -43,7 +43,12 @@ from qlora_kit.outputs import (
     staging_dir,
     truncate_metrics,
 )
-from qlora_kit.paths import check_checkpoint, check_model_folder, check_output_folder
+from qlora_kit.paths import (
+    check_checkpoint,
+    check_model_folder,
+    check_output_folder,
+    check_output_holds_no_input,
+)
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
 from qlora_kit.trainer import GuardedTrainer, build_trainer
@@ -95,7 +100,14 @@ def check_runnable(recipe: Recipe) -> None:
     output folder that cannot be written, a launch the recipe does not match, a mixed precision this
     machine cannot run."""
     recipe.check_paths()
-    check_output_folder(Path(recipe.train.output_dir).expanduser().resolve(), "train.output_dir")
+    output_dir = Path(recipe.train.output_dir).expanduser().resolve()
+    check_output_folder(output_dir, "train.output_dir")
+    inputs = {
+        "model.path": recipe.model.path,
+        "data.path": recipe.data.path,
+        "data.val_path": recipe.data.val_path,
+    }
+    check_output_holds_no_input(output_dir, inputs)
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
     if launched_with_fsdp() and not recipe.train.fsdp:
@@ -210,12 +222,16 @@ def _after_failed_overwrite(output_dir: Path, aside: Path) -> None:
     if newest:
         drop_aside(aside)
         log.warning("--overwrite: the earlier run was replaced; this run can --resume from %s", newest[-1])
-    else:
+        return
+    try:
         restore_aside(output_dir, aside)
-        log.warning(
-            "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
-            output_dir,
-        )
+    except OSError as exc:
+        log.error("--overwrite: could not put the earlier run back (%s); it is kept in %s", exc, aside)
+        return
+    log.warning(
+        "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
+        output_dir,
+    )
 
 
 def _prepare_folder(
@@ -224,14 +240,21 @@ def _prepare_folder(
     """The main process readies the output folder; returns the run manifest it wrote, and where an
     earlier run's files were set aside (--overwrite)."""
     aside = None if resume else prepare_output_dir(output_dir, overwrite=overwrite)
-    check_writable(output_dir, _output_bytes(peft_model, recipe))
-    clear_staging(output_dir)
-    if resume:
-        truncate_metrics(output_dir, checkpoint_step(checkpoint))
-        log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
-    manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
-    log.info("run manifest: %s", write_manifest(output_dir, manifest))
-    (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    if aside is not None:
+        log.info("--overwrite: the earlier run is kept in %s until this run has a checkpoint", aside)
+    try:
+        check_writable(output_dir, _output_bytes(peft_model, recipe))
+        clear_staging(output_dir)
+        if resume:
+            truncate_metrics(output_dir, checkpoint_step(checkpoint))
+            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
+        manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
+        log.info("run manifest: %s", write_manifest(output_dir, manifest))
+        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    except BaseException:
+        if aside is not None:
+            _after_failed_overwrite(output_dir, aside)
+        raise
     return manifest, aside
 
 

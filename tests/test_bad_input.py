@@ -430,3 +430,25 @@ def test_overwrite_with_a_run_that_fails_first_gives_the_earlier_run_back(
     assert "the earlier run in" in err and "is back as it was" in err
     assert snapshot(run) == before
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["run"]
+
+
+def test_an_output_folder_that_holds_the_runs_data_is_refused(tmp_path, monkeypatch, capsys):
+    """--overwrite sets a folder's contents aside and deletes them once the run has its own: a folder
+    holding the data the run reads is refused before anything moves."""
+    monkeypatch.chdir(ROOT)
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"instruction": "Say hi.", "output": "hi"}\n')
+    argv = ["train", RECIPE, "--output-dir", str(tmp_path), "--overwrite", "--set", f"data.path={data}"]
+    argv += [
+        "--set",
+        "data.val_fraction=0.0",
+        "--set",
+        "train.eval_steps=null",
+        "--set",
+        "train.sample_prompts=0",
+    ]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-2000:]
+    assert f"holds data.path {data}" in errors[0]
+    assert data.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]

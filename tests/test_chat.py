@@ -152,3 +152,44 @@ def test_system_prompt_mode_only_applies_to_chat():
 
     with pytest.raises(RecipeError, match=r"^data\.system_prompt_mode: only applies to format chat"):
         Recipe.from_dict({"data": {"system_prompt_mode": "drop"}})
+
+
+@pytest.mark.parametrize(
+    ("question", "reply"),
+    [
+        ("Pick: A or B?", "A"),
+        ("Is it yes?", "yes"),
+        ("Say the letter a.", "a"),
+        ("Who are you?", "assistant"),
+    ],
+)
+def test_a_reply_is_found_in_its_own_turn_not_earlier(demo_tokenizer, question, reply):
+    """A short reply that also occurs in the question, the system prompt or a header (``<|im_start|>``
+    holds an 'a'; ``assistant`` is the header's word) is trained where the reply is."""
+    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    messages = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
+    segments = render_chat(messages, tokenizer)
+    trained = [s.text for s in segments if s.trained]
+    assert trained == [f"{reply}<|im_end|>"]
+    untrained = "".join(s.text for s in segments if not s.trained)
+    assert untrained.endswith("<|im_start|>assistant\n") or untrained.endswith("<|im_start|>assistant\n\n")
+
+
+def test_an_end_marker_after_a_newline_is_trained_and_headers_are_not_markers(demo_tokenizer):
+    tokenizer = copy.deepcopy(demo_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|EOT|>", "<|user|>"]})
+    # DeepSeek-Coder-style: "\n<|EOT|>" after each reply
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'user' %}### Instruction:\n{{ m['content'] }}\n"
+        "{% else %}### Response:\n{{ m['content'] }}\n<|EOT|>\n{% endif %}{% endfor %}"
+    )
+    assert [s.text for s in render_chat(ONE_TURN, tokenizer) if s.trained] == ["moo\n<|EOT|>"]
+    # No end marker at all: the next turn's header is not trained as one.
+    tokenizer.chat_template = "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
+    assert [s.text for s in render_chat(MULTI_TURN[:3], tokenizer) if s.trained] == ["moo"]
+
+
+def test_an_empty_reply_says_so(demo_tokenizer):
+    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    with pytest.raises(RowError, match=r"^messages\[1\]: the assistant message is empty"):
+        render_chat([ONE_TURN[0], {"role": "assistant", "content": ""}], tokenizer)

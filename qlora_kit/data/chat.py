@@ -25,6 +25,7 @@ and the template's own message.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from qlora_kit.data.segments import RowError, Segment
@@ -32,6 +33,7 @@ from qlora_kit.data.segments import RowError, Segment
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 SYSTEM_PROMPT_MODES = ("keep", "merge_into_first_user", "drop")
 REASONING_END = "</think>"
+_END_NAME = re.compile(r"end|eot|eos|</s>", re.IGNORECASE)
 
 
 def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep") -> list[Segment]:
@@ -41,26 +43,37 @@ def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep"
         raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
     messages = apply_system_prompt_mode(messages, system_prompt_mode)
     text = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode)
-    markers = end_of_turn_markers(tokenizer)
+    searchable = _mask_special_tokens(text, tokenizer)  # a reply is never found inside a special token
     segments: list[Segment] = []
-    cursor = 0
+    cursor = kept = 0  # where the search goes on; the end of the text already in segments
     for i, message in enumerate(messages):
+        if message["role"] in ("user", "tool"):
+            # Past each prompt turn, so a reply that repeats the question is found in its own turn. (System
+            # prompts are not passed over: templates move them, e.g. into the last user turn.)
+            found = searchable.find(message["content"], cursor) if message["content"] else -1
+            cursor = found + len(message["content"]) if found >= 0 else cursor
+            continue
         if message["role"] != "assistant":
             continue
-        start, reply = _locate(text, message["content"], cursor)
+        if not message["content"].strip():
+            raise RowError(f"messages[{i}]: the assistant message is empty; there is nothing to train")
+        header = _assistant_header(tokenizer, messages[:i], system_prompt_mode)
+        at = text.find(header, cursor) if header else -1
+        cursor = at + len(header) if at >= 0 else cursor
+        start, reply = _locate(searchable, message["content"], cursor)
         if start < 0:
             raise RowError(
                 f"messages[{i}]: the chat template changes this assistant message's text, so the tokens "
                 "to train cannot be found in the rendered conversation"
             )
         end = start + len(reply)
-        end += len(_marker_at(text, end, markers))
-        while start > cursor and text[start - 1] == " ":
+        end += len(_marker_at(text, end, end_of_turn_markers(tokenizer, header)))
+        while start > kept and text[start - 1] == " ":
             # "[/INST] reply": the model generates that space (SentencePiece's "▁reply"), so it is trained
             start -= 1
-        segments += [Segment(text[cursor:start], False), Segment(text[start:end], True)]
-        cursor = end
-    segments.append(Segment(text[cursor:], False))  # turns after the last reply, a trailing EOS
+        segments += [Segment(text[kept:start], False), Segment(text[start:end], True)]
+        cursor = kept = end
+    segments.append(Segment(text[kept:], False))  # turns after the last reply, a trailing EOS
     segments = [s for s in segments if s.text]
     if _has_generation_markers(tokenizer):
         _check_against_generation_mask(tokenizer, messages, segments)
@@ -98,11 +111,36 @@ def apply_template(
         raise RowError(f"the chat template refuses this conversation: {exc}{hint}") from None
 
 
-def end_of_turn_markers(tokenizer) -> list[str]:
-    """The tokenizer's special tokens, longest first: an end-of-turn marker is one of them."""
+def end_of_turn_markers(tokenizer, header: str = "") -> list[str]:
+    """Special tokens that end a turn, longest first: EOS, and those named for an end (``<|im_end|>``,
+    ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``, ``<|EOT|>``) that are not part of the assistant
+    header (Llama 3's ``<|end_header_id|>``). BOS, UNK and turn headers never end a turn."""
     special = set(tokenizer.all_special_tokens)
     special |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    return sorted((t for t in special if t), key=len, reverse=True)
+    excluded = {tokenizer.bos_token, tokenizer.unk_token}
+    ends = {t for t in special if t and t not in excluded and t not in header and _END_NAME.search(t)}
+    if tokenizer.eos_token:
+        ends.add(tokenizer.eos_token)
+    return sorted(ends, key=len, reverse=True)
+
+
+def _assistant_header(tokenizer, before: list[dict[str, Any]], mode: str) -> str:
+    """What the template puts before a reply (``<|im_start|>assistant\n``): the generation prompt it
+    adds to the conversation so far; empty where it adds none or renders the two differently."""
+    if not before:
+        return ""
+    plain = apply_template(tokenizer, before, generation_prompt=False, mode=mode)
+    prompted = apply_template(tokenizer, before, generation_prompt=True, mode=mode)
+    return prompted[len(plain) :] if prompted.startswith(plain) else ""
+
+
+def _mask_special_tokens(text: str, tokenizer) -> str:
+    """``text`` with every special token blanked out (same length), for searching replies in."""
+    special = set(tokenizer.all_special_tokens)
+    special |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    for token in sorted((t for t in special if t), key=len, reverse=True):
+        text = text.replace(token, "\0" * len(token))
+    return text
 
 
 def _check_messages(messages: list[Any]) -> None:
@@ -129,9 +167,10 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, str]:
 
 
 def _marker_at(text: str, end: int, markers: list[str]) -> str:
-    """The end-of-turn marker right after a reply (spaces before it included, as Llama 2's ' </s>')."""
-    spaces = len(text[end:]) - len(text[end:].lstrip(" "))
-    return next((text[end : end + spaces + len(m)] for m in markers if text.startswith(m, end + spaces)), "")
+    """The end-of-turn marker after a reply, with the whitespace before it (Llama 2's `` </s>``,
+    DeepSeek's ``\n<|EOT|>``); empty when the turn has none."""
+    gap = len(text[end:]) - len(text[end:].lstrip(" \n"))
+    return next((text[end : end + gap + len(m)] for m in markers if text.startswith(m, end + gap)), "")
 
 
 def _has_generation_markers(tokenizer) -> bool:
