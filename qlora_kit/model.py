@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_kit import builtin
-from qlora_kit.paths import check_model_folder
+from qlora_kit.paths import check_model_folder, first_line
 from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
@@ -89,9 +89,7 @@ def _model_path_errors(path: str, field: str = "model.path"):
     try:
         yield
     except (OSError, ValueError, SafetensorError) as exc:
-        text = str(exc).strip()
-        reason = text.splitlines()[0] if text else exc.__class__.__name__
-        raise RecipeError(f"{field}: cannot load {path} ({reason[:300]})") from exc
+        raise RecipeError(f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
 
 
 def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: bool) -> PreTrainedModel:

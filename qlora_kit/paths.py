@@ -90,7 +90,7 @@ def read_json(path: Path, field: str):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise RecipeError(f"{field}: {path} is not valid JSON ({_first_line(exc)})") from None
+        raise RecipeError(f"{field}: {path} is not valid JSON ({first_line(exc)})") from None
 
 
 def check_safetensors(path: Path, field: str) -> None:
@@ -99,7 +99,7 @@ def check_safetensors(path: Path, field: str) -> None:
             handle.keys()
     except (OSError, SafetensorError) as exc:
         raise RecipeError(
-            f"{field}: {path} is damaged ({_first_line(exc)}); was it cut off while copying?"
+            f"{field}: {path} is damaged ({first_line(exc)}); was it cut off while copying?"
         ) from None
 
 
@@ -143,6 +143,7 @@ def _check_writable_parent(path: Path, flag: str) -> None:
         raise OutputDirError(f"{flag}: cannot write in {existing} (permission denied)")
 
 
-def _first_line(exc: BaseException) -> str:
+def first_line(exc: BaseException) -> str:
+    """An exception's message as one line for a user: its first line, or its class when it has none."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else exc.__class__.__name__

@@ -28,7 +28,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from qlora_kit.data.segments import RowError, Segment
+from qlora_kit.data.segments import RowError, Segment, show
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
 SYSTEM_PROMPT_MODES = ("keep", "merge_into_first_user", "drop")
@@ -43,7 +43,8 @@ def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep"
         raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
     messages = apply_system_prompt_mode(messages, system_prompt_mode)
     text = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode)
-    searchable = _mask_special_tokens(text, tokenizer)  # a reply is never found inside a special token
+    special = special_tokens(tokenizer)
+    searchable = _mask(text, special)  # a reply is never found inside a special token
     segments: list[Segment] = []
     cursor = kept = 0  # where the search goes on; the end of the text already in segments
     for i, message in enumerate(messages):
@@ -67,7 +68,7 @@ def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep"
                 "to train cannot be found in the rendered conversation"
             )
         end = start + len(reply)
-        end += len(_marker_at(text, end, end_of_turn_markers(tokenizer, header)))
+        end += len(_marker_at(text, end, end_of_turn_markers(tokenizer, special, header)))
         while start > kept and text[start - 1] == " ":
             # "[/INST] reply": the model generates that space (SentencePiece's "▁reply"), so it is trained
             start -= 1
@@ -111,14 +112,19 @@ def apply_template(
         raise RowError(f"the chat template refuses this conversation: {exc}{hint}") from None
 
 
-def end_of_turn_markers(tokenizer, header: str = "") -> list[str]:
-    """Special tokens that end a turn, longest first: EOS, and those named for an end (``<|im_end|>``,
-    ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``, ``<|EOT|>``) that are not part of the assistant
-    header (Llama 3's ``<|end_header_id|>``). BOS, UNK and turn headers never end a turn."""
+def special_tokens(tokenizer) -> list[str]:
+    """The tokenizer's special tokens (its named ones and every added special token), longest first."""
     special = set(tokenizer.all_special_tokens)
     special |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
+    return sorted((t for t in special if t), key=len, reverse=True)
+
+
+def end_of_turn_markers(tokenizer, special: list[str], header: str = "") -> list[str]:
+    """Of ``special``, the tokens that end a turn, longest first: EOS, and those named for an end
+    (``<|im_end|>``, ``<|eot_id|>``, ``<end_of_turn>``, ``<|end|>``, ``<|EOT|>``) that are not part of
+    the assistant header (Llama 3's ``<|end_header_id|>``). BOS, UNK and turn headers never end a turn."""
     excluded = {tokenizer.bos_token, tokenizer.unk_token}
-    ends = {t for t in special if t and t not in excluded and t not in header and _END_NAME.search(t)}
+    ends = {t for t in special if t not in excluded and t not in header and _END_NAME.search(t)}
     if tokenizer.eos_token:
         ends.add(tokenizer.eos_token)
     return sorted(ends, key=len, reverse=True)
@@ -134,11 +140,9 @@ def _assistant_header(tokenizer, before: list[dict[str, Any]], mode: str) -> str
     return prompted[len(plain) :] if prompted.startswith(plain) else ""
 
 
-def _mask_special_tokens(text: str, tokenizer) -> str:
+def _mask(text: str, special: list[str]) -> str:
     """``text`` with every special token blanked out (same length), for searching replies in."""
-    special = set(tokenizer.all_special_tokens)
-    special |= {t.content for t in tokenizer.added_tokens_decoder.values() if t.special}
-    for token in sorted((t for t in special if t), key=len, reverse=True):
+    for token in special:  # longest first, so no token is cut by a shorter one inside it
         text = text.replace(token, "\0" * len(token))
     return text
 
@@ -146,9 +150,9 @@ def _mask_special_tokens(text: str, tokenizer) -> str:
 def _check_messages(messages: list[Any]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
-            raise RowError(f"messages[{i}]: role must be one of {sorted(CHAT_ROLES)} (got {_show(message)})")
+            raise RowError(f"messages[{i}]: role must be one of {sorted(CHAT_ROLES)} (got {show(message)})")
         if not isinstance(message.get("content"), str):
-            raise RowError(f"messages[{i}]: content must be text (got {_show(message.get('content'))})")
+            raise RowError(f"messages[{i}]: content must be text (got {show(message.get('content'))})")
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("conversation has no assistant turn to train on")
 
@@ -189,11 +193,6 @@ def _check_against_generation_mask(
     ours = "".join(s.text for s in segments if s.trained)
     if theirs.split() != ours.split():  # decoding may normalise spaces; the words must match
         raise RowError(
-            f"the chat template's {{% generation %}} markers train {_show(theirs)} but its rendered text "
-            f"puts the replies at {_show(ours)}"
+            f"the chat template's {{% generation %}} markers train {show(theirs)} but its rendered text "
+            f"puts the replies at {show(ours)}"
         )
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
-from qlora_kit.data.segments import RowError, Segment
+from qlora_kit.data.segments import RowError, Segment, show
 
 IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -63,7 +63,7 @@ def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
     if name == "messages":
         if not isinstance(value, list) or not value:
             raise RowError(
-                f"field 'messages' must be a non-empty list of {{role, content}} (got {_show(value)})"
+                f"field 'messages' must be a non-empty list of {{role, content}} (got {show(value)})"
             )
         return
     if value is None:
@@ -71,7 +71,7 @@ def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
             return
         raise RowError(f"missing field {name!r}")
     if not isinstance(value, str):
-        raise RowError(f"field {name!r} must be text (got {type(value).__name__} {_show(value)})")
+        raise RowError(f"field {name!r} must be text (got {type(value).__name__} {show(value)})")
 
 
 def tokenize(
@@ -95,11 +95,6 @@ def prompt_text(segments: list[Segment]) -> str:
             break
         text += segment.text
     return text
-
-
-def _show(value: Any, limit: int = 40) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _alpaca_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:

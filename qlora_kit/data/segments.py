@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 class RowError(ValueError):
@@ -13,3 +14,9 @@ class RowError(ValueError):
 class Segment:
     text: str
     trained: bool
+
+
+def show(value: Any, limit: int = 40) -> str:
+    """A value as a row error quotes it: its repr, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -52,6 +52,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.memory.optimizers import OPTIMIZERS
 from qlora_kit.model import resolve_model_path
+from qlora_kit.paths import first_line
 from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
@@ -140,8 +141,7 @@ def load_config(recipe: Recipe):
             path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
         )
     except (OSError, ValueError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-        raise RecipeError(f"model.path: cannot read the config of {path} ({reason})") from None
+        raise RecipeError(f"model.path: cannot read the config of {path} ({first_line(exc)})") from None
 
 
 @dataclass
