@@ -126,9 +126,8 @@ def build(
     gradient guards (for measuring what they cost; never for a run)."""
     check_runnable(recipe)
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
-    memory = checkpointing.resolve_checkpointing(
-        recipe
-    )  # auto: planned from the config, refused if it cannot fit
+    # checkpointing auto: planned from the config alone, refused here if no policy fits
+    memory = checkpointing.resolve_checkpointing(recipe)
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
