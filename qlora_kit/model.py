@@ -19,7 +19,7 @@ from accelerate import PartialState
 from safetensors import SafetensorError
 from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from qlora_kit import builtin
+from qlora_kit import builtin, hub
 from qlora_kit.paths import check_model_folder, first_line
 from qlora_kit.recipe import RecipeError
 
@@ -44,7 +44,7 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
     if path is None:
         path, field = resolve_model_path(model), "model.path"
         check_model_folder(path, weights=False)
-    with _model_path_errors(path, field):
+    with _model_path_errors(path, field, model.revision):
         tokenizer = AutoTokenizer.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
@@ -75,7 +75,7 @@ def load_base_model(
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
     path = path or resolve_model_path(model)
     check_model_folder(path)
-    with _model_path_errors(path):
+    with _model_path_errors(path, revision=model.revision):
         base = _from_pretrained(model, quant, path, fsdp)
     disable_cpu_weight_repacking(base)
     base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
@@ -83,13 +83,15 @@ def load_base_model(
 
 
 @contextlib.contextmanager
-def _model_path_errors(path: str, field: str = "model.path"):
+def _model_path_errors(path: str, field: str = "model.path", revision: str | None = None):
     """What transformers raises for a folder it cannot load (OSError, a conversion ValueError, a damaged
-    safetensors file) becomes one line naming the field; the original stays chained for debugging."""
+    safetensors file) or a hub download that failed becomes one line naming the field; the original
+    stays chained for debugging."""
     try:
         yield
     except (OSError, ValueError, SafetensorError) as exc:
-        raise RecipeError(f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
+        line = hub.explain(exc, field, path, revision, "model") if hub.is_hub_id(path) else None
+        raise RecipeError(line or f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
 
 
 def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: bool) -> PreTrainedModel:
@@ -97,8 +99,8 @@ def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: 
         path,
         quantization_config=bnb_config(quant) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
-        # FSDP places and shards the model itself (rank 0 loads, the others receive); without FSDP each
-        # process puts its whole copy on its own device.
+        # FSDP places and shards the model itself; without FSDP each process puts its whole copy on its
+        # own device.
         device_map=None if fsdp else device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,

@@ -18,7 +18,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import set_seed
 
-from qlora_kit import adapters, builtin, model, run_log
+from qlora_kit import adapters, builtin, hub, model, run_log
 from qlora_kit.after.generate import complete
 from qlora_kit.data import prepare
 from qlora_kit.distributed import Ranks, launched_with_fsdp
@@ -126,6 +126,10 @@ def build(
     gradient guards (for measuring what they cost; never for a run)."""
     check_runnable(recipe)
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
+    # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
+    # first, in a few requests, before the data is tokenized or the weights are fetched.
+    hub.check_model(recipe.model)
+    hub.check_dataset(recipe.data)
     # checkpointing auto: planned from the config alone, refused here if no policy fits
     memory = checkpointing.resolve_checkpointing(recipe)
     set_seed(recipe.train.seed)

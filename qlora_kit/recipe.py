@@ -132,6 +132,8 @@ class OptimizerSection(Section):
 class DataSection(Section):
     path: str = "builtin:demo-facts"
     """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a hub dataset, or builtin:demo-facts."""
+    config_name: str | None = None
+    """A hub dataset's configuration (subset) name, for datasets that have several."""
     format: FormatName = "alpaca"
     """Row format: alpaca (instruction/input/output), chat (messages), completion (prompt/completion) or text."""
     fields: dict[str, str] = {}
@@ -169,6 +171,8 @@ class DataSection(Section):
             raise ValueError(
                 "data.group_by_length: pointless with data.packing (packed batches have no padding)"
             )
+        if self.config_name is not None and (self.path.startswith("builtin:") or _looks_local(self.path)):
+            raise ValueError(f"data.config_name: only for a hub dataset (data.path is {self.path})")
         return self
 
 

@@ -21,12 +21,12 @@ from datasets import Dataset
 from datasets.utils import logging as datasets_logging
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit import builtin
+from qlora_kit import builtin, hub
 from qlora_kit.data import formats
 from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
 from qlora_kit.data.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
-from qlora_kit.recipe import DataSection
+from qlora_kit.recipe import DataSection, RecipeError
 
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
@@ -118,8 +118,10 @@ def _load_source(source: str, data: DataSection) -> Dataset:
                     raise DataError(f"{path}: no such file")
                 rows = datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
             else:
-                rows = datasets.load_dataset(source, split="train")
-    except DataError:
+                named_by = "data.path" if source == data.path else "data.val_path"
+                with hub.hub_errors(named_by, source, None, kind="dataset"):
+                    rows = datasets.load_dataset(source, data.config_name, split="train")
+    except (DataError, RecipeError):
         raise
     except Exception as exc:  # datasets raises many types; the user needs the file, the row and the reason
         raise diagnose_load_failure(path, source, exc) from None

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from qlora_kit import hub
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.memory.optimizers import OPTIMIZERS
 from qlora_kit.model import resolve_model_path
@@ -130,18 +131,21 @@ def model_shape(recipe: Recipe) -> ModelShape:
 
 def load_config(recipe: Recipe):
     """The model's config: a local folder's, a bundled copy for the shipped recipes' hub models (so they
-    plan offline), or the hub's."""
+    plan offline), or the hub's (its config.json only)."""
     path = resolve_model_path(recipe.model)
     bundled = BUNDLED_CONFIGS / (path.replace("/", "--") + ".json")
     if not Path(path).exists() and bundled.is_file():
         values = json.loads(bundled.read_text())
         return AutoConfig.for_model(values.pop("model_type"), **values)
+    if hub.is_hub_id(path):
+        hub.check_config(recipe.model)
     try:
         return AutoConfig.from_pretrained(
             path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
         )
     except (OSError, ValueError) as exc:
-        raise RecipeError(f"model.path: cannot read the config of {path} ({first_line(exc)})") from None
+        fetch = hub.explain(exc, "model.path", path, recipe.model.revision, "model") if hub.is_hub_id(path) else None
+        raise RecipeError(fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})") from None
 
 
 @dataclass

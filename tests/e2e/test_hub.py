@@ -1,0 +1,221 @@
+"""Models and datasets from the hub, without network: a local server answers as the hub does
+(``HF_ENDPOINT`` pointed at it), and every failure a user meets is one line naming the field, exit 2,
+nothing written into the output folder. The CLI runs in subprocesses, as a user runs it; the failure
+cases of one environment share a process (tests/e2e/cli_driver.py) to pay for the imports once."""
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from qlora_kit import builtin
+from tests.hub_server import FakeHub
+
+pytestmark = pytest.mark.slow  # CLI processes: the full suite runs them
+
+ROOT = Path(__file__).resolve().parents[2]
+DEMO = ROOT / "recipes" / "demo.yaml"
+ROWS = [{"instruction": f"Name fact {i}.", "input": "", "output": f"fact{i}"} for i in range(8)]
+
+MODEL_FAILURES = {
+    "gated model": (
+        ["model.path=org/gated"],
+        ["model.path: org/gated is a gated model", "/org/gated", "HF_TOKEN"],
+    ),
+    "missing model": (["model.path=org/nope"], ["model.path: no model org/nope on the hub", "check the id"]),
+    "missing revision": (
+        ["model.path=org/tiny", "model.revision=v9"],
+        ["model.revision: 'v9' is not a branch, tag or commit of org/tiny"],
+    ),
+    "model cut off mid-file": (
+        ["model.path=org/tiny-cut"],
+        ["model.path: the download of org/tiny-cut was cut off", "run the same command again"],
+    ),
+    "disk too small": (
+        ["model.path=org/huge"],
+        ["model.path: org/huge downloads 1000000.0 GB", "set HF_HOME"],
+    ),
+}
+DATA_FAILURES = {
+    "gated dataset": (
+        ["data.path=org/gated-facts"],
+        ["data.path: org/gated-facts is a gated dataset", "/datasets/"],
+    ),
+    "missing dataset": (["data.path=org/nope-data"], ["data.path: no dataset org/nope-data on the hub"]),
+    "needs a config": (
+        ["data.path=org/two"],
+        ["data.config_name: org/two has several configurations (a, b)"],
+    ),
+    "wrong config": (
+        ["data.path=org/two", "data.config_name=c"],
+        ["data.config_name: org/two has no such configuration (it has a, b)"],
+    ),
+    "dataset cut off mid-file": (
+        ["data.path=org/facts-cut"],
+        ["data.path: the download of org/facts-cut was cut off"],
+    ),
+}
+ONLINE_FAILURES = MODEL_FAILURES | DATA_FAILURES
+WITHOUT_HUB = {  # for no network and for offline mode alike
+    "model": ["model.path=org/tiny"],
+    "dataset": ["data.path=org/facts"],
+}
+
+
+def _write_rows(folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hub(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hub")
+    model = builtin.ensure_tiny_model("tiny-llama")
+    two = root / "two"
+    _write_rows(two / "a"), _write_rows(two / "b")
+    (two / "README.md").write_text(
+        "---\nconfigs:\n- config_name: a\n  data_files: a/train.jsonl\n"
+        "- config_name: b\n  data_files: b/train.jsonl\n---\n"
+    )
+    with FakeHub() as server:
+        server.add("org/tiny", model)
+        server.add("org/planned", model)
+        server.add("org/gated", model, gated=True)
+        server.add("org/tiny-cut", model, cut_off={"model.safetensors"})
+        server.add("org/huge", model, sizes={"model.safetensors": 10**15})  # a petabyte of weights
+        server.add("org/facts", _write_rows(root / "facts"), kind="dataset")
+        server.add("org/gated-facts", root / "facts", kind="dataset", gated=True)
+        server.add("org/facts-cut", root / "facts", kind="dataset", cut_off={"train.jsonl"})
+        server.add("org/two", two, kind="dataset")
+        yield server
+
+
+def hub_env(home: Path, endpoint: str, **env: str) -> dict[str, str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}  # no token, not offline
+    return clean | {
+        "HF_ENDPOINT": endpoint,
+        "HF_HOME": str(home),
+        "HF_DATASETS_CACHE": str(home / "datasets"),
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "PYTHONWARNINGS": "ignore",
+        **env,
+    }
+
+
+def train_args(out: Path, *overrides: str) -> list[str]:
+    settings = [
+        f"train.output_dir={out}",
+        "train.max_steps=2",
+        "train.sample_prompts=0",
+        "train.eval_steps=null",
+    ]
+    return ["train", str(DEMO), *[arg for s in [*settings, *overrides] for arg in ("--set", s)]]
+
+
+def run_cases(cases: dict[str, list[str]], env: dict[str, str]) -> dict[str, tuple[int, str]]:
+    """Each case's exit code and stderr, from one driver process."""
+    driver = ROOT / "tests" / "e2e" / "cli_driver.py"
+    result = subprocess.run(
+        [sys.executable, str(driver), json.dumps(cases)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    parts = re.split(r"^=== case (.+)$", result.stderr, flags=re.M)[1:]
+    found = {}
+    for name, text in zip(parts[::2], parts[1::2], strict=True):
+        body, code = re.match(r"(.*)^=== exit (\S+)$", text, flags=re.S | re.M).groups()
+        found[name] = (int(code) if code.isdigit() else code, body)
+    return found
+
+
+def closed_port_url() -> str:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"  # nothing listens there any more: a machine without network
+
+
+def assert_one_line(code: int, stderr: str, *expected: str) -> None:
+    assert code == 2, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+    line = " ".join(stderr.strip().splitlines()[-1].split())
+    for text in expected:
+        assert text in line, line
+
+
+@pytest.fixture(scope="module")
+def online_failures(hub, tmp_path_factory):
+    root = tmp_path_factory.mktemp("online")
+    cases = {name: train_args(root / name, *overrides) for name, (overrides, _) in ONLINE_FAILURES.items()}
+    cases["plan"] = ["plan", str(DEMO), "--set", "model.path=org/planned"]
+    cases["plan gated"] = ["plan", str(DEMO), "--set", "model.path=org/gated"]
+    return root, run_cases(cases, hub_env(root / "hf", hub.url))
+
+
+@pytest.mark.parametrize("case", ONLINE_FAILURES)
+def test_fetch_failures_are_one_line(online_failures, case):
+    root, results = online_failures
+    assert_one_line(*results[case], *ONLINE_FAILURES[case][1])
+    assert not (root / case).exists(), "nothing is written for a run that cannot start"
+
+
+def test_plan_on_a_hub_id_fetches_only_the_config(hub, online_failures):
+    _, results = online_failures
+    assert results["plan"][0] == 0, results["plan"][1][-3000:]
+    fetched = {r.rsplit("/", 1)[-1] for r in hub.requests if "/org/planned/resolve/" in r}
+    assert fetched == {"config.json"}, fetched
+    assert_one_line(*results["plan gated"], "model.path: org/gated is a gated model")
+
+
+def test_without_network_says_so_in_seconds(tmp_path):
+    """No hub at all: one line at once (the hub's own retries wait ~25 s per file before giving up)."""
+    cases = {name: train_args(tmp_path / name, *overrides) for name, overrides in WITHOUT_HUB.items()}
+    results = run_cases(cases, hub_env(tmp_path / "hf", closed_port_url()))
+    for name, overrides in WITHOUT_HUB.items():
+        field = overrides[0].split("=")[0]
+        assert_one_line(*results[name], f"{field}: cannot reach the hub", "HF_HUB_OFFLINE=1")
+
+
+def test_offline_mode_with_nothing_cached(hub, tmp_path):
+    hub.requests.clear()
+    cases = {name: train_args(tmp_path / name, *overrides) for name, overrides in WITHOUT_HUB.items()}
+    results = run_cases(cases, hub_env(tmp_path / "hf", hub.url, HF_HUB_OFFLINE="1"))
+    for name, overrides in WITHOUT_HUB.items():
+        field = overrides[0].split("=")[0]
+        assert_one_line(
+            *results[name], f"{field}: org/", "HF_HUB_OFFLINE=1 forbids downloading", "hf download"
+        )
+    assert not [r for r in hub.requests if "/org/tiny/" in r or "/org/facts/" in r], "offline: no requests"
+
+
+def test_trains_from_the_hub_then_offline_from_the_cache(hub, tmp_path):
+    """The whole run from hub ids says where the cache is and writes the adapter; the same run then
+    works with HF_HUB_OFFLINE=1 from what the first one cached, without a request."""
+    env, out = hub_env(tmp_path / "hf", hub.url), tmp_path / "out"
+    args = [sys.executable, "-m", "qlora_kit", *train_args(out, "model.path=org/tiny", "data.path=org/facts")]
+    first = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert f"org/tiny downloads 0.0 GB of weights into {tmp_path / 'hf' / 'hub'}" in " ".join(
+        first.stderr.split()
+    )
+    assert (out / "adapter_model.safetensors").is_file()
+    assert any("/org/tiny/resolve/" in r and r.endswith("/model.safetensors") for r in hub.requests)
+
+    shutil.rmtree(out)
+    hub.requests.clear()
+    offline = env | {"HF_HUB_OFFLINE": "1"}
+    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=offline)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "adapter_model.safetensors").is_file()
+    assert not [r for r in hub.requests if "/org/tiny/" in r or "/org/facts/" in r]
