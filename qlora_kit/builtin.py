@@ -1,6 +1,7 @@
 """The embedded default: tiny local base models, a locally trained tokenizer and the demo dataset.
 
-Nothing here downloads. ``builtin:tiny-llama`` (and ``tiny-qwen2``, ``tiny-mistral``) name a small
+Nothing here downloads. ``builtin:tiny-llama`` (and ``tiny-qwen2``, ``tiny-mistral`` and the other
+architectures in ``TINY_ARCHITECTURES``) name a small
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
@@ -46,6 +47,16 @@ TINY_ARCHITECTURES = {
     "tiny-llama": ("LlamaConfig", {}),
     "tiny-qwen2": ("Qwen2Config", {"use_sliding_window": False}),
     "tiny-mistral": ("MistralConfig", {"sliding_window": None}),
+    # Layers of other shapes, for the planner's tracing and the pipeline's breadth: q/k norms (Qwen3),
+    # fused qkv and gate-up projections (Phi-3), post-norms, soft-capping and alternating sliding
+    # attention (Gemma-2), parallel residual with a plain MLP and LayerNorm (GPT-NeoX), Conv1D
+    # projections and learned positions (GPT-2), post-norms with q/k norms (OLMo-2).
+    "tiny-qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "tiny-phi3": ("Phi3Config", {}),
+    "tiny-gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 32}),
+    "tiny-gptneox": ("GPTNeoXConfig", {}),
+    "tiny-gpt2": ("GPT2Config", {}),
+    "tiny-olmo2": ("Olmo2Config", {}),
 }
 TINY_SHAPE = {
     "hidden_size": 128,

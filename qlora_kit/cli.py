@@ -6,6 +6,7 @@ User mistakes (a bad recipe, bad data, an output folder that is in use) print on
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import os
 import sys
@@ -129,13 +130,18 @@ def plan(
     ] = None,
     batch: Annotated[int | None, typer.Option(help="Rows per micro-batch (default: the recipe's).")] = None,
     seq: Annotated[int | None, typer.Option(help="Tokens per row (default: data.max_seq_len).")] = None,
-    device: Annotated[str, typer.Option(help="cuda or cpu: what dropout masks cost differs.")] = "cuda",
+    device: Annotated[str, typer.Option(help="cuda or cpu: the autocast and dropout masks differ.")] = "cuda",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (sizes in bytes).")] = False,
 ) -> None:
     """Predict peak memory from the model config alone, for every checkpointing policy."""
     from qlora_kit.memory.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
-    views.show_plan(console, make_plan(resolved, batch=batch, seq=seq, device=device), resolved, budget_gb)
+    the_plan = make_plan(resolved, batch=batch, seq=seq, device=device)
+    if as_json:
+        print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))
+        return
+    views.show_plan(console, the_plan, resolved, budget_gb)
 
 
 AdapterOpt = Annotated[Path, typer.Option("--adapter", help="Folder written by qlora-kit train.")]

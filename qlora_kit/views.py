@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rich.table import Table
 
 GIB = 1024**3
+MIB = 1024**2
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -70,33 +71,89 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     table = Table(
         title=f"{recipe.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
     )
-    table.add_column("memory")
-    table.add_column("GiB", justify="right")
+    for column, justify in (("memory", "left"), ("size", "right"), ("from", "left")):
+        table.add_column(column, justify=justify)
     bits = 8 * weights.quantized / shape.quantized_values
     values = f"{shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each"
-    table.add_row(f"{recipe.quant.bits}-bit weights ({values})", f"{weights.quantized / GIB:.3f}")
-    table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", f"{weights.unquantized / GIB:.3f}")
-    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", f"{weights.lora / GIB:.3f}")
-    table.add_row("LoRA gradients (during backward)", f"{plan.lora_grads / GIB:.3f}")
-    pageable = f"{plan.optimizer_pageable / GIB:.3f} pageable"
-    table.add_row(f"{recipe.optimizer.name} state ({pageable})", f"{plan.optimizer_state / GIB:.3f}")
+    table.add_row(f"{recipe.quant.bits}-bit weights ({values})", size(weights.quantized), "closed form")
+    table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", size(weights.unquantized), "shapes")
+    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", size(weights.lora), "shapes")
+    table.add_row("LoRA gradients (during backward)", size(plan.lora_grads), "shapes")
+    pageable = f"{size(plan.optimizer_pageable)} pageable"
+    table.add_row(f"{recipe.optimizer.name} state ({pageable})", size(plan.optimizer_state), "closed form")
     console.print(table)
-    policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens")
+    if plan.activation_source == "traced":
+        how = f"traced from the model's code under {plan.precision} autocast"
+    else:
+        how = "from the Llama-shaped formula (this model's code could not be traced)"
+    policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens; activations {how}")
     for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
         policies.add_column(column, justify="right")
     if budget_gb is not None:
         policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
     for row in plan.policies:
-        sizes = [f"{nbytes / GIB:.3f}" for nbytes in (row.activations, row.spike, row.peak)]
+        sizes = [size(nbytes) for nbytes in (row.activations, row.spike, row.peak)]
         fits = [("yes" if row.peak <= budget_gb * GIB else "no")] if budget_gb is not None else []
         policies.add_row(row.policy, str(row.recompute_layers), *sizes, *fits)
     console.print(policies)
+    console.print(
+        "largest transient: the loss head's logits or backward's recompute spike (closed form); "
+        "the CUDA context and allocator fragmentation come on top",
+        highlight=False,
+    )
     if budget_gb is not None:
-        from qlora_kit.memory.planner import choose_policy  # the CLI boundary: torch loads only here
+        console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
 
-        policy, every_n, why = choose_policy(recipe, budget_gb, plan)
-        name = f"every_n={every_n}" if policy == "every_n" else policy
-        console.print(f"auto would pick {name}: {why}", highlight=False)
+
+def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[str, Any]:
+    """The plan for scripts (``qlora-kit plan --json``): every size in bytes."""
+    shape, weights = plan.shape, plan.weights
+    result: dict[str, Any] = {
+        "model": recipe.model.path,
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "vocab": shape.vocab,
+        "batch": plan.batch,
+        "seq": plan.seq,
+        "precision": plan.precision,
+        "activations_from": plan.activation_source,
+        "weights_quantized": weights.quantized,
+        "weights_unquantized": weights.unquantized,
+        "lora_parameters": weights.lora,
+        "lora_gradients": plan.lora_grads,
+        "optimizer_state": plan.optimizer_state,
+        "optimizer_pageable": plan.optimizer_pageable,
+        "policies": [
+            {
+                "policy": row.policy,
+                "recomputed_layers": row.recompute_layers,
+                "activations": row.activations,
+                "largest_transient": row.spike,
+                "peak": row.peak,
+                **({"fits": row.peak <= budget_gb * GIB} if budget_gb is not None else {}),
+            }
+            for row in plan.policies
+        ],
+    }
+    if budget_gb is not None:
+        result["budget_gib"] = budget_gb
+        result["auto"] = _auto_choice(plan, recipe, budget_gb)[0]
+    return result
+
+
+def _auto_choice(plan: Plan, recipe: Recipe, budget_gb: float) -> tuple[str, str]:
+    from qlora_kit.memory.planner import choose_policy  # the CLI boundary: torch loads only here
+
+    policy, every_n, why = choose_policy(recipe, budget_gb, plan)
+    name = f"every_n={every_n}" if policy == "every_n" else policy
+    return name, f"{name}: {why}"
+
+
+def size(nbytes: int) -> str:
+    """MiB below a GiB (a tiny model's figures are not all rounding steps), GiB above."""
+    if nbytes < GIB:
+        return f"{nbytes / MIB:.1f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
 
 
 def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:

@@ -58,6 +58,7 @@ def test_predicted_activations_match_saved_bytes_within_5_percent(
 ):
     recipe, saved = measured[arch, policy, every_n, chunked, batch, seq]
     predicted = activation_bytes(model_shape(recipe), recipe, policy, every_n, batch, seq, device="cpu")
+    assert predicted.source == "traced"
     assert predicted.total == pytest.approx(saved.total, rel=0.05)
     assert predicted.head == pytest.approx(saved.per_layer[OUTSIDE], rel=0.05)
     for index, nbytes in enumerate(predicted.per_layer):

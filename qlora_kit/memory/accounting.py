@@ -45,7 +45,7 @@ class SavedTensors:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.excluded = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+        self.excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         self.seen: dict[int, tuple[int, str]] = {}
         self.where = OUTSIDE
 
@@ -78,11 +78,17 @@ class SavedTensors:
         self.where = OUTSIDE
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer not in self.excluded and pointer not in self.seen:
-            self.seen[pointer] = (storage.nbytes(), self.where)
+        key = _storage_key(tensor)
+        if key not in self.excluded and key not in self.seen:
+            self.seen[key] = (tensor.untyped_storage().nbytes(), self.where)
         return tensor
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    # The storage's own identity (the address of its StorageImpl), not its data pointer: the planner
+    # traces with fake tensors, whose storages have no data. A saved tensor stays alive while counted,
+    # so no two live storages share a key.
+    return tensor.untyped_storage()._cdata
 
 
 def measure_saved_bytes(

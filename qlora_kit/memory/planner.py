@@ -44,16 +44,19 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
 from qlora_kit import hub
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.memory.optimizers import OPTIMIZERS
+from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model import resolve_model_path
 from qlora_kit.paths import first_line
+from qlora_kit.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
@@ -88,6 +91,7 @@ class ModelShape:
     unquantized_values: int  # embeddings, head, norms, biases
     quantized_values: int
     quantized_tensors: int
+    config: Any = None  # the transformers config, for tracing
 
 
 def model_shape(recipe: Recipe) -> ModelShape:
@@ -96,7 +100,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()
-    quantized = [m for m in meta.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+    quantized = [m for m in meta.modules() if _is_linear(m) and m is not head]
     counted: set[int] = set()
     unquantized = 0
     for module in meta.modules():
@@ -108,16 +112,19 @@ def model_shape(recipe: Recipe) -> ModelShape:
                 unquantized += param.numel()
     layer = decoder_layers(meta)[0]
     linears = [
-        LinearShape(name, m.in_features, m.out_features, m.bias is not None)
+        LinearShape(name, *_features(m), m.bias is not None)
         for name, m in layer.named_modules()
-        if isinstance(m, torch.nn.Linear)
+        if _is_linear(m)
     ]
     text = config.get_text_config()
     heads = text.num_attention_heads
     return ModelShape(
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
-        intermediate=text.intermediate_size,
+        # only the formula fallback reads it; GPT-2's config says n_inner, or nothing for 4 x hidden
+        intermediate=getattr(text, "intermediate_size", None)
+        or getattr(text, "n_inner", None)
+        or 4 * text.hidden_size,
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -126,7 +133,19 @@ def model_shape(recipe: Recipe) -> ModelShape:
         unquantized_values=unquantized,
         quantized_values=sum(m.weight.numel() for m in quantized),
         quantized_tensors=len(quantized),
+        config=config,
     )
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer bitsandbytes quantizes: nn.Linear, or GPT-2's transposed Conv1D."""
+    return isinstance(module, (torch.nn.Linear, Conv1D))
+
+
+def _features(module: torch.nn.Module) -> tuple[int, int]:
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0], module.nf  # Conv1D keeps its weight as (in, out)
+    return module.in_features, module.out_features
 
 
 def load_config(recipe: Recipe):
@@ -144,8 +163,14 @@ def load_config(recipe: Recipe):
             path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
         )
     except (OSError, ValueError) as exc:
-        fetch = hub.explain(exc, "model.path", path, recipe.model.revision, "model") if hub.is_hub_id(path) else None
-        raise RecipeError(fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})") from None
+        fetch = (
+            hub.explain(exc, "model.path", path, recipe.model.revision, "model")
+            if hub.is_hub_id(path)
+            else None
+        )
+        raise RecipeError(
+            fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})"
+        ) from None
 
 
 @dataclass
@@ -190,6 +215,7 @@ def targets(shape: ModelShape, recipe: Recipe) -> list[LinearShape]:
 class Activations:
     per_layer: list[int]
     head: int
+    source: str = "formula"  # "traced": the layers' figures come from running the model's code (tracing.py)
 
     @property
     def total(self) -> int:
@@ -234,8 +260,43 @@ def activation_bytes(
     seq: int,
     device: str = "cpu",
     trained_tokens: int | None = None,
+    precision: str = "no",
 ) -> Activations:
-    """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy."""
+    """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy and the Trainer's
+    autocast ``precision``: traced from the model's own code where it runs on fake tensors, else from
+    the Llama-shaped formula (which assumes no autocast)."""
+    flags = checkpointed(policy, every_n, shape.layers)
+    traced = trace_layers(shape.config, recipe, batch, seq, precision) if shape.config is not None else None
+    if traced is None:
+        return formula_activation_bytes(shape, recipe, policy, every_n, batch, seq, device, trained_tokens)
+    per_layer = traced.per_layer(flags)
+    if device != "cpu" and recipe.lora.dropout > 0:
+        # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1.
+        n = batch * seq
+        for i, is_checkpointed in enumerate(flags):
+            if not is_checkpointed:
+                grad = policy != "none" or i > 0
+                per_layer[i] -= kept_layer_bytes(shape, recipe, n, "cpu", grad) - kept_layer_bytes(
+                    shape, recipe, n, device, grad
+                )
+    if recipe.memory.chunked_loss:  # which positions it keeps depends on the labels' values: closed form
+        head = head_bytes(shape, recipe, batch, seq, trained_tokens)
+    else:
+        head = traced.head_checkpointed if any(flags) else traced.head
+    return Activations(per_layer, head, source="traced")
+
+
+def formula_activation_bytes(
+    shape: ModelShape,
+    recipe: Recipe,
+    policy: str,
+    every_n: int,
+    batch: int,
+    seq: int,
+    device: str = "cpu",
+    trained_tokens: int | None = None,
+) -> Activations:
+    """The closed form, for a Llama-shaped layer (the module docstring's terms)."""
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     n = batch * seq
     flags = checkpointed(policy, every_n, shape.layers)
@@ -290,6 +351,8 @@ class Plan:
     optimizer_pageable: int
     batch: int
     seq: int
+    precision: str = "no"  # the Trainer's autocast the activations were traced under
+    activation_source: str = "formula"  # or "traced"
     policies: list[PolicyPlan] = field(default_factory=list)
 
     @property
@@ -336,7 +399,12 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     optimizer = OPTIMIZERS[recipe.optimizer.name]
     state = sum(optimizer.state_bytes(v) for v in per_tensor)
     pageable = sum(optimizer.state_bytes(v) for v in per_tensor if optimizer.pageable(v))
-    result = Plan(shape, weights, state, pageable, batch, seq)
+    # what the Trainer's autocast will be on that device (a GPU: quant.compute_dtype's, by default)
+    precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
+    result = Plan(shape, weights, state, pageable, batch, seq, precision)
+    # the largest layer's full activations: what backward rematerialises for a checkpointed layer
+    uncheckpointed = activation_bytes(shape, recipe, "none", 0, batch, seq, device, precision=precision)
+    result.activation_source = uncheckpointed.source
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
     if recipe.memory.checkpointing in ("none", "full"):
@@ -344,22 +412,30 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     if own[0] != "auto" and policy_name(*own) not in {policy_name(*w) for w in wanted}:
         wanted.append(own)  # the recipe's own every_n, when another n checkpoints as many layers
     for policy, every_n in wanted:
-        result.policies.append(_policy_plan(shape, recipe, result, policy, every_n, device))
+        result.policies.append(
+            _policy_plan(shape, recipe, result, policy, every_n, device, max(uncheckpointed.per_layer))
+        )
     return result
 
 
 def _policy_plan(
-    shape: ModelShape, recipe: Recipe, the_plan: Plan, policy: str, every_n: int, device: str
+    shape: ModelShape,
+    recipe: Recipe,
+    the_plan: Plan,
+    policy: str,
+    every_n: int,
+    device: str,
+    layer_bytes: int,
 ) -> PolicyPlan:
     batch, seq = the_plan.batch, the_plan.seq
     n = batch * seq
-    acts = activation_bytes(shape, recipe, policy, every_n, batch, seq, device)
+    acts = activation_bytes(shape, recipe, policy, every_n, batch, seq, device, precision=the_plan.precision)
     flags = checkpointed(policy, every_n, shape.layers)
     # Backward holds the LoRA gradients and two hidden-state gradients in flight, plus, when a layer
     # was checkpointed, that layer's activations rematerialised.
     backward = the_plan.lora_grads + 2 * n * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
     if any(flags):
-        backward += kept_layer_bytes(shape, recipe, n, device)
+        backward += layer_bytes
     spike = max(loss_spike(shape, recipe, n), backward)
     static = the_plan.weights.total + the_plan.optimizer_state
     return PolicyPlan(

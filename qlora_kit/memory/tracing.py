@@ -1,0 +1,197 @@
+"""The planner's activation terms, traced: the model's own code run on tensors that hold no memory.
+
+What autograd keeps for backward depends on everything a formula would have to guess per architecture:
+the norms (and q/k norms, post-norms), a gated or plain MLP, fused or separate projections, parallel
+residuals, the attention kernel and its mask, soft-capping. Here it is measured the way the run
+measures it (``accounting.SavedTensors``, ``saved_tensors_hooks``), on a model that costs nothing:
+
+1. the config is cut to a few layers: one period of its layer types (``config.layer_types``: sliding
+   and full attention alternate in Gemma-2, for example), plus the first layer, which differs;
+2. the architecture's own classes are built on the meta device, LoRA attached and checkpointing
+   enabled exactly as the run does (``adapters.attach_lora``, ``checkpointing.enable_checkpointing``),
+   the 4-bit linears standing in as frozen linears of the compute dtype (what bitsandbytes' 4-bit
+   matmul keeps for backward, its packed weight, is a parameter, and parameters are not counted);
+3. every parameter is wrapped as a ``FakeTensor`` on the CPU, so kernels are picked as on a real
+   device (sdpa's fused kernel, not the meta device's math fallback), and one forward pass at the
+   real batch x sequence records each layer's saved bytes, in well under a second for a 70B model.
+
+Two traces, no checkpointing and every layer checkpointed, give the figures any policy is composed
+from: a kept layer of each type, a checkpointed layer of each type, and the first layer in each trace
+(which also holds what the layers share: the rotary tables, the attention mask). What tracing cannot
+see stays closed-form in the planner: 4-bit weight bytes, optimizer state, CUDA transients, the
+chunked loss head (its selection of trained positions depends on the labels' values), and on CUDA the
+dropout masks, which are 1 byte per value there against 4 on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from transformers import AutoModelForCausalLM, masking_utils
+
+from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TracedLayers:
+    """Saved bytes per layer, from the two traces; any policy's figures are composed from these."""
+
+    layer_types: tuple[str, ...]  # the full model's, one per layer
+    first_kept: int  # layer 0 without checkpointing: its input needs no gradient, it holds the shared tensors
+    kept: dict[str, int]  # a later layer of each type, not checkpointed
+    first_checkpointed: int  # layer 0 checkpointed: its input, and the shared tensors
+    checkpointed: dict[str, int]  # a later layer of each type, checkpointed
+    head: int  # the final norm and transformers' loss
+    head_checkpointed: int  # the same under checkpointing, which makes the embeddings' output need a
+    # gradient (so an embedding dropout, GPT-2's, keeps its mask)
+
+    def per_layer(self, flags: list[bool]) -> list[int]:
+        """Bytes per layer for a policy's checkpointed flags (layer 0 is checkpointed under any policy
+        that checkpoints at all, as transformers' every_n_layers counts from it)."""
+        figures = []
+        for index, (kind, is_checkpointed) in enumerate(zip(self.layer_types, flags, strict=True)):
+            if index == 0:
+                figures.append(self.first_checkpointed if is_checkpointed else self.first_kept)
+            else:
+                figures.append((self.checkpointed if is_checkpointed else self.kept)[kind])
+        return figures
+
+
+def layer_types(config) -> tuple[str, ...]:
+    text = config.get_text_config()
+    types = getattr(text, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == text.num_hidden_layers:
+        return tuple(str(t) for t in types)
+    return ("decoder",) * text.num_hidden_layers
+
+
+def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = "no") -> TracedLayers | None:
+    """The traced figures under the Trainer's autocast ``precision`` (bf16, fp16 or no), or None (logged)
+    when this architecture's code cannot run on fake tensors."""
+    key = (config.to_json_string(), recipe.model_dump_json(include={"model", "quant", "lora", "data"}))
+    key += (batch, seq, precision)
+    if key not in _TRACED:
+        try:
+            _TRACED[key] = _trace_both(config, recipe, batch, seq, precision)
+        except Exception as exc:  # a foreign model's code that fake tensors cannot run: the formula instead
+            log.info("planner: tracing %s failed (%s); using the formula", config.model_type, exc)
+            _TRACED[key] = None
+    return _TRACED[key]
+
+
+_TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: two traces serve them all
+
+
+def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) -> TracedLayers:
+    types = layer_types(config)
+    period = _period(types)
+    short = _cut(config, period + 1, types)
+    plain = _trace(short, recipe, "none", batch, seq, precision)
+    full = _trace(short, recipe, "full", batch, seq, precision)
+    later = range(1, period + 1)  # one layer of every type, after the first
+    return TracedLayers(
+        layer_types=types,
+        first_kept=plain["layer 0"],
+        kept={types[i]: plain[f"layer {i}"] for i in later},
+        first_checkpointed=full["layer 0"],
+        checkpointed={types[i]: full[f"layer {i}"] for i in later},
+        head=plain[OUTSIDE],
+        head_checkpointed=full[OUTSIDE],
+    )
+
+
+def _period(types: tuple[str, ...]) -> int:
+    """The shortest repeating unit of the layer types (1 for a uniform stack)."""
+    return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
+
+
+def _cut(config, layers: int, types: tuple[str, ...]):
+    short = copy.deepcopy(config)
+    text = short.get_text_config()
+    text.num_hidden_layers = layers
+    if getattr(text, "layer_types", None) is not None:
+        text.layer_types = list(types[:layers])
+    return short
+
+
+def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str) -> dict[str, int]:
+    from qlora_kit import adapters
+    from qlora_kit.memory import checkpointing
+
+    dtype = getattr(torch, recipe.quant.compute_dtype)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code
+        )
+    model.config.use_cache = False
+    model.requires_grad_(False)
+    checkpointing.enable_checkpointing(model, recipe.memory.model_copy(update={"checkpointing": policy}))
+    peft_model = adapters.attach_lora(model, recipe.lora)
+    mode = FakeTensorMode()
+    _fake_on_cpu(peft_model, mode)
+    peft_model.train()
+    # accelerate runs the forward under this autocast on a GPU and on a CPU alike (precision.py)
+    dtype = AUTOCAST.get(precision)
+    autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    with mode:
+        inputs = _batch(batch, seq, recipe.data.packing)
+        counter = SavedTensors(peft_model)
+        with counter.counting(), autocast, _rows_unpacked(not recipe.data.packing):
+            peft_model(**inputs)
+    per_layer = counter.result().per_layer
+    return {
+        name: per_layer.get(name, 0)
+        for name in [OUTSIDE, *(f"layer {i}" for i in range(len(decoder_layers(model))))]
+    }
+
+
+@contextlib.contextmanager
+def _rows_unpacked(unpacked: bool):
+    """Tell transformers that unpacked rows hold one sequence each. It finds packed rows by reading the
+    position ids' values (``masking_utils.find_packed_sequence_indices``); fake tensors have none, so it
+    would build the block-diagonal mask packing needs for every batch."""
+    if not unpacked:
+        yield
+        return
+    original = masking_utils.find_packed_sequence_indices
+    masking_utils.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+
+
+def _fake_on_cpu(model: torch.nn.Module, mode: FakeTensorMode) -> None:
+    cpu = torch.device("cpu")
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            fake = FakeTensor(mode, param.data, cpu)
+            module._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = FakeTensor(mode, buffer, cpu)
+
+
+def _batch(batch: int, seq: int, packing: bool) -> dict[str, torch.Tensor]:
+    """What the collator hands the model: every position trained (the worst case the planner assumes);
+    packed rows carry restarting position ids (two examples a row) and no attention mask."""
+    ids = torch.zeros(batch, seq, dtype=torch.long)
+    inputs = {"input_ids": ids, "labels": ids}
+    if packing:
+        positions = torch.arange(seq).repeat(batch, 1)
+        half = seq // 2
+        positions[:, half:] -= half
+        inputs["position_ids"] = positions
+    return inputs
