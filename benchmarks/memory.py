@@ -66,7 +66,8 @@ def step(trainer, batch) -> float:
 
 
 def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
-    from qlora_kit.memory.planner import activation_bytes, model_shape
+    from qlora_kit.memory.planner import activation_bytes
+    from qlora_kit.memory.shapes import model_shape
 
     runs = {name: build(name, vocab, fields, out) for name, fields in settings.items()}
     times = {name: [] for name in settings}

@@ -57,7 +57,8 @@ def batch_of(packing: bool) -> dict[str, torch.Tensor]:
 
 def measure_row(arch: str, policy: str, every_n: int, packing: bool, out: Path) -> list[str]:
     from qlora_kit.memory.accounting import measure_saved_bytes
-    from qlora_kit.memory.planner import activation_bytes, formula_activation_bytes, model_shape
+    from qlora_kit.memory.planner import activation_bytes, formula_activation_bytes
+    from qlora_kit.memory.shapes import model_shape
     from qlora_kit.pipeline import build
 
     recipe = recipe_for(arch, policy, every_n, packing, out)

@@ -12,7 +12,8 @@ import torch
 from qlora_kit import Recipe, adapters, builtin, model
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
-from qlora_kit.memory.planner import activation_bytes, model_shape, plan
+from qlora_kit.memory.planner import activation_bytes, plan
+from qlora_kit.memory.shapes import model_shape
 from qlora_kit.memory.tracing import trace_layers
 
 ARCHITECTURES = sorted(builtin.TINY_ARCHITECTURES)  # nine families: Llama ... GPT-2, OLMo-2

@@ -1,20 +1,19 @@
 """Peak-memory prediction from a model config alone (no weights): ``qlora-kit plan RECIPE``.
 
 The model is built on the meta device from its config, so every parameter's shape is exact; nothing
-is downloaded but the config. Terms, for N = batch x sequence tokens, c = bytes of the compute dtype,
-r = LoRA rank, L layers, V vocabulary:
+is downloaded but the config. The activations each checkpointing policy keeps are traced from the
+model's own code (``tracing.py``); the rest is closed form. Terms, for N = batch x sequence tokens,
+c = bytes of the compute dtype, r = LoRA rank, L layers, V vocabulary:
 
-Weights
-- 4-bit linears: 0.5 byte per weight, plus one absmax per 64-weight block: 4 bytes (fp32), or with
-  double quantization 1 byte plus a 4-byte second-level absmax per 256 blocks (and a 256-entry fp32
-  code table per tensor): 4.5 or ~4.127 bits per weight.
-- Left unquantized (embeddings, the output head, norms, biases): c bytes per value.
-- LoRA: r x (d_in + d_out) fp32 values per adapted linear; gradients the same; AdamW state 8 bytes per
+Weights (``shapes.py``): 4-bit linears with their quantization constants, unquantized layers, LoRA.
+- LoRA gradients: as many fp32 values as LoRA parameters; AdamW state 8 bytes per
   value (32-bit) or 2 + 8/256 (8-bit: two uint8 moments and an fp32 absmax per 256-block, plus two
   1 KiB quantization maps per tensor; tensors under 4,096 values stay 32-bit).
 
-Activations kept for backward (what autograd saves; measured on the CPU with
-``accounting.SavedTensors``; the unit test holds this to +-5%):
+Activations kept for backward: traced (``tracing.py``) under the autocast the Trainer will use. The
+chunked loss head stays closed form (below), and on CUDA dropout masks are corrected from the CPU's 4
+bytes a value to 1. When a model's code cannot run on fake tensors, the formula below, written for a
+Llama-shaped layer, is used instead (and ``plan`` says so):
 - a checkpointed decoder layer keeps only its input: N x hidden x c;
 - a kept layer: its two RMSNorms keep their fp32 input and 1/rms (N x (4 hidden + 4) each; the first
   layer's input norm keeps nothing when no input gradient is needed, i.e. without checkpointing);
@@ -40,175 +39,20 @@ The GPU's CUDA context and allocator fragmentation come on top and are not predi
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-import torch
-from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.pytorch_utils import Conv1D
-
-from qlora_kit import hub
-from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.memory.optimizers import OPTIMIZERS
+from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tracing import trace_layers
-from qlora_kit.model import resolve_model_path
-from qlora_kit.paths import first_line
 from qlora_kit.precision import Device, resolve_mixed_precision
-from qlora_kit.recipe import RecipeError
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
 
-BUNDLED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
-BLOCK = 64  # bitsandbytes' 4-bit blocksize as transformers configures it
-NESTED_BLOCK = 256
 GIB = 1024**3
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # the linears reading a layer's first norm
-
-
-@dataclass
-class LinearShape:
-    name: str  # e.g. "self_attn.q_proj"
-    d_in: int
-    d_out: int
-    bias: bool
-
-
-@dataclass
-class ModelShape:
-    layers: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    linears: list[LinearShape]  # of one decoder layer
-    unquantized_values: int  # embeddings, head, norms, biases
-    quantized_values: int
-    quantized_tensors: int
-    config: Any = None  # the transformers config, for tracing
-
-
-def model_shape(recipe: Recipe) -> ModelShape:
-    """Shapes from the config, through a model built on the meta device (no weights are read)."""
-    config = load_config(recipe)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
-    head = meta.get_output_embeddings()
-    quantized = [m for m in meta.modules() if _is_linear(m) and m is not head]
-    counted: set[int] = set()
-    unquantized = 0
-    for module in meta.modules():
-        for param in module.parameters(recurse=False):
-            if id(param) in counted:
-                continue  # tied embeddings count once
-            counted.add(id(param))
-            if not (module in quantized and param is module.weight):
-                unquantized += param.numel()
-    layer = decoder_layers(meta)[0]
-    linears = [
-        LinearShape(name, *_features(m), m.bias is not None)
-        for name, m in layer.named_modules()
-        if _is_linear(m)
-    ]
-    text = config.get_text_config()
-    heads = text.num_attention_heads
-    return ModelShape(
-        layers=text.num_hidden_layers,
-        hidden=text.hidden_size,
-        # only the formula fallback reads it; GPT-2's config says n_inner, or nothing for 4 x hidden
-        intermediate=getattr(text, "intermediate_size", None)
-        or getattr(text, "n_inner", None)
-        or 4 * text.hidden_size,
-        heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        vocab=text.vocab_size,
-        linears=linears,
-        unquantized_values=unquantized,
-        quantized_values=sum(m.weight.numel() for m in quantized),
-        quantized_tensors=len(quantized),
-        config=config,
-    )
-
-
-def _is_linear(module: torch.nn.Module) -> bool:
-    """A linear layer bitsandbytes quantizes: nn.Linear, or GPT-2's transposed Conv1D."""
-    return isinstance(module, (torch.nn.Linear, Conv1D))
-
-
-def _features(module: torch.nn.Module) -> tuple[int, int]:
-    if isinstance(module, Conv1D):
-        return module.weight.shape[0], module.nf  # Conv1D keeps its weight as (in, out)
-    return module.in_features, module.out_features
-
-
-def load_config(recipe: Recipe):
-    """The model's config: a local folder's, a bundled copy for the shipped recipes' hub models (so they
-    plan offline), or the hub's (its config.json only)."""
-    path = resolve_model_path(recipe.model)
-    bundled = BUNDLED_CONFIGS / (path.replace("/", "--") + ".json")
-    if not Path(path).exists() and bundled.is_file():
-        values = json.loads(bundled.read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-    if hub.is_hub_id(path):
-        hub.check_config(recipe.model)
-    try:
-        return AutoConfig.from_pretrained(
-            path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
-        )
-    except (OSError, ValueError) as exc:
-        fetch = (
-            hub.explain(exc, "model.path", path, recipe.model.revision, "model")
-            if hub.is_hub_id(path)
-            else None
-        )
-        raise RecipeError(
-            fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})"
-        ) from None
-
-
-@dataclass
-class Weights:
-    quantized: int
-    unquantized: int
-    lora: int
-    lora_values: int
-
-    @property
-    def total(self) -> int:
-        return self.quantized + self.unquantized + self.lora
-
-
-def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    blocks = math.ceil(shape.quantized_values / BLOCK)
-    if recipe.quant.double_quant:
-        constants = (
-            blocks * 1
-            + math.ceil(blocks / NESTED_BLOCK) * 4
-            + shape.quantized_tensors * (NESTED_BLOCK * 4 + 4)
-        )
-    else:
-        constants = blocks * 4
-    quantized = math.ceil(shape.quantized_values / 2) + constants
-    if recipe.quant.bits == 16:
-        quantized = shape.quantized_values * c
-    lora_values = shape.layers * sum(recipe.lora.rank * (li.d_in + li.d_out) for li in targets(shape, recipe))
-    return Weights(quantized, shape.unquantized_values * c, lora_values * 4, lora_values)
-
-
-def targets(shape: ModelShape, recipe: Recipe) -> list[LinearShape]:
-    """The decoder-layer linears that get adapters (all-linear: all of them; the head is not in a layer)."""
-    wanted = recipe.lora.target_modules
-    if wanted == "all-linear":
-        return list(shape.linears)
-    return [li for li in shape.linears if li.name.split(".")[-1] in wanted or li.name in wanted]
 
 
 @dataclass
