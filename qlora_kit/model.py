@@ -78,6 +78,10 @@ def load_base_model(
     with _model_path_errors(path, revision=model.revision):
         base = _from_pretrained(model, quant, path, fsdp)
     disable_cpu_weight_repacking(base)
+    if base.config._attn_implementation != model.attn_implementation:
+        # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
+        # 5.24); the recipe's kernel is the one that runs, always.
+        base.set_attn_implementation(model.attn_implementation)
     base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     return base
 
@@ -104,6 +108,8 @@ def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: 
         device_map=None if fsdp else device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
+        # always the recipe's kernel: a config.json naming one would otherwise choose it silently
+        attn_implementation=model.attn_implementation,
     )
 
 

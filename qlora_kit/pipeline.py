@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import set_seed
 
-from qlora_kit import adapters, builtin, hub, model, run_log
+from qlora_kit import adapters, attention, builtin, hub, model, run_log
 from qlora_kit.after.generate import complete
 from qlora_kit.data import prepare
 from qlora_kit.distributed import Ranks, launched_with_fsdp
@@ -116,6 +117,9 @@ def check_runnable(recipe: Recipe) -> None:
             "(and quant.quant_storage equal to quant.compute_dtype)"
         )
     resolve_mixed_precision(recipe)
+    unavailable = attention.check_installed(recipe.model.attn_implementation, torch.cuda.is_available())
+    if unavailable:
+        raise RecipeError(unavailable)
 
 
 def build(

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
+from qlora_kit import attention
 from qlora_kit.data.formats import FORMATS
 from qlora_kit.memory.optimizers import OPTIMIZERS
 
@@ -47,6 +48,13 @@ class ModelSection(Section):
     """Run modelling code shipped with the checkpoint. Off unless you trust its author."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids; ignored for local directories."""
+    attn_implementation: str = "sdpa"
+    """Attention kernel: sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
+
+    @model_validator(mode="after")
+    def _check_attention(self) -> ModelSection:
+        attention.kernel(self.attn_implementation)  # a ValueError naming the field for an unknown name
+        return self
 
 
 class QuantSection(Section):
@@ -245,7 +253,20 @@ class Recipe(Section):
             )
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
+        self._check_attention_kernel()
         return self
+
+    def _check_attention_kernel(self) -> None:
+        kernel = attention.kernel(self.model.attn_implementation)
+        if kernel.half_precision and self.quant.compute_dtype == "float32":
+            raise ValueError(
+                f"quant.compute_dtype: {kernel.name} computes in bfloat16 or float16 only (got float32)"
+            )
+        if self.data.packing and kernel.packing is None:
+            raise ValueError(
+                f"data.packing: cannot tell whether {kernel.name} keeps packed examples apart (only sdpa, eager, "
+                "flex_attention and flash kernels are known to); set data.packing: false"
+            )
 
     @property
     def has_validation_data(self) -> bool:

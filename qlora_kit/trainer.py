@@ -225,7 +225,9 @@ def build_trainer(
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        data_collator=prepare.build_collator(tokenizer, packing=recipe.data.packing),
+        data_collator=prepare.build_collator(
+            tokenizer, recipe.data.packing, recipe.model.attn_implementation
+        ),
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[

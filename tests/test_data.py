@@ -9,7 +9,7 @@ from qlora_kit import Recipe, adapters, builtin, model
 from qlora_kit.data import prepare
 from qlora_kit.data.errors import DataError
 from qlora_kit.data.formats import IGNORE_INDEX
-from qlora_kit.data.packing import best_fit_decreasing, pack_dataset
+from qlora_kit.data.packing import FlattenedRowsCollator, best_fit_decreasing, pack_dataset
 
 ROWS = [
     {"instruction": "What color is a lime?", "input": "", "output": "green"},
@@ -161,8 +161,19 @@ def test_second_preparation_reads_the_tokenization_cache(tokenizer, tmp_path):
     assert [__import__("os").stat(f).st_mtime_ns for f in files] == stamps
 
 
-def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_path):
-    recipe = Recipe.from_dict({"quant": {"compute_dtype": "float32"}, "lora": {"dropout": 0.0}})
+# Every kernel that runs on the CPU; flash kernels are checked the same way by benchmarks/gpu_check.sh.
+# "flattened" is the flash kernels' collator (one sequence per micro-batch), checked here through sdpa,
+# which reads the same restarting position ids at batch size 1.
+@pytest.mark.parametrize("kernel", ["sdpa", "eager", "flex_attention", "flattened"])
+def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_path, kernel):
+    implementation = "sdpa" if kernel == "flattened" else kernel
+    recipe = Recipe.from_dict(
+        {
+            "model": {"attn_implementation": implementation},
+            "quant": {"compute_dtype": "float32"},
+            "lora": {"dropout": 0.0},
+        }
+    )
     peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
     with torch.no_grad():  # a non-zero adapter, so the LoRA path is part of what is compared
         for name, param in peft_model.named_parameters():
@@ -182,7 +193,15 @@ def test_packed_batch_gives_the_same_token_losses_as_one_by_one(tokenizer, tmp_p
 
     rows = pack_dataset(train, capacity=64)
     assert len(rows) < len(train), "several examples share a row"
-    packed = prepare.build_collator(tokenizer, packing=True)([rows[i] for i in range(len(rows))])
+    if kernel == "flattened":
+        packed = FlattenedRowsCollator()([rows[i] for i in range(len(rows))])
+        assert packed["input_ids"].shape[0] == 1, "the whole micro-batch is one sequence"
+        lengths = sorted(len(f["input_ids"]) for f in features)
+        assert sorted(packed["cu_seq_lens_q"].diff().tolist()) == lengths, "one varlen segment per example"
+        assert packed["max_length_q"] == max(lengths)
+    else:
+        packed = prepare.build_collator(tokenizer, True, implementation)([rows[i] for i in range(len(rows))])
+        assert packed["input_ids"].shape[0] == len(rows)
     assert "attention_mask" not in packed
     assert (packed["position_ids"] == 0).sum() > len(rows), "positions restart inside rows"
     one_by_one = torch.cat(

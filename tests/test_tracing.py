@@ -111,3 +111,19 @@ def test_a_65b_plan_traces_two_layers_not_eighty():
     the_plan = plan(recipe, seq=2048)
     assert the_plan.activation_source == "traced" and the_plan.shape.layers == 80
     assert time.perf_counter() - start < 60  # seconds in practice; a guard against tracing every layer
+
+
+@pytest.mark.parametrize("kernel", ["sdpa", "eager"])  # the kernels that train on a CPU
+@pytest.mark.parametrize("packing", [False, True], ids=["unpacked", "packed"])
+def test_the_planner_traces_the_recipes_attention_kernel(kernel, packing):
+    """Eager keeps the score matrix, sdpa with a packed rows' mask repeats K/V to every head: each
+    kernel's own bytes, not one formula's."""
+    recipe = recipe_for("tiny-llama", "none", 1, packing).with_overrides(
+        {"model.attn_implementation": kernel}
+    )
+    base = model.load_base_model(recipe.model, recipe.quant)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    saved = measure_saved_bytes(peft_model, batch_of(packing))
+    predicted = activation_bytes(model_shape(recipe), recipe, "none", 1, BATCH, SEQ, "cpu")
+    assert predicted.source == "traced"
+    assert predicted.total == pytest.approx(saved.total, rel=0.05)

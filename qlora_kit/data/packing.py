@@ -3,19 +3,23 @@ between them and almost no padding.
 
 Examples are placed into rows best-fit-decreasing (the longest first, each into the row it fills the
 most), as TRL's ``bfd`` packing and axolotl's multipack do. Inside a row, position ids restart at 0 for
-every example, and batches carry no attention mask: transformers then reads the restarting position
-ids as packed sequences and builds a block-diagonal causal mask (or FlashAttention's varlen kernels), so
-each token attends only to its own example. The first label of every example is -100: it would
-otherwise be predicted from the end of the previous example.
+every example. The first label of every example is -100: it would otherwise be predicted from the end
+of the previous example. How rows reach the attention kernel depends on it (``attention.py``):
 
-Why rows rather than flattening a whole micro-batch into one sequence (``DataCollatorWithFlattening``):
-without a varlen kernel (CPUs, SDPA on GPUs) attention over one long flattened sequence costs the square
-of the whole batch's length; rows bound it by ``max_seq_len`` squared per row.
+- sdpa, eager, flex_attention (``PackedRowCollator``): rows with no attention mask; transformers reads
+  the restarting position ids and builds a block-diagonal causal mask, so each token attends only to
+  its own example. Rows rather than one flattened sequence: without a varlen kernel attention costs
+  the square of a sequence's length, which rows bound by ``max_seq_len`` squared.
+- flash kernels (``FlattenedRowsCollator``): transformers' flash path finds packed sequences only in a
+  batch of one row, so the micro-batch's rows are split back into their examples and flattened into
+  one sequence by transformers' ``DataCollatorWithFlattening``, with the example boundaries as the
+  varlen kernel's ``cu_seq_lens_q/k`` and ``max_length_q/k``: no padding and no quadratic mask at all.
 """
 
 from __future__ import annotations
 
 import bisect
+import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -82,3 +86,27 @@ class PackedRowCollator:
             batch["labels"].append(list(f["labels"]) + [IGNORE_INDEX] * pad)
             batch["position_ids"].append(list(f["position_ids"]) + list(range(pad)))
         return {key: torch.tensor(value, dtype=torch.long) for key, value in batch.items()}
+
+
+class FlattenedRowsCollator:
+    """A micro-batch of packed rows as one sequence for a varlen (flash) kernel: (1, total) input ids,
+    labels and position ids, with ``cu_seq_lens_q/k`` (int32 example boundaries) and ``max_length_q/k``."""
+
+    def __init__(self) -> None:
+        from transformers import DataCollatorWithFlattening
+
+        # separator -100: the first label of each example, as packed rows already have it
+        self.flatten = DataCollatorWithFlattening(return_flash_attn_kwargs=True, separator_id=IGNORE_INDEX)
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        return self.flatten([example for row in features for example in examples_of(row)])
+
+
+def examples_of(row: dict[str, Any]) -> list[dict[str, list[int]]]:
+    """A packed row split back into its examples, where the position ids restart."""
+    positions = list(row["position_ids"])
+    starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
+    return [
+        {"input_ids": list(row["input_ids"][a:b]), "labels": list(row["labels"][a:b])}
+        for a, b in itertools.pairwise(starts)
+    ]

@@ -21,11 +21,11 @@ from datasets import Dataset
 from datasets.utils import logging as datasets_logging
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit import builtin, hub
+from qlora_kit import attention, builtin, hub
 from qlora_kit.data import formats
 from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
-from qlora_kit.data.packing import PackedRowCollator, best_fit_decreasing, pack_dataset
+from qlora_kit.data.packing import FlattenedRowsCollator, PackedRowCollator, best_fit_decreasing, pack_dataset
 from qlora_kit.recipe import DataSection, RecipeError
 
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
@@ -209,8 +209,11 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
     return tokenized.remove_columns("full_length"), report
 
 
-def build_collator(tokenizer, packing: bool):
-    """Packed rows (see packing.py), or examples padded to the longest in the batch with -100 labels."""
+def build_collator(tokenizer, packing: bool, attn_implementation: str = "sdpa"):
+    """Packed rows, or packed rows flattened into one sequence for a flash kernel (see packing.py), or
+    examples padded to the longest in the batch with -100 labels."""
+    if packing and attention.kernel(attn_implementation).packing == "flattened":
+        return FlattenedRowsCollator()
     if packing:
         return PackedRowCollator(tokenizer.pad_token_id)
     return DataCollatorForSeq2Seq(

@@ -35,6 +35,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, masking_utils
 
+from qlora_kit import attention
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
 
 if TYPE_CHECKING:
@@ -81,7 +82,10 @@ def layer_types(config) -> tuple[str, ...]:
 def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = "no") -> TracedLayers | None:
     """The traced figures under the Trainer's autocast ``precision`` (bf16, fp16 or no), or None (logged)
     when this architecture's code cannot run on fake tensors."""
-    key = (config.to_json_string(), recipe.model_dump_json(include={"model", "quant", "lora", "data"}))
+    key = (
+        config.to_json_string(),
+        recipe.model_dump_json(include={"model", "quant", "lora", "data", "memory"}),
+    )
     key += (batch, seq, precision)
     if key not in _TRACED:
         try:
@@ -131,10 +135,19 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     from qlora_kit import adapters
     from qlora_kit.memory import checkpointing
 
+    kernel = attention.kernel(recipe.model.attn_implementation)
+    # Flash and flex kernels cannot run on fake CPU tensors (flex's block mask reads data pointers and
+    # crashes); sdpa without a mask keeps what they keep (q, k and v unrepeated, the output and the
+    # log-sum-exp), over the rows flex is given or the one flattened sequence a flash kernel is given.
+    traced_as = kernel.name if kernel.name in ("sdpa", "eager") else "sdpa"
+    flash = kernel.packing == "flattened"
     dtype = getattr(torch, recipe.quant.compute_dtype)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, trust_remote_code=recipe.model.trust_remote_code
+            config,
+            dtype=dtype,
+            trust_remote_code=recipe.model.trust_remote_code,
+            attn_implementation=traced_as,
         )
     model.config.use_cache = False
     model.requires_grad_(False)
@@ -146,10 +159,13 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     # accelerate runs the forward under this autocast on a GPU and on a CPU alike (precision.py)
     dtype = AUTOCAST.get(precision)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
+    masked_rows = recipe.data.packing and traced_as == kernel.name  # sdpa and eager get a dense mask
+    if recipe.data.packing and flash:
+        batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
         inputs = _batch(batch, seq, recipe.data.packing)
         counter = SavedTensors(peft_model)
-        with counter.counting(), autocast, _rows_unpacked(not recipe.data.packing):
+        with counter.counting(), autocast, _no_packed_mask(not masked_rows):
             peft_model(**inputs)
     per_layer = counter.result().per_layer
     return {
@@ -159,11 +175,12 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
 
 
 @contextlib.contextmanager
-def _rows_unpacked(unpacked: bool):
-    """Tell transformers that unpacked rows hold one sequence each. It finds packed rows by reading the
-    position ids' values (``masking_utils.find_packed_sequence_indices``); fake tensors have none, so it
-    would build the block-diagonal mask packing needs for every batch."""
-    if not unpacked:
+def _no_packed_mask(active: bool):
+    """Keep transformers from building a dense block-diagonal mask where the real run has none: rows that
+    are not packed, and kernels that take packed sequences another way (flex's block mask, a flash
+    kernel's sequence lengths). It finds packed rows by reading the position ids' values
+    (``masking_utils.find_packed_sequence_indices``); fake tensors have none, so it would always build one."""
+    if not active:
         yield
         return
     original = masking_utils.find_packed_sequence_indices

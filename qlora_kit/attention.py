@@ -1,0 +1,116 @@
+"""Attention kernels: the ones a recipe may name, what each needs installed, and how packed rows reach it.
+
+``model.attn_implementation`` goes to ``from_pretrained`` as given, so a checkpoint whose config.json
+names a kernel never picks it behind the recipe's back. Packing must never let one example attend to
+another (transformers 5.24, ``masking_utils`` and ``modeling_flash_attention_utils``):
+
+- sdpa, eager, flex_attention: packed rows with restarting position ids and no attention mask;
+  transformers reads the restarts and builds a block-diagonal causal mask, for any batch size.
+- flash_attention_2 / 3, and flash kernels from the kernels hub: transformers finds packed sequences
+  from position ids only when a batch is one row; several rows would be one causal flash call each,
+  over whole rows, examples attending to each other. So each micro-batch of packed rows is flattened
+  into one sequence whose example boundaries go to the varlen kernel as ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` (``data/packing.py``, through transformers' ``DataCollatorWithFlattening``): no
+  padding, no mask, no cross-attention.
+- any other kernel from the hub: how it treats packed rows is unknown, so packing is refused.
+
+Adding a kernel is one entry in ``KERNELS``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+
+def _always() -> bool:
+    return True
+
+
+def _flex() -> bool:
+    from transformers.utils import is_torch_flex_attn_available
+
+    return is_torch_flex_attn_available()
+
+
+def _flash(version: int) -> Callable[[], bool]:
+    def available() -> bool:
+        from transformers.utils import import_utils
+
+        return getattr(import_utils, f"is_flash_attn_{version}_available")()
+
+    return available
+
+
+def _kernels() -> bool:
+    from transformers.utils import is_kernels_available
+
+    return is_kernels_available()
+
+
+@dataclass(frozen=True)
+class AttentionKernel:
+    name: str
+    packing: Literal["rows", "flattened"] | None  # how packed examples reach it; None: packing refused
+    needs: str  # what must be installed, as the error line says it
+    available: Callable[[], bool]
+    half_precision: bool = False  # computes in bfloat16 / float16 only
+    cuda: bool = False  # runs on CUDA GPUs only
+
+
+KERNELS = {
+    "sdpa": AttentionKernel("sdpa", "rows", "torch", _always),
+    "eager": AttentionKernel("eager", "rows", "torch", _always),
+    # FlexAttention has no backward on the CPU (torch 2.13): it trains on CUDA GPUs only
+    "flex_attention": AttentionKernel("flex_attention", "rows", "torch >= 2.5", _flex, cuda=True),
+    "flash_attention_2": AttentionKernel(
+        "flash_attention_2",
+        "flattened",
+        "the flash-attn package (pip install flash-attn --no-build-isolation)",
+        _flash(2),
+        half_precision=True,
+        cuda=True,
+    ),
+    "flash_attention_3": AttentionKernel(
+        "flash_attention_3",
+        "flattened",
+        "FlashAttention-3 (flash_attn_interface, built from flash-attention's hopper/ folder)",
+        _flash(3),
+        half_precision=True,
+        cuda=True,
+    ),
+}
+HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?$")  # kernels-community/flash-attn[@rev][:fn]
+
+
+def kernel(name: str) -> AttentionKernel:
+    """The registry entry, or one made for a kernels-hub id (``org/name``)."""
+    if name in KERNELS:
+        return KERNELS[name]
+    if not HUB_KERNEL.match(name):
+        raise ValueError(
+            f"model.attn_implementation: {name!r} is not one of {', '.join(KERNELS)} nor a kernels-hub id (org/name)"
+        )
+    flash = "flash" in name.lower()
+    return AttentionKernel(
+        name,
+        "flattened" if flash else None,
+        "the kernels package (pip install kernels)",
+        _kernels,
+        flash,
+        True,
+    )
+
+
+def check_installed(name: str, cuda_available: bool) -> str | None:
+    """Why ``name`` cannot run on this machine (one line naming the field), or None."""
+    spec = kernel(name)
+    if not spec.available():
+        return f"model.attn_implementation: {name} needs {spec.needs}, which is not installed here"
+    if spec.cuda and not cuda_available:
+        return (
+            f"model.attn_implementation: {name} trains on CUDA GPUs only; on this machine use sdpa or eager"
+        )
+    return None
