@@ -4,7 +4,7 @@
 #   device run: command "bash benchmarks/gpu_check.sh", carry [".whl"], timeout_s 540
 # Installs the carried wheels into /tmp/site, runs `qlora-kit doctor`, then benchmarks/gpu_check.py
 # (every figure through trainer.train()); its table is printed last and its JSON lands in $OUT.
-# Commit the tables to benchmarks/results/gpu-h200.md with the date. The timeouts add up to 8 minutes.
+# Commit the tables to benchmarks/results/gpu-h200.md with the date. The timeouts add up to 8.5 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,6 +22,8 @@ timeout 60 python3 -m accelerate.commands.launch --config_file recipes/accelerat
   --set quant.quant_storage=bfloat16 --set memory.chunked_loss=false --set train.max_steps=10 \
   --set train.sample_prompts=0 > "${OUT:-/tmp}/fsdp-check.log" 2>&1
 echo "fsdp-qlora 1 process: exit $? ($(grep -o 'eval loss: .*' "${OUT:-/tmp}/fsdp-check.log" | tail -1))"
-timeout 270 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
+# Packing without cross-attention on every kernel the machine has (flash ones where installed).
+timeout 60 python3 benchmarks/packing_check.py 2>&1 | grep "^packing"
+timeout 240 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
 # qlora_kit against the TRL + PEFT script on the GPU (benchmarks/vs_trl.py; writes results/vs-trl-gpu.md).
 timeout 90 python3 benchmarks/vs_trl.py --rounds 2 --steps 16 2>&1 | grep -A12 "^| comparison"

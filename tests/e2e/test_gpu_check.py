@@ -35,3 +35,19 @@ def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
     # resumed from its checkpoint with one more step (nothing pages on a CPU)
     assert [row["repaged_after_resume"] for row in report["optimizers"]] == [0, 0]
     assert "long sequence" in result.stdout
+
+
+def test_packing_check_runs_every_kernel_available_here(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "benchmarks/packing_check.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OUT": str(tmp_path)},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "packing-check.json").read_text())
+    for kernel in ("sdpa", "eager", "flex_attention"):
+        assert report[kernel]["ok"] and report[kernel]["max_difference"] < 1e-4, report[kernel]
+    assert "skipped" in report["flash_attention_2"]  # no CUDA here

@@ -1,0 +1,120 @@
+"""Step time and bytes saved for backward per attention kernel, packing off and on (CPU).
+
+The kernels that train on a CPU, sdpa and eager, on a tiny Llama where attention matters (4 layers,
+hidden 256, 4 x 512 tokens), each run set up by ``pipeline.build`` and stepped by hand (forward,
+backward, paged AdamW 8-bit step; median of interleaved rounds after a warm-up). Packing on: the same
+tokens as rows of four 128-token examples with restarting position ids (transformers then builds a
+block-diagonal mask); off: one 512-token causal sequence a row. flex_attention and the flash kernels
+do not train on a CPU (FlexAttention has no CPU backward in torch 2.13; flash kernels are CUDA-only):
+``benchmarks/gpu_check.sh`` measures them when a GPU is lent.
+
+    python benchmarks/attention.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import markdown_table, write_result
+
+SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
+BATCH, SEQ, EXAMPLE = 4, 512, 128
+KERNELS = ["sdpa", "eager"]
+MIB = 2**20
+
+
+def build(kernel: str, packing: bool, out: Path):
+    from qlora_kit import Recipe, builtin
+    from qlora_kit.pipeline import build as build_run
+
+    folder = builtin.ensure_tiny_model("tiny-llama", **SHAPE, max_position_embeddings=SEQ)
+    recipe = Recipe.from_dict(
+        {
+            "model": {"path": str(folder), "attn_implementation": kernel},
+            "memory": {"checkpointing": "none", "chunked_loss": False},
+            "data": {"packing": packing, "max_seq_len": SEQ},
+            "train": {"output_dir": str(out), "micro_batch_size": BATCH, "max_steps": 1000},
+        }
+    )
+    trainer = build_run(recipe).trainer
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    ids = torch.randint(5, 600, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    if packing:
+        batch["position_ids"] = torch.arange(SEQ).remainder(EXAMPLE).repeat(BATCH, 1)
+        batch["labels"][:, ::EXAMPLE] = -100  # the first token of each example is not predicted
+    return recipe, trainer, batch
+
+
+def step(trainer, batch) -> float:
+    start = time.perf_counter()
+    trainer.training_step(trainer.model, dict(batch))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    from qlora_kit.memory.accounting import measure_saved_bytes
+    from qlora_kit.memory.planner import activation_bytes
+    from qlora_kit.memory.shapes import model_shape
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    settings = [(kernel, packing) for kernel in KERNELS for packing in (False, True)]
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {s: build(*s, Path(tmp) / f"{s[0]}-{s[1]}") for s in settings}
+        times = {s: [] for s in settings}
+        for round_index in range(args.rounds + 1):  # round 0 warms up
+            for s, (_, trainer, batch) in runs.items():
+                seconds = step(trainer, batch)
+                if round_index:
+                    times[s].append(seconds)
+        rows = []
+        base = statistics.median(times["sdpa", False])
+        for (kernel, packing), (recipe, trainer, batch) in runs.items():
+            saved = measure_saved_bytes(trainer.model, batch).total
+            planned = activation_bytes(model_shape(recipe), recipe, "none", 1, BATCH, SEQ, "cpu").total
+            median = statistics.median(times[kernel, packing])
+            rows.append(
+                [
+                    kernel,
+                    "on" if packing else "off",
+                    f"{saved / MIB:.1f}",
+                    f"{planned / MIB:.1f} ({planned / saved - 1:+.1%})",
+                    f"{median:.3f}",
+                    f"{median / base:.2f}x",
+                ]
+            )
+    table = markdown_table(
+        [
+            "kernel",
+            "packing",
+            "saved for backward (MiB)",
+            "planner (MiB)",
+            "median step (s)",
+            "vs sdpa unpacked",
+        ],
+        rows,
+    )
+    write_result(
+        "attention-cpu",
+        "Attention kernels: step time and saved bytes, packing off and on (CPU)",
+        table,
+        f"Tiny Llama {SHAPE}, {BATCH} x {SEQ} tokens (packed: rows of four {EXAMPLE}-token examples), NF4 + double "
+        f"quant, LoRA r=16 all-linear, no checkpointing, transformers' loss; {args.rounds} interleaved rounds after a "
+        "warm-up. sdpa on packed rows gets a dense block-diagonal mask, which keeps it off its fused "
+        "unmasked path and repeats K/V to every head (native GQA needs no mask); eager keeps the score "
+        "matrix either way. flex_attention does not train on a CPU (no CPU backward in torch 2.13).",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""torch.compile (the Trainer's ``torch_compile``) on the CPU with 4-bit layers and LoRA: is it correct,
+and is it faster?
+
+Two runs of the demo-sized tiny Llama, set up by ``pipeline.build`` with the same seed and batches, one
+with the Trainer's ``torch_compile=True`` (accelerate compiles the model with inductor), stepped in
+turn (forward, backward, paged AdamW 8-bit step) so they see the same machine load. Compared: the
+loss of every step (the compiled run must follow the eager one) and the median step time after the
+compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``.
+
+qlora_kit ships no compile option: this script records why (benchmarks/results/compile-cpu.md).
+
+    python benchmarks/compile.py [--steps 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import markdown_table, write_result
+
+BATCH, SEQ = 8, 128
+
+
+SETTINGS = {
+    "no checkpointing, transformers' loss": {"checkpointing": "none", "chunked_loss": False},
+    "full checkpointing, chunked loss (the defaults)": {"checkpointing": "full", "chunked_loss": True},
+}
+
+
+def build(compiled: bool, memory: dict, out: Path):
+    import qlora_kit.trainer
+    from qlora_kit import Recipe
+    from qlora_kit.pipeline import build as build_run
+
+    recipe = Recipe.from_dict(
+        {
+            "memory": memory,
+            "data": {"packing": False, "max_seq_len": SEQ},
+            "lora": {"dropout": 0.0},
+            "train": {"output_dir": str(out), "micro_batch_size": BATCH, "max_steps": 1000},
+        }
+    )
+    plain = qlora_kit.trainer.training_arguments
+
+    def with_compile(*args, **kwargs):  # the Trainer's own switch; qlora_kit has no field for it
+        arguments = plain(*args, **kwargs)
+        return dataclasses.replace(arguments, torch_compile=compiled)  # __post_init__ picks inductor
+
+    qlora_kit.trainer.training_arguments = with_compile
+    try:
+        trainer = build_run(recipe).trainer
+    finally:
+        qlora_kit.trainer.training_arguments = plain
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    # What trainer.train() does first: accelerate prepares the model, compiling it when asked.
+    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
+    assert compiled == hasattr(trainer.model_wrapped, "_orig_mod"), "compiled exactly when asked"
+    return trainer
+
+
+def step(trainer, batch) -> tuple[float, float]:
+    start = time.perf_counter()
+    loss = trainer.training_step(trainer.model_wrapped, dict(batch))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    return float(loss), time.perf_counter() - start
+
+
+def compare(memory: dict, steps: int, out: Path) -> tuple[list[list[str]], str]:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    generator = torch.Generator().manual_seed(0)
+    batches = [torch.randint(5, 600, (BATCH, SEQ), generator=generator) for _ in range(steps)]
+    torch.manual_seed(0)
+    eager = build(False, memory, out / "eager")
+    torch.manual_seed(0)
+    compiled = build(True, memory, out / "compiled")
+    results = {"eager": [], "compiled": []}
+    for ids in batches:
+        for name, trainer in (("eager", eager), ("compiled", compiled)):
+            results[name].append(step(trainer, {"input_ids": ids, "labels": ids}))
+    breaks = sum(counters["graph_break"].values())
+    reasons = sorted(counters["graph_break"], key=lambda r: -counters["graph_break"][r])[:5]
+    warm = 2  # the compiled run's first steps compile
+    rows = []
+    for i, ((eager_loss, eager_s), (comp_loss, comp_s)) in enumerate(zip(*results.values(), strict=True)):
+        rows.append([str(i + 1), f"{eager_loss:.5f}", f"{comp_loss:.5f}", f"{eager_s:.3f}", f"{comp_s:.3f}"])
+    eager_median = statistics.median(s for _, s in results["eager"][warm:])
+    comp_median = statistics.median(s for _, s in results["compiled"][warm:])
+    worst = max(abs(a[0] - b[0]) for a, b in zip(results["eager"], results["compiled"], strict=True))
+    summary = (
+        f"Largest loss difference {worst:.2e}; median step after {warm} warm-up steps: eager {eager_median:.3f} s, "
+        f"compiled {comp_median:.3f} s ({comp_median / eager_median:.2f}x); compile time in step 1: "
+        f"{results['compiled'][0][1]:.1f} s; graph breaks: {breaks}."
+    )
+    if reasons:
+        summary += "\n\nMost frequent graph-break reasons:\n\n" + "\n".join(f"- {r}" for r in reasons)
+    return rows, summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    sections = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for index, (name, memory) in enumerate(SETTINGS.items()):
+            rows, summary = compare(memory, args.steps, Path(tmp) / str(index))
+            table = markdown_table(["step", "eager loss", "compiled loss", "eager s", "compiled s"], rows)
+            sections.append(f"## {name}\n\n{table}\n\n{summary}")
+            print(sections[-1], flush=True)
+    write_result(
+        "compile-cpu",
+        "torch.compile with 4-bit layers and LoRA (CPU)",
+        "\n\n".join(sections),
+        f"Tiny Llama (builtin), batch {BATCH} x {SEQ}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit; "
+        "the two runs of each setting stepped in turn on the same batches.",
+    )
+
+
+if __name__ == "__main__":
+    main()
