@@ -16,11 +16,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, timed_step, write_result
 
 SHAPE = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4}
 BATCH, SEQ, EXAMPLE = 4, 512, 128
@@ -52,14 +51,6 @@ def build(kernel: str, packing: bool, out: Path):
     return recipe, trainer, batch
 
 
-def step(trainer, batch) -> float:
-    start = time.perf_counter()
-    trainer.training_step(trainer.model, dict(batch))
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad()
-    return time.perf_counter() - start
-
-
 def main() -> None:
     from qlora_kit.memory.accounting import measure_saved_bytes
     from qlora_kit.memory.planner import activation_bytes
@@ -74,7 +65,7 @@ def main() -> None:
         times = {s: [] for s in settings}
         for round_index in range(args.rounds + 1):  # round 0 warms up
             for s, (_, trainer, batch) in runs.items():
-                seconds = step(trainer, batch)
+                _, seconds = timed_step(trainer, batch)
                 if round_index:
                     times[s].append(seconds)
         rows = []

@@ -1,4 +1,5 @@
-"""Shared by the benchmark scripts: the machine's description and writing a result table."""
+"""Shared by the benchmark scripts: the machine's description, a hand-stepped training step, and
+writing a result table."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import datetime
 import os
 import platform
 import sys
+import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -19,6 +21,16 @@ def machine() -> str:
     else:
         device = f"CPU only, {os.cpu_count()} cores ({platform.processor() or platform.machine()})"
     return f"{device}; python {platform.python_version()}, torch {torch.__version__}"
+
+
+def timed_step(trainer, batch: dict, model=None) -> tuple[float, float]:
+    """(loss, seconds) of one step stepped by hand, so settings can interleave round by round: forward
+    and backward through the Trainer's ``training_step`` (its autocast and loss), then the optimizer."""
+    start = time.perf_counter()
+    loss = trainer.training_step(model if model is not None else trainer.model, dict(batch))
+    trainer.optimizer.step()
+    trainer.optimizer.zero_grad()
+    return float(loss), time.perf_counter() - start
 
 
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:

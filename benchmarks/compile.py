@@ -18,11 +18,10 @@ import argparse
 import dataclasses
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, timed_step, write_result
 
 BATCH, SEQ = 8, 128
 
@@ -65,14 +64,6 @@ def build(compiled: bool, memory: dict, out: Path):
     return trainer
 
 
-def step(trainer, batch) -> tuple[float, float]:
-    start = time.perf_counter()
-    loss = trainer.training_step(trainer.model_wrapped, dict(batch))
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad()
-    return float(loss), time.perf_counter() - start
-
-
 def compare(memory: dict, steps: int, out: Path) -> tuple[list[list[str]], str]:
     from torch._dynamo.utils import counters
 
@@ -86,7 +77,9 @@ def compare(memory: dict, steps: int, out: Path) -> tuple[list[list[str]], str]:
     results = {"eager": [], "compiled": []}
     for ids in batches:
         for name, trainer in (("eager", eager), ("compiled", compiled)):
-            results[name].append(step(trainer, {"input_ids": ids, "labels": ids}))
+            results[name].append(
+                timed_step(trainer, {"input_ids": ids, "labels": ids}, trainer.model_wrapped)
+            )
     breaks = sum(counters["graph_break"].values())
     reasons = sorted(counters["graph_break"], key=lambda r: -counters["graph_break"][r])[:5]
     warm = 2  # the compiled run's first steps compile

@@ -18,11 +18,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, timed_step, write_result
 
 SHAPE = {
     "hidden_size": 512,
@@ -57,14 +56,6 @@ def build(name: str, vocab: int, memory_fields: dict, out: Path):
     return recipe, trainer, {"input_ids": ids, "labels": ids.clone()}
 
 
-def step(trainer, batch) -> float:
-    start = time.perf_counter()
-    trainer.training_step(trainer.model, dict(batch))
-    trainer.optimizer.step()
-    trainer.optimizer.zero_grad()
-    return time.perf_counter() - start
-
-
 def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
     from qlora_kit.memory.planner import activation_bytes
     from qlora_kit.memory.shapes import model_shape
@@ -73,7 +64,7 @@ def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
     times = {name: [] for name in settings}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted
         for name, (_, trainer, batch) in runs.items():
-            seconds = step(trainer, batch)
+            _, seconds = timed_step(trainer, batch)
             if round_index:
                 times[name].append(seconds)
     results = {}

@@ -1,7 +1,8 @@
 """Attention kernels: the ones a recipe may name, what each needs installed, and how packed rows reach it.
 
-``model.attn_implementation`` goes to ``from_pretrained`` as given, so a checkpoint whose config.json
-names a kernel never picks it behind the recipe's back. Packing must never let one example attend to
+``model.attn_implementation`` (``auto``: sdpa where the architecture supports it, else eager) goes to
+``from_pretrained`` resolved, so a checkpoint whose config.json names a kernel never picks it behind the
+recipe's back. Packing must never let one example attend to
 another (transformers 5.24, ``masking_utils`` and ``modeling_flash_attention_utils``):
 
 - sdpa, eager, flex_attention: packed rows with restarting position ids and no attention mask;
@@ -61,6 +62,9 @@ class AttentionKernel:
 
 
 KERNELS = {
+    # auto: sdpa where the architecture supports it, else eager (transformers' own preference, without
+    # letting a checkpoint's config.json choose)
+    "auto": AttentionKernel("auto", "rows", "torch", _always),
     "sdpa": AttentionKernel("sdpa", "rows", "torch", _always),
     "eager": AttentionKernel("eager", "rows", "torch", _always),
     # FlexAttention has no backward on the CPU (torch 2.13): it trains on CUDA GPUs only
@@ -102,6 +106,35 @@ def kernel(name: str) -> AttentionKernel:
         flash,
         True,
     )
+
+
+# The architecture's class attribute saying it supports each kernel (transformers' PreTrainedModel).
+SUPPORT_FLAGS = {
+    "sdpa": "_supports_sdpa",
+    "flex_attention": "_supports_flex_attn",
+    "flash_attention_2": "_supports_flash_attn",
+    "flash_attention_3": "_supports_flash_attn",
+}
+
+
+def resolve(name: str, config) -> str | None:
+    """The kernel to load ``config``'s model with: ``auto`` made concrete, an explicit choice checked
+    against what the architecture supports (a ValueError naming the field). None for remote code,
+    whose class transformers alone knows."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        return None if name == "auto" else name
+    if name == "auto":
+        return "sdpa" if model_class._supports_sdpa else "eager"
+    flag = SUPPORT_FLAGS.get(name)
+    if flag is not None and not getattr(model_class, flag, False):
+        raise ValueError(
+            f"model.attn_implementation: {model_class.__name__} does not support {name} in this transformers; "
+            "use auto or eager"
+        )
+    return name
 
 
 def check_installed(name: str, cuda_available: bool) -> str | None:

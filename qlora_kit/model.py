@@ -17,9 +17,9 @@ import bitsandbytes as bnb
 import torch
 from accelerate import PartialState
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
-from qlora_kit import builtin, hub
+from qlora_kit import attention, builtin, hub
 from qlora_kit.paths import check_model_folder, first_line
 from qlora_kit.recipe import RecipeError
 
@@ -76,12 +76,22 @@ def load_base_model(
     path = path or resolve_model_path(model)
     check_model_folder(path)
     with _model_path_errors(path, revision=model.revision):
-        base = _from_pretrained(model, quant, path, fsdp)
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
+    kernel = _attention_kernel(model.attn_implementation, config)
+    with _model_path_errors(path, revision=model.revision):
+        base = _from_pretrained(model, quant, path, fsdp, kernel)
     disable_cpu_weight_repacking(base)
-    if base.config._attn_implementation != model.attn_implementation:
+    if kernel is not None and base.config._attn_implementation != kernel:
         # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
         # 5.24); the recipe's kernel is the one that runs, always.
-        base.set_attn_implementation(model.attn_implementation)
+        base.set_attn_implementation(kernel)
+    log.info(
+        "attention: %s (model.attn_implementation: %s)",
+        base.config._attn_implementation,
+        model.attn_implementation,
+    )
     base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
     return base
 
@@ -98,7 +108,16 @@ def _model_path_errors(path: str, field: str = "model.path", revision: str | Non
         raise RecipeError(line or f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
 
 
-def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: bool) -> PreTrainedModel:
+def _attention_kernel(name: str, config) -> str | None:
+    try:
+        return attention.resolve(name, config)
+    except ValueError as exc:  # the architecture does not support the recipe's kernel
+        raise RecipeError(str(exc)) from None
+
+
+def _from_pretrained(
+    model: ModelSection, quant: QuantSection, path: str, fsdp: bool, kernel: str | None
+) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(
         path,
         quantization_config=bnb_config(quant) if quant.bits == 4 else None,
@@ -109,7 +128,7 @@ def _from_pretrained(model: ModelSection, quant: QuantSection, path: str, fsdp: 
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
         # always the recipe's kernel: a config.json naming one would otherwise choose it silently
-        attn_implementation=model.attn_implementation,
+        attn_implementation=kernel,
     )
 
 

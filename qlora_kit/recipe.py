@@ -48,8 +48,8 @@ class ModelSection(Section):
     """Run modelling code shipped with the checkpoint. Off unless you trust its author."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids; ignored for local directories."""
-    attn_implementation: str = "sdpa"
-    """Attention kernel: sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
+    attn_implementation: str = "auto"
+    """Attention kernel: auto (sdpa where the model supports it, else eager), sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
 
     @model_validator(mode="after")
     def _check_attention(self) -> ModelSection:
@@ -209,6 +209,8 @@ class TrainSection(Section):
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     """Autocast of the forward pass: auto (on a GPU: bf16, or fp16 for compute_dtype float16; no on a CPU), bf16, fp16 (GPU only, with a gradient scaler) or no."""
+    compile: bool = False
+    """torch.compile the model (the Trainer's torch_compile, inductor): faster steps after a one-off compile of tens of seconds."""
 
 
 class Recipe(Section):

@@ -18,7 +18,7 @@ from qlora_kit.recipe import RecipeError
     [
         (
             {"model": {"attn_implementation": "flash"}},
-            "model.attn_implementation: 'flash' is not one of sdpa",
+            "model.attn_implementation: 'flash' is not one of auto, sdpa",
         ),
         (
             {"model": {"attn_implementation": "flash_attention_2"}, "quant": {"compute_dtype": "float32"}},
@@ -68,11 +68,22 @@ def test_the_recipes_kernel_runs_even_when_config_json_names_another(tmp_path):
     shutil.copytree(builtin.ensure_tiny_model("tiny-llama"), folder)
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(config | {"_attn_implementation": "eager"}))
-    for kernel in ("sdpa", "eager"):
+    for kernel, runs in (("sdpa", "sdpa"), ("eager", "eager"), ("auto", "sdpa")):
         recipe = Recipe.from_dict({"model": {"path": str(folder), "attn_implementation": kernel}})
         base = model.load_base_model(recipe.model, recipe.quant)
-        assert base.config._attn_implementation == kernel
-        assert base.model.layers[0].self_attn.config._attn_implementation == kernel
+        assert base.config._attn_implementation == runs
+        assert base.model.layers[0].self_attn.config._attn_implementation == runs
+
+
+def test_auto_is_sdpa_where_the_architecture_has_it_and_an_explicit_kernel_it_lacks_is_one_line():
+    gemma = Recipe.from_dict({"model": {"path": "builtin:tiny-gemma2"}})
+    assert model.load_base_model(gemma.model, gemma.quant).config._attn_implementation == "eager"
+    sdpa = gemma.with_overrides({"model.attn_implementation": "sdpa"})
+    with pytest.raises(RecipeError) as caught:
+        model.load_base_model(sdpa.model, sdpa.quant)
+    assert str(caught.value) == (
+        "model.attn_implementation: Gemma2ForCausalLM does not support sdpa in this transformers; use auto or eager"
+    )
 
 
 @pytest.mark.parametrize(

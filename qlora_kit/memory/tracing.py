@@ -139,7 +139,8 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     # Flash and flex kernels cannot run on fake CPU tensors (flex's block mask reads data pointers and
     # crashes); sdpa without a mask keeps what they keep (q, k and v unrepeated, the output and the
     # log-sum-exp), over the rows flex is given or the one flattened sequence a flash kernel is given.
-    traced_as = kernel.name if kernel.name in ("sdpa", "eager") else "sdpa"
+    resolved = attention.resolve(kernel.name, config) or "sdpa"
+    traced_as = resolved if resolved in ("sdpa", "eager") else "sdpa"
     flash = kernel.packing == "flattened"
     dtype = getattr(torch, recipe.quant.compute_dtype)
     with torch.device("meta"):
@@ -159,7 +160,7 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     # accelerate runs the forward under this autocast on a GPU and on a CPU alike (precision.py)
     dtype = AUTOCAST.get(precision)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-    masked_rows = recipe.data.packing and traced_as == kernel.name  # sdpa and eager get a dense mask
+    masked_rows = recipe.data.packing and traced_as == resolved  # sdpa and eager get a dense mask
     if recipe.data.packing and flash:
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
