@@ -7,13 +7,14 @@ another (transformers 5.24, ``masking_utils`` and ``modeling_flash_attention_uti
 
 - sdpa, eager, flex_attention: packed rows with restarting position ids and no attention mask;
   transformers reads the restarts and builds a block-diagonal causal mask, for any batch size.
-- flash_attention_2 / 3, and flash kernels from the kernels hub: transformers finds packed sequences
+- flash_attention_2 / 3, and the varlen flash kernels of the kernels hub: transformers finds packed sequences
   from position ids only when a batch is one row; several rows would be one causal flash call each,
   over whole rows, examples attending to each other. So each micro-batch of packed rows is flattened
   into one sequence whose example boundaries go to the varlen kernel as ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` (``data/packing.py``, through transformers' ``DataCollatorWithFlattening``): no
   padding, no mask, no cross-attention.
-- any other kernel from the hub: how it treats packed rows is unknown, so packing is refused.
+- any other kernel from the hub (``VARLEN_HUB_KERNELS`` lists the flash ones known to take varlen
+  boundaries): how it treats packed rows is unknown, so packing is refused.
 
 Adding a kernel is one entry in ``KERNELS``.
 """
@@ -86,24 +87,37 @@ KERNELS = {
         cuda=True,
     ),
 }
-HUB_KERNEL = re.compile(r"^[\w.-]+/[\w.-]+(@[\w.-]+)?(:[\w.-]+)?$")  # kernels-community/flash-attn[@rev][:fn]
+HUB_KERNEL = re.compile(
+    r"^([\w.-]+/[\w.-]+)(@[\w.-]+)?(:[\w.-]+)?$"
+)  # kernels-community/flash-attn[@rev][:fn]
+# Hub kernels known to expose flash_attn_varlen_func, which transformers then calls with the flattened
+# batch's boundaries. A hub kernel without it is registered with sdpa-style masking
+# (transformers' integrations/hub_kernels.py), so packing it is refused like any unknown kernel.
+VARLEN_HUB_KERNELS = {  # including the ones transformers itself falls back to for flash_attention_2/3/4
+    "kernels-community/flash-attn",
+    "kernels-community/flash-attn2",
+    "kernels-community/flash-attn3",
+    "kernels-community/flash-attn4",
+    "kernels-community/vllm-flash-attn3",
+}
 
 
 def kernel(name: str) -> AttentionKernel:
     """The registry entry, or one made for a kernels-hub id (``org/name``)."""
     if name in KERNELS:
         return KERNELS[name]
-    if not HUB_KERNEL.match(name):
+    match = HUB_KERNEL.match(name)
+    if not match:
         raise ValueError(
             f"model.attn_implementation: {name!r} is not one of {', '.join(KERNELS)} nor a kernels-hub id (org/name)"
         )
-    flash = "flash" in name.lower()
+    varlen = match.group(1) in VARLEN_HUB_KERNELS
     return AttentionKernel(
         name,
-        "flattened" if flash else None,
+        "flattened" if varlen else None,
         "the kernels package (pip install kernels)",
         _kernels,
-        flash,
+        varlen,
         True,
     )
 

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GB = 1e9  # download sizes in the units the hub's pages show
+_TRANSFORMERS_SAFETENSORS = re.compile(r"^model(-\d+-of-\d+)?\.safetensors$")
+_TRANSFORMERS_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
 _REPO_ID = re.compile(r"^[\w.-]+(/[\w.-]+)?$")
 # httpx's names for a connection that broke mid-transfer or never opened (matched by name: the hub's
 # HTTP client module is vendored under different names across huggingface_hub versions).
@@ -97,15 +99,26 @@ def check_config(model: ModelSection) -> None:
                 f"downloading it; fetch it on a machine with network with `hf download {repo}`"
             )
         return
-    with hub_errors("model.path", repo, revision):
-        # metadata only, without the hub's retries: a machine without network hears so in seconds
-        get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision), timeout=10)
+    try:
+        with hub_errors("model.path", repo, revision):
+            # metadata only, without the hub's retries: a machine without network hears so in seconds
+            get_hf_file_metadata(hf_hub_url(repo, "config.json", revision=revision), timeout=10)
+    except RecipeError as error:
+        cached = isinstance(try_to_load_from_cache(repo, "config.json", revision=revision), str)
+        if cached and ("cannot reach the hub" in str(error) or "the hub answered HTTP" in str(error)):
+            raise RecipeError(
+                f"{str(error).split(';')[0]}; {repo} is in the hub cache: run with HF_HUB_OFFLINE=1 to train from it"
+            ) from error
+        raise
 
 
 def check_dataset(data: DataSection) -> None:
     """Hub datasets named by ``data.path`` / ``data.val_path`` exist and can be read with this login.
-    Offline, datasets reads its own cache; a miss is reported when the data is loaded."""
-    if offline():
+    Offline (HF_HUB_OFFLINE or datasets' own HF_DATASETS_OFFLINE), datasets reads its cache; a miss is
+    reported when the data is loaded."""
+    from datasets import config as datasets_config
+
+    if offline() or datasets_config.HF_HUB_OFFLINE:
         return
     from huggingface_hub import HfApi
 
@@ -127,14 +140,20 @@ def weights_to_download(repo: str, revision: str | None) -> int | None:
     except Exception as exc:  # the size is a courtesy: the download itself reports real failures
         log.debug("no file sizes for %s: %s", repo, exc)
         return None
-    files = {s.rfilename: s.size or 0 for s in info.siblings or [] if "/" not in s.rfilename}
-    # transformers loads safetensors when a repository has them, the .bin files only otherwise
-    weights = [f for f in files if f.endswith(".safetensors")] or [
-        f for f in files if f.startswith("pytorch_model") and f.endswith(".bin")
-    ]
+    files = {s.rfilename: s.size or 0 for s in info.siblings or []}
+    weights = weight_files(list(files))
     return sum(
         files[f] for f in weights if not isinstance(try_to_load_from_cache(repo, f, revision=revision), str)
     )
+
+
+def weight_files(names: list[str]) -> list[str]:
+    """What transformers loads from a repository: model.safetensors or its shards, else
+    pytorch_model.bin or its shards; not other copies a repository may ship (Mistral's
+    consolidated.safetensors, Llama-3's original/ folder)."""
+    return [f for f in names if _TRANSFORMERS_SAFETENSORS.match(f)] or [
+        f for f in names if _TRANSFORMERS_BIN.match(f)
+    ]
 
 
 def free_bytes(folder: Path) -> int:
@@ -173,8 +192,12 @@ def explain(exc: BaseException, field: str, repo: str, revision: str | None, kin
         return f"{where}: {revision!r} is not a branch, tag or commit of {repo}; see {page}/tree/main"
     if _find(chain, errors.RepositoryNotFoundError) or "DatasetNotFoundError" in names:
         token = "" if get_token() else "; a private one needs HF_TOKEN or `hf auth login`"
-        return f"{field}: no {kind} {repo} on the hub ({constants.ENDPOINT}); check the id{token}"
-    if entry := _find(chain, errors.EntryNotFoundError):
+        return (
+            f"{field}: {repo} is neither a local folder nor a {kind} on the hub ({constants.ENDPOINT}); "
+            f"check the path or id{token}"
+        )
+    # (LocalEntryNotFoundError, a cache miss without network, is an EntryNotFoundError too: not this case)
+    if entry := _find(chain, errors.RemoteEntryNotFoundError):
         return f"{field}: {repo} has no file the loader needs ({first_line(entry)[:120]}); check the id"
     if config_line := _config_name_problem(chain, repo):
         return config_line
@@ -189,9 +212,8 @@ def explain(exc: BaseException, field: str, repo: str, revision: str | None, kin
             f"{field}: the download of {repo} was cut off ({first_line(cause)[:100]}); run the same command "
             f"again to resume it (what arrived is kept in {cache_dir()})"
         )
-    if offline() and (
-        names & {"OfflineModeIsEnabled", "LocalEntryNotFoundError"} or "ConnectionError" in names
-    ):
+    offline_mode = offline() or any("OfflineModeIsEnabled" in f"{type(e).__name__} {e}" for e in chain)
+    if offline_mode and (names & {"LocalEntryNotFoundError", "ConnectionError", "OfflineModeIsEnabled"}):
         return (
             f"{field}: {repo} is not in the cache ({cache_dir().parent}) and HF_HUB_OFFLINE=1 forbids downloading "
             f"it; fetch it on a machine with network (`hf download {repo}{' --repo-type dataset' if kind == 'dataset' else ''}`)"

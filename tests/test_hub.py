@@ -53,3 +53,29 @@ def test_errors_that_are_not_the_hubs_pass_through():
 def test_config_name_is_only_for_hub_datasets(path):
     with pytest.raises(RecipeError, match=r"data\.config_name: only for a hub dataset"):
         Recipe.from_dict({"data": {"path": path, "config_name": "a"}})
+
+
+def test_only_the_weight_files_transformers_loads_are_counted():
+    mistral = [
+        "consolidated.safetensors",
+        "model-00001-of-00003.safetensors",
+        "model-00002-of-00003.safetensors",
+    ]
+    assert hub.weight_files([*mistral, "config.json"]) == mistral[1:]
+    llama3 = ["original/consolidated.00.pth", "model-00001-of-00004.safetensors", "tokenizer.json"]
+    assert hub.weight_files(llama3) == ["model-00001-of-00004.safetensors"]
+    assert hub.weight_files(["pytorch_model.bin", "config.json"]) == ["pytorch_model.bin"]
+
+
+def test_a_cache_miss_without_network_is_not_called_a_bad_id():
+    """huggingface_hub's LocalEntryNotFoundError is an EntryNotFoundError too."""
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        try:
+            raise ConnectionRefusedError(111, "Connection refused")
+        except ConnectionRefusedError as refused:
+            raise LocalEntryNotFoundError("cannot find the requested files in the local cache") from refused
+    except LocalEntryNotFoundError as exc:
+        line = hub.explain(exc, "model.path", "org/x", None, "model")
+    assert line.startswith("model.path: cannot reach the hub at "), line

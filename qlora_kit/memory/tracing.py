@@ -5,8 +5,8 @@ the norms (and q/k norms, post-norms), a gated or plain MLP, fused or separate p
 residuals, the attention kernel and its mask, soft-capping. Here it is measured the way the run
 measures it (``accounting.SavedTensors``, ``saved_tensors_hooks``), on a model that costs nothing:
 
-1. the config is cut to a few layers: one period of its layer types (``config.layer_types``: sliding
-   and full attention alternate in Gemma-2, for example), plus the first layer, which differs;
+1. the config is cut to a few layers: the first (which differs), then one layer of each of its layer
+   types (``config.layer_types``: sliding and full attention in Gemma-2, for example);
 2. the architecture's own classes are built on the meta device, LoRA attached and checkpointing
    enabled exactly as the run does (``adapters.attach_lora``, ``checkpointing.enable_checkpointing``),
    the 4-bit linears standing in as frozen linears of the compute dtype (what bitsandbytes' 4-bit
@@ -101,33 +101,30 @@ _TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: 
 
 def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) -> TracedLayers:
     types = layer_types(config)
-    period = _period(types)
-    short = _cut(config, period + 1, types)
+    # the first layer, then one layer of every type (in the order they first appear)
+    short_types = (types[0], *dict.fromkeys(types))
+    short = _cut(config, short_types)
     plain = _trace(short, recipe, "none", batch, seq, precision)
     full = _trace(short, recipe, "full", batch, seq, precision)
-    later = range(1, period + 1)  # one layer of every type, after the first
+    later = range(1, len(short_types))
     return TracedLayers(
         layer_types=types,
         first_kept=plain["layer 0"],
-        kept={types[i]: plain[f"layer {i}"] for i in later},
+        kept={short_types[i]: plain[f"layer {i}"] for i in later},
         first_checkpointed=full["layer 0"],
-        checkpointed={types[i]: full[f"layer {i}"] for i in later},
+        checkpointed={short_types[i]: full[f"layer {i}"] for i in later},
         head=plain[OUTSIDE],
         head_checkpointed=full[OUTSIDE],
     )
 
 
-def _period(types: tuple[str, ...]) -> int:
-    """The shortest repeating unit of the layer types (1 for a uniform stack)."""
-    return next(p for p in range(1, len(types) + 1) if all(t == types[i % p] for i, t in enumerate(types)))
-
-
-def _cut(config, layers: int, types: tuple[str, ...]):
+def _cut(config, types: tuple[str, ...]):
+    """A copy of the config with just these layers."""
     short = copy.deepcopy(config)
     text = short.get_text_config()
-    text.num_hidden_layers = layers
+    text.num_hidden_layers = len(types)
     if getattr(text, "layer_types", None) is not None:
-        text.layer_types = list(types[:layers])
+        text.layer_types = list(types)
     return short
 
 

@@ -28,7 +28,10 @@ MODEL_FAILURES = {
         ["model.path=org/gated"],
         ["model.path: org/gated is a gated model", "/org/gated", "HF_TOKEN"],
     ),
-    "missing model": (["model.path=org/nope"], ["model.path: no model org/nope on the hub", "check the id"]),
+    "missing model": (
+        ["model.path=org/nope"],
+        ["model.path: org/nope is neither a local folder nor a model on the hub", "check the path or id"],
+    ),
     "missing revision": (
         ["model.path=org/tiny", "model.revision=v9"],
         ["model.revision: 'v9' is not a branch, tag or commit of org/tiny"],
@@ -47,7 +50,10 @@ DATA_FAILURES = {
         ["data.path=org/gated-facts"],
         ["data.path: org/gated-facts is a gated dataset", "/datasets/"],
     ),
-    "missing dataset": (["data.path=org/nope-data"], ["data.path: no dataset org/nope-data on the hub"]),
+    "missing dataset": (
+        ["data.path=org/nope-data"],
+        ["data.path: org/nope-data is neither a local folder nor a dataset on the hub"],
+    ),
     "needs a config": (
         ["data.path=org/two"],
         ["data.config_name: org/two has several configurations (a, b)"],
