@@ -43,7 +43,7 @@ class Section(BaseModel):
 
 class ModelSection(Section):
     path: str = "builtin:tiny-llama"
-    """Base model: a local directory, a hub id, or builtin:tiny-llama / tiny-qwen2 / tiny-mistral."""
+    """Base model: a local directory, a hub id, or builtin:tiny-llama (or another of builtin.TINY_ARCHITECTURES)."""
     trust_remote_code: bool = False
     """Run modelling code shipped with the checkpoint. Off unless you trust its author."""
     revision: str | None = None
