@@ -294,6 +294,7 @@ def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, 
     if ranks.is_main:
         tokenizer.save_pretrained(staged)
         move_into_place(staged, output_dir, last=FINISHED_MARKER)
+        clear_staging(output_dir)  # a finished run leaves no empty .staging/ behind
 
 
 def _output_bytes(peft_model, recipe: Recipe) -> int:
