@@ -230,6 +230,11 @@ def explain(exc: BaseException, field: str, repo: str, revision: str | None, kin
     return None
 
 
+def explain_model_failure(exc: BaseException, field: str, path: str, revision: str | None) -> str | None:
+    """The one line for a model that failed to load, when ``path`` is a hub id and the cause a fetch."""
+    return explain(exc, field, path, revision, "model") if is_hub_id(path) else None
+
+
 def _config_name_problem(chain: list[BaseException], repo: str) -> str | None:
     """datasets' "Config name is missing" / "BuilderConfig 'x' not found", as the data.config_name line."""
     for error in chain:

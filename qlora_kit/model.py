@@ -104,7 +104,7 @@ def _model_path_errors(path: str, field: str = "model.path", revision: str | Non
     try:
         yield
     except (OSError, ValueError, SafetensorError) as exc:
-        line = hub.explain(exc, field, path, revision, "model") if hub.is_hub_id(path) else None
+        line = hub.explain_model_failure(exc, field, path, revision)
         raise RecipeError(line or f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
 
 

@@ -131,11 +131,7 @@ def load_config(recipe: Recipe):
             path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
         )
     except (OSError, ValueError) as exc:
-        fetch = (
-            hub.explain(exc, "model.path", path, recipe.model.revision, "model")
-            if hub.is_hub_id(path)
-            else None
-        )
+        fetch = hub.explain_model_failure(exc, "model.path", path, recipe.model.revision)
         raise RecipeError(
             fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})"
         ) from None
