@@ -13,6 +13,7 @@ import bitsandbytes as bnb
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils.error import NoMatchingPeftModuleError
+from torch.distributed.tensor import DTensor
 
 from qlora_kit import model as base_model
 from qlora_kit.paths import check_adapter_folder
@@ -52,6 +53,30 @@ def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
             f"lora.target_modules: none of {lora.target_modules} is a linear layer of this model; "
             f"its linear layers are: {', '.join(names)} (or use all-linear)"
         ) from None
+
+
+def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) tensors, whole, on the CPU, by parameter name: what ``save_pretrained(...,
+    state_dict=)`` writes. Under FSDP2 each rank holds a shard of each (a DTensor) and every rank must
+    call this (one all-gather per tensor); the frozen 4-bit base is never gathered."""
+    state = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            tensor = parameter.detach()
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            state[name] = tensor.cpu()
+    return state
+
+
+def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter (``state``: its tensors, gathered under FSDP; None: the model's own).
+
+    Never the base's embedding or output-head weights: peft adds them when LoRA targets ``lm_head`` or
+    ``embed_tokens`` (``save_embedding_layers="auto"``), for vocabularies resized in training, which
+    qlora_kit never does; for Llama-3-8B that is a 1 GB copy of the head in every checkpoint.
+    """
+    model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

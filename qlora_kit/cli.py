@@ -91,15 +91,28 @@ def train(
 
     _configure_logging()
     result = run(load_recipe(recipe, set_, output_dir), overwrite=overwrite, resume=resume_from or resume)
-    views.show_run(console, result)
+    if result.main_process:
+        views.show_run(console, result)
 
 
 @app.command()
 @user_errors
-def validate(recipe: RecipeArg, set_: SetOpt = None, output_dir: OutputOpt = None) -> None:
+def validate(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    output_dir: OutputOpt = None,
+    accelerate_config: Annotated[
+        Path | None,
+        typer.Option("--accelerate-config", help="Check the recipe against this accelerate config (FSDP)."),
+    ] = None,
+) -> None:
     """Load a recipe, apply overrides, and print every resolved value."""
+    from qlora_kit.distributed import check_fsdp_launch, fsdp_settings_of, launched_fsdp_settings
+
     resolved = load_recipe(recipe, set_, output_dir)
     resolved.check_paths()
+    launch = fsdp_settings_of(accelerate_config) if accelerate_config else launched_fsdp_settings()
+    check_fsdp_launch(resolved, launch)
     console.print(f"# {recipe}: valid", style="green", highlight=False)
     console.print(resolved.to_yaml(), highlight=False, markup=False)
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 # With a scaler halving its scale at each overflow, 25 in a row take the default 2**16 below 2**-8:
 # no healthy run overflows that often.
 MAX_SKIPPED_STEPS = 25
+WRAPPED_FSDP = "_fsdp_wrapped_module."
+WRAPPED_CHECKPOINT = "_checkpoint_wrapped_module."
 
 
 class TrainingGuardError(RuntimeError):
@@ -49,10 +52,16 @@ class TrainingGuard(TrainerCallback):
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.lora = {name: p for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name}
+        self.lora = _lora_parameters(model)
         self.unchecked = set(self.lora)
         self.skipped_in_a_row = 0
         self._loss_bad: torch.Tensor | None = None  # any non-finite micro-batch loss since the last step
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs) -> None:
+        # FSDP2 (fully_shard, when accelerate prepares the model, after this guard was built) replaces
+        # every parameter with a sharded one; the ones read at construction would never get a gradient.
+        if model is not None:
+            self.lora = _lora_parameters(model)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         bad = ~torch.isfinite(loss.detach())
@@ -84,7 +93,7 @@ class TrainingGuard(TrainerCallback):
 
     def _read_flags(self) -> tuple[bool, bool]:
         """(any loss since the last step non-finite, the LoRA gradients non-finite), in one host sync."""
-        grads = [p.grad for p in self.lora.values() if p.grad is not None]
+        grads = [_local(p.grad) for p in self.lora.values() if p.grad is not None]
         loss_bad, self._loss_bad = self._loss_bad, None
         flags = [loss_bad.reshape(())] if loss_bad is not None else []
         if grads:
@@ -92,11 +101,10 @@ class TrainingGuard(TrainerCallback):
         if not flags:
             return False, False
         read = torch.stack([f.to(flags[0].device) for f in flags]).to(torch.uint8)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # A NaN loss on one rank is NaN gradients on all after DDP's all-reduce; under fp16 the
-            # others would take that for an overflow step and wait for the stopped rank forever.
-            dist.all_reduce(read, op=dist.ReduceOp.MAX)
-        values = read.tolist()
+        # A NaN loss on one rank is NaN gradients on all after DDP's all-reduce; under fp16 the others
+        # would take that for an overflow step and wait for the stopped rank forever. Under FSDP each
+        # rank holds a shard of each gradient: the flags of all shards together.
+        values = _any_rank(read).tolist()
         return (loss_bad is not None and bool(values[0])), (bool(grads) and bool(values[-1]))
 
     def _check_dead(self, step: int) -> None:
@@ -128,8 +136,32 @@ def _all_zero(tensors: dict[str, torch.Tensor | None]) -> dict[str, bool]:
 
 
 def _stack_any(tensors: Iterable[torch.Tensor]) -> list[bool]:
-    flags = [t.detach().ne(0).any() for t in tensors]
-    return torch.stack([f.to(flags[0].device) for f in flags]).tolist()
+    """Whether each tensor has a non-zero element; of a sharded (FSDP) tensor, in any rank's shard."""
+    flags = [_local(t).detach().ne(0).any() for t in tensors]
+    read = torch.stack([f.to(flags[0].device) for f in flags]).to(torch.uint8)
+    return [bool(v) for v in _any_rank(read).tolist()]
+
+
+def _any_rank(flags: torch.Tensor) -> torch.Tensor:
+    """Element-wise maximum of ``flags`` (uint8) over all ranks; the flags themselves in one process."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return flags
+
+
+def _lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    # Names as peft gives them: wrappers that insert a module level (FSDP1, torch's checkpoint_wrapper)
+    # would otherwise rename them between construction and training.
+    return {
+        name.replace(WRAPPED_FSDP, "").replace(WRAPPED_CHECKPOINT, ""): p
+        for name, p in model.named_parameters()
+        if p.requires_grad and ".lora_" in name
+    }
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 (DTensor) tensor; any other tensor as it is."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _module_of(parameter_name: str) -> str:

@@ -66,11 +66,15 @@ def bnb_config(quant: QuantSection):
     )
 
 
-def load_base_model(
-    model: ModelSection, quant: QuantSection, path: str | None = None, fsdp: bool = False
-) -> PreTrainedModel:
+def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
     """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
-    GPU when there is one, otherwise on the CPU."""
+    GPU when there is one, otherwise on the CPU.
+
+    Under FSDP too every process loads and quantizes the whole model onto its own device, and FSDP
+    shards it when the Trainer prepares it (freeing the rest): transformers 5.24 loads on rank 0 alone
+    (``cpu_ram_efficient_loading``) only models that are not quantized (modeling_utils,
+    ``_move_missing_keys_from_meta_to_device``), so the whole 4-bit model must fit one GPU while it loads.
+    """
     if model.trust_remote_code:
         log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
     path = path or resolve_model_path(model)
@@ -81,7 +85,7 @@ def load_base_model(
         )
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
-        base = _from_pretrained(model, quant, path, fsdp, kernel)
+        base = _from_pretrained(model, quant, path, kernel)
     disable_cpu_weight_repacking(base)
     if kernel is not None and base.config._attn_implementation != kernel:
         # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
@@ -116,15 +120,13 @@ def _attention_kernel(name: str, config) -> str | None:
 
 
 def _from_pretrained(
-    model: ModelSection, quant: QuantSection, path: str, fsdp: bool, kernel: str | None
+    model: ModelSection, quant: QuantSection, path: str, kernel: str | None
 ) -> PreTrainedModel:
     return AutoModelForCausalLM.from_pretrained(
         path,
         quantization_config=bnb_config(quant) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
-        # FSDP places and shards the model itself; without FSDP each process puts its whole copy on its
-        # own device.
-        device_map=None if fsdp else device_map(),
+        device_map=device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
         # always the recipe's kernel: a config.json naming one would otherwise choose it silently

@@ -28,6 +28,15 @@ STAGING = ".staging"
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 # The Trainer writes trainer_state.json last; the rest must be there for an exact resume.
 CHECKPOINT_FILES = ("adapter_model.safetensors", "optimizer.pt", "scheduler.pt", "trainer_state.json")
+# Under FSDP the optimizer state (and the adapter the Trainer resumes from) are sharded
+# torch.distributed.checkpoint folders, whose .metadata is written once every rank's shard is.
+FSDP_CHECKPOINT_FILES = (
+    "adapter_model.safetensors",
+    "pytorch_model_fsdp_0/.metadata",
+    "optimizer_0/.metadata",
+    "scheduler.pt",
+    "trainer_state.json",
+)
 
 
 class OutputDirError(ValueError):
@@ -88,7 +97,11 @@ def drop_aside(aside: Path) -> None:
 
 
 def is_complete_checkpoint(folder: Path) -> bool:
-    if not all((folder / name).is_file() for name in CHECKPOINT_FILES):
+    """Every file an exact resume reads is there: a single-process/DDP checkpoint or an FSDP one."""
+    if not any(
+        all((folder / name).is_file() for name in files)
+        for files in (CHECKPOINT_FILES, FSDP_CHECKPOINT_FILES)
+    ):
         return False
     try:
         json.loads((folder / "trainer_state.json").read_text(encoding="utf-8"))

@@ -22,7 +22,7 @@ from transformers import set_seed
 from qlora_kit import adapters, attention, builtin, hub, model, run_log
 from qlora_kit.after.generate import complete
 from qlora_kit.data import prepare
-from qlora_kit.distributed import Ranks, launched_with_fsdp
+from qlora_kit.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.interrupts import Interrupted, StopOnSignal
 from qlora_kit.manifest import build_manifest, utc_now, write_manifest
 from qlora_kit.memory import checkpointing
@@ -86,6 +86,7 @@ class TrainResult:
     checkpointed_layers: list[int] = field(default_factory=list)
     samples: list[dict[str, str]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)  # the run's largest saved bytes, CUDA peaks
+    main_process: bool = True  # False on the other ranks of a multi-process run (they print nothing)
 
     @property
     def eval_losses(self) -> list[float]:
@@ -111,11 +112,13 @@ def check_runnable(recipe: Recipe) -> None:
     check_output_holds_no_input(output_dir, inputs)
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
-    if launched_with_fsdp() and not recipe.train.fsdp:
+    launch = launched_fsdp_settings()
+    if recipe.train.fsdp and launch is None:
         raise RecipeError(
-            "train.fsdp: this run is launched with an FSDP config; set train.fsdp: true "
-            "(and quant.quant_storage equal to quant.compute_dtype)"
+            "train.fsdp: the recipe shards the model with FSDP; launch it with accelerate launch "
+            "--config_file recipes/accelerate/fsdp-qlora.yaml --num_processes N -m qlora_kit train RECIPE"
         )
+    check_fsdp_launch(recipe, launch)
     resolve_mixed_precision(recipe)
     unavailable = attention.check_installed(recipe.model.attn_implementation, torch.cuda.is_available())
     if unavailable:
@@ -141,7 +144,7 @@ def build(
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
     with Ranks().main_first():
         prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    base = model.load_base_model(recipe.model, recipe.quant, fsdp=recipe.train.fsdp)
+    base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = checkpointing.enable_checkpointing(base, memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(
@@ -174,13 +177,17 @@ def run(
         stopper = StopOnSignal()
         setup = build(recipe, output_dir, [stopper, *(callbacks or [])], guards)
         peft_model, tokenizer, trainer = setup.model, setup.tokenizer, setup.trainer
-        examples = []
         if ranks.is_main:
             run_log.log_setup(peft_model, setup.checkpointed_layers, setup.data, recipe)
             run_log.log_optimizer_state(peft_model, recipe)
-            examples = prepare.prompt_examples(
-                setup.data, recipe.data, tokenizer, recipe.train.sample_prompts
-            )
+        # Under FSDP the trained model is sharded: every rank generates the same greedy answers in step
+        # (each forward all-gathers the layers); otherwise the main process answers alone.
+        answering = ranks.is_main or recipe.train.fsdp
+        examples = (
+            prepare.prompt_examples(setup.data, recipe.data, tokenizer, recipe.train.sample_prompts)
+            if answering
+            else []
+        )
         before = _answer(peft_model, tokenizer, examples)
         manifest, aside = (
             _prepare_folder(output_dir, recipe, peft_model, overwrite, resume, checkpoint)
@@ -219,6 +226,7 @@ def run(
         checkpointed_layers=setup.checkpointed_layers,
         samples=samples,
         memory=usage,
+        main_process=ranks.is_main,
     )
 
 
@@ -284,14 +292,11 @@ def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, 
 
 def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, fsdp: bool) -> None:
     """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last.
-    Under FSDP every rank takes part in gathering the sharded adapter (the Trainer's save_model)."""
+    Under FSDP every rank takes part in gathering the sharded adapter."""
     staged = staging_dir(output_dir, name="final")
-    if fsdp:
-        trainer.save_model(str(staged))
-    elif ranks.is_main:
-        peft_model.save_pretrained(staged)
-    ranks.barrier()
+    adapter = adapters.full_adapter_state(peft_model) if fsdp else None  # a collective: every rank
     if ranks.is_main:
+        adapters.save_adapter(peft_model, staged, adapter)
         tokenizer.save_pretrained(staged)
         move_into_place(staged, output_dir, last=FINISHED_MARKER)
         clear_staging(output_dir)  # a finished run leaves no empty .staging/ behind

@@ -233,13 +233,14 @@ class Recipe(Section):
         if self.train.fsdp and self.quant.bits == 4 and self.quant.quant_storage != self.quant.compute_dtype:
             raise ValueError(
                 f"quant.quant_storage: must equal quant.compute_dtype ({self.quant.compute_dtype}) with train.fsdp "
-                f"(got {self.quant.quant_storage}); FSDP shards flat tensors of one dtype, and uint8 storage "
-                "crashes or trains with loss 0 / NaN gradients"
+                f"(got {self.quant.quant_storage}): the FSDP-QLoRA setting peft and accelerate document (FSDP1 "
+                "shards flat tensors of one dtype) and the one qlora_kit tests under FSDP2"
             )
-        if self.train.fsdp and self.memory.chunked_loss:
+        if self.train.fsdp and not OPTIMIZERS[self.optimizer.name].shards:
             raise ValueError(
-                "memory.chunked_loss: set it to false with train.fsdp (the chunked head runs outside FSDP's "
-                "forward, where the sharded head's weights are not gathered)"
+                f"optimizer.name: {self.optimizer.name} cannot step FSDP2's sharded parameters (bitsandbytes' "
+                "update kernels have no DTensor sharding rule); use adamw_torch with train.fsdp (LoRA's "
+                "optimizer state is small, and FSDP shards it across the GPUs)"
             )
         autocast = {"bf16": "bfloat16", "fp16": "float16"}.get(self.train.mixed_precision)
         if autocast and self.quant.compute_dtype not in (autocast, "float32"):

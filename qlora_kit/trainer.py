@@ -18,7 +18,7 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
 
 Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
 ``_save_checkpoint`` and ``_get_output_dir`` (atomic checkpoints), ``_load_optimizer_and_scheduler``
-(a resumed paged optimizer pages again).
+(a resumed paged optimizer pages again); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 from transformers.training_args import ParallelMode
 
+from qlora_kit import adapters
 from qlora_kit.data import prepare
 from qlora_kit.guards import TrainingGuard
 from qlora_kit.memory import optimizers
@@ -183,6 +184,20 @@ class GuardedTrainer(Trainer):
                 move_into_place(checkpoint, output_dir / checkpoint.name)
             shutil.rmtree(staged, ignore_errors=True)
         self.accelerator.wait_for_everyone()
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # The adapter and tokenizer, as the final folder holds them (adapters.save_adapter). Replaces the
+        # Trainer's: under FSDP it writes a model only with FULL_STATE_DICT, and then gathers the whole
+        # model, 4-bit base included, onto one process. Here every rank gathers the adapter alone. (The
+        # sharded adapter and optimizer state the Trainer resumes from are written beside it.)
+        output_dir = output_dir or self.args.output_dir
+        adapter = adapters.full_adapter_state(self.model) if self.is_fsdp_enabled else None
+        if self.args.should_save:
+            adapters.save_adapter(
+                self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output_dir, adapter
+            )
+            if self.processing_class is not None:
+                self.processing_class.save_pretrained(output_dir)
 
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)

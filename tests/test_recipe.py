@@ -100,13 +100,16 @@ def test_resolved_recipe_round_trips_through_yaml(tmp_path):
     assert again == recipe
 
 
-def test_fsdp_needs_quant_storage_equal_to_compute_dtype_and_no_chunked_head():
+def test_fsdp_needs_quant_storage_equal_to_compute_dtype_and_an_optimizer_that_steps_shards():
+    fsdp = {"train": {"fsdp": True}, "optimizer": {"name": "adamw_torch"}}
     with pytest.raises(
         RecipeError, match=r"^quant.quant_storage: must equal quant.compute_dtype \(bfloat16\)"
     ):
-        Recipe.from_dict({"train": {"fsdp": True}, "memory": {"chunked_loss": False}})
-    with pytest.raises(RecipeError, match=r"^memory.chunked_loss: set it to false with train.fsdp"):
-        Recipe.from_dict({"train": {"fsdp": True}, "quant": {"quant_storage": "bfloat16"}})
+        Recipe.from_dict(fsdp)
+    for name in ("paged_adamw_8bit", "adamw_8bit", "paged_adamw_32bit"):
+        with pytest.raises(RecipeError, match=rf"^optimizer.name: {name} cannot step FSDP2's sharded"):
+            Recipe.from_dict(fsdp | {"optimizer": {"name": name}, "quant": {"quant_storage": "bfloat16"}})
+    Recipe.from_dict(fsdp | {"quant": {"quant_storage": "bfloat16"}})  # the chunked head works under FSDP2
     recipe = Recipe.from_yaml(ROOT / "recipes" / "llama3-8b-alpaca-fsdp-2x24gb.yaml")
     assert recipe.quant.quant_storage == recipe.quant.compute_dtype and recipe.train.fsdp
 

@@ -40,6 +40,10 @@ class OptimizerSpec:
     paged: bool  # state in CUDA unified memory (bitsandbytes' paged optimizers)
     eight_bit: bool  # 8-bit blockwise state (bitsandbytes), else 32-bit
     moments: int = 2  # state tensors per parameter (AdamW: first and second moment)
+    # steps FSDP2's sharded (DTensor) parameters; bitsandbytes' update kernels are custom ops with no
+    # DTensor sharding rule ("Operator bitsandbytes.optimizer_update_32bit.default does not have a
+    # sharding strategy registered", bitsandbytes 0.50.2 + torch 2.13, tests/e2e/test_fsdp.py)
+    shards: bool = False
     kwargs: dict[str, Any] = field(default_factory=lambda: dict(ADAMW_DEFAULTS))  # besides lr
 
     def state_bytes(self, elements: int) -> int:
@@ -63,7 +67,7 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {
         OptimizerSpec("paged_adamw_8bit", "bitsandbytes.optim:PagedAdamW8bit", paged=True, eight_bit=True),
         OptimizerSpec("paged_adamw_32bit", "bitsandbytes.optim:PagedAdamW32bit", paged=True, eight_bit=False),
         OptimizerSpec("adamw_8bit", "bitsandbytes.optim:AdamW8bit", paged=False, eight_bit=True),
-        OptimizerSpec("adamw_torch", "torch.optim:AdamW", paged=False, eight_bit=False),
+        OptimizerSpec("adamw_torch", "torch.optim:AdamW", paged=False, eight_bit=False, shards=True),
     )
 }
 
