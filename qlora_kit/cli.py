@@ -145,12 +145,15 @@ def plan(
     seq: Annotated[int | None, typer.Option(help="Tokens per row (default: data.max_seq_len).")] = None,
     device: Annotated[str, typer.Option(help="cuda or cpu: the autocast and dropout masks differ.")] = "cuda",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (sizes in bytes).")] = False,
+    processes: Annotated[
+        int, typer.Option(min=1, help="GPUs the run is launched on (train.fsdp shards over them).")
+    ] = 1,
 ) -> None:
-    """Predict peak memory from the model config alone, for every checkpointing policy."""
+    """Predict peak memory per GPU from the model config alone, for every checkpointing policy."""
     from qlora_kit.memory.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
-    the_plan = make_plan(resolved, batch=batch, seq=seq, device=device)
+    the_plan = make_plan(resolved, batch=batch, seq=seq, device=device, processes=processes)
     if as_json:
         print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))
         return

@@ -81,6 +81,13 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     table.add_row("LoRA gradients (during backward)", size(plan.lora_grads), "shapes")
     pageable = f"{size(plan.optimizer_pageable)} pageable"
     table.add_row(f"{recipe.optimizer.name} state ({pageable})", size(plan.optimizer_state), "closed form")
+    if plan.shards > 1:
+        table.add_row(
+            f"per GPU of {plan.shards} (FSDP): 1/{plan.shards} of the above, the root and 2 layers whole",
+            size(plan.static),
+            "closed form",
+        )
+        table.add_row("per GPU while loading (the whole 4-bit model)", size(plan.load_peak), "closed form")
     console.print(table)
     if plan.activation_source == "traced":
         how = f"traced from the model's code under {plan.precision} autocast"
@@ -123,6 +130,9 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "lora_gradients": plan.lora_grads,
         "optimizer_state": plan.optimizer_state,
         "optimizer_pageable": plan.optimizer_pageable,
+        "fsdp_processes": plan.shards,
+        "static_per_gpu": plan.static,
+        "load_peak_per_gpu": plan.load_peak,
         "policies": [
             {
                 "policy": row.policy,

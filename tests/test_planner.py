@@ -121,3 +121,22 @@ def test_chunked_loss_shrinks_the_head_term():
     full = plan(recipe_for("full", 1, "tiny-llama", chunked=False), batch=4, seq=256)
     chunked = plan(recipe_for("full", 1, "tiny-llama", chunked=True), batch=4, seq=256)
     assert chunked.chosen(recipe_for("full", 1, chunked=True)).activations < full.policies[-1].activations
+
+
+def test_fsdp_plans_per_gpu_with_weights_and_optimizer_state_sharded():
+    fsdp = Recipe.from_yaml(
+        "recipes/llama3-8b-alpaca-fsdp-2x24gb.yaml", overrides={"model.path": "huggyllama/llama-65b"}
+    )
+    one, two, four = (plan(fsdp, processes=n) for n in (1, 2, 4))
+    sharded = one.weights.quantized + one.weights.lora + one.optimizer_state
+    # doubling the GPUs halves the sharded part; the root and the gathered layers stay whole
+    assert two.static - four.static == sharded // 2 - sharded // 4
+    assert one.static - two.static > 0.4 * sharded
+    assert two.static > one.weights.unquantized + 2 * two.layer_weights
+    assert four.lora_grads < two.lora_grads < one.lora_grads
+    # every GPU first loads the whole 4-bit model, so no peak is below that
+    assert all(p.peak >= four.load_peak for p in four.policies)
+    assert four.load_peak == one.weights.quantized + one.weights.unquantized
+    # without FSDP every process holds a whole copy (DDP): more processes change nothing per GPU
+    ddp = fsdp.with_overrides({"train.fsdp": False, "quant.quant_storage": "uint8"})
+    assert [p.peak for p in plan(ddp, processes=4).policies] == [p.peak for p in plan(ddp).policies]

@@ -35,6 +35,13 @@ gradients and two N x hidden x c hidden-state gradients in flight.
 
 peak = weights + LoRA parameters + optimizer state + kept activations + max(transients).
 The GPU's CUDA context and allocator fragmentation come on top and are not predicted.
+
+Under FSDP (``train.fsdp``) over P processes, per GPU: 1/P of the 4-bit weights, of the LoRA parameters
+and gradients and of the optimizer state, plus what FSDP2 gathers whole: the layer being computed and
+the one prefetched (two layers' weights), and the root module (embeddings, final norm, head), which
+stays gathered from forward to backward; each process's activations are its own micro-batch's, as
+without FSDP. Loading needs the whole 4-bit model on every GPU first (``load_peak``): transformers
+loads a quantized model on every process before FSDP shards it.
 """
 
 from __future__ import annotations
@@ -198,11 +205,34 @@ class Plan:
     precision: str = "no"  # the Trainer's autocast the activations were traced under
     activation_source: str = "formula"  # or "traced"
     policies: list[PolicyPlan] = field(default_factory=list)
+    shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
+
+    @property
+    def layer_weights(self) -> int:
+        """One decoder layer's weights, 4-bit and LoRA: what FSDP gathers whole to compute it."""
+        return (self.weights.quantized + self.weights.lora) // self.shape.layers
 
     @property
     def lora_grads(self) -> int:
-        """LoRA gradients (fp32, one per parameter) exist during backward."""
-        return self.weights.lora
+        """LoRA gradients (fp32, one per parameter) exist during backward; under FSDP each GPU keeps its
+        shard of them, plus the layer being reduced."""
+        if self.shards == 1:
+            return self.weights.lora
+        return self.weights.lora // self.shards + self.weights.lora // self.shape.layers
+
+    @property
+    def static(self) -> int:
+        """Weights and optimizer state one GPU holds while it trains."""
+        w = self.weights
+        if self.shards == 1:
+            return w.total + self.optimizer_state
+        sharded = (w.quantized + w.lora + self.optimizer_state) // self.shards
+        return sharded + w.unquantized + 2 * self.layer_weights
+
+    @property
+    def load_peak(self) -> int:
+        """What one GPU holds while the model loads: the whole 4-bit model, under FSDP too."""
+        return self.weights.quantized + self.weights.unquantized
 
     def chosen(self, recipe: Recipe) -> PolicyPlan:
         return next(
@@ -232,8 +262,15 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
     return [("none", 0), *every, ("full", 1)]
 
 
-def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, device: str = "cuda") -> Plan:
-    """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence."""
+def plan(
+    recipe: Recipe,
+    batch: int | None = None,
+    seq: int | None = None,
+    device: str = "cuda",
+    processes: int = 1,
+) -> Plan:
+    """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence;
+    per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without)."""
     shape = model_shape(recipe)
     batch = batch or recipe.train.micro_batch_size
     seq = seq or recipe.data.max_seq_len
@@ -246,6 +283,7 @@ def plan(recipe: Recipe, batch: int | None = None, seq: int | None = None, devic
     # what the Trainer's autocast will be on that device (a GPU: quant.compute_dtype's, by default)
     precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
     result = Plan(shape, weights, state, pageable, batch, seq, precision)
+    result.shards = processes if recipe.train.fsdp else 1
     # the largest layer's full activations: what backward rematerialises for a checkpointed layer
     uncheckpointed = activation_bytes(shape, recipe, "none", 0, batch, seq, device, precision=precision)
     result.activation_source = uncheckpointed.source
@@ -281,10 +319,8 @@ def _policy_plan(
     if any(flags):
         backward += layer_bytes
     spike = max(loss_spike(shape, recipe, n), backward)
-    static = the_plan.weights.total + the_plan.optimizer_state
-    return PolicyPlan(
-        policy_name(policy, every_n), acts.total, spike, static + acts.total + spike, sum(flags)
-    )
+    peak = max(the_plan.static + acts.total + spike, the_plan.load_peak)
+    return PolicyPlan(policy_name(policy, every_n), acts.total, spike, peak, sum(flags))
 
 
 def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None) -> tuple[str, int, str]:

@@ -3,7 +3,7 @@
 The runs take the GPU's path: bf16 autocast with bf16 compute, the 4-bit weights stored as bfloat16,
 the chunked loss head with LoRA on the output head, evaluation, the guards, the shipped accelerate
 config (with ``use_cpu``). accelerate itself refuses FSDP on CPU processes (it silently trains with
-DDP instead); ``fsdp_cpu_launch.py`` lifts exactly that refusal, so what runs below is accelerate's
+DDP instead); ``fsdp_launch.py`` lifts exactly that refusal, so what runs below is accelerate's
 and transformers' real FSDP path: sharded parameters, sharded checkpoints, their resume.
 """
 
@@ -27,7 +27,7 @@ from tests.e2e.test_distributed import free_port, losses
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 ROOT = Path(__file__).resolve().parents[2]
-LAUNCHER = ROOT / "tests" / "e2e" / "fsdp_cpu_launch.py"
+LAUNCHER = ROOT / "tests" / "e2e" / "fsdp_launch.py"
 SETTINGS = [
     "--set", "train.max_steps=6", "--set", "train.save_steps=3", "--set", "train.logging_steps=1",
     "--set", "train.eval_steps=3", "--set", "train.sample_prompts=0", "--set", "lora.dropout=0.0",

@@ -1,4 +1,4 @@
-"""``python tests/e2e/fsdp_cpu_launch.py ARGS`` is ``qlora-kit ARGS`` with FSDP allowed on CPU processes.
+"""``python tests/e2e/fsdp_launch.py ARGS`` is ``qlora-kit ARGS`` with FSDP allowed on CPU processes.
 
 accelerate turns an FSDP launch into FSDP only for GPU-like devices: ``AcceleratorState.__init__``
 (accelerate 1.15, state.py) switches ``distributed_type`` to ``FSDP`` inside a branch for
@@ -6,7 +6,8 @@ accelerate turns an FSDP launch into FSDP only for GPU-like devices: ``Accelerat
 silently trains with DDP. torch's FSDP2 (``fully_shard``) itself runs on CPUs over gloo. This launcher
 applies the same switch to ``MULTI_CPU`` (the lines of that branch, nothing else), so the suite runs
 accelerate's and transformers' real FSDP path — sharding, the FSDP state dicts, checkpoints, resume —
-on the CPU. Tests only: nobody shards a model over CPU processes.
+on the CPU. On GPUs it changes nothing (benchmarks/fsdp_check.py runs it there for the kill switch).
+Tests and checks only: nobody shards a model over CPU processes.
 
 ``QLORA_KIT_TEST_KILL_AFTER_STEP=K`` makes rank 0 SIGKILL itself right after optimizer step K (the
 launcher then stops the other rank), for the resume test.

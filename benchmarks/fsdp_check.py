@@ -1,0 +1,144 @@
+"""FSDP-QLoRA end to end on this machine: one process against FSDP2 over P, then killed and resumed.
+
+Four runs of the demo model through the real CLI, on the GPU's path (bf16 autocast, bf16 compute,
+4-bit weights stored as bfloat16, the chunked head with LoRA on the output head): one process with the
+global batch (the reference), FSDP over P processes with 1/P of it each, the same FSDP run SIGKILLed
+after step 4, and that run resumed. The table gives losses, wall time, the largest difference of the
+FSDP adapter from the reference, and whether the resumed adapter equals the uninterrupted one bit for
+bit. FSDP runs go through ``tests/e2e/fsdp_launch.py`` (accelerate refuses FSDP on CPU processes; on
+GPUs the launcher only adds the kill switch).
+
+    python benchmarks/fsdp_check.py                   # here: 2 CPU processes over gloo
+    python benchmarks/fsdp_check.py --processes 1     # the GPU check (one GPU)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+from common import markdown_table, write_result
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, SAVE, KILL = 6, 3, 4
+BATCH = 8
+SETTINGS = [
+    f"train.max_steps={STEPS}", f"train.save_steps={SAVE}", "train.logging_steps=1", "train.eval_steps=null",
+    "train.sample_prompts=0", "lora.dropout=0.0", "train.mixed_precision=bf16",
+    "quant.compute_dtype=bfloat16", "quant.quant_storage=bfloat16", "optimizer.name=adamw_torch",
+    "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
+]  # fmt: skip
+
+
+def overrides(*values: str) -> list[str]:
+    return [arg for value in (*SETTINGS, *values) for arg in ("--set", value)]
+
+
+def run(command: list[str], env: dict | None = None) -> tuple[int, float, str]:
+    start = time.perf_counter()
+    done = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}
+    )
+    return done.returncode, time.perf_counter() - start, done.stderr
+
+
+def losses(out: Path) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [row["loss"] for row in rows if "loss" in row]
+
+
+def main() -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", type=int, default=2)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    work = Path(tempfile.mkdtemp(prefix="fsdp-check-"))
+    config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text())
+    config.update(use_cpu=not cuda, num_processes=args.processes)
+    (work / "accelerate.yaml").write_text(yaml.safe_dump(config))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(work / "accelerate.yaml"),
+    ]
+    launch += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
+    launch += [str(ROOT / "tests" / "e2e" / "fsdp_launch.py"), "train", "recipes/demo.yaml"]
+    fsdp = overrides("train.fsdp=true", f"train.micro_batch_size={BATCH // args.processes}")
+    threads = {"OMP_NUM_THREADS": "1"} if not cuda else {}
+
+    single = [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml"]
+    results = {
+        "one process": run(
+            [*single, *overrides(f"train.micro_batch_size={BATCH}"), "--output-dir", str(work / "one")]
+        ),
+        f"FSDP x{args.processes}": run([*launch, *fsdp, "--output-dir", str(work / "whole")], threads),
+        f"FSDP x{args.processes}, killed after step {KILL}": run(
+            [*launch, *fsdp, "--output-dir", str(work / "killed")],
+            threads | {"QLORA_KIT_TEST_KILL_AFTER_STEP": str(KILL)},
+        ),
+        f"FSDP x{args.processes}, resumed": run(
+            [*launch, *fsdp, "--output-dir", str(work / "killed"), "--resume"], threads
+        ),
+    }
+    folders = dict(zip(results, ["one", "whole", None, "killed"], strict=True))
+    reference = (
+        load_file(work / "one" / "adapter_model.safetensors") if results["one process"][0] == 0 else {}
+    )
+    whole = work / "whole" / "adapter_model.safetensors"
+    rows = []
+    for name, (code, seconds, stderr) in results.items():
+        folder = folders[name]
+        adapter = load_file(work / folder / "adapter_model.safetensors") if folder and code == 0 else None
+        shown = losses(work / folder) if adapter is not None else []
+        difference = (
+            f"{max((adapter[k] - reference[k]).abs().max().item() for k in reference):.2e}"
+            if adapter is not None and reference and adapter.keys() == reference.keys()
+            else "-"
+        )
+        identical = "-"
+        if folder == "killed" and adapter is not None and whole.exists():
+            uninterrupted = load_file(whole)
+            identical = (
+                "yes" if all(torch.equal(adapter[k], uninterrupted[k]) for k in uninterrupted) else "NO"
+            )
+        last_line = stderr.strip().splitlines()[-1][:80] if code and stderr.strip() else ""
+        if folder is None:  # the run meant to die
+            last_line = f"killed after step {KILL}" if code else "NOT KILLED"
+        rows.append([
+            name, code, f"{seconds:.1f}", " ".join(f"{v:.4f}" for v in shown) or last_line, difference, identical,
+        ])  # fmt: skip
+    header = [
+        "run",
+        "exit",
+        "wall s",
+        "losses (or last line)",
+        "max abs diff vs one process",
+        "resume bit-identical",
+    ]
+    device = "gpu" if cuda else "cpu"
+    write_result(
+        f"fsdp-{device}",
+        f"FSDP-QLoRA train, save, kill, resume ({device.upper()})",
+        markdown_table(header, rows),
+        notes=f"Global batch {BATCH} in every run; the killed run's exit is the SIGKILL's (non-zero by design).",
+    )
+
+
+if __name__ == "__main__":
+    main()
