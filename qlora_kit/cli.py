@@ -126,11 +126,15 @@ def show_data(
 ) -> None:
     """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
     _configure_logging()
+    from qlora_kit.data.preflight import enforce
     from qlora_kit.data.report import inspect_data
     from qlora_kit.model import load_tokenizer
 
     resolved = load_recipe(recipe, set_)
-    views.show_data(console, inspect_data(resolved, load_tokenizer(resolved.model), count=examples), resolved)
+    view = inspect_data(resolved, load_tokenizer(resolved.model), count=examples)
+    views.show_data(console, view, resolved)
+    if resolved.data.preflight.enabled:
+        enforce(view.checks)  # a failed check: its line and exit code 2, as `train` would stop
 
 
 @app.command()
@@ -234,7 +238,7 @@ def generate(
         complete(
             lm,
             tokenizer,
-            text if raw else wrap_prompt(text, recipe.data.format, tokenizer),
+            text if raw else wrap_prompt(text, recipe.data, tokenizer),
             sampling,
             stream=True,
         )
@@ -268,7 +272,7 @@ def chat(
             break
         console.print("model> ", end="")
         answer = complete(
-            lm, tokenizer, wrap_prompt(text, recipe.data.format, tokenizer, history), sampling, stream=True
+            lm, tokenizer, wrap_prompt(text, recipe.data, tokenizer, history), sampling, stream=True
         )
         if keeps_history:
             history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]

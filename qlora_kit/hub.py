@@ -113,7 +113,8 @@ def check_config(model: ModelSection) -> None:
 
 
 def check_dataset(data: DataSection) -> None:
-    """Hub datasets named by ``data.path`` / ``data.val_path`` exist and can be read with this login.
+    """Hub datasets named by ``data.path`` (or each of ``data.sources``) and ``data.val_path`` exist and
+    can be read with this login.
     Offline (HF_HUB_OFFLINE or datasets' own HF_DATASETS_OFFLINE), datasets reads its cache; a miss is
     reported when the data is loaded."""
     from datasets import config as datasets_config
@@ -122,11 +123,15 @@ def check_dataset(data: DataSection) -> None:
         return
     from huggingface_hub import HfApi
 
-    for field in ("path", "val_path"):
-        repo = getattr(data, field)
+    named = [("data.val_path", data.val_path)]
+    if data.sources:
+        named += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(data.sources)]
+    else:
+        named.insert(0, ("data.path", data.path))
+    for field, repo in named:
         if repo is None or not is_hub_id(repo):
             continue
-        with hub_errors(f"data.{field}", repo, None, kind="dataset"):
+        with hub_errors(field, repo, None, kind="dataset"):
             HfApi().dataset_info(repo, timeout=10)
 
 

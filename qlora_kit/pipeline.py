@@ -21,7 +21,7 @@ from transformers import set_seed
 
 from qlora_kit import adapters, attention, builtin, hub, model, run_log
 from qlora_kit.after.generate import complete
-from qlora_kit.data import prepare
+from qlora_kit.data import preflight, prepare
 from qlora_kit.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.interrupts import Interrupted, StopOnSignal
 from qlora_kit.manifest import build_manifest, utc_now, write_manifest
@@ -144,6 +144,9 @@ def build(
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
     with Ranks().main_first():
         prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
+        collator = prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+        preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = checkpointing.enable_checkpointing(base, memory)
     peft_model = adapters.attach_lora(base, recipe.lora)

@@ -17,28 +17,18 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
 from qlora_kit import attention
-from qlora_kit.data.formats import FORMATS
 from qlora_kit.memory.optimizers import OPTIMIZERS
+from qlora_kit.recipe_base import RecipeError, Section, looks_local
+from qlora_kit.recipe_data import DataSection
+
+__all__ = ["DataSection", "Recipe", "RecipeError", "Section"]
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
-FormatName = Literal[tuple(FORMATS)]  # type: ignore[valid-type]
-
-
-class RecipeError(ValueError):
-    """A user mistake in a recipe: one line naming the field and the value."""
-
-
-class Section(BaseModel):
-    # Attribute docstrings become field descriptions (shown by `qlora-kit validate`); unknown keys are errors.
-    # allow_inf_nan=False: .inf / .nan in any float field is a mistake caught here, not by a guard later.
-    model_config = ConfigDict(
-        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
-    )
 
 
 class ModelSection(Section):
@@ -137,53 +127,6 @@ class OptimizerSection(Section):
     """Clip the global gradient norm to this (0 disables clipping); 0.3 is the QLoRA paper's value."""
 
 
-class DataSection(Section):
-    path: str = "builtin:demo-facts"
-    """Training data: a .jsonl/.json/.csv/.parquet file, a save_to_disk folder, a hub dataset, or builtin:demo-facts."""
-    config_name: str | None = None
-    """A hub dataset's configuration (subset) name, for datasets that have several."""
-    format: FormatName = "alpaca"
-    """Row format: alpaca (instruction/input/output), chat (messages), completion (prompt/completion) or text."""
-    fields: dict[str, str] = {}
-    """Column names of your data for the format's fields, e.g. {instruction: question, output: answer}."""
-    val_path: str | None = None
-    """Validation data in the same format; builtin datasets bring their own."""
-    val_fraction: float = Field(0.0, ge=0, lt=1)
-    """Hold out this fraction of the training rows (seeded) when there is no val_path."""
-    max_seq_len: int = Field(512, gt=0)
-    """Tokens per example."""
-    overlong: Literal["truncate", "drop"] = "truncate"
-    """What to do with an example longer than max_seq_len: cut its end off, or leave it out."""
-    system_prompt_mode: Literal["keep", "merge_into_first_user", "drop"] = "keep"
-    """Chat rows' system prompts: keep them, merge them into the first user message (templates without a system role), or drop them."""
-    train_on_inputs: bool = False
-    """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
-    packing: bool = True
-    """Flatten each micro-batch into one sequence with restarting position ids: no padding, no cross-attention."""
-    group_by_length: bool = False
-    """Batch examples of similar length (less padding without packing; the lighter alternative)."""
-
-    @model_validator(mode="after")
-    def _check_fields(self) -> DataSection:
-        known = FORMATS[self.format].fields
-        for name in self.fields:
-            if name not in known:
-                raise ValueError(
-                    f"data.fields: {name!r} is not a field of format {self.format} ({', '.join(known)})"
-                )
-        if self.system_prompt_mode != "keep" and self.format != "chat":
-            raise ValueError(
-                f"data.system_prompt_mode: only applies to format chat (data.format is {self.format})"
-            )
-        if self.packing and self.group_by_length:
-            raise ValueError(
-                "data.group_by_length: pointless with data.packing (packed batches have no padding)"
-            )
-        if self.config_name is not None and (self.path.startswith("builtin:") or _looks_local(self.path)):
-            raise ValueError(f"data.config_name: only for a hub dataset (data.path is {self.path})")
-        return self
-
-
 class TrainSection(Section):
     output_dir: str = "outputs/run"
     """Where the adapter, tokenizer, metrics and checkpoints are written."""
@@ -276,7 +219,7 @@ class Recipe(Section):
         return (
             self.data.val_path is not None
             or self.data.val_fraction > 0
-            or self.data.path.startswith("builtin:")
+            or any(source.path.startswith("builtin:") for source in self.data.source_list())
         )
 
     @classmethod
@@ -306,11 +249,13 @@ class Recipe(Section):
 
     def check_paths(self) -> None:
         """Local files and folders the recipe names must exist (hub ids and builtin: names are not checked)."""
-        for section, fields in _PATH_FIELDS.items():
-            for name in fields:
-                value = getattr(getattr(self, section), name)
-                if isinstance(value, str) and _looks_local(value) and not Path(value).expanduser().exists():
-                    raise RecipeError(f"{section}.{name}: no such file or folder: {value}")
+        named = [
+            (f"{section}.{name}", getattr(getattr(self, section), name)) for section, name in _PATH_FIELDS
+        ]
+        named += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(self.data.sources)]
+        for field, value in named:
+            if isinstance(value, str) and looks_local(value) and not Path(value).expanduser().exists():
+                raise RecipeError(f"{field}: no such file or folder: {value}")
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
         return Recipe.from_dict(self.resolved_values(), overrides)
@@ -354,26 +299,20 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any
     return merged
 
 
-_PATH_FIELDS = {"model": ["path"], "data": ["path", "val_path"]}
+_PATH_FIELDS = [("model", "path"), ("data", "path"), ("data", "val_path")]
 
 
 def _resolve_paths(values: dict[str, Any], base: Path) -> None:
     """Make relative local paths absolute against the recipe's folder; hub ids and builtin: names stay."""
-    for section, fields in _PATH_FIELDS.items():
-        block = values.get(section)
-        if not isinstance(block, dict):
-            continue
-        for name in fields:
-            value = block.get(name)
-            if isinstance(value, str) and _looks_local(value) and not Path(value).is_absolute():
-                block[name] = str((base / value).resolve())
-
-
-def _looks_local(value: str) -> bool:
-    # A hub id is "org/name" or "name"; a local path starts with "." or "/" or "~", or has a file suffix.
-    if value.startswith("builtin:"):
-        return False
-    return value.startswith((".", "/", "~")) or Path(value).suffix in {".jsonl", ".json", ".csv", ".parquet"}
+    holders = [(values.get(section), name) for section, name in _PATH_FIELDS]
+    data = values.get("data")
+    sources = data.get("sources") if isinstance(data, dict) else None
+    if isinstance(sources, list):
+        holders += [(source, "path") for source in sources]
+    for block, name in holders:
+        value = block.get(name) if isinstance(block, dict) else None
+        if isinstance(value, str) and looks_local(value) and not Path(value).is_absolute():
+            block[name] = str((base / value).resolve())
 
 
 def describe_validation_error(exc: ValidationError) -> str:

@@ -64,6 +64,13 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
         console.print(report.summary(), highlight=False)
     shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
     console.print(f"pad tokens per batch of {recipe.train.micro_batch_size}: {shares}", highlight=False)
+    checks = Table(title="preflight (data.preflight: what stops a run before training)")
+    for column in ("check", "result", "measured"):
+        checks.add_column(column, overflow="fold")
+    for check in view.checks:
+        result = "[green]pass[/]" if check.passed else "[bold red]FAIL[/]"
+        checks.add_row(check.name, result, check.detail + ("" if check.passed else f" ({check.fix})"))
+    console.print(checks)
 
 
 def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:

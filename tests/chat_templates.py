@@ -57,6 +57,21 @@ GENERATION_MARKERS = (  # ChatML with {% generation %} around each reply and its
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+TOOLS_CHATML = (  # Qwen2.5's way with tools: schemas in the system turn, calls as JSON in <tool_call> tags,
+    # tool results as a user turn in <tool_response> tags
+    "{% if tools %}<|im_start|>system\n{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}"
+    "{% else %}You are a helpful assistant.{% endif %}\n\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools><|im_end|>\n{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n"
+    "{{ messages[0]['content'] }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{% elif m['role'] == 'assistant' and m.tool_calls %}<|im_start|>assistant\n{% if m['content'] %}"
+    '{{ m[\'content\'] }}\n{% endif %}{% for c in m.tool_calls %}<tool_call>\n{"name": "{{ c.function.name }}", '
+    '"arguments": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
+    "{% elif m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 CHATML_TOKENS = ["<|im_start|>", "<|im_end|>"]
 FAMILIES = {
     # name: (template, special tokens to add, end-of-turn marker, takes a system message as it is)
@@ -72,4 +87,5 @@ FAMILIES = {
     "gemma": (GEMMA, ["<start_of_turn>", "<end_of_turn>"], "<end_of_turn>", False),
     "qwen3": (QWEN3, CHATML_TOKENS, "<|im_end|>", True),
     "generation-markers": (GENERATION_MARKERS, CHATML_TOKENS, "<|im_end|>", True),
+    "tools-chatml": (TOOLS_CHATML, CHATML_TOKENS, "<|im_end|>", True),
 }

@@ -193,3 +193,100 @@ def test_an_empty_reply_says_so(demo_tokenizer):
     tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
     with pytest.raises(RowError, match=r"^messages\[1\]: the assistant message is empty"):
         render_chat([ONE_TURN[0], {"role": "assistant", "content": ""}], tokenizer)
+
+
+def labelled(data_fields: dict, rows: list[dict], tokenizer, tmp_path, name: str = "rows.jsonl"):
+    """Rows written to a file and prepared through the real loading and tokenizing path."""
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    data = Recipe.from_dict({"data": {"path": str(path), "packing": False, **data_fields}}).data
+    return prepare.prepare_datasets(data, tokenizer, seed=0).train
+
+
+@pytest.mark.parametrize("family", ["qwen2.5", "llama3", "mistral-v0.3"])
+def test_sharegpt_trains_token_for_token_what_the_same_chat_as_messages_trains(
+    demo_tokenizer, family, tmp_path
+):
+    tokenizer = family_tokenizer(demo_tokenizer, family)
+    messages = [SYSTEM, *MULTI_TURN[:3], {"role": "assistant", "content": "meow"}]
+    speaker = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
+    as_chat = labelled({"format": "chat"}, [{"messages": messages}], tokenizer, tmp_path, "chat.jsonl")
+    as_sharegpt = labelled({"format": "sharegpt"}, [{"conversations": sharegpt}], tokenizer, tmp_path)
+    assert as_sharegpt[0]["input_ids"] == as_chat[0]["input_ids"]
+    assert as_sharegpt[0]["labels"] == as_chat[0]["labels"]
+    assert any(label != IGNORE_INDEX for label in as_chat[0]["labels"])
+
+
+def test_sharegpt_role_names_are_configurable_and_an_unknown_one_names_the_row(demo_tokenizer, tmp_path):
+    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    rows = [{"conversations": [{"from": "customer", "value": "Hi?"}, {"from": "agent", "value": "hello"}]}]
+    mapped = labelled(
+        {"format": "sharegpt", "roles": {"customer": "user", "agent": "assistant"}}, rows, tokenizer, tmp_path
+    )
+    trained = [t for t in mapped[0]["labels"] if t != IGNORE_INDEX]
+    assert tokenizer.decode(trained) == "hello<|im_end|>"
+    with pytest.raises(
+        DataError,
+        match=r"row 1: conversations\[0\]: unknown speaker 'customer'; map it to a role with data\.roles",
+    ):
+        labelled({"format": "sharegpt"}, rows, tokenizer, tmp_path)
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+TOOL_CHAT = [
+    {"role": "user", "content": "Weather in Lima?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Lima"}}}
+        ],
+    },
+    {"role": "tool", "content": '{"sky": "cloudy", "celsius": 19}'},
+    {"role": "assistant", "content": "Cloudy, 19 degrees."},
+]
+
+
+@pytest.mark.parametrize("tools_as", ["list", "json"])
+def test_tool_calls_and_replies_are_trained_and_tool_results_and_schemas_are_not(
+    demo_tokenizer, tools_as, tmp_path
+):
+    tokenizer = family_tokenizer(demo_tokenizer, "tools-chatml")
+    tools = [TOOL] if tools_as == "list" else json.dumps([TOOL])
+    example = labelled({"format": "chat"}, [{"messages": TOOL_CHAT, "tools": tools}], tokenizer, tmp_path)[0]
+    runs = [tokenizer.decode(run) for run in trained_runs(example["labels"])]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima"}}\n</tool_call><|im_end|>'
+    assert runs == [call, "Cloudy, 19 degrees.<|im_end|>"]
+    rendered = tokenizer.decode(example["input_ids"])
+    assert '"name": "get_weather", "description"' in rendered and "<tool_response>" in rendered
+    assert rendered == apply_template(tokenizer, TOOL_CHAT, generation_prompt=False, tools=[TOOL])
+
+
+def test_a_system_prompt_is_added_where_a_row_has_none_and_prompts_at_inference_match(
+    demo_tokenizer, tmp_path
+):
+    from qlora_kit.after.generate import wrap_prompt
+
+    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    system = "You answer in one word."
+    fields = {"format": "chat", "system_prompt": system}
+    chats = labelled(fields, [{"messages": ONE_TURN}, {"messages": [SYSTEM, *ONE_TURN]}], tokenizer, tmp_path)
+    assert system in tokenizer.decode(chats[0]["input_ids"])  # added
+    assert system not in tokenizer.decode(chats[1]["input_ids"])  # the row's own is kept
+    data = Recipe.from_dict({"data": fields}).data
+    segments = formats.render({"messages": ONE_TURN}, "chat", tokenizer, data)
+    assert wrap_prompt(ONE_TURN[0]["content"], data, tokenizer) == formats.prompt_text(segments)
+
+    alpaca = Recipe.from_dict({"data": {"system_prompt": system}}).data
+    row = {"instruction": "Capital of Peru?", "input": "", "output": "Lima"}
+    segments = formats.render(row, "alpaca", tokenizer, alpaca)
+    assert segments[0].text.startswith(system + "\n\n") and not segments[0].trained
+    assert wrap_prompt("Capital of Peru?", alpaca, tokenizer) == formats.prompt_text(segments)

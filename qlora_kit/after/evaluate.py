@@ -53,7 +53,7 @@ def evaluate(
         "perplexity": math.exp(loss) if loss < 700 else math.inf,
         "tokens": tokens,
     }
-    if FORMATS[recipe.data.format].checkable:
+    if FORMATS[prepared.val_format].checkable:
         examples = prepare.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)
         )

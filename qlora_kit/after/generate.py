@@ -15,6 +15,8 @@ from qlora_kit.data.formats import FORMATS
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from qlora_kit.recipe_data import DataSection
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -33,9 +35,10 @@ class Sampling:
         }
 
 
-def wrap_prompt(text: str, fmt: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
-    """The user's text as the model saw prompts in training (the format's own prompt, data/formats.py)."""
-    return FORMATS[fmt].prompt(text, tokenizer, history)
+def wrap_prompt(text: str, data: DataSection, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+    """The user's text as the model saw prompts in training (the format's own prompt, data/formats.py,
+    with the recipe's system prompt)."""
+    return FORMATS[data.format].prompt(text, tokenizer, data, history)
 
 
 def complete(
@@ -83,6 +86,5 @@ def generate(
     """Answers to ``prompts`` from the trained adapter (or from the recipe's base model when adapter_dir
     is None), each prompt wrapped as in training unless ``raw``."""
     recipe, tokenizer, lm = adapters.load_for_inference(adapter_dir, recipe)
-    fmt = recipe.data.format
-    texts = [p if raw else wrap_prompt(p, fmt, tokenizer) for p in prompts]
+    texts = [p if raw else wrap_prompt(p, recipe.data, tokenizer) for p in prompts]
     return [complete(lm, tokenizer, text, sampling, stream=stream) for text in texts]

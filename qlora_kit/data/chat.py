@@ -17,6 +17,12 @@ since the model never sees it there.
 Templates with ``{% generation %}`` markers are checked against transformers' own assistant mask
 (``return_assistant_tokens_mask``): both must train the same text, or the row is refused.
 
+Tool use (OpenAI's shape): a row's ``tools`` go to the template, which renders the schemas; an
+assistant turn with ``tool_calls`` is trained as the template writes it (JSON in tags, special
+tokens: its own business), located as what rendering the conversation through that turn adds to
+rendering the conversation before it with the generation prompt; ``tool`` results are not trained.
+ShareGPT rows (``{from, value}`` turns) become messages first (``sharegpt_messages``).
+
 ``data.system_prompt_mode`` makes system prompts usable with templates that have no system role:
 ``keep`` (as given), ``merge_into_first_user`` (prepended to the first user message) or ``drop``.
 A template that refuses a conversation (no system role, strict alternation) is one line naming the row
@@ -25,24 +31,39 @@ and the template's own message.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
 from qlora_kit.data.segments import RowError, Segment, show
 
 CHAT_ROLES = {"system", "user", "assistant", "tool"}
+# ShareGPT's speaker names (``from``) and the chat role of each; data.roles adds more
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "observation": "tool",
+}
 SYSTEM_PROMPT_MODES = ("keep", "merge_into_first_user", "drop")
 REASONING_END = "</think>"
 _END_NAME = re.compile(r"end|eot|eos|</s>", re.IGNORECASE)
 
 
-def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep") -> list[Segment]:
-    """Segments of a conversation: each assistant reply and its end-of-turn marker trained, nothing else."""
+def render_chat(
+    messages: list[Any], tokenizer, system_prompt_mode: str = "keep", tools: list | str | None = None
+) -> list[Segment]:
+    """Segments of a conversation: each assistant reply (or tool call) and its end-of-turn marker
+    trained, nothing else. ``tools``: the tool schemas the template renders (a list, or its JSON)."""
     _check_messages(messages)
     if tokenizer.chat_template is None:
         raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
+    tools = _tool_schemas(tools)
     messages = apply_system_prompt_mode(messages, system_prompt_mode)
-    text = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode)
+    text = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode, tools=tools)
     special = special_tokens(tokenizer)
     searchable = _mask(text, special)  # a reply is never found inside a special token
     segments: list[Segment] = []
@@ -56,19 +77,23 @@ def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep"
             continue
         if message["role"] != "assistant":
             continue
-        if not message["content"].strip():
+        if not message["content"].strip() and not message.get("tool_calls"):
             raise RowError(f"messages[{i}]: the assistant message is empty; there is nothing to train")
-        header = _assistant_header(tokenizer, messages[:i], system_prompt_mode)
+        header = _assistant_header(tokenizer, messages[:i], system_prompt_mode, tools)
         at = text.find(header, cursor) if header else -1
         cursor = at + len(header) if at >= 0 else cursor
-        start, reply = _locate(searchable, message["content"], cursor)
+        if message.get("tool_calls"):
+            start, reply = _locate_tool_call(tokenizer, text, messages, i, cursor, system_prompt_mode, tools)
+        else:
+            start, reply = _locate(searchable, message["content"], cursor)
         if start < 0:
             raise RowError(
                 f"messages[{i}]: the chat template changes this assistant message's text, so the tokens "
                 "to train cannot be found in the rendered conversation"
             )
         end = start + len(reply)
-        end += len(_marker_at(text, end, end_of_turn_markers(tokenizer, special, header)))
+        if not message.get("tool_calls"):  # a located tool call ends with its marker already
+            end += len(_marker_at(text, end, end_of_turn_markers(tokenizer, special, header)))
         while start > kept and text[start - 1] == " ":
             # "[/INST] reply": the model generates that space (SentencePiece's "▁reply"), so it is trained
             start -= 1
@@ -77,12 +102,55 @@ def render_chat(messages: list[Any], tokenizer, system_prompt_mode: str = "keep"
     segments.append(Segment(text[kept:], False))  # turns after the last reply, a trailing EOS
     segments = [s for s in segments if s.text]
     if _has_generation_markers(tokenizer):
-        _check_against_generation_mask(tokenizer, messages, segments)
+        _check_against_generation_mask(tokenizer, messages, segments, tools)
     return segments
 
 
+def prefix_consistent(
+    messages: list[Any], tokenizer, system_prompt_mode: str = "keep", tools: list | str | None = None
+) -> bool:
+    """Whether the prompt of every assistant turn, as inference renders it (the conversation so far with
+    the generation prompt), is the start of the whole conversation as training renders it. Mistral
+    v0.3, for one, moves the system prompt into the last user turn, so an earlier turn's prompt differs."""
+    tools = _tool_schemas(tools)
+    messages = apply_system_prompt_mode(messages, system_prompt_mode)
+    whole = apply_template(tokenizer, messages, generation_prompt=False, mode=system_prompt_mode, tools=tools)
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt = apply_template(
+                tokenizer, messages[:i], generation_prompt=True, mode=system_prompt_mode, tools=tools
+            )
+            if not whole.startswith(prompt):
+                return False
+    return True
+
+
+def sharegpt_messages(conversations: list[Any], roles: dict[str, str]) -> list[dict[str, Any]]:
+    """ShareGPT turns (``{from, value}``) as chat messages; ``roles`` (data.roles) adds speaker names."""
+    names = SHAREGPT_ROLES | roles
+    messages = []
+    for i, turn in enumerate(conversations):
+        if not isinstance(turn, dict) or not {"from", "value"} <= turn.keys():
+            raise RowError(f"conversations[{i}]: must be {{from, value}} (got {show(turn)})")
+        if turn["from"] not in names:
+            raise RowError(
+                f"conversations[{i}]: unknown speaker {turn['from']!r}; map it to a role with data.roles "
+                f"(known: {', '.join(sorted(names))})"
+            )
+        messages.append({"role": names[turn["from"]], "content": turn["value"]})
+    return messages
+
+
+def with_system_prompt(messages: list[Any], system_prompt: str | None) -> list[Any]:
+    """``messages`` with data.system_prompt as a first system message, unless they have one."""
+    has_system = any(isinstance(m, dict) and m.get("role") == "system" for m in messages)
+    if system_prompt is None or has_system:
+        return messages
+    return [{"role": "system", "content": system_prompt}, *messages]
+
+
 def apply_system_prompt_mode(messages: list[dict[str, Any]], mode: str) -> list[dict[str, Any]]:
-    messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    messages = [_message(m) for m in messages]
     if mode == "keep" or not any(m["role"] == "system" for m in messages):
         return messages
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
@@ -96,14 +164,18 @@ def apply_system_prompt_mode(messages: list[dict[str, Any]], mode: str) -> list[
 
 
 def apply_template(
-    tokenizer, messages: list[dict[str, Any]], generation_prompt: bool, mode: str = "keep"
+    tokenizer,
+    messages: list[dict[str, Any]],
+    generation_prompt: bool,
+    mode: str = "keep",
+    tools: list | None = None,
 ) -> str:
     """The template's text for ``messages``; a template that refuses them is a RowError with its message."""
     from jinja2.exceptions import TemplateError  # jinja2 loads with the template, not with the recipe
 
     try:
         return tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=generation_prompt
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
         )
     except TemplateError as exc:
         hint = ""
@@ -130,14 +202,64 @@ def end_of_turn_markers(tokenizer, special: list[str], header: str = "") -> list
     return sorted(ends, key=len, reverse=True)
 
 
-def _assistant_header(tokenizer, before: list[dict[str, Any]], mode: str) -> str:
+def _assistant_header(tokenizer, before: list[dict[str, Any]], mode: str, tools: list | None = None) -> str:
     """What the template puts before a reply (``<|im_start|>assistant\n``): the generation prompt it
     adds to the conversation so far; empty where it adds none or renders the two differently."""
     if not before:
         return ""
-    plain = apply_template(tokenizer, before, generation_prompt=False, mode=mode)
-    prompted = apply_template(tokenizer, before, generation_prompt=True, mode=mode)
+    plain = apply_template(tokenizer, before, generation_prompt=False, mode=mode, tools=tools)
+    prompted = apply_template(tokenizer, before, generation_prompt=True, mode=mode, tools=tools)
     return prompted[len(plain) :] if prompted.startswith(plain) else ""
+
+
+def _locate_tool_call(
+    tokenizer, text: str, messages: list[dict[str, Any]], i: int, cursor: int, mode: str, tools: list | None
+) -> tuple[int, str]:
+    """(offset, text) of an assistant turn with tool calls, up to its end-of-turn marker. How a call is
+    written (JSON in tags, special tokens) is the template's own, so the turn is what rendering the
+    conversation through it adds to rendering the conversation before it with the generation prompt."""
+    before = apply_template(tokenizer, messages[:i], generation_prompt=True, mode=mode, tools=tools)
+    through = apply_template(tokenizer, messages[: i + 1], generation_prompt=False, mode=mode, tools=tools)
+    turn = through[len(before) :] if through.startswith(before) else ""
+    ends = [
+        turn.find(m) + len(m) for m in end_of_turn_markers(tokenizer, special_tokens(tokenizer)) if m in turn
+    ]
+    turn = turn[: min(ends)] if ends else turn.rstrip()
+    start = text.find(turn, cursor) if turn.strip() else -1
+    if start < 0:
+        raise RowError(
+            f"messages[{i}]: the chat template renders the conversation before this tool call differently "
+            "on its own, so the call's tokens cannot be found in the rendered conversation"
+        )
+    return start, turn
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as the template gets it: datasets fills fields other rows have with None (a user turn
+    gets ``tool_calls: None``); those are left out, so templates that test ``is defined`` see them absent."""
+    kept = {key: _without_nones(value) for key, value in message.items() if value is not None}
+    kept.setdefault("content", "")
+    return kept
+
+
+def _without_nones(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nones(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nones(v) for v in value]
+    return value
+
+
+def _tool_schemas(tools: list | str | None) -> list | None:
+    """The row's tools as a list of schemas: given as a list, or as JSON text (as many datasets store them)."""
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except ValueError as exc:
+            raise RowError(f"field 'tools' is not valid JSON ({exc})") from None
+        if not isinstance(tools, list):
+            raise RowError(f"field 'tools' must be a list of tool schemas (got {show(tools)})")
+    return _without_nones(tools) if tools else None
 
 
 def _mask(text: str, special: list[str]) -> str:
@@ -151,7 +273,12 @@ def _check_messages(messages: list[Any]) -> None:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in CHAT_ROLES:
             raise RowError(f"messages[{i}]: role must be one of {sorted(CHAT_ROLES)} (got {show(message)})")
-        if not isinstance(message.get("content"), str):
+        calls = message.get("tool_calls")
+        if calls is not None and (message["role"] != "assistant" or not isinstance(calls, list)):
+            raise RowError(
+                f"messages[{i}]: tool_calls must be a list, in an assistant message (got {show(calls)})"
+            )
+        if not isinstance(message.get("content"), str) and not (calls and message.get("content") is None):
             raise RowError(f"messages[{i}]: content must be text (got {show(message.get('content'))})")
     if not any(m["role"] == "assistant" for m in messages):
         raise RowError("conversation has no assistant turn to train on")
@@ -183,10 +310,10 @@ def _has_generation_markers(tokenizer) -> bool:
 
 
 def _check_against_generation_mask(
-    tokenizer, messages: list[dict[str, Any]], segments: list[Segment]
+    tokenizer, messages: list[dict[str, Any]], segments: list[Segment], tools: list | None = None
 ) -> None:
     rendered = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
     )
     ids = [t for t, m in zip(rendered["input_ids"], rendered["assistant_masks"], strict=True) if m]
     theirs = tokenizer.decode(ids)

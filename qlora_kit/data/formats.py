@@ -10,18 +10,29 @@ A row becomes a list of ``Segment(text, trained)``. Segments are tokenized one b
 so a BPE merge across a boundary can never blur which tokens are trained; labels are -100 on every
 untrained token (the QLoRA paper's ``train_on_source=False``).
 
-Chat rows go through the tokenizer's own chat template, rendered once; chat.py finds the trained
-spans in that text.
+Chat and ShareGPT rows go through the tokenizer's own chat template, rendered once (with the row's
+tools); chat.py finds the trained spans in that text. ``data.system_prompt`` gives rows without a
+system prompt one: a system message in chats, text before the prompt in alpaca and completion rows.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
+from qlora_kit.data.chat import (
+    apply_system_prompt_mode,
+    apply_template,
+    prefix_consistent,
+    render_chat,
+    sharegpt_messages,
+    with_system_prompt,
+)
 from qlora_kit.data.segments import RowError, Segment, show
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe_data import DataSection
 
 IGNORE_INDEX = -100
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -31,40 +42,65 @@ ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n
 __all__ = ["FORMATS", "IGNORE_INDEX", "FormatSpec", "RowError", "Segment", "render", "tokenize"]
 
 
-def render(row: dict[str, Any], fmt: str, tokenizer, system_prompt_mode: str = "keep") -> list[Segment]:
-    """The row as text segments; the response (or each assistant turn) is the trained part.
-    ``system_prompt_mode`` (data.system_prompt_mode) only changes chat rows."""
+def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[Segment]:
+    """The row as text segments; the response (or each assistant turn) is the trained part. ``data``
+    (the recipe's data section) gives the system prompt, its mode and ShareGPT's role names."""
     spec = FORMATS[fmt]
     for name in spec.fields:
         _check_field(row, name, optional=name in spec.optional)
-    return spec.render(row, tokenizer, system_prompt_mode)
+    return spec.render(row, tokenizer, data)
 
 
-def _render_alpaca(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
+def _system_text(data: DataSection) -> str:
+    """data.system_prompt as the text before a plain prompt (alpaca, completion)."""
+    return f"{data.system_prompt}\n\n" if data.system_prompt else ""
+
+
+def _render_alpaca(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
-    prompt = template.format(instruction=row["instruction"], input=row.get("input"))
+    prompt = _system_text(data) + template.format(instruction=row["instruction"], input=row.get("input"))
     return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
 
 
-def _render_completion(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
-    return [Segment(row["prompt"], False), Segment(row["completion"] + tokenizer.eos_token, True)]
+def _render_completion(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    prompt = _system_text(data) + row["prompt"]
+    return [Segment(prompt, False), Segment(row["completion"] + tokenizer.eos_token, True)]
 
 
-def _render_text(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
+def _render_text(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     return [Segment(row["text"] + tokenizer.eos_token, True)]
 
 
-def _render_chat(row: dict[str, Any], tokenizer, system_prompt_mode: str) -> list[Segment]:
-    return render_chat(row["messages"], tokenizer, system_prompt_mode)
+def _render_chat(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    messages = _messages(row, data)
+    return render_chat(messages, tokenizer, data.system_prompt_mode, tools=row.get("tools"))
+
+
+def _messages(row: dict[str, Any], data: DataSection) -> list[Any]:
+    """A chat or ShareGPT row's conversation as chat messages, with data.system_prompt."""
+    if "conversations" in row and "messages" not in row:
+        return with_system_prompt(sharegpt_messages(row["conversations"], data.roles), data.system_prompt)
+    return with_system_prompt(row["messages"], data.system_prompt)
+
+
+def prompts_render_as_trained(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> bool | None:
+    """Whether each assistant turn's prompt, rendered as inference renders it, starts the rendering
+    training sees (chat.prefix_consistent); None for formats without a chat template."""
+    if not FORMATS[fmt].chat_template:
+        return None
+    return prefix_consistent(_messages(row, data), tokenizer, data.system_prompt_mode, row.get("tools"))
 
 
 def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
     value = row.get(name)
-    if name == "messages":
+    if name in ("messages", "conversations"):
         if not isinstance(value, list) or not value:
-            raise RowError(
-                f"field 'messages' must be a non-empty list of {{role, content}} (got {show(value)})"
-            )
+            pair = "{role, content}" if name == "messages" else "{from, value}"
+            raise RowError(f"field {name!r} must be a non-empty list of {pair} (got {show(value)})")
+        return
+    if name == "tools":
+        if value is not None and not isinstance(value, (list, str)):
+            raise RowError(f"field 'tools' must be a list of tool schemas or their JSON (got {show(value)})")
         return
     if value is None:
         if optional:
@@ -97,23 +133,28 @@ def prompt_text(segments: list[Segment]) -> str:
     return text
 
 
-def _alpaca_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
-    return ALPACA_PROMPT.format(instruction=text)
-
-
-def _chat_prompt(
-    text: str, tokenizer, history: list[dict[str, str]] | None = None, system_prompt_mode: str = "keep"
+def _alpaca_prompt(
+    text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
 ) -> str:
+    return _system_text(data) + ALPACA_PROMPT.format(instruction=text)
+
+
+def _chat_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
     """The conversation so far and the user's text, rendered as training rendered it (chat.py)."""
     if tokenizer.chat_template is None:
         return text
-    messages = apply_system_prompt_mode(
-        [*(history or []), {"role": "user", "content": text}], system_prompt_mode
-    )
-    return apply_template(tokenizer, messages, generation_prompt=True, mode=system_prompt_mode)
+    messages = with_system_prompt([*(history or []), {"role": "user", "content": text}], data.system_prompt)
+    messages = apply_system_prompt_mode(messages, data.system_prompt_mode)
+    return apply_template(tokenizer, messages, generation_prompt=True, mode=data.system_prompt_mode)
 
 
-def _raw_prompt(text: str, tokenizer, history: list[dict[str, str]] | None = None) -> str:
+def _completion_prompt(
+    text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
+) -> str:
+    return _system_text(data) + text
+
+
+def _raw_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
     return text
 
 
@@ -123,8 +164,8 @@ class FormatSpec:
 
     name: str
     fields: tuple[str, ...]  # what a row has (data.fields may rename them)
-    render: Callable[[dict[str, Any], Any, str], list[Segment]]  # (row, tokenizer, system mode) -> segments
-    prompt: Callable[..., str]  # (text, tokenizer, history) -> the prompt a model continues
+    render: Callable[[dict[str, Any], Any, Any], list[Segment]]  # (row, tokenizer, data section) -> segments
+    prompt: Callable[..., str]  # (text, tokenizer, data section, history) -> the prompt a model continues
     optional: frozenset[str] = frozenset()  # fields that may be absent or empty
     checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
     multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
@@ -141,8 +182,25 @@ FORMATS: dict[str, FormatSpec] = {
             _alpaca_prompt,
             optional=frozenset({"input"}),
         ),
-        FormatSpec("chat", ("messages",), _render_chat, _chat_prompt, multi_turn=True, chat_template=True),
-        FormatSpec("completion", ("prompt", "completion"), _render_completion, _raw_prompt),
+        FormatSpec(
+            "chat",
+            ("messages", "tools"),
+            _render_chat,
+            _chat_prompt,
+            optional=frozenset({"tools"}),
+            multi_turn=True,
+            chat_template=True,
+        ),
+        FormatSpec(
+            "sharegpt",
+            ("conversations", "tools"),
+            _render_chat,
+            _chat_prompt,
+            optional=frozenset({"tools"}),
+            multi_turn=True,
+            chat_template=True,
+        ),
+        FormatSpec("completion", ("prompt", "completion"), _render_completion, _completion_prompt),
         FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
     )
 }

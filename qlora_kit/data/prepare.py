@@ -10,8 +10,10 @@ naming the file, the row (1-based, in file order) and what is wrong.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import random
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,9 @@ from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
 from qlora_kit.data.packing import FlattenedRowsCollator, PackedRowCollator, best_fit_decreasing, pack_dataset
 from qlora_kit.recipe import DataSection, RecipeError
+from qlora_kit.recipe_data import SourceSection
 
+log = logging.getLogger(__name__)
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 __all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepare_datasets"]
@@ -35,7 +39,7 @@ __all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepa
 
 @dataclass
 class LengthReport:
-    """What the length policy did to one split."""
+    """What the length policy did to one split of one source, and what it trains."""
 
     source: str
     rows: int
@@ -43,13 +47,18 @@ class LengthReport:
     dropped: int = 0
     untrainable: int = 0  # rows left with no trained token (their response was cut off)
     lengths: list[int] = field(default_factory=list)  # token lengths before truncation
+    trained_tokens: int = 0  # in the rows kept
+    taken: int | None = None  # rows in the mixture (data.sources: sampled by weight or rows)
 
     def summary(self) -> str:
         kept = self.rows - self.dropped - self.untrainable
-        return (
+        text = (
             f"{self.source}: {kept} of {self.rows} rows kept; {self.truncated} truncated, "
             f"{self.dropped} dropped as too long, {self.untrainable} without a trained token"
         )
+        if self.taken is not None:
+            text += f"; {self.taken} rows in the mixture"
+        return text + f"; {self.trained_tokens:,} trained tokens"
 
 
 @dataclass
@@ -59,31 +68,103 @@ class PreparedData:
     reports: list[LengthReport]
     example_lengths: list[int]  # token counts of the training examples kept, before any packing
     val_rows: Dataset | None = None  # the validation rows as loaded, for prompts and references
+    val_format: str = "alpaca"  # the format of val_rows
+    checks: Dataset | None = None  # per-example facts of the training set, for the preflight
+    sources: int = 1  # the first `sources` reports are the training sources'
+
+    @property
+    def train_reports(self) -> list[LengthReport]:
+        return self.reports[: self.sources]
 
 
 ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a train/validation split
+# Columns the tokenizer writes besides input_ids and labels: facts the reports and the preflight read
+# without loading any example's tokens into memory (data bigger than RAM stays memory-mapped).
+FACTS = ("full_length", "trained_tokens", "trains_end", "double_bos", "digest", "prefix_ok")
 
 
 def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
-    """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer."""
-    train_source, val_source = _sources(data)
-    train_rows = _load_source(train_source, data)
-    val_rows = _load_source(val_source, data) if val_source is not None else None
-    if val_rows is None and data.val_fraction > 0 and len(train_rows) > 1:
-        numbered = train_rows.add_column(ROW, list(range(1, len(train_rows) + 1)))
-        parts = numbered.train_test_split(test_size=data.val_fraction, seed=seed)
-        train_rows, val_rows = parts["train"], parts["test"]
-    train, train_report = _tokenized(train_rows, data, tokenizer, train_source)
-    reports = [train_report]
-    val = None
-    if val_rows is not None:
-        val, val_report = _tokenized(val_rows, data, tokenizer, val_source or train_source)
-        reports.append(val_report)
-    lengths = [len(ids) for ids in train["input_ids"]]
+    """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer: each source
+    loaded and tokenized in its own format, then mixed (data.sources) and deduplicated (data.dedup)."""
+    parts, train_reports, val_reports, val_parts = [], [], [], []
+    val_rows, val_format = None, data.format
+    for source in data.source_list():
+        fmt = data.format_of(source)
+        train_source, own_val = _sources(source.path)
+        rows = _load_source(train_source, data, source)
+        split = None
+        if own_val is None and data.val_path is None and data.val_fraction > 0 and len(rows) > 1:
+            numbered = rows.add_column(ROW, list(range(1, len(rows) + 1)))
+            halves = numbered.train_test_split(test_size=data.val_fraction, seed=seed)
+            rows, split = halves["train"], halves["test"]
+        tokenized, report = _tokenized(rows, data, fmt, tokenizer, train_source)
+        parts.append(tokenized)
+        train_reports.append(report)
+        held_out = split if split is not None else (_load_source(own_val, data, source) if own_val else None)
+        if held_out is not None and data.val_path is None:
+            val, val_report = _tokenized(held_out, data, fmt, tokenizer, own_val or train_source)
+            val_parts.append(val)
+            val_reports.append(val_report)
+            if val_rows is None:
+                val_rows, val_format = held_out, fmt
+    if data.val_path is not None:
+        main = SourceSection(path=data.val_path, config_name=data.config_name, fields=data.fields)
+        val_rows = _load_source(data.val_path, data, main)
+        val, val_report = _tokenized(val_rows, data, data.format, tokenizer, data.val_path)
+        val_parts, val_format, val_reports = [val], data.format, [val_report]
+    train = _mix(parts, data, seed, train_reports)
+    val = _facts_removed(datasets.concatenate_datasets(val_parts)) if val_parts else None
+    lengths = list(train["length"])
+    checks = train.select_columns([*FACTS, "length"])
+    train = _facts_removed(train)
     if data.packing:
         train = pack_dataset(train, data.max_seq_len)
         val = pack_dataset(val, data.max_seq_len) if val is not None else None
-    return PreparedData(train, val, reports, lengths, val_rows)
+    reports = train_reports + val_reports
+    return PreparedData(train, val, reports, lengths, val_rows, val_format, checks, len(train_reports))
+
+
+def _mix(parts: list[Dataset], data: DataSection, seed: int, reports: list[LengthReport]) -> Dataset:
+    # reports: the sources' training reports, in order; each gets the rows it gave the mixture
+    """One training set from the sources' tokenized examples: a source with ``rows`` gives that many, the
+    weighted sources share their total row count by weight, the others give all of theirs; rows are
+    sampled seeded (repeated only when a source has fewer than asked). Then data.dedup."""
+    sources = data.source_list()
+    weighted = [i for i, s in enumerate(sources) if s.weight is not None]
+    pool = sum(len(parts[i]) for i in weighted)
+    total_weight = sum(sources[i].weight for i in weighted)
+    chosen = []
+    for number, (part, source, report) in enumerate(zip(parts, sources, reports, strict=True)):
+        wanted = len(part)
+        if source.rows is not None:
+            wanted = source.rows
+        elif source.weight is not None:
+            wanted = round(pool * source.weight / total_weight)
+        chosen.append(_sample(part, wanted, seed + number))
+        if data.sources:
+            report.taken = wanted
+    mixed = datasets.concatenate_datasets(chosen) if len(chosen) > 1 else chosen[0]
+    if data.dedup:
+        seen: set[str] = set()
+        keep = [i for i, d in enumerate(mixed["digest"]) if not (d in seen or seen.add(d))]
+        if len(keep) < len(mixed):
+            log.info("data.dedup: %d repeated examples left out of %d", len(mixed) - len(keep), len(mixed))
+            mixed = mixed.select(keep)
+    return mixed
+
+
+def _sample(part: Dataset, wanted: int, seed: int) -> Dataset:
+    if wanted == len(part):
+        return part
+    rng = random.Random(seed)
+    order: list[int] = []
+    while len(order) < wanted:  # without repeats while the source has rows to give
+        order += rng.sample(range(len(part)), min(wanted - len(order), len(part)))
+    return part.select(order)
+
+
+def _facts_removed(dataset: Dataset) -> Dataset:
+    return dataset.remove_columns([c for c in dataset.column_names if c not in ("input_ids", "labels")])
 
 
 def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed: int) -> dict[str, float]:
@@ -100,39 +181,63 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
     }
 
 
-def _sources(data: DataSection) -> tuple[str, str | None]:
-    if builtin.is_builtin(data.path):
-        train_file, val_file = builtin.demo_data_files(builtin.builtin_name(data.path))
+def _sources(path: str) -> tuple[str, str | None]:
+    """(the training file, validation data the source brings itself: builtin datasets do)."""
+    if builtin.is_builtin(path):
+        train_file, val_file = builtin.demo_data_files(builtin.builtin_name(path))
         return str(train_file), str(val_file)
-    return data.path, data.val_path
+    return path, None
 
 
-def _load_source(source: str, data: DataSection) -> Dataset:
+def _load_source(source: str, data: DataSection, section: SourceSection | None = None) -> Dataset:
+    """Rows of a file, a folder of files (shards), a save_to_disk folder or a hub dataset, with the
+    source's field names mapped to the format's. Files are converted once to datasets' memory-mapped
+    arrow cache, so data bigger than memory is never loaded whole."""
+    section = section or data.source_list()[0]
     path = Path(source).expanduser()
     try:
         with _quiet_datasets(progress=False):
             if path.is_dir():
-                rows = datasets.load_from_disk(str(path))
+                rows = _load_folder(path)
             elif path.suffix in LOADERS:
                 if not path.exists():
                     raise DataError(f"{path}: no such file")
                 rows = datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
             else:
                 named_by = "data.path" if source == data.path else "data.val_path"
+                if data.sources:
+                    named_by = f"data.sources[{data.sources.index(section)}].path"
                 with hub.hub_errors(named_by, source, None, kind="dataset"):
-                    rows = datasets.load_dataset(source, data.config_name, split="train")
+                    rows = datasets.load_dataset(source, section.config_name, split="train")
     except (DataError, RecipeError):
         raise
     except Exception as exc:  # datasets raises many types; the user needs the file, the row and the reason
         raise diagnose_load_failure(path, source, exc) from None
     if isinstance(rows, datasets.DatasetDict):
         raise DataError(f"{source}: holds several splits ({', '.join(rows)}); point at one split's folder")
-    return _rename_fields(rows, data, source)
+    return _rename_fields(rows, section.fields, source)
 
 
-def _rename_fields(rows: Dataset, data: DataSection, source: str) -> Dataset:
-    renames = {theirs: ours for ours, theirs in data.fields.items() if theirs != ours}
-    for ours, theirs in data.fields.items():
+def _load_folder(path: Path) -> Dataset:
+    """A save_to_disk folder, or a folder of .jsonl/.json/.csv/.parquet shards of one kind."""
+    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        return datasets.load_from_disk(str(path))
+    shards = sorted(p for p in path.rglob("*") if p.suffix in LOADERS and p.is_file())
+    kinds = {LOADERS[p.suffix] for p in shards}
+    if not shards:
+        raise DataError(
+            f"{path}: a folder with no data files (.jsonl, .json, .csv, .parquet) and no saved dataset"
+        )
+    if len(kinds) > 1:
+        raise DataError(
+            f"{path}: holds files of several kinds ({', '.join(sorted(kinds))}); use one kind per folder"
+        )
+    return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in shards], split="train")
+
+
+def _rename_fields(rows: Dataset, fields: dict[str, str], source: str) -> Dataset:
+    renames = {theirs: ours for ours, theirs in fields.items() if theirs != ours}
+    for ours, theirs in fields.items():
         if theirs not in rows.column_names:
             raise DataError(
                 f"{source}: row 1: missing field {theirs!r} (data.fields.{ours}; has {', '.join(rows.column_names)})"
@@ -156,32 +261,48 @@ def _quiet_datasets(progress: bool = True):
             datasets_logging.enable_progress_bar()
 
 
-def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tuple[Dataset, LengthReport]:
+def _tokenized(
+    rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str
+) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
-    spec = FORMATS[data.format]
+    spec = FORMATS[fmt]
     required = [n for n in spec.fields if n not in spec.optional]
     missing = [n for n in required if n not in rows.column_names]
     if missing:
         raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format {data.format!r} "
+            f"{source}: row 1: missing field {missing[0]!r} for format {fmt!r} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
         )
-    fmt, max_len, drop = data.format, data.max_seq_len, data.overlong == "drop"
-    system_mode = data.system_prompt_mode
+    max_len, drop = data.max_seq_len, data.overlong == "drop"
     train_on_inputs, add_bos = data.train_on_inputs, not spec.chat_template
+    ends = end_token_ids(tokenizer)
+    bos = tokenizer.bos_token_id
+    sampled = data.preflight.sample_rows if spec.chat_template else 0
 
     def tokenize(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
-            segments = formats.render(row, fmt, tokenizer, system_mode)
+            segments = formats.render(row, fmt, tokenizer, data)
+            prefix_ok = (
+                formats.prompts_render_as_trained(row, fmt, tokenizer, data) if index < sampled else None
+            )
         except formats.RowError as exc:
             raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
         example = formats.tokenize(segments, tokenizer, train_on_inputs, add_bos)
-        length = len(example["input_ids"])
-        if length > max_len:
+        ids = example["input_ids"]
+        full = len(ids)
+        facts = {
+            "full_length": full,
+            "double_bos": bos is not None and ids[:2] == [bos, bos],
+            "digest": hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).hexdigest(),
+            "prefix_ok": -1 if prefix_ok is None else int(prefix_ok),  # -1: not checked
+        }
+        if full > max_len:
             keep = 0 if drop else max_len
-            example = {key: ids[:keep] for key, ids in example.items()}
-        return {**example, "full_length": length}
+            example = {key: values[:keep] for key, values in example.items()}
+        trained = [t for t in example["labels"] if t != IGNORE_INDEX]
+        facts |= {"trained_tokens": len(trained), "trains_end": any(t in ends for t in trained)}
+        return {**example, **facts, "length": len(example["input_ids"])}
 
     try:
         with _quiet_datasets():
@@ -194,19 +315,33 @@ def _tokenized(rows: Dataset, data: DataSection, tokenizer, source: str) -> tupl
     report = LengthReport(source=source, rows=len(rows), lengths=lengths)
     report.truncated = 0 if drop else sum(n > max_len for n in lengths)
     report.dropped = sum(n > max_len for n in lengths) if drop else 0
-    trainable = [any(x != IGNORE_INDEX for x in labels) for labels in tokenized["labels"]]
+    trained_counts = tokenized["trained_tokens"]
     report.untrainable = sum(
-        1 for n, ok in zip(lengths, trainable, strict=True) if not ok and not (drop and n > max_len)
+        1
+        for n, count in zip(lengths, trained_counts, strict=True)
+        if not count and not (drop and n > max_len)
     )
-    if not any(trainable):
+    report.trained_tokens = sum(trained_counts)
+    if not report.trained_tokens:
         raise DataError(
             f"{source}: every row is over data.max_seq_len={max_len} tokens or has no trained token left "
             f"(longest {max(lengths)}, shortest {min(lengths)})"
         )
-    keep = [i for i, ok in enumerate(trainable) if ok]
+    keep = [i for i, count in enumerate(trained_counts) if count]
     if len(keep) < len(tokenized):
         tokenized = tokenized.select(keep)
-    return tokenized.remove_columns("full_length"), report
+    return tokenized, report
+
+
+def end_token_ids(tokenizer) -> set[int]:
+    """Token ids that end a response: EOS and the chat template's end-of-turn markers (chat.py)."""
+    from qlora_kit.data.chat import end_of_turn_markers, special_tokens
+
+    markers = end_of_turn_markers(tokenizer, special_tokens(tokenizer))
+    ids = {tokenizer.convert_tokens_to_ids(m) for m in markers}
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
 def build_collator(tokenizer, packing: bool, attn_implementation: str = "sdpa"):
@@ -247,7 +382,7 @@ def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count:
         return []
     examples = []
     for row in prepared.val_rows.select(range(min(count, len(prepared.val_rows)))):
-        segments = formats.render(row, data.format, tokenizer, data.system_prompt_mode)
+        segments = formats.render(row, prepared.val_format, tokenizer, data)
         answer = next((s.text for s in segments if s.trained), "")
         ids = tokenizer(answer, add_special_tokens=False)["input_ids"]
         reference = tokenizer.decode(ids, skip_special_tokens=True).strip()

@@ -1,5 +1,6 @@
 """What training will see: ``qlora-kit data RECIPE`` renders examples with the trained part marked,
-token-length percentiles, what the length policy does, and the padding share of each batching mode."""
+token-length percentiles, what the length policy does to each source, the padding share of each
+batching mode, and the preflight checks' results (preflight.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit.data import prepare
+from qlora_kit.data import preflight, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class DataView:
     reports: list[prepare.LengthReport]
     percentiles: dict[str, int]
     pad_share: dict[str, float]  # batching mode -> share of pad tokens
+    checks: list[preflight.Check]
 
 
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
@@ -32,11 +34,13 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     examples = [
         _runs(train[i]["input_ids"], train[i]["labels"], tokenizer) for i in range(min(count, len(train)))
     ]
-    lengths = prepared.reports[0].lengths
+    lengths = [n for report in prepared.train_reports for n in report.lengths]
     cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
     shares = prepare.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
-    return DataView(examples, prepared.reports, percentiles, shares)
+    collator = prepare.build_collator(tokenizer, packing=False)
+    checks = preflight.run_checks(prepared, recipe.data, tokenizer, collator)
+    return DataView(examples, prepared.reports, percentiles, shares, checks)
 
 
 def _runs(input_ids: list[int], labels: list[int], tokenizer) -> list[tuple[str, bool]]:

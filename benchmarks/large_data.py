@@ -1,0 +1,103 @@
+"""Data bigger than memory: peak RSS while qlora_kit prepares a generated JSONL file of a given size.
+
+A file of alpaca rows (about 4 KB each, random words) is written, then ``prepare.prepare_datasets`` runs
+in a fresh process with an empty datasets cache, as a run's data stage does: datasets converts the file
+to its memory-mapped arrow cache in blocks, tokenizing writes batches to the cache, packing reads and
+writes in chunks, and the reports and preflight read small per-example columns only. The child's peak
+resident memory is read from the kernel (``ru_maxrss``) and set against the file's size.
+
+    python benchmarks/large_data.py            # 1 GB (about 15 minutes on 2 cores)
+    python benchmarks/large_data.py --mb 64    # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import markdown_table, write_result
+
+WORDS = [f"w{i}" for i in range(5000)]
+CHILD = """
+import json, resource, sys, time
+from qlora_kit import Recipe, model
+from qlora_kit.data import prepare, preflight
+recipe = Recipe.from_dict({"data": {"path": sys.argv[1], "max_seq_len": 512}})
+tokenizer = model.load_tokenizer(recipe.model)
+start = time.perf_counter()
+prepared = prepare.prepare_datasets(recipe.data, tokenizer, seed=0)
+checks = preflight.run_checks(prepared, recipe.data, tokenizer, prepare.build_collator(tokenizer, True))
+print(json.dumps({
+    "seconds": time.perf_counter() - start,
+    "examples": len(prepared.example_lengths),
+    "packed_rows": len(prepared.train),
+    "checks_passed": all(c.passed for c in checks),
+}))
+"""
+
+
+def write_rows(path: Path, megabytes: int) -> int:
+    """Alpaca rows of random words until the file holds ``megabytes``; returns the row count."""
+    rng = random.Random(0)
+    target, written, rows = megabytes * 2**20, 0, 0
+    with path.open("w", encoding="utf-8") as handle:
+        while written < target:
+            words = rng.choices(WORDS, k=700)
+            row = {
+                "instruction": " ".join(words[:60]),
+                "input": " ".join(words[60:400]),
+                "output": " ".join(words[400:]),
+            }
+            line = json.dumps(row) + "\n"
+            handle.write(line)
+            written += len(line)
+            rows += 1
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=1024, help="size of the generated JSONL file")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="large-data-"))
+    path = work / "rows.jsonl"
+    rows = write_rows(path, args.mb)
+    env = {"HF_DATASETS_CACHE": str(work / "cache"), "QLORA_KIT_CACHE": str(work / "models")}
+    start = time.perf_counter()
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD, str(path)], capture_output=True, text=True, env={**os.environ, **env}
+    )
+    wall = time.perf_counter() - start
+    if child.returncode != 0:
+        sys.exit(child.stderr[-3000:])
+    result = json.loads(child.stdout.strip().splitlines()[-1])
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024  # KiB on Linux
+    cache = sum(p.stat().st_size for p in (work / "cache").rglob("*") if p.is_file())
+    size = path.stat().st_size
+    table = markdown_table(
+        ["JSONL file", "rows", "examples", "packed rows", "prepare s", "wall s", "peak RSS", "RSS / file", "arrow cache", "checks"],
+        [[
+            f"{size / 2**30:.2f} GiB", f"{rows:,}", f"{result['examples']:,}", f"{result['packed_rows']:,}",
+            f"{result['seconds']:.0f}", f"{wall:.0f}", f"{peak / 2**20:,.0f} MiB", f"{peak / size:.2f}",
+            f"{cache / 2**30:.2f} GiB", "pass" if result["checks_passed"] else "FAIL",
+        ]],
+    )  # fmt: skip
+    write_result(
+        "large-data-cpu",
+        "Preparing data bigger than memory (peak RSS)",
+        table,
+        notes="prepare s: loading, tokenizing (max_seq_len 512), packing and the preflight, in the child; "
+        "wall s adds its imports and tokenizer. Peak RSS is the child process's, the whole of it.",
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The data preflight: checks of the tokenized data that stop a run which would train on nothing, or
+teach the model never to stop, before any weight is loaded (``pipeline.build``); ``qlora-kit data``
+shows every result. Thresholds are ``data.preflight``'s. The silent failures peers' trackers are full of:
+
+- untrained examples: no token of an example is trained once it is cut to ``data.max_seq_len`` (its
+  response was cut away); such examples are left out, and above ``max_untrained_share`` the run stops;
+- the end token: an untruncated example must train the tokenizer's EOS or the template's end-of-turn
+  token, or the model never learns to stop (at least ``min_end_token_share`` of them);
+- a double BOS: an example starts with two BOS tokens (the template and the tokenizer both add one);
+- padding that hides the end token: with pad = EOS (or end of turn), a collator that masks pad tokens
+  masks the trained EOS too; a batch of real examples is collated and its trained end tokens counted;
+- the chat template's prefix: for a sample of chat rows, the prompt rendered for each assistant turn
+  (the conversation so far with the generation prompt, what inference feeds the model) must be the
+  start of the whole conversation's rendering, which is what training feeds it.
+
+Every check reads per-example facts written while tokenizing (``prepare.FACTS``), so it costs one pass
+over small columns, never over the tokens of data that may be bigger than memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from qlora_kit.data.errors import DataError
+from qlora_kit.data.formats import IGNORE_INDEX
+
+if TYPE_CHECKING:
+    from qlora_kit.data.prepare import PreparedData
+    from qlora_kit.recipe_data import DataSection
+
+COLLATED_EXAMPLES = 8  # examples collated for the padding check
+
+
+@dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str  # what was measured
+    fix: str = ""  # what to do about a failure
+
+    def line(self) -> str:
+        return f"data preflight: {self.name}: {self.detail}" + (f"; {self.fix}" if self.fix else "")
+
+
+def run_checks(prepared: PreparedData, data: DataSection, tokenizer, collator) -> list[Check]:
+    """Every check's result on the prepared training set (see the module docstring)."""
+    from qlora_kit.data.prepare import end_token_ids
+
+    limits, facts = data.preflight, prepared.checks
+    ends = end_token_ids(tokenizer)
+    rows = sum(r.rows - r.dropped for r in prepared.train_reports)
+    untrained = sum(r.untrainable for r in prepared.train_reports)
+    checks = [
+        Check(
+            "untrained examples",
+            untrained <= limits.max_untrained_share * rows,
+            f"{untrained} of {rows} examples keep no trained token after truncation to {data.max_seq_len} tokens",
+            "set data.overlong: drop, or raise data.max_seq_len (data.preflight.max_untrained_share allows some)",
+        )
+    ]
+    whole = [
+        end
+        for end, full in zip(facts["trains_end"], facts["full_length"], strict=True)
+        if full <= data.max_seq_len
+    ]
+    share = sum(whole) / len(whole) if whole else 1.0
+    names = ", ".join(sorted(tokenizer.convert_ids_to_tokens(sorted(ends)))) or "none"
+    checks.append(
+        Check(
+            "end token trained",
+            share >= limits.min_end_token_share,
+            f"{share:.1%} of {len(whole)} untruncated examples train an end token ({names})",
+            "the model would never learn to stop: make the response or the chat template's reply end with "
+            "the tokenizer's EOS or end-of-turn token",
+        )
+    )
+    doubled = sum(facts["double_bos"])
+    checks.append(
+        Check(
+            "single BOS",
+            doubled == 0,
+            f"{doubled} examples start with two BOS tokens ({tokenizer.bos_token})",
+            "the text already starts with BOS and the tokenizer adds another: remove it from the data "
+            "or the chat template",
+        )
+    )
+    checks.append(_padding_check(prepared, tokenizer, collator, ends))
+    checked = [ok for ok in facts["prefix_ok"] if ok >= 0]
+    mismatched = checked.count(0)
+    checks.append(
+        Check(
+            "chat template prefix",
+            mismatched == 0,
+            f"{mismatched} of {len(checked)} chat rows checked render a turn's prompt differently from the "
+            "same turn inside the whole conversation"
+            if checked
+            else "no chat rows",
+            "inference would see a context training never showed: fix the chat template (or data.system_prompt_mode)",
+        )
+    )
+    return checks
+
+
+def _padding_check(prepared: PreparedData, tokenizer, collator, ends: set[int]) -> Check:
+    name = "end token kept by padding"
+    pad = tokenizer.pad_token_id
+    if pad not in ends:
+        return Check(name, True, f"pad token {tokenizer.pad_token!r} is not an end token")
+    rows = [prepared.train[i] for i in range(min(COLLATED_EXAMPLES, len(prepared.train)))]
+    before = sum(1 for row in rows for t in row["labels"] if t in ends)
+    batch = collator([dict(row) for row in rows])
+    after = sum(1 for t in batch["labels"].flatten().tolist() if t != IGNORE_INDEX and t in ends)
+    return Check(
+        name,
+        after >= before,
+        f"pad = {tokenizer.pad_token!r}, an end token; {after} of {before} trained end tokens keep their "
+        "label after collating",
+        "the collator masks pad tokens and with them the trained EOS: give the tokenizer its own pad token",
+    )
+
+
+def enforce(checks: list[Check]) -> None:
+    """Stop with the first failed check's line (a DataError: one line, exit code 2)."""
+    failed = next((c for c in checks if not c.passed), None)
+    if failed is not None:
+        raise DataError(failed.line())

@@ -1,0 +1,145 @@
+"""The data preflight: each check failed by a constructed dataset or tokenizer, then cleared by the fix
+its line suggests; the CLI's `data` shows every check and stops like `train` does."""
+
+import copy
+import json
+import sys
+
+import pytest
+from transformers import DataCollatorForLanguageModeling
+
+from qlora_kit import Recipe, cli, model
+from qlora_kit.data import prepare
+from qlora_kit.data.errors import DataError
+from qlora_kit.data.preflight import enforce, run_checks
+
+from .chat_templates import FAMILIES
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return model.load_tokenizer(Recipe().model)
+
+
+def data_of(tmp_path, rows, **fields):
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return Recipe.from_dict({"data": {"path": str(path), "packing": False, **fields}}).data
+
+
+def results(data, tokenizer, collator=None) -> dict[str, bool]:
+    prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
+    collator = collator or prepare.build_collator(tokenizer, data.packing)
+    return {check.name: check.passed for check in run_checks(prepared, data, tokenizer, collator)}
+
+
+def with_template(tokenizer, family):
+    template, tokens, _, _ = FAMILIES[family]
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+ROWS = [{"instruction": f"Question {i}?", "input": "", "output": f"answer {i}"} for i in range(6)]
+
+
+def test_the_demo_data_passes_every_check(tokenizer):
+    data = Recipe.from_yaml("recipes/demo.yaml").data
+    assert all(results(data, tokenizer).values())
+
+
+def test_examples_whose_response_is_cut_away_fail_until_overlong_drop(tokenizer, tmp_path):
+    long = {"instruction": "word " * 80, "input": "", "output": "yes"}
+    data = data_of(tmp_path, [*ROWS, long], max_seq_len=48)
+    assert results(data, tokenizer)["untrained examples"] is False
+    assert results(data.model_copy(update={"overlong": "drop"}), tokenizer)["untrained examples"]
+    allowing = data.model_copy(
+        update={"preflight": data.preflight.model_copy(update={"max_untrained_share": 0.2})}
+    )
+    assert results(allowing, tokenizer)["untrained examples"]
+
+
+def test_a_template_that_never_trains_an_end_token_fails(tokenizer, tmp_path):
+    chats = [
+        {"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": f"hello {i}"}]}
+        for i in range(4)
+    ]
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    data = data_of(tmp_path, chats, format="chat")
+    assert results(data, plain)["end token trained"] is False
+    plain.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n{% endfor %}"
+    assert results(data, plain)["end token trained"]
+
+
+def test_a_text_that_brings_its_own_bos_fails_until_it_is_removed(tokenizer, tmp_path):
+    rows = [{"prompt": f"{tokenizer.bos_token}Say {i}:", "completion": f" {i}"} for i in range(4)]
+    assert results(data_of(tmp_path, rows, format="completion"), tokenizer)["single BOS"] is False
+    rows = [{"prompt": f"Say {i}:", "completion": f" {i}"} for i in range(4)]
+    assert results(data_of(tmp_path, rows, format="completion"), tokenizer)["single BOS"]
+
+
+def test_a_collator_that_masks_pad_hides_the_eos_when_pad_is_eos(tokenizer, tmp_path):
+    data = data_of(tmp_path, ROWS)
+    masking = copy.deepcopy(tokenizer)
+    masking.pad_token = masking.eos_token
+    hides = DataCollatorForLanguageModeling(masking, mlm=False)  # labels = input_ids, pad -> -100
+    assert results(data, masking, hides)["end token kept by padding"] is False
+    # qlora_kit's own collator keeps the labels it was given, pad = EOS or not
+    assert results(data, masking)["end token kept by padding"]
+    # the suggested fix: a pad token of its own
+    assert results(data, tokenizer, DataCollatorForLanguageModeling(tokenizer, mlm=False))[
+        "end token kept by padding"
+    ]
+
+
+def test_a_template_that_moves_the_system_prompt_fails_the_prefix_check_until_it_is_merged(
+    tokenizer, tmp_path
+):
+    mistral = with_template(tokenizer, "mistral-v0.3")
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "Bye?"},
+        {"role": "assistant", "content": "bye"},
+    ]
+    data = data_of(tmp_path, [{"messages": chat}] * 2, format="chat")
+    assert results(data, mistral)["chat template prefix"] is False
+    merged = data.model_copy(update={"system_prompt_mode": "merge_into_first_user"})
+    assert results(merged, mistral)["chat template prefix"]
+    assert results(data, with_template(tokenizer, "qwen2.5"))["chat template prefix"]
+
+
+def test_a_failed_check_is_one_line_naming_it_and_its_fix(tokenizer, tmp_path):
+    long = {"instruction": "word " * 80, "input": "", "output": "yes"}
+    data = data_of(tmp_path, [*ROWS, long], max_seq_len=48)
+    prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
+    with pytest.raises(
+        DataError, match=r"^data preflight: untrained examples: 1 of 7 examples .*; set data\.overlong: drop"
+    ):
+        enforce(run_checks(prepared, data, tokenizer, prepare.build_collator(tokenizer, False)))
+
+
+def test_qlora_kit_data_shows_the_checks_and_stops_like_train(tmp_path, monkeypatch, capsys):
+    long = {"instruction": "word " * 80, "input": "", "output": "yes"}
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in [*ROWS, long]))
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"data:\n  path: {path}\n  max_seq_len: 48\ntrain:\n  output_dir: {tmp_path / 'out'}\n")
+
+    def qlora_kit(*args):
+        monkeypatch.setattr(sys, "argv", ["qlora-kit", *args])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        return exit_info.value.code, capsys.readouterr()
+
+    code, shown = qlora_kit("data", str(recipe))
+    assert code == 2 and "preflight" in shown.out and "FAIL" in shown.out
+    assert shown.err.strip().splitlines() == [shown.err.strip()] and "untrained examples" in shown.err
+    code, _ = qlora_kit("data", str(recipe), "--set", "data.overlong=drop")
+    assert code == 0
+    code, shown = qlora_kit("train", str(recipe))
+    assert code == 2 and "data preflight: untrained examples" in shown.err and "Traceback" not in shown.err
+    assert not (tmp_path / "out").exists(), "stopped before anything was written"

@@ -1,0 +1,133 @@
+"""Where rows come from: weighted mixtures of sources in different formats, fixed row counts,
+deduplication, per-source reports, and a folder of parquet shards."""
+
+import json
+
+import datasets
+import pytest
+
+from qlora_kit import Recipe, RecipeError, model
+from qlora_kit.data import prepare
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return model.load_tokenizer(Recipe().model)
+
+
+def jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def alpaca_rows(word: str, count: int) -> list[dict]:
+    return [{"instruction": f"Say {word} {i}.", "input": "", "output": f"{word} {i}"} for i in range(count)]
+
+
+def completion_rows(word: str, count: int) -> list[dict]:
+    return [{"prompt": f"Say {word} {i}:", "completion": f" {word} {i}"} for i in range(count)]
+
+
+def counts(prepared, tokenizer, words) -> dict[str, int]:
+    texts = [tokenizer.decode(ids) for ids in prepared.train["input_ids"]]
+    return {word: sum(f"Say {word} " in text for text in texts) for word in words}
+
+
+def test_weights_split_the_weighted_rows_and_rows_take_exactly_that_many(tokenizer, tmp_path):
+    data = Recipe.from_dict(
+        {
+            "data": {
+                "packing": False,
+                "sources": [
+                    {"path": jsonl(tmp_path / "a.jsonl", alpaca_rows("alpha", 120)), "weight": 3},
+                    {
+                        "path": jsonl(tmp_path / "b.jsonl", completion_rows("beta", 90)),
+                        "format": "completion",
+                        "weight": 1,
+                    },
+                    {"path": jsonl(tmp_path / "c.jsonl", alpaca_rows("gamma", 10)), "rows": 25},
+                ],
+            }
+        }
+    ).data
+    prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
+    # 210 weighted rows shared 3:1; the fixed source repeats its 10 rows to give 25
+    assert counts(prepared, tokenizer, ["alpha", "beta", "gamma"]) == {"alpha": 158, "beta": 52, "gamma": 25}
+    assert [r.taken for r in prepared.train_reports] == [158, 52, 25]
+    assert all(r.trained_tokens > 0 for r in prepared.train_reports)
+    assert "158 rows in the mixture" in prepared.train_reports[0].summary()
+    # seeded: the same mixture again, another seed another sample
+    again = prepare.prepare_datasets(data, tokenizer, seed=0)
+    assert again.train["input_ids"] == prepared.train["input_ids"]
+    other = prepare.prepare_datasets(data, tokenizer, seed=1)
+    assert sorted(map(tuple, other.train["input_ids"])) != sorted(map(tuple, prepared.train["input_ids"]))
+
+
+def test_dedup_leaves_out_repeated_examples_across_sources(tokenizer, tmp_path):
+    rows = alpaca_rows("alpha", 10)
+    sources = [
+        {"path": jsonl(tmp_path / "a.jsonl", rows)},
+        {"path": jsonl(tmp_path / "b.jsonl", rows[:4] * 2)},
+    ]
+    mixed = {"packing": False, "sources": sources}
+    assert len(prepare.prepare_datasets(Recipe.from_dict({"data": mixed}).data, tokenizer, 0).train) == 18
+    deduped = Recipe.from_dict({"data": {**mixed, "dedup": True}}).data
+    assert len(prepare.prepare_datasets(deduped, tokenizer, 0).train) == 10
+
+
+@pytest.mark.slow
+def test_a_mixture_trains_end_to_end_with_the_gpu_path(tmp_path):
+    from tests.conftest import quick_recipe
+
+    sources = [
+        {"path": jsonl(tmp_path / "a.jsonl", alpaca_rows("alpha", 24)), "weight": 1},
+        {
+            "path": jsonl(tmp_path / "b.jsonl", completion_rows("beta", 24)),
+            "format": "completion",
+            "weight": 1,
+        },
+    ]
+    recipe = quick_recipe(
+        tmp_path / "out", **{"train.max_steps": 2, "train.mixed_precision": "bf16", "data.val_fraction": 0.1}
+    )
+    values = recipe.resolved_values()
+    values["data"].pop("path")
+    values["data"]["sources"] = sources
+    from qlora_kit import train
+
+    result = train(Recipe.from_dict(values))
+    assert len(result.train_losses) == 2 and (result.output_dir / "adapter_model.safetensors").exists()
+
+
+def test_a_folder_of_parquet_shards_loads_as_one_dataset(tokenizer, tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        datasets.Dataset.from_list(alpaca_rows(f"s{i}", 5)).to_parquet(shards / f"part-{i}.parquet")
+    data = Recipe.from_dict({"data": {"path": str(shards), "packing": False}}).data
+    assert len(prepare.prepare_datasets(data, tokenizer, seed=0).train) == 15
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"path": "a.jsonl", "sources": [{"path": "b.jsonl"}]}, r"^data\.sources: give either data\.path"),
+        (
+            {"sources": [{"path": "b.jsonl", "weight": 1, "rows": 2}]},
+            r"^data\.sources\[0\]\.weight: give a weight",
+        ),
+        (
+            {"sources": [{"path": "b.jsonl", "fields": {"answer": "x"}}]},
+            r"^data\.sources\[0\]\.fields: 'answer'",
+        ),
+        ({"sources": [{"path": "b.jsonl", "weight": 0}]}, r"^data\.sources\.0\.weight: must be > 0"),
+        ({"roles": {"bot": "assistant"}}, r"^data\.roles: only applies to format sharegpt"),
+        (
+            {"format": "text", "system_prompt": "Be brief."},
+            r"^data\.system_prompt: format text has no prompt",
+        ),
+    ],
+)
+def test_impossible_source_settings_are_one_line_naming_the_field(values, message):
+    with pytest.raises(RecipeError, match=message):
+        Recipe.from_dict({"data": values})
