@@ -150,7 +150,9 @@ def test_generation_markers_and_the_rendered_text_must_agree(demo_tokenizer):
 def test_system_prompt_mode_only_applies_to_chat():
     from qlora_kit.recipe import RecipeError
 
-    with pytest.raises(RecipeError, match=r"^data\.system_prompt_mode: only applies to format chat"):
+    with pytest.raises(
+        RecipeError, match=r"^data\.system_prompt_mode: only applies to formats chat and sharegpt"
+    ):
         Recipe.from_dict({"data": {"system_prompt_mode": "drop"}})
 
 

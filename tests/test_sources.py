@@ -88,7 +88,13 @@ def test_a_mixture_trains_end_to_end_with_the_gpu_path(tmp_path):
         },
     ]
     recipe = quick_recipe(
-        tmp_path / "out", **{"train.max_steps": 2, "train.mixed_precision": "bf16", "data.val_fraction": 0.1}
+        tmp_path / "out",
+        **{
+            "train.max_steps": 2,
+            "train.logging_steps": 1,
+            "train.mixed_precision": "bf16",
+            "data.val_fraction": 0.1,
+        },
     )
     values = recipe.resolved_values()
     values["data"].pop("path")

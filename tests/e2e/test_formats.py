@@ -26,6 +26,7 @@ def run(tmp_path, model_path, rows, fmt):
             "train": {
                 "output_dir": str(tmp_path / f"out-{fmt}"),
                 "max_steps": 3,
+                "logging_steps": 1,
                 "micro_batch_size": 4,
                 "mixed_precision": "bf16",
                 "sample_prompts": 0,
