@@ -9,6 +9,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One thread per worker, and per process a test starts: torch's OpenMP threads spin while they wait,
+    # so workers sharing the cores with several threads each slow each other down many times over.
+    os.environ["OMP_NUM_THREADS"] = "1"
 # Before datasets is imported anywhere: its cache folder is read once, at import.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-kit-datasets-"))
 DEMO = ROOT / "recipes" / "demo.yaml"
