@@ -29,7 +29,15 @@ from qlora_kit.data.formats import IGNORE_INDEX
 if TYPE_CHECKING:
     from datasets import Dataset
 
-CHUNK = 8192  # examples packed together; bounds memory and keeps datasets' map cache useful
+# Tokens handled as Python lists at once (~36 bytes a token per list): packing takes examples in chunks
+# of this many tokens at most (best fit within a chunk), and tokenizing flushes to the arrow cache as
+# often, so data bigger than memory is never held whole (benchmarks/results/large-data-cpu.md).
+TOKENS_PER_BATCH = 2**19
+
+
+def examples_per_batch(max_seq_len: int) -> int:
+    """How many examples of up to ``max_seq_len`` tokens make a batch of ``TOKENS_PER_BATCH``."""
+    return max(64, TOKENS_PER_BATCH // max_seq_len)
 
 
 def pack_dataset(dataset: Dataset, capacity: int) -> Dataset:
@@ -49,8 +57,14 @@ def pack_dataset(dataset: Dataset, capacity: int) -> Dataset:
             packed["position_ids"].append(positions)
         return packed
 
+    rows = examples_per_batch(capacity)
     return dataset.map(
-        pack, batched=True, batch_size=CHUNK, remove_columns=dataset.column_names, desc="packing"
+        pack,
+        batched=True,
+        batch_size=rows,
+        writer_batch_size=rows,
+        remove_columns=dataset.column_names,
+        desc="packing",
     )
 
 

@@ -27,7 +27,13 @@ from qlora_kit import attention, builtin, hub
 from qlora_kit.data import formats
 from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
-from qlora_kit.data.packing import FlattenedRowsCollator, PackedRowCollator, best_fit_decreasing, pack_dataset
+from qlora_kit.data.packing import (
+    FlattenedRowsCollator,
+    PackedRowCollator,
+    best_fit_decreasing,
+    examples_per_batch,
+    pack_dataset,
+)
 from qlora_kit.recipe import DataSection, RecipeError
 from qlora_kit.recipe_data import SourceSection
 
@@ -307,7 +313,11 @@ def _tokenized(
     try:
         with _quiet_datasets():
             tokenized = rows.map(
-                tokenize, with_indices=True, remove_columns=rows.column_names, desc="tokenizing"
+                tokenize,
+                with_indices=True,
+                remove_columns=rows.column_names,
+                writer_batch_size=examples_per_batch(max_len),
+                desc="tokenizing",
             )
     except UnicodeDecodeError as exc:  # arrow defers decoding a JSON file's strings until a row is read
         raise diagnose_load_failure(Path(source), source, exc) from None
