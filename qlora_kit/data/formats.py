@@ -172,6 +172,20 @@ class FormatSpec:
     chat_template: bool = False  # rendered by the tokenizer's chat template, which adds its own BOS
 
 
+def _chat_format(name: str, conversation: str) -> FormatSpec:
+    """A conversation (``messages``, or ShareGPT's ``conversations``) with optional ``tools``, rendered by
+    the tokenizer's chat template."""
+    return FormatSpec(
+        name,
+        (conversation, "tools"),
+        _render_chat,
+        _chat_prompt,
+        optional=frozenset({"tools"}),
+        multi_turn=True,
+        chat_template=True,
+    )
+
+
 FORMATS: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
@@ -182,24 +196,8 @@ FORMATS: dict[str, FormatSpec] = {
             _alpaca_prompt,
             optional=frozenset({"input"}),
         ),
-        FormatSpec(
-            "chat",
-            ("messages", "tools"),
-            _render_chat,
-            _chat_prompt,
-            optional=frozenset({"tools"}),
-            multi_turn=True,
-            chat_template=True,
-        ),
-        FormatSpec(
-            "sharegpt",
-            ("conversations", "tools"),
-            _render_chat,
-            _chat_prompt,
-            optional=frozenset({"tools"}),
-            multi_turn=True,
-            chat_template=True,
-        ),
+        _chat_format("chat", "messages"),
+        _chat_format("sharegpt", "conversations"),
         FormatSpec("completion", ("prompt", "completion"), _render_completion, _completion_prompt),
         FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
     )

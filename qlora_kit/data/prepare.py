@@ -131,10 +131,10 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
 
 
 def _mix(parts: list[Dataset], data: DataSection, seed: int, reports: list[LengthReport]) -> Dataset:
-    # reports: the sources' training reports, in order; each gets the rows it gave the mixture
     """One training set from the sources' tokenized examples: a source with ``rows`` gives that many, the
     weighted sources share their total row count by weight, the others give all of theirs; rows are
-    sampled seeded (repeated only when a source has fewer than asked). Then data.dedup."""
+    sampled seeded (repeated only when a source has fewer than asked). Then data.dedup. ``reports``:
+    the sources' training reports, in order; each is told how many rows its source gave."""
     sources = data.source_list()
     weighted = [i for i, s in enumerate(sources) if s.weight is not None]
     pool = sum(len(parts[i]) for i in weighted)
@@ -210,9 +210,7 @@ def _load_source(source: str, data: DataSection, section: SourceSection | None =
                     raise DataError(f"{path}: no such file")
                 rows = datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
             else:
-                named_by = "data.path" if source == data.path else "data.val_path"
-                if data.sources:
-                    named_by = f"data.sources[{data.sources.index(section)}].path"
+                named_by = _field_naming(source, data, section)
                 with hub.hub_errors(named_by, source, None, kind="dataset"):
                     rows = datasets.load_dataset(source, section.config_name, split="train")
     except (DataError, RecipeError):
@@ -222,6 +220,15 @@ def _load_source(source: str, data: DataSection, section: SourceSection | None =
     if isinstance(rows, datasets.DatasetDict):
         raise DataError(f"{source}: holds several splits ({', '.join(rows)}); point at one split's folder")
     return _rename_fields(rows, section.fields, source)
+
+
+def _field_naming(source: str, data: DataSection, section: SourceSection) -> str:
+    """The recipe field a source comes from, for its error lines."""
+    if source == data.val_path:
+        return "data.val_path"
+    if section in data.sources:
+        return f"data.sources[{data.sources.index(section)}].path"
+    return "data.path"
 
 
 def _load_folder(path: Path) -> Dataset:
