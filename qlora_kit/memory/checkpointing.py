@@ -10,6 +10,7 @@ layers. ``checkpointing: auto`` asks the planner for the policy with the least r
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +33,8 @@ def resolve_checkpointing(recipe: Recipe) -> MemorySection:
     if memory.checkpointing != "auto":
         return memory
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    the_plan = plan(recipe, device=device)
+    # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
+    the_plan = plan(recipe, device=device, processes=int(os.environ.get("WORLD_SIZE", "1")))
     if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
         smallest = min(the_plan.policies, key=lambda p: p.peak)
         raise RecipeError(
