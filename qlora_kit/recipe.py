@@ -154,6 +154,8 @@ class TrainSection(Section):
     """Autocast of the forward pass: auto (on a GPU: bf16, or fp16 for compute_dtype float16; no on a CPU), bf16, fp16 (GPU only, with a gradient scaler) or no."""
     compile: bool = False
     """torch.compile the model (the Trainer's torch_compile, inductor): faster steps after a one-off compile of tens of seconds."""
+    peak_tflops: float | None = Field(None, gt=0)
+    """Peak dense TFLOPS of one device, for the MFU in metrics.jsonl (common GPUs are known; a CPU has none)."""
 
 
 class Recipe(Section):

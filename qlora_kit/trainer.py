@@ -13,7 +13,8 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
 4. ``on_pre_optimizer_step`` — the guard reads its flags once: a non-finite loss or gradient stops the
    run here, before the optimizer applies it; dead LoRA gradients stop it too (guards.py);
 5. the optimizer step (with a GradScaler under fp16, which skips overflow steps itself), the scheduler;
-6. logging (``MemoryMonitor`` adds its figures to the logs ``MetricsLog`` and tensorboard write);
+6. logging (``MemoryMonitor`` and ``Throughput`` add their figures to the logs ``MetricsLog`` and
+   tensorboard write);
 7. a checkpoint when due: ``_save_checkpoint`` stages it and renames it into place.
 
 Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
@@ -42,6 +43,7 @@ from qlora_kit.memory.loss_head import chunked_lm_loss, supports_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.outputs import move_into_place, staging_dir
 from qlora_kit.precision import resolve_mixed_precision
+from qlora_kit.throughput import Throughput, peak_tflops
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -127,6 +129,7 @@ class GuardedTrainer(Trainer):
         *args,
         memory_monitor: MemoryMonitor,
         metrics_log: MetricsLog,
+        throughput: Throughput,
         guard: TrainingGuard | None = None,
         chunk_tokens: int | None = None,
         **kwargs,
@@ -134,6 +137,7 @@ class GuardedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         self.memory_monitor = memory_monitor
         self.metrics_log = metrics_log
+        self.throughput = throughput
         self.guard = guard
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
@@ -145,6 +149,7 @@ class GuardedTrainer(Trainer):
         counter = SavedTensors(model)
         self.memory_monitor.phase_started()
         self.memory_monitor.count_tokens(inputs)
+        self.throughput.count(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
@@ -234,6 +239,7 @@ def build_trainer(
     guard = TrainingGuard(peft_model) if guards else None
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
+    throughput = Throughput(peft_model, peak_tflops(recipe.train.peak_tflops))
     # Its writer (and folder) is created at the start of training, on the main process only.
     tensorboard = TensorBoardCallback()
     tensorboard.logging_dir = str(output_dir / "tensorboard")
@@ -249,7 +255,8 @@ def build_trainer(
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[
-            monitor,  # first: it adds the memory figures to the logs the next two write
+            monitor,  # first, with the next: they add their figures to the logs the others write
+            throughput,
             metrics_log,
             *([guard] if guard is not None else []),
             tensorboard,
@@ -257,6 +264,7 @@ def build_trainer(
         ],
         memory_monitor=monitor,
         metrics_log=metrics_log,
+        throughput=throughput,
         guard=guard,
         chunk_tokens=recipe.memory.loss_chunk_tokens if chunked else None,
     )

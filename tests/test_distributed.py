@@ -104,3 +104,13 @@ def test_the_guard_finds_lora_parameters_again_after_a_wrapper_renames_them():
     assert set(guard.lora) == names
     wrapped = {n.replace("_checkpoint_wrapped_module.", ""): p for n, p in model.named_parameters()}
     assert all(guard.lora[n] is wrapped[n] for n in names)
+
+
+def test_cpu_ram_efficient_loading_is_said_to_save_nothing_with_4_bit(tmp_path, caplog):
+    settings = fsdp_settings_of(config_with(tmp_path, fsdp_cpu_ram_efficient_loading=True))
+    with caplog.at_level("WARNING", logger="qlora_kit.distributed"):
+        check_fsdp_launch(Recipe.from_yaml(FSDP_RECIPE), settings)
+    assert "fsdp_cpu_ram_efficient_loading saves nothing with a 4-bit model" in caplog.text
+    caplog.clear()
+    check_fsdp_launch(Recipe.from_yaml(FSDP_RECIPE), fsdp_settings_of(SHIPPED))
+    assert "cpu_ram_efficient_loading" not in caplog.text

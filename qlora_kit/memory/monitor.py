@@ -103,8 +103,9 @@ class MemoryMonitor(TrainerCallback):
 
 
 class MetricsLog(TrainerCallback):
-    """One JSON object per log event in metrics.jsonl: step, loss, eval_loss, lr, grad_norm, epoch and
-    the memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks)."""
+    """One JSON object per log event in metrics.jsonl: step, loss, eval_loss, lr, grad_norm, epoch, the
+    memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks) and the throughput
+    (tokens_per_s, trained_tokens, mfu: throughput.py)."""
 
     KEYS: ClassVar[dict[str, str]] = {
         "loss": "loss",
@@ -132,6 +133,8 @@ class MetricsLog(TrainerCallback):
         for key, value in logs.items():
             if key.startswith("memory/") and not key.startswith("memory/saved_mib_layer_"):
                 row[key.removeprefix("memory/")] = round(float(value), 4)
+            elif key.startswith("throughput/"):
+                row[key.removeprefix("throughput/")] = round(float(value), 6)
         if layers:
             row["saved_mib_layers"] = [round(float(v), 4) for v in layers]
         self.rows.append(row)

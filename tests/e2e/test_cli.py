@@ -90,6 +90,16 @@ def test_data_command_shows_marked_examples_lengths_and_padding():
     assert "p50" in result.stdout and "p99" in result.stdout
     assert "168 of 168 rows kept" in result.stdout
     assert "padding 29.7%" in result.stdout and "packing 10.6%" in result.stdout
+    # the preflight: every check shown with its result (the demo passes them all)
+    checks = [
+        "untrained examples",
+        "end token trained",
+        "single BOS",
+        "end token kept by padding",
+        "chat template prefix",
+    ]
+    lines = {line for line in result.stdout.splitlines() if any(c in line for c in checks)}
+    assert all(any(c in line and "pass" in line for line in lines) for c in checks), result.stdout[-2500:]
 
 
 def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
