@@ -65,11 +65,13 @@ def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
 
 
 def data_hashes(recipe: Recipe) -> dict[str, str]:
-    """sha256 of each local data file (every file of a saved-dataset folder); hub names as given."""
-    if builtin.is_builtin(recipe.data.path):
-        sources = [str(p) for p in builtin.demo_data_files(builtin.builtin_name(recipe.data.path))]
-    else:
-        sources = [recipe.data.path] + ([recipe.data.val_path] if recipe.data.val_path else [])
+    """sha256 of each local data file of every source (every file of a folder); hub names as given."""
+    sources = [recipe.data.val_path] if recipe.data.val_path else []
+    for source in recipe.data.source_list():
+        if builtin.is_builtin(source.path):
+            sources += [str(p) for p in builtin.demo_data_files(builtin.builtin_name(source.path))]
+        else:
+            sources.append(source.path)
     hashes = {}
     for source in sources:
         path = Path(source).expanduser()

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
-from transformers import set_seed
+from transformers import TrainerState, set_seed
 
 from qlora_kit import adapters, attention, builtin, hub, model, run_log
 from qlora_kit.after.generate import complete
@@ -205,8 +205,16 @@ def run(
             trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
             _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
             if ranks.is_main:
-                steps = trainer.state.global_step
-                write_manifest(output_dir, manifest | {"finished_at": utc_now(), "steps": steps})
+                ended = {"finished_at": utc_now(), "steps": trainer.state.global_step, **_best(trainer)}
+                write_manifest(output_dir, manifest | ended)
+                if "best" in ended:
+                    best = ended["best"]
+                    log.info(
+                        "train.keep_best: the final adapter is step %d's (%s %.4g)",
+                        best["step"],
+                        best["metric"],
+                        best["value"],
+                    )
             ranks.barrier()
         except BaseException:
             if aside is not None:
@@ -280,9 +288,16 @@ def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, 
     stopper.install()
     try:
         if checkpoint is not None and finished_training(checkpoint, trainer.args.max_steps):
-            set_peft_model_state_dict(peft_model, load_file(checkpoint / "adapter_model.safetensors"))
-            trainer.state.global_step = checkpoint_step(checkpoint)
+            # killed while saving the final output: the checkpoint's state says which adapter is final
+            trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+            best = trainer.state.best_model_checkpoint if trainer.args.load_best_model_at_end else None
+            final = Path(best) if best and Path(best).is_dir() else checkpoint
+            set_peft_model_state_dict(peft_model, load_file(final / "adapter_model.safetensors"))
         else:
+            if checkpoint is not None:
+                # The baseline evaluation belongs to step 0: at the resumed step it would log that step's
+                # evaluation a second time, and count as "no improvement" for early stopping.
+                trainer.args.eval_on_start = False
             trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
     finally:
         stopper.restore()
@@ -303,6 +318,14 @@ def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, 
         tokenizer.save_pretrained(staged)
         move_into_place(staged, output_dir, last=FINISHED_MARKER)
         clear_staging(output_dir)  # a finished run leaves no empty .staging/ behind
+
+
+def _best(trainer) -> dict[str, Any]:
+    """The manifest's record of train.keep_best: which evaluation's adapter is the final one."""
+    if not trainer.args.load_best_model_at_end or trainer.state.best_global_step is None:
+        return {}
+    metric, value = trainer.args.metric_for_best_model, trainer.state.best_metric
+    return {"best": {"metric": metric, "value": value, "step": trainer.state.best_global_step}}
 
 
 def _output_bytes(peft_model, recipe: Recipe) -> int:

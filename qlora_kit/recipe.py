@@ -154,6 +154,10 @@ class TrainSection(Section):
     """Autocast of the forward pass: auto (on a GPU: bf16, or fp16 for compute_dtype float16; no on a CPU), bf16, fp16 (GPU only, with a gradient scaler) or no."""
     compile: bool = False
     """torch.compile the model (the Trainer's torch_compile, inductor): faster steps after a one-off compile of tens of seconds."""
+    keep_best: str | None = None
+    """Keep the adapter of the best evaluation as the final output: eval_loss, or another metric evaluation logs (lower is better for names ending in loss)."""
+    early_stopping_patience: int | None = Field(None, gt=0)
+    """Stop after this many evaluations without improvement of train.keep_best (eval_loss when unset)."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak dense TFLOPS of one device, for the MFU in metrics.jsonl (common GPUs are known; a CPU has none)."""
 
@@ -175,6 +179,7 @@ class Recipe(Section):
             raise ValueError(
                 "train.eval_steps: needs validation data (set data.val_path or data.val_fraction)"
             )
+        self._check_best_and_stopping()
         if self.train.fsdp and self.quant.bits == 4 and self.quant.quant_storage != self.quant.compute_dtype:
             raise ValueError(
                 f"quant.quant_storage: must equal quant.compute_dtype ({self.quant.compute_dtype}) with train.fsdp "
@@ -203,6 +208,23 @@ class Recipe(Section):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
         self._check_attention_kernel()
         return self
+
+    def _check_best_and_stopping(self) -> None:
+        train = self.train
+        field = "train.keep_best" if train.keep_best else "train.early_stopping_patience"
+        if (train.keep_best or train.early_stopping_patience) and train.eval_steps is None:
+            raise ValueError(f"{field}: needs train.eval_steps (the evaluations it compares)")
+        if train.keep_best is None:
+            return
+        if not train.save_steps or train.save_steps % train.eval_steps:
+            raise ValueError(
+                f"train.save_steps: must be a multiple of train.eval_steps ({train.eval_steps}) with "
+                f"train.keep_best, so that every evaluation that may be the best has its checkpoint (got {train.save_steps})"
+            )
+        if train.fsdp:
+            raise ValueError(
+                "train.keep_best: not with train.fsdp yet (loading the best sharded checkpoint is untested)"
+            )
 
     def _check_attention_kernel(self) -> None:
         kernel = attention.kernel(self.model.attn_implementation)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
 from transformers.integrations import TensorBoardCallback
 from transformers.training_args import ParallelMode
 
@@ -92,6 +92,10 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precisi
         # already stops a run at a non-finite loss, before anything is logged (guards.py).
         logging_nan_inf_filter=False,
         label_names=["labels"],  # peft's wrapper hides the signature the Trainer infers this from
+        # train.keep_best: the Trainer tracks the best evaluation and loads its checkpoint at the end
+        # (early stopping compares the same metric); lower is better for a name ending in "loss"
+        load_best_model_at_end=train.keep_best is not None,
+        metric_for_best_model=train.keep_best or ("eval_loss" if train.early_stopping_patience else None),
         report_to="none",  # tensorboard is attached below with a fixed folder
         dataloader_pin_memory=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
@@ -183,6 +187,7 @@ class GuardedTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             staged, self._staging = self._staging, None
+        self._record_best_where_it_will_be(staged, output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             for checkpoint in staged.glob("checkpoint-*"):
@@ -203,6 +208,22 @@ class GuardedTrainer(Trainer):
             )
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
+
+    def _record_best_where_it_will_be(self, staged: Path, output_dir: Path) -> None:
+        # The Trainer records the best checkpoint as the folder it has just written, here under .staging/:
+        # record where it is moved to, in the state and in the checkpoint's trainer_state.json (a resume
+        # reads it from there, and would drop a path that no longer exists).
+        best = self.state.best_global_step
+        if not best or self.state.best_model_checkpoint is None:
+            return
+        final = output_dir / f"checkpoint-{best}"
+        if Path(self.state.best_model_checkpoint) == final:
+            return
+        self.state.best_model_checkpoint = str(final)
+        if self.args.should_save:
+            self.state.save_to_json(
+                str(staged / f"checkpoint-{self.state.global_step}" / "trainer_state.json")
+            )
 
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
@@ -244,6 +265,8 @@ def build_trainer(
     tensorboard = TensorBoardCallback()
     tensorboard.logging_dir = str(output_dir / "tensorboard")
     chunked = recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model())
+    patience = recipe.train.early_stopping_patience
+    stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
     return GuardedTrainer(
         model=peft_model,
         args=args,
@@ -260,6 +283,7 @@ def build_trainer(
             metrics_log,
             *([guard] if guard is not None else []),
             tensorboard,
+            *stopping,
             *(callbacks or []),
         ],
         memory_monitor=monitor,

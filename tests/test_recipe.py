@@ -139,3 +139,24 @@ def test_the_saved_recipe_loads_back_as_the_same_recipe(values):
     recipe = Recipe.from_dict(values)
     assert Recipe.from_dict(yaml.safe_load(recipe.to_yaml())) == recipe
     assert recipe.with_overrides({"train.max_steps": 3}).train.max_steps == 3
+
+
+@pytest.mark.parametrize(
+    ("train", "message"),
+    [
+        ({"keep_best": "eval_loss"}, r"^train\.keep_best: needs train\.eval_steps"),
+        ({"early_stopping_patience": 3}, r"^train\.early_stopping_patience: needs train\.eval_steps"),
+        (
+            {"keep_best": "eval_loss", "eval_steps": 4, "save_steps": 6},
+            r"^train\.save_steps: must be a multiple of train\.eval_steps \(4\)",
+        ),
+        ({"keep_best": "eval_loss", "eval_steps": 4}, r"^train\.save_steps: must be a multiple"),
+    ],
+)
+def test_keep_best_and_early_stopping_need_evaluations_with_checkpoints(train, message):
+    with pytest.raises(RecipeError, match=message):
+        Recipe.from_dict({"train": train})
+    ok = Recipe.from_dict(
+        {"train": {"keep_best": "eval_loss", "eval_steps": 4, "save_steps": 8, "early_stopping_patience": 2}}
+    )
+    assert ok.train.keep_best == "eval_loss"

@@ -1,0 +1,81 @@
+"""train.keep_best and train.early_stopping_patience, uninterrupted and through a SIGKILL and --resume.
+
+The validation set pairs the demo's questions with wrong answers: its loss falls while the model learns
+the format and rises once it learns the right answers, so the best evaluation is not the last one.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit import builtin
+
+pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def recipe_file(folder: Path) -> Path:
+    train_file, val_file = builtin.demo_data_files("demo-facts")
+    rows = [json.loads(line) for line in Path(val_file).read_text().splitlines()]
+    wrong = [dict(row, output=rows[(i + 7) % len(rows)]["output"]) for i, row in enumerate(rows)]
+    (folder / "wrong.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wrong))
+    recipe = folder / "recipe.yaml"
+    recipe.write_text(
+        f"data:\n  path: {train_file}\n  val_path: {folder / 'wrong.jsonl'}\n  max_seq_len: 64\n"
+        "lora:\n  dropout: 0.0\noptimizer:\n  lr: 1.0e-3\n"
+        "train:\n  max_steps: 60\n  micro_batch_size: 16\n  eval_steps: 4\n  save_steps: 4\n  logging_steps: 4\n"
+        "  keep_best: eval_loss\n  early_stopping_patience: 2\n"
+    )
+    return recipe
+
+
+def evaluations(out: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [row["step"] for row in rows if "eval_loss" in row]
+    assert len(steps) == len(set(steps)), f"an evaluation logged twice: {steps}"
+    return {row["step"]: row["eval_loss"] for row in rows if "eval_loss" in row}
+
+
+def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tmp_path):
+    recipe = recipe_file(tmp_path)
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    run = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(whole)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    evals = evaluations(whole)
+    best_step = min(evals, key=evals.get)
+    manifest = json.loads((whole / "manifest.json").read_text())
+    assert manifest["best"] == {"metric": "eval_loss", "value": evals[best_step], "step": best_step}
+    # stopped two evaluations after the best, long before max_steps
+    assert max(evals) == manifest["steps"] == best_step + 2 * 4 < 60
+    final = load_file(whole / "adapter_model.safetensors")
+    best = load_file(whole / f"checkpoint-{best_step}" / "adapter_model.safetensors")
+    last = load_file(whole / f"checkpoint-{manifest['steps']}" / "adapter_model.safetensors")
+    assert all(torch.equal(final[k], best[k]) for k in final)
+    assert not all(torch.equal(final[k], last[k]) for k in final)
+    assert f"the final adapter is step {best_step}'s" in run.stderr
+
+    # killed between the best evaluation and the stop, resumed: the same stop, the same adapter
+    kill_at = best_step + 2
+    driver = [sys.executable, str(ROOT / "tests" / "e2e" / "fault_driver.py"), str(recipe), str(killed)]
+    assert (
+        subprocess.run([*driver, f"step:{kill_at}"], cwd=ROOT, capture_output=True, timeout=600).returncode
+        != 0
+    )
+    resumed = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(killed), "--resume"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert json.loads((killed / "manifest.json").read_text())["best"] == manifest["best"]
+    again = load_file(killed / "adapter_model.safetensors")
+    assert all(torch.equal(again[k], final[k]) for k in final)
+    assert evaluations(killed) == evals
