@@ -85,12 +85,22 @@ def train(
     resume_from: Annotated[
         Path | None, typer.Option("--resume-from", help="Continue from this checkpoint folder.")
     ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only warnings, errors and the final summary.")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Debug lines of qlora_kit and transformers' info.")
+    ] = False,
 ) -> None:
     """Fine-tune: load the 4-bit base, attach LoRA, train on the Trainer, save the adapter."""
+    from rich.console import Console
+
     from qlora_kit.pipeline import run
 
-    _configure_logging()
-    result = run(load_recipe(recipe, set_, output_dir), overwrite=overwrite, resume=resume_from or resume)
+    _configure_logging(-1 if quiet else 1 if verbose else 0)
+    progress = Console(stderr=True, quiet=True) if quiet else errors
+    recipe_ = load_recipe(recipe, set_, output_dir)
+    result = run(recipe_, overwrite=overwrite, resume=resume_from or resume, console=progress)
     if result.main_process:
         views.show_run(console, result)
 
@@ -328,13 +338,18 @@ def doctor(
         raise typer.Exit(1)
 
 
-def _configure_logging() -> None:
+def _configure_logging(verbosity: int = 0) -> None:
+    """``verbosity`` -1 (--quiet): warnings and errors; 0: qlora_kit's INFO lines; 1 (-v): its DEBUG
+    lines and transformers' INFO. Where stderr is not a terminal, the libraries' progress bars (their
+    carriage returns) are off: a log file gets whole lines only."""
     import warnings
 
     from rich.logging import RichHandler
 
     # peft still calls a transformers method that transformers 5 renamed; nothing for a user to act on.
     warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+    if not errors.is_terminal or verbosity < 0:
+        _progress_bars_off()
 
     if errors.is_terminal:
         handler: logging.Handler = RichHandler(console=errors, show_path=False, show_time=False, markup=False)
@@ -345,7 +360,20 @@ def _configure_logging() -> None:
     logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
     # Under accelerate/torchrun only the main process reports; the others stay quiet unless they fail.
     main_process = os.environ.get("RANK", "0") == "0"
-    logging.getLogger("qlora_kit").setLevel(logging.INFO if main_process else logging.WARNING)
+    level = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}[verbosity]
+    logging.getLogger("qlora_kit").setLevel(level if main_process else logging.WARNING)
+    if verbosity > 0:
+        logging.getLogger("transformers").setLevel(logging.INFO)
+
+
+def _progress_bars_off() -> None:
+    import datasets
+    import huggingface_hub
+    import transformers
+
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
+    huggingface_hub.utils.disable_progress_bars()
 
 
 def main() -> None:

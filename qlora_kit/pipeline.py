@@ -52,10 +52,12 @@ from qlora_kit.paths import (
 )
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
+from qlora_kit.run_console import replace_trainer_output
 from qlora_kit.trainer import GuardedTrainer, build_trainer
 
 if TYPE_CHECKING:
     from peft import PeftModel
+    from rich.console import Console
     from transformers import PreTrainedTokenizerBase
 
     from qlora_kit.recipe import Recipe
@@ -87,6 +89,7 @@ class TrainResult:
     samples: list[dict[str, str]] = field(default_factory=list)
     memory: dict[str, Any] = field(default_factory=dict)  # the run's largest saved bytes, CUDA peaks
     main_process: bool = True  # False on the other ranks of a multi-process run (they print nothing)
+    steps: int = 0  # optimizer steps the run has taken (a resumed run: counted from the start)
 
     @property
     def eval_losses(self) -> list[float]:
@@ -162,13 +165,16 @@ def run(
     resume: bool | str | Path = False,
     callbacks: list | None = None,
     guards: bool = True,
+    console: Console | None = None,
 ) -> TrainResult:
     """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``.
 
     ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
-    checkpoint. ``callbacks`` and ``guards`` as for ``build``.
+    checkpoint. ``callbacks`` and ``guards`` as for ``build``. ``console``: show progress there
+    (run_console.py) instead of the Trainer's progress bars and printed log dicts.
     """
     check_runnable(recipe)
+    log.debug("the resolved recipe:\n%s", recipe.to_yaml())
     ranks = Ranks()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
@@ -180,6 +186,8 @@ def run(
         stopper = StopOnSignal()
         setup = build(recipe, output_dir, [stopper, *(callbacks or [])], guards)
         peft_model, tokenizer, trainer = setup.model, setup.tokenizer, setup.trainer
+        if console is not None:
+            replace_trainer_output(trainer, console)
         if ranks.is_main:
             run_log.log_setup(peft_model, setup.checkpointed_layers, setup.data, recipe)
             run_log.log_optimizer_state(peft_model, recipe)
@@ -238,6 +246,7 @@ def run(
         samples=samples,
         memory=usage,
         main_process=ranks.is_main,
+        steps=trainer.state.global_step,
     )
 
 

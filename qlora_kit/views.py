@@ -23,11 +23,13 @@ if TYPE_CHECKING:
 
 
 def show_run(console: Console, result: TrainResult) -> None:
-    losses = result.eval_losses
-    if len(losses) >= 2:
-        console.print(
-            f"eval loss: {losses[0]:.4f} -> {losses[-1]:.4f} ({losses[-1] / losses[0]:.1%} of the first)"
-        )
+    """The run's summary table, the sample answers before and after, and where it all went."""
+    table = Table(title="run summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for name, value in summary_rows(result):
+        table.add_row(name, value)
+    console.print(table)
     if result.samples:
         table = Table(title="Answers before and after fine-tuning")
         for column in ("prompt", "reference", "before", "after"):
@@ -38,6 +40,32 @@ def show_run(console: Console, result: TrainResult) -> None:
             )
         console.print(table)
     console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
+
+
+def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
+    """(what, value) rows: steps, time, tokens/s, losses, eval losses, peak memory, the output folder."""
+    usage, rows = result.memory, []
+    rows.append(("steps", str(result.steps)))
+    if "train_seconds" in usage:
+        rows.append(
+            ("training time", f"{usage['train_seconds']:.1f} s ({usage['tokens_per_s']:,.0f} tokens/s)")
+        )
+    losses, evals = result.train_losses, result.eval_losses
+    if losses:
+        rows.append(("loss, first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
+    if evals:
+        rows.append(
+            ("eval loss, first -> best -> last", f"{evals[0]:.4f} -> {min(evals):.4f} -> {evals[-1]:.4f}")
+        )
+    peaks = [
+        usage[key] for key in ("peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib") if key in usage
+    ]
+    if peaks:
+        rows.append(("peak GPU memory (allocated)", f"{max(peaks):.2f} GiB"))
+    elif "saved_mib" in usage:
+        rows.append(("most saved for backward", f"{usage['saved_mib']:.1f} MiB"))
+    rows.append(("written to", str(result.output_dir)))
+    return rows
 
 
 def _question(prompt: str) -> str:

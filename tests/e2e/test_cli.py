@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,15 @@ def test_demo_learns_and_shows_answers_before_and_after(demo_run):
     assert "Paged optimizers are not supported" not in result.stderr
     assert "kernels-community" not in result.stderr
     assert f"run manifest: {out / 'manifest.json'}" in " ".join(result.stderr.split())
+    # Not a terminal (as in CI or a log file): whole lines, no carriage returns or escape codes, no raw
+    # log dicts; progress as plain lines, then the summary table.
+    for stream in (result.stdout, result.stderr):
+        assert "\r" not in stream and "\x1b" not in stream
+        assert "{'loss'" not in stream and "{'eval_loss'" not in stream and "{'train_runtime'" not in stream
+    assert re.search(
+        r"^step 200/200 .*  loss [0-9.]+  lr .*tok/s .*left 0:00:00$", result.stderr, re.MULTILINE
+    )
+    assert "eval loss, first -> best -> last" in result.stdout and "run summary" in result.stdout
 
 
 def test_validate_prints_resolved_values_with_overrides():
@@ -167,3 +177,22 @@ def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path):
     resumed = qlora_kit("train", str(DEMO), *args, "--set", "train.sample_prompts=0", "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {out / 'checkpoint-4'}" in " ".join(resumed.stderr.split())
+
+
+def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path):
+    short = [
+        "--set",
+        "train.max_steps=4",
+        "--set",
+        "train.logging_steps=2",
+        "--set",
+        "train.sample_prompts=0",
+    ]
+    short += ["--set", "train.eval_steps=null"]
+    quiet = qlora_kit("train", str(DEMO), "--quiet", *short, "--output-dir", str(tmp_path / "quiet"))
+    assert quiet.returncode == 0, quiet.stderr
+    assert "INFO" not in quiet.stderr and "step 4/4" not in quiet.stderr
+    assert "run summary" in quiet.stdout
+    verbose = qlora_kit("train", str(DEMO), "-v", *short, "--output-dir", str(tmp_path / "verbose"))
+    assert verbose.returncode == 0, verbose.stderr
+    assert "DEBUG" in verbose.stderr and "step 4/4" in verbose.stderr
