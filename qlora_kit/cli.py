@@ -236,7 +236,7 @@ def generate(
     _configure_logging()
     from qlora_kit import adapters
     from qlora_kit.after.generate import Sampling, complete, wrap_prompt
-    from qlora_kit.data.prepare import read_prompts
+    from qlora_kit.data.sources import read_prompts
 
     prompts = list(prompt or []) + (read_prompts(str(file)) if file is not None else [])
     if not prompts:

@@ -53,11 +53,18 @@ class Ranks:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (so all ranks stop at the same step)."""
+    return bool(over_ranks(torch.tensor([1 if flag else 0]), dist.ReduceOp.MAX).item())
+
+
+def over_ranks(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """``values`` reduced element-wise over all ranks (``op``: SUM or MAX), on the device the backend
+    needs (NCCL: this process's GPU); ``values`` themselves in a single process."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1 if flag else 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
-    dist.all_reduce(value, op=dist.ReduceOp.MAX)
-    return bool(value.item())
+        return values
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    reduced = values.to(device)
+    dist.all_reduce(reduced, op=op)
+    return reduced
 
 
 def launched_with_fsdp() -> bool:

@@ -29,6 +29,8 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 from transformers.trainer_utils import get_last_checkpoint
 
+from qlora_kit.distributed import over_ranks
+
 if TYPE_CHECKING:
     from collections.abc import Iterable
 
@@ -104,7 +106,7 @@ class TrainingGuard(TrainerCallback):
         # A NaN loss on one rank is NaN gradients on all after DDP's all-reduce; under fp16 the others
         # would take that for an overflow step and wait for the stopped rank forever. Under FSDP each
         # rank holds a shard of each gradient: the flags of all shards together.
-        values = _any_rank(read).tolist()
+        values = over_ranks(read, dist.ReduceOp.MAX).tolist()
         return (loss_bad is not None and bool(values[0])), (bool(grads) and bool(values[-1]))
 
     def _check_dead(self, step: int) -> None:
@@ -139,14 +141,7 @@ def _stack_any(tensors: Iterable[torch.Tensor]) -> list[bool]:
     """Whether each tensor has a non-zero element; of a sharded (FSDP) tensor, in any rank's shard."""
     flags = [_local(t).detach().ne(0).any() for t in tensors]
     read = torch.stack([f.to(flags[0].device) for f in flags]).to(torch.uint8)
-    return [bool(v) for v in _any_rank(read).tolist()]
-
-
-def _any_rank(flags: torch.Tensor) -> torch.Tensor:
-    """Element-wise maximum of ``flags`` (uint8) over all ranks; the flags themselves in one process."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-    return flags
+    return [bool(v) for v in over_ranks(read, dist.ReduceOp.MAX).tolist()]
 
 
 def _lora_parameters(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:

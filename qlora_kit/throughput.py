@@ -24,6 +24,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.distributed import over_ranks
 
 # Dense bf16 tensor-core peaks (fp16 on V100 and T4), TFLOPS per device, from the vendors' data sheets;
 # the first name found in torch.cuda.get_device_name() wins.
@@ -106,13 +107,8 @@ class Throughput(TrainerCallback):
             return
         seconds = max(time.perf_counter() - self.started, 1e-9)
         trained = int(self.trained.item()) if self.trained is not None else 0  # the log's one host read
-        totals = torch.tensor([self.positions, self.flops, trained], dtype=torch.float64)
-        processes = 1
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            on_gpu = dist.get_backend() == "nccl"
-            totals = totals.to(f"cuda:{torch.cuda.current_device()}") if on_gpu else totals
-            dist.all_reduce(totals)
-            processes = dist.get_world_size()
+        totals = over_ranks(torch.tensor([self.positions, self.flops, trained], dtype=torch.float64))
+        processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         positions, flops, trained_now = totals.tolist()
         self.trained_so_far += int(trained_now)
         logs["throughput/tokens_per_s"] = positions / seconds

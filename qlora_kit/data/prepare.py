@@ -1,15 +1,14 @@
-"""Data stage: load rows through ``datasets``, tokenize them with masked labels, apply the length
-policy, split, and build the collator (padding, or packing without padding).
+"""Data stage: each source's rows (sources.py) tokenized with masked labels in its own format, the
+length policy, the split, the mixture of sources, and the collator (padding, or packing without padding).
 
-Sources: .jsonl/.json/.csv/.parquet files, a ``Dataset.save_to_disk`` folder, a hub dataset name, or
-``builtin:demo-facts``. Tokenization runs through ``Dataset.map``, whose fingerprinted cache lets a
-second run of the same recipe skip it. Any problem with the user's data is one ``DataError`` line
-naming the file, the row (1-based, in file order) and what is wrong.
+Tokenization runs through ``Dataset.map``, whose fingerprinted cache lets a second run of the same
+recipe skip it; it also writes small per-example facts the reports and the preflight read (``FACTS``).
+Any problem with the user's data is one ``DataError`` line naming the file, the row (1-based, in file
+order) and what is wrong.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import random
@@ -20,11 +19,10 @@ from typing import Any
 
 import datasets
 from datasets import Dataset
-from datasets.utils import logging as datasets_logging
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit import attention, builtin, hub
-from qlora_kit.data import formats
+from qlora_kit import attention
+from qlora_kit.data import formats, sources
 from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
 from qlora_kit.data.packing import (
@@ -34,11 +32,10 @@ from qlora_kit.data.packing import (
     examples_per_batch,
     pack_dataset,
 )
-from qlora_kit.recipe import DataSection, RecipeError
+from qlora_kit.recipe import DataSection
 from qlora_kit.recipe_data import SourceSection
 
 log = logging.getLogger(__name__)
-LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 
 __all__ = ["DataError", "LengthReport", "PreparedData", "build_collator", "prepare_datasets"]
 
@@ -96,8 +93,8 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
     val_rows, val_format = None, data.format
     for source in data.source_list():
         fmt = data.format_of(source)
-        train_source, own_val = _sources(source.path)
-        rows = _load_source(train_source, data, source)
+        train_source, own_val = sources.split_of(source.path)
+        rows = sources.load_rows(train_source, data, source)
         split = None
         if own_val is None and data.val_path is None and data.val_fraction > 0 and len(rows) > 1:
             numbered = rows.add_column(ROW, list(range(1, len(rows) + 1)))
@@ -106,7 +103,9 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
         tokenized, report = _tokenized(rows, data, fmt, tokenizer, train_source)
         parts.append(tokenized)
         train_reports.append(report)
-        held_out = split if split is not None else (_load_source(own_val, data, source) if own_val else None)
+        held_out = (
+            split if split is not None else (sources.load_rows(own_val, data, source) if own_val else None)
+        )
         if held_out is not None and data.val_path is None:
             val, val_report = _tokenized(held_out, data, fmt, tokenizer, own_val or train_source)
             val_parts.append(val)
@@ -115,7 +114,7 @@ def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
                 val_rows, val_format = held_out, fmt
     if data.val_path is not None:
         main = SourceSection(path=data.val_path, config_name=data.config_name, fields=data.fields)
-        val_rows = _load_source(data.val_path, data, main)
+        val_rows = sources.load_rows(data.val_path, data, main)
         val, val_report = _tokenized(val_rows, data, data.format, tokenizer, data.val_path)
         val_parts, val_format, val_reports = [val], data.format, [val_report]
     train = _mix(parts, data, seed, train_reports)
@@ -187,93 +186,6 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
     }
 
 
-def _sources(path: str) -> tuple[str, str | None]:
-    """(the training file, validation data the source brings itself: builtin datasets do)."""
-    if builtin.is_builtin(path):
-        train_file, val_file = builtin.demo_data_files(builtin.builtin_name(path))
-        return str(train_file), str(val_file)
-    return path, None
-
-
-def _load_source(source: str, data: DataSection, section: SourceSection | None = None) -> Dataset:
-    """Rows of a file, a folder of files (shards), a save_to_disk folder or a hub dataset, with the
-    source's field names mapped to the format's. Files are converted once to datasets' memory-mapped
-    arrow cache, so data bigger than memory is never loaded whole."""
-    section = section or data.source_list()[0]
-    path = Path(source).expanduser()
-    try:
-        with _quiet_datasets(progress=False):
-            if path.is_dir():
-                rows = _load_folder(path)
-            elif path.suffix in LOADERS:
-                if not path.exists():
-                    raise DataError(f"{path}: no such file")
-                rows = datasets.load_dataset(LOADERS[path.suffix], data_files=str(path), split="train")
-            else:
-                named_by = _field_naming(source, data, section)
-                with hub.hub_errors(named_by, source, None, kind="dataset"):
-                    rows = datasets.load_dataset(source, section.config_name, split="train")
-    except (DataError, RecipeError):
-        raise
-    except Exception as exc:  # datasets raises many types; the user needs the file, the row and the reason
-        raise diagnose_load_failure(path, source, exc) from None
-    if isinstance(rows, datasets.DatasetDict):
-        raise DataError(f"{source}: holds several splits ({', '.join(rows)}); point at one split's folder")
-    return _rename_fields(rows, section.fields, source)
-
-
-def _field_naming(source: str, data: DataSection, section: SourceSection) -> str:
-    """The recipe field a source comes from, for its error lines."""
-    if source == data.val_path:
-        return "data.val_path"
-    if section in data.sources:
-        return f"data.sources[{data.sources.index(section)}].path"
-    return "data.path"
-
-
-def _load_folder(path: Path) -> Dataset:
-    """A save_to_disk folder, or a folder of .jsonl/.json/.csv/.parquet shards of one kind."""
-    if (path / "dataset_info.json").exists() or (path / "state.json").exists():
-        return datasets.load_from_disk(str(path))
-    shards = sorted(p for p in path.rglob("*") if p.suffix in LOADERS and p.is_file())
-    kinds = {LOADERS[p.suffix] for p in shards}
-    if not shards:
-        raise DataError(
-            f"{path}: a folder with no data files (.jsonl, .json, .csv, .parquet) and no saved dataset"
-        )
-    if len(kinds) > 1:
-        raise DataError(
-            f"{path}: holds files of several kinds ({', '.join(sorted(kinds))}); use one kind per folder"
-        )
-    return datasets.load_dataset(kinds.pop(), data_files=[str(p) for p in shards], split="train")
-
-
-def _rename_fields(rows: Dataset, fields: dict[str, str], source: str) -> Dataset:
-    renames = {theirs: ours for ours, theirs in fields.items() if theirs != ours}
-    for ours, theirs in fields.items():
-        if theirs not in rows.column_names:
-            raise DataError(
-                f"{source}: row 1: missing field {theirs!r} (data.fields.{ours}; has {', '.join(rows.column_names)})"
-            )
-    return rows.rename_columns(renames) if renames else rows
-
-
-@contextlib.contextmanager
-def _quiet_datasets(progress: bool = True):
-    # datasets logs its own multi-line error before raising; ours is the one line the user sees.
-    logger = logging.getLogger("datasets")
-    level, bars = logger.level, datasets_logging.is_progress_bar_enabled()
-    logger.setLevel(logging.CRITICAL)
-    if not progress:
-        datasets_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-        if bars:
-            datasets_logging.enable_progress_bar()
-
-
 def _tokenized(
     rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str
 ) -> tuple[Dataset, LengthReport]:
@@ -318,7 +230,7 @@ def _tokenized(
         return {**example, **facts, "length": len(example["input_ids"])}
 
     try:
-        with _quiet_datasets():
+        with sources.quiet_datasets():
             tokenized = rows.map(
                 tokenize,
                 with_indices=True,
@@ -405,17 +317,3 @@ def prompt_examples(prepared: PreparedData, data: DataSection, tokenizer, count:
         reference = tokenizer.decode(ids, skip_special_tokens=True).strip()
         examples.append(PromptExample(formats.prompt_text(segments), reference))
     return examples
-
-
-def read_prompts(path: str) -> list[str]:
-    """The ``prompt`` of every row of a prompts file (``qlora-kit generate --file``), read like any data."""
-    rows = _load_source(path, DataSection(path=path))
-    if "prompt" not in rows.column_names:
-        raise DataError(f"{path}: row 1: missing field 'prompt' (has {', '.join(rows.column_names)})")
-    prompts = list(rows["prompt"])
-    for number, prompt in enumerate(prompts, start=1):
-        if not isinstance(prompt, str):
-            raise DataError(
-                f"{path}: row {number}: field 'prompt' must be text (got {type(prompt).__name__})"
-            )
-    return prompts
