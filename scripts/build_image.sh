@@ -61,8 +61,10 @@ ctr=$(buildah "${store[@]}" from "$IMAGE")
 buildah "${store[@]}" run --isolation chroot "$ctr" -- qlora-kit train recipes/demo.yaml --output-dir /tmp/demo \
   > "$work/demo.txt" 2>&1 || { tail -30 "$work/demo.txt"; exit 1; }
 buildah "${store[@]}" rm "$ctr" >/dev/null
-grep -E "^eval loss:" "$work/demo.txt"
-grep -q "adapter written to /tmp/demo" "$work/demo.txt"
+# the summary table's row and the last line (tests/e2e/test_cli.py checks the demo prints both)
+for line in "eval loss, first -> best -> last" "adapter written to /tmp/demo"; do
+  grep -F "$line" "$work/demo.txt" || { tail -30 "$work/demo.txt"; echo "the demo printed no '$line'" >&2; exit 1; }
+done
 
 echo "== build 2, from scratch"
 build

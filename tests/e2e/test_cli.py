@@ -48,6 +48,12 @@ def test_demo_learns_and_shows_answers_before_and_after(demo_run):
         r"^step 200/200 .*  loss [0-9.]+  lr .*tok/s .*left 0:00:00$", result.stderr, re.MULTILINE
     )
     assert "eval loss, first -> best -> last" in result.stdout and "run summary" in result.stdout
+    # scripts/build_image.sh checks the demo inside the image by these lines of its output
+    script = (ROOT / "scripts" / "build_image.sh").read_text()
+    image_checks = re.findall(r'"([^"$/]+)[^"$]*"', re.search(r"for line in (.*); do", script).group(1))
+    assert len(image_checks) == 2, image_checks
+    for line in image_checks:
+        assert line in result.stdout, line
 
 
 def test_validate_prints_resolved_values_with_overrides():
