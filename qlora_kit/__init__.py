@@ -10,6 +10,7 @@ package and ``qlora-kit --help`` stay fast.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit.recipe import Recipe, RecipeError
@@ -17,7 +18,7 @@ from qlora_kit.recipe import Recipe, RecipeError
 if TYPE_CHECKING:
     from qlora_kit.pipeline import TrainResult
 
-__all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "generate", "merge", "train"]
+__all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "generate", "merge", "show", "train"]
 __version__ = "0.1.0"
 # The pipeline module is named pipeline, not train: a submodule named train would replace this
 # package's train() function as an attribute the moment it is imported.
@@ -61,6 +62,15 @@ def merge(adapter_dir: str, out_dir: str, **kwargs: Any):
     from qlora_kit.after.merge import merge_adapter
 
     return merge_adapter(adapter_dir, out_dir, **kwargs)
+
+
+def show(run_dir: str | Path, plot: bool = True) -> Path | None:
+    """Print a run's summary from its folder and write its loss.png; see ``qlora_kit.run_record.show``."""
+    from rich.console import Console
+
+    from qlora_kit.run_record import show as show_run
+
+    return show_run(run_dir, Console(), plot=plot)
 
 
 def __getattr__(name: str) -> Any:

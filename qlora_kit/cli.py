@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -17,6 +15,7 @@ import typer
 from rich.console import Console
 
 from qlora_kit import views
+from qlora_kit.cli_logging import configure_logging
 from qlora_kit.recipe import Recipe, RecipeError
 
 app = typer.Typer(
@@ -97,7 +96,7 @@ def train(
 
     from qlora_kit.pipeline import run
 
-    _configure_logging(-1 if quiet else 1 if verbose else 0)
+    configure_logging(errors, -1 if quiet else 1 if verbose else 0)
     progress = Console(stderr=True, quiet=True) if quiet else errors
     recipe_ = load_recipe(recipe, set_, output_dir)
     result = run(recipe_, overwrite=overwrite, resume=resume_from or resume, console=progress)
@@ -135,7 +134,7 @@ def show_data(
     examples: Annotated[int, typer.Option(help="How many rendered examples to show.")] = 3,
 ) -> None:
     """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit.data.preflight import enforce
     from qlora_kit.data.report import inspect_data
     from qlora_kit.model import load_tokenizer
@@ -197,7 +196,7 @@ def eval_command(
     ] = None,
 ) -> None:
     """Loss, perplexity and exact-match accuracy on the validation set, as a table and as JSON."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit.after.evaluate import evaluate
 
     if recipe is None and (adapter is None or no_adapter):
@@ -233,7 +232,7 @@ def generate(
     top_p: TopPOpt = 1.0,
 ) -> None:
     """Answer prompts with the trained adapter, streaming tokens as they come."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit import adapters
     from qlora_kit.after.generate import Sampling, complete, wrap_prompt
     from qlora_kit.data.sources import read_prompts
@@ -263,7 +262,7 @@ def chat(
     top_p: TopPOpt = 1.0,
 ) -> None:
     """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit import adapters
     from qlora_kit.after.generate import Sampling, complete, wrap_prompt
     from qlora_kit.data.formats import FORMATS
@@ -301,7 +300,7 @@ def merge(
     min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement accepted.")] = 0.98,
 ) -> None:
     """Merge the adapter into its base and export a standalone model, checked for drift."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit.after.merge import MergeDriftError, merge_adapter
 
     if base not in ("dequantized", "original"):
@@ -321,6 +320,20 @@ def merge(
 
 @app.command()
 @user_errors
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="A run's output folder (train.output_dir).")],
+    plot: Annotated[
+        bool, typer.Option(help="Write loss.png (losses and learning rate against the step) into it.")
+    ] = True,
+) -> None:
+    """A run at a glance: what its recipe changed, losses, evaluations, speed, memory, versions; loss.png."""
+    from qlora_kit.run_record import show as show_run
+
+    show_run(run_dir, console, plot=plot)
+
+
+@app.command()
+@user_errors
 def doctor(
     recipe: Annotated[
         Path | None, typer.Argument(help="Also plan this recipe against the device's free memory.")
@@ -328,7 +341,7 @@ def doctor(
     set_: SetOpt = None,
 ) -> None:
     """Prove this machine: versions, device, a short real training run on it, reload, merge; exit 1 on a failure."""
-    _configure_logging()
+    configure_logging(errors)
     from qlora_kit.doctor import diagnose
 
     resolved = load_recipe(recipe, set_) if recipe is not None else None
@@ -336,44 +349,6 @@ def doctor(
     views.show_doctor(console, checks)
     if not all(check.ok for check in checks):
         raise typer.Exit(1)
-
-
-def _configure_logging(verbosity: int = 0) -> None:
-    """``verbosity`` -1 (--quiet): warnings and errors; 0: qlora_kit's INFO lines; 1 (-v): its DEBUG
-    lines and transformers' INFO. Where stderr is not a terminal, the libraries' progress bars (their
-    carriage returns) are off: a log file gets whole lines only."""
-    import warnings
-
-    from rich.logging import RichHandler
-
-    # peft still calls a transformers method that transformers 5 renamed; nothing for a user to act on.
-    warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
-    if not errors.is_terminal or verbosity < 0:
-        _progress_bars_off()
-
-    if errors.is_terminal:
-        handler: logging.Handler = RichHandler(console=errors, show_path=False, show_time=False, markup=False)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-    else:  # logs and CI: one unwrapped line per message, so paths stay whole and grep finds them
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(levelname)-8s %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler], force=True)
-    # Under accelerate/torchrun only the main process reports; the others stay quiet unless they fail.
-    main_process = os.environ.get("RANK", "0") == "0"
-    level = {-1: logging.WARNING, 0: logging.INFO, 1: logging.DEBUG}[verbosity]
-    logging.getLogger("qlora_kit").setLevel(level if main_process else logging.WARNING)
-    if verbosity > 0:
-        logging.getLogger("transformers").setLevel(logging.INFO)
-
-
-def _progress_bars_off() -> None:
-    import datasets
-    import huggingface_hub
-    import transformers
-
-    datasets.disable_progress_bars()
-    transformers.utils.logging.disable_progress_bar()
-    huggingface_hub.utils.disable_progress_bars()
 
 
 def main() -> None:

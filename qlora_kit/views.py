@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from qlora_kit.memory.planner import Plan
     from qlora_kit.pipeline import TrainResult
     from qlora_kit.recipe import Recipe
+    from qlora_kit.run_record import RunRecord
 
 
 def show_run(console: Console, result: TrainResult) -> None:
@@ -66,6 +67,24 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
         rows.append(("most saved for backward", f"{usage['saved_mib']:.1f} MiB"))
     rows.append(("written to", str(result.output_dir)))
     return rows
+
+
+def show_record(console: Console, record: RunRecord) -> None:
+    """``qlora-kit show``: the recipe's changes from the defaults, then the run's summary."""
+    from qlora_kit.run_record import recipe_changes, summary_rows
+
+    changes = Table(title="recipe: what differs from the defaults")
+    for column in ("field", "default", "this run"):
+        changes.add_column(column, overflow="fold")
+    for name, default, value in recipe_changes(record.recipe):
+        changes.add_row(name, str(default), str(value))
+    console.print(changes)
+    table = Table(title="run", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in summary_rows(record):
+        table.add_row(name, value)
+    console.print(table)
 
 
 def _question(prompt: str) -> str:

@@ -24,6 +24,7 @@ def test_package_exports_and_signatures():
         "evaluate",
         "generate",
         "merge",
+        "show",
         "train",
     ]
     assert list(inspect.signature(qlora_kit.train).parameters) == [
@@ -35,12 +36,24 @@ def test_package_exports_and_signatures():
     assert list(inspect.signature(qlora_kit.evaluate).parameters) == ["recipe", "adapter_dir", "kwargs"]
     assert list(inspect.signature(qlora_kit.generate).parameters) == ["adapter_dir", "prompts", "kwargs"]
     assert list(inspect.signature(qlora_kit.merge).parameters) == ["adapter_dir", "out_dir", "kwargs"]
+    assert list(inspect.signature(qlora_kit.show).parameters) == ["run_dir", "plot"]
     assert qlora_kit.TrainResult.__name__ == "TrainResult"
 
 
 def test_cli_commands_and_recipe_sections():
     commands = sorted(command.name or command.callback.__name__ for command in app.registered_commands)
-    assert commands == ["chat", "data", "doctor", "eval", "generate", "merge", "plan", "train", "validate"]
+    assert commands == [
+        "chat",
+        "data",
+        "doctor",
+        "eval",
+        "generate",
+        "merge",
+        "plan",
+        "show",
+        "train",
+        "validate",
+    ]
     assert list(Recipe.model_fields) == ["model", "quant", "lora", "memory", "optimizer", "data", "train"]
 
 

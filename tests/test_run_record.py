@@ -1,0 +1,90 @@
+"""`qlora-kit show` and `qlora_kit.show`: a run read back from its folder, and its loss.png."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from rich.console import Console
+
+from qlora_kit import Recipe
+from qlora_kit.outputs import OutputDirError
+from qlora_kit.run_record import plot_run, read_run, recipe_changes, show, summary_rows
+
+
+def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():
+    recipe = Recipe.from_dict(
+        {"lora": {"rank": 8}, "train": {"max_steps": 5}, "optimizer": {"lr": 2e-4}}  # lr: the default
+    )
+    assert recipe_changes(recipe.resolved_values()) == [
+        ("lora.rank", 16, 8),
+        ("train.max_steps", None, 5),
+    ]
+    # a 16-bit recipe is compared with the 16-bit defaults (no 4-bit-only fields to differ)
+    assert recipe_changes(Recipe.from_dict({"quant": {"bits": 16}}).resolved_values()) == [
+        ("quant.bits", 4, 16)
+    ]
+
+
+def test_show_reads_back_what_the_run_logged(trained_run, tmp_path):
+    record = read_run(trained_run.output_dir)
+    assert record.finished and record.metrics == trained_run.metrics
+    rows = dict(summary_rows(record))
+    losses = trained_run.train_losses
+    assert rows["loss, first -> last"] == f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+    assert rows["state"] == f"finished, {trained_run.steps} steps"
+    assert "torch" in rows["versions"]
+    changed = dict((name, value) for name, _, value in recipe_changes(record.recipe))
+    assert changed["train.max_steps"] == 30 and changed["train.output_dir"] == str(trained_run.output_dir)
+
+    console = Console(record=True, width=200)
+    written = show(trained_run.output_dir, console, plot=False)
+    assert written is None and not (trained_run.output_dir / "loss.png").exists()
+    text = console.export_text()
+    assert "train.max_steps" in text and rows["loss, first -> last"] in text
+
+    picture = plot_run(record, tmp_path / "loss.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+
+
+def test_eval_rows_name_the_best_step(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"recipe": {}, "steps": 3}))
+    lines = [{"step": 0, "eval_loss": 2.0}, {"step": 1, "loss": 1.0}, {"step": 2, "eval_loss": 0.5}]
+    lines += [{"step": 3, "eval_loss": 0.75}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = dict(summary_rows(read_run(tmp_path)))
+    assert rows["eval loss, first -> best -> last"] == "2.0000 -> 0.5000 (step 2) -> 0.7500"
+    assert rows["state"].startswith("not finished")
+
+
+@pytest.mark.parametrize(
+    ("files", "message"),
+    [
+        ({}, "not a qlora-kit run folder (no manifest.json)"),
+        ({"manifest.json": "[1]"}, "manifest.json: not a JSON object"),
+        (
+            {"manifest.json": "{}", "metrics.jsonl": '{"step": 1}\n{oops\n'},
+            "metrics.jsonl:2: not a JSON object",
+        ),
+    ],
+)
+def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, files, message):
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(OutputDirError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        read_run(tmp_path)
+
+
+def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_plot(trained_run):
+    # matplotlib is an extra: hidden from this process, show still prints and exits 0
+    code = (
+        "import sys; sys.modules['matplotlib'] = None; sys.argv = ['qlora-kit', 'show', sys.argv[1]];"
+        "from qlora_kit.cli import main; main()"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(trained_run.output_dir)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "loss, first -> last" in result.stdout
+    assert "pip install 'qlora-kit[plot]'" in result.stdout
+    assert not (trained_run.output_dir / "loss.png").exists()
