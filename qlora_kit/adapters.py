@@ -76,7 +76,10 @@ def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Te
     ``embed_tokens`` (``save_embedding_layers="auto"``), for vocabularies resized in training, which
     qlora_kit never does; for Llama-3-8B that is a 1 GB copy of the head in every checkpoint.
     """
-    model.save_pretrained(folder, state_dict=state, save_embedding_layers=False)
+    # only the trained adapter: under DPO the model also holds TRL's frozen reference copy (dpo.py)
+    model.save_pretrained(
+        folder, state_dict=state, save_embedding_layers=False, selected_adapters=[model.active_adapter]
+    )
 
 
 def _is_linear(module: torch.nn.Module) -> bool:

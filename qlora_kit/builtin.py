@@ -26,7 +26,11 @@ from qlora_kit.data.formats import ALPACA_FRAMING
 
 BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
-DEMO_DATASETS = {"demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl")}
+DEMO_DATASETS = {
+    "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
+    # the same questions as preference pairs (format preference): the right answer and a wrong one
+    "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
+}
 
 # Bump when the build below changes, so caches from an older build are not reused.
 BUILD_VERSION = 1

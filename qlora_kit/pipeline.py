@@ -45,6 +45,7 @@ from qlora_kit.outputs import (
     truncate_metrics,
 )
 from qlora_kit.paths import (
+    check_adapter_folder,
     check_checkpoint,
     check_model_folder,
     check_output_folder,
@@ -111,10 +112,13 @@ def check_runnable(recipe: Recipe) -> None:
         "model.path": recipe.model.path,
         "data.path": recipe.data.path,
         "data.val_path": recipe.data.val_path,
+        "model.adapter": recipe.model.adapter,
     }
     check_output_holds_no_input(output_dir, inputs)
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
+    if recipe.model.adapter is not None:
+        check_adapter_folder(Path(recipe.model.adapter).expanduser(), "model.adapter")
     launch = launched_fsdp_settings()
     if recipe.train.fsdp and launch is None:
         raise RecipeError(
@@ -145,17 +149,29 @@ def build(
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
+    dpo = recipe.train.objective == "dpo"
     with Ranks().main_first():
-        prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+        prepared = prepare.prepare_datasets(
+            recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
+        )
     if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
-        collator = prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+        collator = (
+            None  # pairs: TRL's collator marks the answers by a mask, never by the pad id
+            if dpo
+            else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+        )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = checkpointing.enable_checkpointing(base, memory)
-    peft_model = adapters.attach_lora(base, recipe.lora)
+    if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
+        peft_model = adapters.load_adapter(base, Path(recipe.model.adapter).expanduser(), trainable=True)
+    else:
+        peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards
     )
+    if dpo:
+        log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
 
 

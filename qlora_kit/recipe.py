@@ -25,6 +25,7 @@ from qlora_kit import attention
 from qlora_kit.memory.optimizers import OPTIMIZERS
 from qlora_kit.recipe_base import RecipeError, Section, looks_local
 from qlora_kit.recipe_data import DataSection
+from qlora_kit.recipe_preference import PreferenceSection, check_objective, unpacked_for_pairs
 
 __all__ = ["DataSection", "Recipe", "RecipeError", "Section"]
 
@@ -38,6 +39,8 @@ class ModelSection(Section):
     """Run modelling code shipped with the checkpoint. Off unless you trust its author."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) for hub ids; ignored for local directories."""
+    adapter: str | None = None
+    """A trained adapter folder to start from (a qlora-kit train output): train.objective dpo tunes the SFT adapter and keeps it, frozen, as the reference; sft continues training it."""
     attn_implementation: str = "auto"
     """Attention kernel: auto (sdpa where the model supports it, else eager), sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
 
@@ -148,6 +151,8 @@ class TrainSection(Section):
     """Seed for initialisation, dropout and data order."""
     sample_prompts: int = Field(0, ge=0)
     """After training, print this many validation prompts answered before and after fine-tuning."""
+    objective: Literal["sft", "dpo"] = "sft"
+    """sft: supervised fine-tuning on responses; dpo: preference tuning on chosen/rejected pairs (the preference section, TRL's DPOTrainer)."""
     fsdp: bool = False
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
@@ -172,6 +177,12 @@ class Recipe(Section):
     optimizer: OptimizerSection = OptimizerSection()
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
+    preference: PreferenceSection = PreferenceSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _pairs_are_not_packed(cls, values: Any) -> Any:
+        return unpacked_for_pairs(values)
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Recipe:
@@ -207,6 +218,7 @@ class Recipe(Section):
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
         self._check_attention_kernel()
+        check_objective(self)
         return self
 
     def _check_best_and_stopping(self) -> None:
@@ -289,8 +301,11 @@ class Recipe(Section):
 
     def resolved_values(self) -> dict[str, Any]:
         """Every field's value, as a recipe file holds them: what loads back into this same recipe (the
-        4-bit-only quant fields are left out of a quant.bits 16 recipe, where setting them is an error)."""
+        4-bit-only quant fields are left out of a quant.bits 16 recipe, the preference section out of an
+        sft one: setting them there is an error)."""
         values = self.model_dump(mode="json")
+        if self.train.objective != "dpo":  # where setting it is an error
+            values.pop("preference")
         if self.quant.bits == 16:
             for name in QuantSection.FOUR_BIT_ONLY:
                 values["quant"].pop(name)
@@ -323,7 +338,7 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any
     return merged
 
 
-_PATH_FIELDS = [("model", "path"), ("data", "path"), ("data", "val_path")]
+_PATH_FIELDS = [("model", "path"), ("model", "adapter"), ("data", "path"), ("data", "val_path")]
 
 
 def _resolve_paths(values: dict[str, Any], base: Path) -> None:

@@ -49,7 +49,7 @@ class DataSection(Section):
     config_name: str | None = None
     """A hub dataset's configuration (subset) name, for datasets that have several."""
     format: FormatName = "alpaca"
-    """Row format: alpaca (instruction/input/output), chat (messages, optional tools), sharegpt (conversations of from/value), completion (prompt/completion) or text."""
+    """Row format: alpaca (instruction/input/output), chat (messages, optional tools), sharegpt (conversations of from/value), completion (prompt/completion) or text; for train.objective dpo, preference (prompt/chosen/rejected texts) or preference_chat (a conversation and two assistant replies)."""
     fields: dict[str, str] = Field(default_factory=dict)
     """Column names of your data for the format's fields, e.g. {instruction: question, output: answer}."""
     sources: list[SourceSection] = Field(default_factory=list)

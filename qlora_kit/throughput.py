@@ -94,6 +94,13 @@ class Throughput(TrainerCallback):
         labels = inputs.get("labels")
         if labels is not None:
             trained = (labels != IGNORE_INDEX).sum()
+        elif (
+            "completion_mask" in inputs
+        ):  # DPO's pairs: both answers train (its reference forward is not counted)
+            trained = inputs["completion_mask"].sum()
+        else:
+            trained = None
+        if trained is not None:
             self.trained = trained if self.trained is None else self.trained + trained
         if self.started is None:
             self.started = time.perf_counter()

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
@@ -55,9 +55,14 @@ SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "
 
 def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str):
     """The Trainer's arguments; ``precision`` is the resolved mixed precision (bf16, fp16 or no)."""
+    return TrainingArguments(**training_settings(recipe, output_dir, has_eval, precision))
+
+
+def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> dict[str, Any]:
+    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: dpo.py)."""
     train, opt = recipe.train, recipe.optimizer
     evaluating = has_eval and train.eval_steps is not None
-    return TrainingArguments(
+    return dict(
         output_dir=str(output_dir),
         num_train_epochs=train.epochs,
         max_steps=train.max_steps or -1,
@@ -136,9 +141,12 @@ class GuardedTrainer(Trainer):
         throughput: Throughput,
         guard: TrainingGuard | None = None,
         chunk_tokens: int | None = None,
+        optimizer_cls_and_kwargs: tuple | None = None,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
+        # Set here, not passed up: TRL's trainers do not take it (the Trainer only stores it)
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.memory_monitor = memory_monitor
         self.metrics_log = metrics_log
         self.throughput = throughput
@@ -253,9 +261,17 @@ def build_trainer(
     callbacks: list | None = None,
     guards: bool = True,
 ) -> GuardedTrainer:
-    """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost)."""
+    """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost).
+    ``train.objective: dpo`` builds TRL's DPOTrainer with the same additions (dpo.py)."""
     precision = resolve_mixed_precision(recipe)
-    args = training_arguments(recipe, output_dir, has_eval=val_set is not None, precision=precision)
+    has_eval = val_set is not None
+    dpo = recipe.train.objective == "dpo"
+    if dpo:
+        from qlora_kit.dpo import GuardedDPOTrainer, dpo_arguments  # TRL loads for DPO runs only
+
+        trainer_class, args = GuardedDPOTrainer, dpo_arguments(recipe, output_dir, has_eval, precision)
+    else:
+        trainer_class, args = GuardedTrainer, training_arguments(recipe, output_dir, has_eval, precision)
     pin_to_one_device(args)
     guard = TrainingGuard(peft_model) if guards else None
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
@@ -264,17 +280,21 @@ def build_trainer(
     # Its writer (and folder) is created at the start of training, on the main process only.
     tensorboard = TensorBoardCallback()
     tensorboard.logging_dir = str(output_dir / "tensorboard")
-    chunked = recipe.memory.chunked_loss and supports_chunked_loss(peft_model.get_base_model())
+    # DPO: TRL's head computes the answers' log-probabilities without whole logits already
+    chunked = recipe.memory.chunked_loss and not dpo and supports_chunked_loss(peft_model.get_base_model())
     patience = recipe.train.early_stopping_patience
     stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
-    return GuardedTrainer(
+    collator = (
+        None  # TRL's DataCollatorForPreference pads the pairs
+        if dpo
+        else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+    )
+    return trainer_class(
         model=peft_model,
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        data_collator=prepare.build_collator(
-            tokenizer, recipe.data.packing, recipe.model.attn_implementation
-        ),
+        data_collator=collator,
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[

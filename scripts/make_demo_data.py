@@ -1,8 +1,12 @@
-"""Write the demo instruction dataset shipped in qlora_kit/demo/ (deterministic; rerun to regenerate).
+"""Write the demo datasets shipped in qlora_kit/demo/ (deterministic; rerun to regenerate).
 
 Each fact is asked with several phrasings. Training rows use all phrasings but the last; validation
 rows use the last one, so validation exact-match measures whether the adapter learned the fact,
 not the sentence. Answers are one word, so they can be checked exactly.
+
+The preference pairs (builtin:demo-preferences, train.objective dpo) ask the same questions with the
+same prompts the instruction rows render to (alpaca's), chosen = the right answer, rejected = a
+plausible wrong one: another answer of the same relation (a color for a color, a city for a city).
 
     python scripts/make_demo_data.py
 """
@@ -112,6 +116,9 @@ RELATIONS = {
     ),
 }
 INSTRUCTION_WITH_INPUT = "Answer the question with one word."
+# qlora_kit/data/formats.py's alpaca prompts (this script runs without the package installed)
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 
 
 def build_rows() -> tuple[list[dict], list[dict]]:
@@ -132,6 +139,23 @@ def build_rows() -> tuple[list[dict], list[dict]]:
     return train, val
 
 
+def build_pairs(rows: list[dict], seed: int) -> list[dict]:
+    """Preference pairs for instruction rows: the alpaca prompt, the right answer, a wrong one."""
+    rng = random.Random(seed)
+    answers_of = {}
+    for _, facts in RELATIONS.values():
+        for answer in facts.values():
+            answers_of[answer] = sorted(set(facts.values()) - {answer})
+    pairs = []
+    for row in rows:
+        template = ALPACA_PROMPT_WITH_INPUT if row["input"] else ALPACA_PROMPT
+        prompt = template.format(instruction=row["instruction"], input=row["input"])
+        pairs.append(
+            {"prompt": prompt, "chosen": row["output"], "rejected": rng.choice(answers_of[row["output"]])}
+        )
+    return pairs
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
@@ -142,7 +166,9 @@ def main() -> None:
     train, val = build_rows()
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(val, out / "val.jsonl")
-    print(f"wrote {len(train)} train and {len(val)} validation rows to {out}")
+    write_jsonl(build_pairs(train, seed=2), out / "pairs_train.jsonl")
+    write_jsonl(build_pairs(val, seed=3), out / "pairs_val.jsonl")
+    print(f"wrote {len(train)} train and {len(val)} validation rows (and as many pairs) to {out}")
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from qlora_kit.data.chat import (
     sharegpt_messages,
     with_system_prompt,
 )
+from qlora_kit.data.preference import render_chosen
 from qlora_kit.data.segments import RowError, Segment, show
 
 if TYPE_CHECKING:
@@ -46,8 +47,9 @@ def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[
     """The row as text segments; the response (or each assistant turn) is the trained part. ``data``
     (the recipe's data section) gives the system prompt, its mode and ShareGPT's role names."""
     spec = FORMATS[fmt]
-    for name in spec.fields:
-        _check_field(row, name, optional=name in spec.optional)
+    if not spec.pairs:  # a pair's fields are text or conversations: preference.py checks them
+        for name in spec.fields:
+            _check_field(row, name, optional=name in spec.optional)
     return spec.render(row, tokenizer, data)
 
 
@@ -170,6 +172,9 @@ class FormatSpec:
     checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
     multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
     chat_template: bool = False  # rendered by the tokenizer's chat template, which adds its own BOS
+    pairs: bool = (
+        False  # preference pairs (train.objective: dpo): render gives the prompt and the chosen answer
+    )
 
 
 def _chat_format(name: str, conversation: str) -> FormatSpec:
@@ -200,5 +205,20 @@ FORMATS: dict[str, FormatSpec] = {
         _chat_format("sharegpt", "conversations"),
         FormatSpec("completion", ("prompt", "completion"), _render_completion, _completion_prompt),
         FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
+        FormatSpec(
+            "preference",
+            ("prompt", "chosen", "rejected"),
+            lambda row, tokenizer, data: render_chosen(row, False, tokenizer, data),
+            _completion_prompt,
+            pairs=True,
+        ),
+        FormatSpec(
+            "preference_chat",
+            ("prompt", "chosen", "rejected"),
+            lambda row, tokenizer, data: render_chosen(row, True, tokenizer, data),
+            _chat_prompt,
+            pairs=True,
+            chat_template=True,
+        ),
     )
 }

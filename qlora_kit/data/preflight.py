@@ -44,7 +44,8 @@ class Check:
 
 
 def run_checks(prepared: PreparedData, data: DataSection, tokenizer, collator) -> list[Check]:
-    """Every check's result on the prepared training set (see the module docstring)."""
+    """Every check's result on the prepared training set (see the module docstring); ``collator`` is
+    None for preference pairs."""
     from qlora_kit.data.prepare import end_token_ids
 
     limits, facts = data.preflight, prepared.checks
@@ -105,6 +106,8 @@ def run_checks(prepared: PreparedData, data: DataSection, tokenizer, collator) -
 def _padding_check(prepared: PreparedData, tokenizer, collator, ends: set[int]) -> Check:
     name = "end token kept by padding"
     pad = tokenizer.pad_token_id
+    if collator is None:
+        return Check(name, True, "preference pairs: their answers are marked by a mask, never by the pad id")
     if pad not in ends:
         return Check(name, True, f"pad token {tokenizer.pad_token!r} is not an end token")
     rows = [prepared.train[i] for i in range(min(COLLATED_EXAMPLES, len(prepared.train)))]

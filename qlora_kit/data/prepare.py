@@ -9,6 +9,7 @@ order) and what is wrong.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import random
@@ -22,7 +23,7 @@ from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
 from qlora_kit import attention
-from qlora_kit.data import formats, sources
+from qlora_kit.data import formats, preference, sources
 from qlora_kit.data.errors import DataError, diagnose_load_failure
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
 from qlora_kit.data.packing import (
@@ -86,9 +87,13 @@ ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a 
 FACTS = ("full_length", "trained_tokens", "trains_end", "double_bos", "digest", "prefix_ok")
 
 
-def prepare_datasets(data: DataSection, tokenizer, seed: int) -> PreparedData:
+def prepare_datasets(
+    data: DataSection, tokenizer, seed: int, max_prompt_len: int | None = None
+) -> PreparedData:
     """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer: each source
-    loaded and tokenized in its own format, then mixed (data.sources) and deduplicated (data.dedup)."""
+    loaded and tokenized in its own format, then mixed (data.sources) and deduplicated (data.dedup).
+    Preference pairs become prompt/chosen/rejected ids, prompts cut to ``max_prompt_len`` tokens."""
+    _tokenized = functools.partial(_tokenize_rows, max_prompt_len=max_prompt_len)
     parts, train_reports, val_reports, val_parts = [], [], [], []
     val_rows, val_format = None, data.format
     for source in data.source_list():
@@ -169,7 +174,8 @@ def _sample(part: Dataset, wanted: int, seed: int) -> Dataset:
 
 
 def _facts_removed(dataset: Dataset) -> Dataset:
-    return dataset.remove_columns([c for c in dataset.column_names if c not in ("input_ids", "labels")])
+    model_columns = ("input_ids", "labels", *preference.PAIR_COLUMNS)
+    return dataset.remove_columns([c for c in dataset.column_names if c not in model_columns])
 
 
 def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed: int) -> dict[str, float]:
@@ -186,8 +192,8 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
     }
 
 
-def _tokenized(
-    rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str
+def _tokenize_rows(
+    rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None
 ) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
@@ -219,7 +225,7 @@ def _tokenized(
         facts = {
             "full_length": full,
             "double_bos": bos is not None and ids[:2] == [bos, bos],
-            "digest": hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).hexdigest(),
+            "digest": _digest(ids),
             "prefix_ok": -1 if prefix_ok is None else int(prefix_ok),  # -1: not checked
         }
         if full > max_len:
@@ -229,10 +235,28 @@ def _tokenized(
         facts |= {"trained_tokens": len(trained), "trains_end": any(t in ends for t in trained)}
         return {**example, **facts, "length": len(example["input_ids"])}
 
+    def tokenize_pair(row: dict[str, Any], index: int) -> dict[str, Any]:
+        try:
+            texts = preference.render_pair(row, spec.chat_template, tokenizer, data)
+        except formats.RowError as exc:
+            raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
+        pair, full = preference.tokenize_pair(texts, tokenizer, add_bos, max_len, max_prompt_len, drop)
+        prompt, answers = pair["prompt_ids"], (pair["chosen_ids"], pair["rejected_ids"])
+        return {
+            **pair,
+            "full_length": full,
+            "double_bos": bos is not None and prompt[:2] == [bos, bos],
+            "digest": _digest(prompt + [-1] + answers[0] + [-1] + answers[1]),
+            "prefix_ok": -1,  # a chat pair whose prompt renders differently is a row error
+            "trained_tokens": min(len(ids) for ids in answers),  # a pair trains only with both answers
+            "trains_end": all(ids and ids[-1] in ends for ids in answers),
+            "length": len(prompt) + max(len(ids) for ids in answers),
+        }
+
     try:
         with sources.quiet_datasets():
             tokenized = rows.map(
-                tokenize,
+                tokenize_pair if spec.pairs else tokenize,
                 with_indices=True,
                 remove_columns=rows.column_names,
                 writer_batch_size=examples_per_batch(max_len),
@@ -260,6 +284,10 @@ def _tokenized(
     if len(keep) < len(tokenized):
         tokenized = tokenized.select(keep)
     return tokenized, report
+
+
+def _digest(ids: list[int]) -> str:
+    return hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).hexdigest()
 
 
 def end_token_ids(tokenizer) -> set[int]:

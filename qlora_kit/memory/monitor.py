@@ -113,6 +113,15 @@ class MetricsLog(TrainerCallback):
         "learning_rate": "lr",
         "grad_norm": "grad_norm",
     }
+    # train.objective dpo: TRL's reward and log-probability metrics, under their own names (eval_ too)
+    PREFERENCE_KEYS: ClassVar[tuple[str, ...]] = (
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+    )
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -126,6 +135,10 @@ class MetricsLog(TrainerCallback):
             value = logs.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[name] = float(value)
+        for key in self.PREFERENCE_KEYS:
+            for name in (key, f"eval_{key}"):
+                if isinstance(logs.get(name), (int, float)):
+                    row[name] = float(logs[name])
         if len(row) == 1:
             return  # end-of-training summaries carry none of the per-step keys
         row["epoch"] = round(float(state.epoch or 0.0), 4)
