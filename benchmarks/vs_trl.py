@@ -13,7 +13,7 @@ its span over the seeds.
    in fp32 on CPUs), so both compute in the same precision;
 2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast).
 
-    pip install -e ".[bench]"; python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
+    python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
 """
 
 from __future__ import annotations

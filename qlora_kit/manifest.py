@@ -39,7 +39,7 @@ MANIFEST = "manifest.json"
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def build_manifest(recipe: Recipe, model_path: str) -> dict[str, Any]:

@@ -2,10 +2,10 @@
 
 import re
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomllib
 from packaging.requirements import Requirement
 from packaging.version import Version
 
