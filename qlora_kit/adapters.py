@@ -6,6 +6,7 @@ own rule), which is the QLoRA paper's finding: adapters on every layer matter mo
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
     from qlora_kit.recipe import LoraSection
+
+log = logging.getLogger(__name__)
 
 # peft's init_lora_weights values for the recipe's names; "default" is peft's True.
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
@@ -89,6 +92,23 @@ def _is_linear(module: torch.nn.Module) -> bool:
 def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
 
     return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+
+
+def log_continued_shape(peft_model: PeftModel, recipe: Recipe) -> None:
+    """model.adapter: the adapter's own config fixes its shape; say so where the recipe's lora differs."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    own = {"rank": config.r, "alpha": config.lora_alpha}
+    differing = {k: v for k, v in own.items() if getattr(recipe.lora, k) != v}
+    log.info(
+        "model.adapter: continuing %s (rank %d, alpha %g)", recipe.model.adapter, config.r, config.lora_alpha
+    )
+    if differing:
+        log.warning(
+            "model.adapter: the adapter's own shape applies, not lora.%s %s (it has %s)",
+            next(iter(differing)),
+            getattr(recipe.lora, next(iter(differing))),
+            next(iter(differing.values())),
+        )
 
 
 def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:

@@ -165,6 +165,7 @@ def build(
     checkpointed = checkpointing.enable_checkpointing(base, memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(base, Path(recipe.model.adapter).expanduser(), trainable=True)
+        adapters.log_continued_shape(peft_model, recipe)
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(

@@ -54,10 +54,6 @@ class PreferenceSection(Section):
         return self
 
 
-# lora fields that fix an adapter's shape: with model.adapter, its adapter_config.json decides them
-ADAPTER_SHAPE = ("rank", "alpha", "target_modules", "bias", "rslora", "dora", "init")
-
-
 def unpacked_for_pairs(values: Any) -> Any:
     """A dpo recipe that leaves data.packing unset gets false: TRL pads its pairs (it packs no pairs)."""
     if not isinstance(values, dict):
@@ -91,11 +87,6 @@ def check_objective(recipe: Recipe) -> None:
         raise ValueError("preference: only applies to train.objective: dpo")
     if dpo:
         _check_dpo(recipe)
-    shaped = [name for name in ADAPTER_SHAPE if name in recipe.lora.model_fields_set]
-    if recipe.model.adapter is not None and shaped:
-        raise ValueError(
-            f"lora.{shaped[0]}: model.adapter's own adapter_config.json fixes the adapter's shape; remove lora.{shaped[0]}"
-        )
 
 
 def _check_dpo(recipe: Recipe) -> None:

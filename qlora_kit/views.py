@@ -224,7 +224,9 @@ def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
     table = Table(title=f"evaluation of {subject}")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for key in ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples"):
+    keys = ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples")
+    keys += ("preference_accuracy", "reward_margin", "likelihood_accuracy", "pairs", "reference")
+    for key in keys:
         if key in results:
             value = results[key]
             table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))

@@ -5,6 +5,9 @@
 - exact-match accuracy: the greedy answer to each validation prompt, compared with the reference
   answer after trimming whitespace. Only formats with a response to compare (alpaca, completion,
   chat) report it.
+
+Preference pairs (train.objective dpo) report preference accuracy and reward margin against the
+reference policy, and likelihood accuracy, instead of the loss of whole sequences (preference_eval.py).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from qlora_kit import adapters
 from qlora_kit.after.generate import complete
+from qlora_kit.after.preference_eval import preference_metrics
 from qlora_kit.data import prepare
 from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
 from qlora_kit.recipe import RecipeError
@@ -43,16 +47,20 @@ def evaluate(
         raise RecipeError(
             "data.val_path: evaluation needs validation data (set data.val_path or data.val_fraction)"
         )
-    prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    prepared = prepare.prepare_datasets(
+        recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len
+    )
     val = prepared.val.select(range(min(max_examples, len(prepared.val)))) if max_examples else prepared.val
-    loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packing))
     results: dict[str, Any] = {
         "adapter": str(adapter_dir) if adapter_dir is not None else None,
         "base_model": recipe.model.path,
-        "loss": loss,
-        "perplexity": math.exp(loss) if loss < 700 else math.inf,
-        "tokens": tokens,
     }
+    if FORMATS[prepared.val_format].pairs:
+        results |= preference_metrics(lm, recipe, val)
+    else:
+        loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packing))
+        results |= {"loss": loss, "tokens": tokens}
+    results["perplexity"] = math.exp(results["loss"]) if results["loss"] < 700 else math.inf
     if FORMATS[prepared.val_format].checkable:
         examples = prepare.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)

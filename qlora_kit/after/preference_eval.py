@@ -1,0 +1,102 @@
+"""Evaluation on preference pairs (``train.objective: dpo``): how the model ranks chosen over rejected.
+
+For every validation pair, the summed log-probability of each answer given the prompt (as DPO scores
+them), under the evaluated model and under the reference policy — the recipe's ``model.adapter`` (the
+adapter DPO started from), loaded as a second adapter on the same 4-bit base, or the base alone:
+
+- ``preference_accuracy``: the share of pairs whose DPO reward, beta * log(model / reference), is higher
+  for the chosen answer than for the rejected one (TRL's rewards/accuracies, on every pair at once);
+- ``reward_margin``: the mean reward of the chosen answer minus the rejected one's;
+- ``likelihood_accuracy``: the share of pairs whose chosen answer is more likely than the rejected one
+  under the evaluated model alone — comparable between the base, the SFT adapter and the DPO adapter;
+- ``loss``: the mean cross-entropy per token of the chosen answers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from peft import PeftModel
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+
+    from qlora_kit.recipe import Recipe
+
+REFERENCE = "reference"
+
+
+def preference_metrics(lm, recipe: Recipe, pairs: Dataset) -> dict[str, Any]:
+    """The module docstring's figures for ``lm`` (a PeftModel, or the bare base) on tokenized ``pairs``."""
+    chosen, rejected, tokens = answer_logps(lm, pairs)
+    reference_chosen, reference_rejected = reference_logps(lm, recipe, pairs)
+    beta = recipe.preference.beta
+    margins = beta * ((chosen - reference_chosen) - (rejected - reference_rejected))
+    return {
+        "loss": float(-chosen.sum() / max(tokens, 1)),
+        "preference_accuracy": float((margins > 0).float().mean()),
+        "reward_margin": float(margins.mean()),
+        "likelihood_accuracy": float((chosen > rejected).float().mean()),
+        "pairs": len(pairs),
+        "reference": recipe.model.adapter or "the base model",
+    }
+
+
+def reference_logps(lm, recipe: Recipe, pairs: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """The answers' log-probabilities under the reference policy, on the same 4-bit base as ``lm``."""
+    adapter = recipe.model.adapter
+    if adapter is None:
+        if isinstance(lm, PeftModel):
+            with lm.disable_adapter():
+                return answer_logps(lm, pairs)[:2]
+        return answer_logps(lm, pairs)[:2]
+    if isinstance(lm, PeftModel):
+        active = lm.active_adapter
+        lm.load_adapter(str(Path(adapter).expanduser()), adapter_name=REFERENCE)
+        try:
+            lm.set_adapter(REFERENCE)
+            return answer_logps(lm, pairs)[:2]
+        finally:
+            lm.set_adapter(active)
+            lm.delete_adapter(REFERENCE)
+    with_reference = PeftModel.from_pretrained(lm, str(Path(adapter).expanduser()), adapter_name=REFERENCE)
+    return answer_logps(with_reference, pairs)[:2]
+
+
+def answer_logps(lm, pairs: Dataset, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Per pair, the summed log-probability of the chosen and of the rejected answer given the prompt,
+    and how many chosen-answer tokens there were."""
+    was_training = lm.training
+    lm.eval()
+    sides: dict[str, list[torch.Tensor]] = {"chosen": [], "rejected": []}
+    tokens = 0
+    try:
+        with torch.no_grad():
+            for start in range(0, len(pairs), batch_size):
+                rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
+                for side in sides:
+                    sums, count = _completion_logps(lm, rows["prompt_ids"], rows[f"{side}_ids"])
+                    sides[side].append(sums)
+                    tokens += count if side == "chosen" else 0
+    finally:
+        lm.train(was_training)
+    return torch.cat(sides["chosen"]), torch.cat(sides["rejected"]), tokens
+
+
+def _completion_logps(lm, prompts: list[list[int]], answers: list[list[int]]) -> tuple[torch.Tensor, int]:
+    sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
+    width = max(len(s) for s in sequences)
+    ids = torch.zeros(len(sequences), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    answer = torch.zeros_like(ids, dtype=torch.bool)
+    for row, (prompt, sequence) in enumerate(zip(prompts, sequences, strict=True)):
+        ids[row, : len(sequence)] = torch.tensor(sequence)
+        mask[row, : len(sequence)] = 1
+        answer[row, len(prompt) : len(sequence)] = True
+    logits = lm(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device)).logits.float().cpu()
+    # position t predicts token t + 1
+    logps = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
+    scored = answer[:, 1:]
+    return (logps * scored).sum(-1), int(scored.sum())
