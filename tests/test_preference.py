@@ -1,0 +1,172 @@
+"""Preference pairs (train.objective dpo): the recipe's rules, the pairs' tokens, the length policy and bad rows."""
+
+import json
+import re
+
+import pytest
+
+from qlora_kit import Recipe, RecipeError, builtin, model
+from qlora_kit.data import prepare
+from qlora_kit.data.errors import DataError
+from qlora_kit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
+
+PAIRS = [
+    {"prompt": "What color is a lime? ", "chosen": "green", "rejected": "red"},
+    {"prompt": "Capital of Peru? ", "chosen": "Lima", "rejected": "Rome"},
+]
+CHAT_PAIRS = [
+    {
+        "prompt": [{"role": "system", "content": "One word."}, {"role": "user", "content": "Color of snow?"}],
+        "chosen": [{"role": "assistant", "content": "white"}],
+        "rejected": "black",
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return model.load_tokenizer(Recipe().model)
+
+
+def write(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def dpo_recipe(path, fmt="preference", **extra):
+    values = {"train": {"objective": "dpo"}, "data": {"path": str(path), "format": fmt}}
+    for key, value in extra.items():
+        section, field = key.split(".")
+        values.setdefault(section, {})[field] = value
+    return Recipe.from_dict(values)
+
+
+def pairs_of(recipe, tokenizer):
+    return prepare.prepare_datasets(
+        recipe.data, tokenizer, seed=0, max_prompt_len=recipe.preference.max_prompt_len
+    )
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        ({"train": {"objective": "dpo"}}, "data.format: train.objective dpo trains on preference pairs"),
+        ({"data": {"format": "preference"}}, "train.objective: format preference holds preference pairs"),
+        ({"preference": {"beta": 0.5}}, "preference: only applies to train.objective: dpo"),
+        (
+            {"train": {"objective": "dpo"}, "data": {"format": "preference", "packing": True}},
+            "data.packing: not with train.objective dpo",
+        ),
+        (
+            {
+                "train": {"objective": "dpo"},
+                "data": {"format": "preference"},
+                "preference": {"label_smoothing": 0.1},
+            },
+            "preference.label_smoothing: the sigmoid loss ignores it",
+        ),
+        (
+            {
+                "train": {"objective": "dpo"},
+                "data": {"format": "preference"},
+                "preference": {"loss_type": "exo_pair"},
+            },
+            "preference.label_smoothing: exo_pair needs it above 0",
+        ),
+        (
+            {
+                "train": {"objective": "dpo", "fsdp": True},
+                "data": {"format": "preference"},
+                "quant": {"quant_storage": "bfloat16"},
+                "optimizer": {"name": "adamw_torch"},
+            },
+            "train.fsdp: not with train.objective dpo",
+        ),
+    ],
+)
+def test_impossible_dpo_recipes_are_one_line_naming_the_field(values, message):
+    with pytest.raises(RecipeError, match=re.escape(message)):
+        Recipe.from_dict(values)
+
+
+def test_a_dpo_recipe_is_unpacked_by_default_and_saved_recipes_load_back():
+    dpo = Recipe.from_dict(
+        {"train": {"objective": "dpo"}, "data": {"format": "preference"}, "preference": {"beta": 0.25}}
+    )
+    assert dpo.data.packing is False and dpo.preference.beta == 0.25
+    assert Recipe.from_dict(dpo.resolved_values()) == dpo
+    sft = Recipe()
+    assert "preference" not in sft.resolved_values()  # setting it on an sft recipe is an error
+    assert Recipe.from_dict(sft.resolved_values()) == sft
+
+
+def test_text_pairs_tokenize_prompt_and_answers_apart_with_eos(tmp_path, tokenizer):
+    prepared = pairs_of(dpo_recipe(write(tmp_path / "p.jsonl", PAIRS)), tokenizer)
+    row = prepared.train[0]
+    assert set(prepared.train.column_names) == {"prompt_ids", "chosen_ids", "rejected_ids"}
+    assert row["prompt_ids"] == tokenizer(PAIRS[0]["prompt"])["input_ids"]
+    for side in ("chosen", "rejected"):
+        text = PAIRS[0][side] + tokenizer.eos_token
+        assert row[f"{side}_ids"] == tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert row[f"{side}_ids"][-1] == tokenizer.eos_token_id
+
+
+def test_chat_pairs_render_the_prompt_for_generation_and_the_reply_after_it(tmp_path, tokenizer):
+    recipe = dpo_recipe(write(tmp_path / "c.jsonl", CHAT_PAIRS), fmt="preference_chat")
+    row = pairs_of(recipe, tokenizer).train[0]
+    prompt = tokenizer.apply_chat_template(
+        CHAT_PAIRS[0]["prompt"], tokenize=False, add_generation_prompt=True
+    )
+    whole = tokenizer.apply_chat_template(
+        [*CHAT_PAIRS[0]["prompt"], {"role": "assistant", "content": "black"}], tokenize=False
+    )
+    assert tokenizer.decode(row["prompt_ids"]) == prompt
+    assert tokenizer.decode(row["prompt_ids"] + row["rejected_ids"]) == whole
+    assert tokenizer.decode(row["chosen_ids"]).startswith("white")
+
+
+def test_the_length_policy_keeps_the_prompts_end_and_cuts_or_drops_long_answers(tmp_path, tokenizer):
+    long = [
+        {
+            "prompt": "one two three four five six seven eight nine ten ",
+            "chosen": "green " * 20,
+            "rejected": "red",
+        }
+    ]
+    path = write(tmp_path / "long.jsonl", long + PAIRS)
+    full_prompt = tokenizer(long[0]["prompt"])["input_ids"]
+    cut = pairs_of(dpo_recipe(path, **{"data.max_seq_len": 12, "preference.max_prompt_len": 4}), tokenizer)
+    row = cut.train[0]
+    assert row["prompt_ids"] == full_prompt[-4:]  # the end of the prompt, next to the answer
+    assert len(row["prompt_ids"]) + len(row["chosen_ids"]) == 12
+    assert cut.train_reports[0].truncated == 1
+    dropped = pairs_of(dpo_recipe(path, **{"data.max_seq_len": 12, "data.overlong": "drop"}), tokenizer)
+    assert len(dropped.train) == 2 and dropped.train_reports[0].dropped == 1
+
+
+@pytest.mark.parametrize(
+    ("row", "problem"),
+    [
+        ({"prompt": "Q? ", "chosen": "yes"}, "missing field 'rejected'"),
+        ({"prompt": "Q? ", "chosen": "  ", "rejected": "no"}, "field 'chosen' is empty"),
+        ({"prompt": "Q? ", "chosen": "yes", "rejected": "yes"}, "chosen and rejected are the same answer"),
+        ({"prompt": "Q? ", "chosen": ["yes"], "rejected": "no"}, "field 'chosen' must be text"),
+    ],
+)
+def test_a_bad_pair_is_one_line_naming_the_file_and_row(tmp_path, tokenizer, row, problem):
+    path = write(tmp_path / "bad.jsonl", [*PAIRS, row])
+    with pytest.raises(DataError, match=re.escape(f"{path}: row 3: {problem}")):
+        pairs_of(dpo_recipe(path), tokenizer)
+
+
+def test_the_demo_pairs_ask_the_sft_demos_questions_with_its_prompts():
+    train_pairs, val_pairs = builtin.DEMO_DATASETS["demo-preferences"]
+    train_rows, val_rows = builtin.DEMO_DATASETS["demo-facts"]
+    for pairs, rows in ((train_pairs, train_rows), (val_pairs, val_rows)):
+        pairs = [json.loads(line) for line in pairs.read_text().splitlines()]
+        rows = [json.loads(line) for line in rows.read_text().splitlines()]
+        assert len(pairs) == len(rows)
+        for pair, row in zip(pairs, rows, strict=True):
+            template = ALPACA_PROMPT_WITH_INPUT if row["input"] else ALPACA_PROMPT
+            assert pair["prompt"] == template.format(instruction=row["instruction"], input=row["input"])
+            assert pair["chosen"] == row["output"] and pair["rejected"] != row["output"]
