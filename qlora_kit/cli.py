@@ -13,6 +13,7 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape  # a message's own brackets (data.sources[0], qlora-kit[wandb]) are text
 
 from qlora_kit import views
 from qlora_kit.cli_logging import configure_logging
@@ -50,13 +51,15 @@ def user_errors(command):
         try:
             return command(*args, **kwargs)
         except (RecipeError, DataError, OutputDirError) as exc:
-            errors.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(USER_ERROR) from None
         except TrainingGuardError as exc:
-            errors.print(f"[bold red]training stopped:[/] {exc}", highlight=False, soft_wrap=True)
+            errors.print(
+                f"[bold red]training stopped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+            )
             raise typer.Exit(GUARD_STOP) from None
         except Interrupted as exc:
-            errors.print(f"[bold yellow]interrupted:[/] {exc}", highlight=False, soft_wrap=True)
+            errors.print(f"[bold yellow]interrupted:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
 
     return wrapper
@@ -122,6 +125,11 @@ def validate(
     resolved.check_paths()
     launch = fsdp_settings_of(accelerate_config) if accelerate_config else launched_fsdp_settings()
     check_fsdp_launch(resolved, launch)
+    from qlora_kit.trackers import check_installed
+
+    missing = check_installed(resolved.train.report_to)
+    if missing:
+        raise RecipeError(missing)
     console.print(f"# {recipe}: valid", style="green", highlight=False)
     console.print(resolved.to_yaml(), highlight=False, markup=False)
 
@@ -308,7 +316,7 @@ def merge(
     try:
         result = merge_adapter(adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force)
     except MergeDriftError as exc:
-        errors.print(f"[bold red]refused:[/] {exc}", highlight=False, soft_wrap=True)
+        errors.print(f"[bold red]refused:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(GUARD_STOP) from None
     drift = result.drift
     console.print(
@@ -367,7 +375,9 @@ def main() -> None:
             sys.exit(0)  # no arguments at all: the help was shown
         context = getattr(exc, "ctx", None)
         where = f"{context.command_path}: " if context is not None else ""
-        errors.print(f"[bold red]error:[/] {where}{exc.format_message()}", highlight=False, soft_wrap=True)
+        errors.print(
+            f"[bold red]error:[/] {escape(where + exc.format_message())}", highlight=False, soft_wrap=True
+        )
         sys.exit(USER_ERROR)
     sys.exit(code if isinstance(code, int) else 0)
 

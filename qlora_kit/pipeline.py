@@ -19,7 +19,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit import adapters, attention, builtin, hub, model, run_log
+from qlora_kit import adapters, attention, builtin, hub, model, run_log, trackers
 from qlora_kit.after.generate import complete
 from qlora_kit.data import preflight, prepare
 from qlora_kit.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
@@ -128,6 +128,7 @@ def check_runnable(recipe: Recipe) -> None:
     check_fsdp_launch(recipe, launch)
     resolve_mixed_precision(recipe)
     unavailable = attention.check_installed(recipe.model.attn_implementation, torch.cuda.is_available())
+    unavailable = unavailable or trackers.check_installed(recipe.train.report_to)
     if unavailable:
         raise RecipeError(unavailable)
 

@@ -163,6 +163,14 @@ class TrainSection(Section):
     """Keep the adapter of the best evaluation as the final output: eval_loss, or another metric evaluation logs (lower is better for names ending in loss)."""
     early_stopping_patience: int | None = Field(None, gt=0)
     """Stop after this many evaluations without improvement of train.keep_best (eval_loss when unset)."""
+    report_to: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"]
+    )
+    """Experiment trackers the run logs to: tensorboard (in the output folder), wandb, mlflow, trackio (each an extra: pip install 'qlora-kit[wandb]'); [] for none."""
+    run_name: str | None = None
+    """The run's name in the trackers (default: the output folder's name)."""
+    project: str = "qlora-kit"
+    """The project (W&B, trackio) or experiment (MLflow) the run is logged under, unless their environment variables say otherwise."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak dense TFLOPS of one device, for the MFU in metrics.jsonl (common GPUs are known; a CPU has none)."""
 

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import EarlyStoppingCallback, Trainer, TrainingArguments
-from transformers.integrations import TensorBoardCallback
 from transformers.training_args import ParallelMode
 
 from qlora_kit import adapters
@@ -44,6 +43,7 @@ from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.outputs import move_into_place, staging_dir
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.throughput import Throughput, peak_tflops
+from qlora_kit.trackers import tracker_callbacks
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
@@ -101,7 +101,9 @@ def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precisio
         # (early stopping compares the same metric); lower is better for a name ending in "loss"
         load_best_model_at_end=train.keep_best is not None,
         metric_for_best_model=train.keep_best or ("eval_loss" if train.early_stopping_patience else None),
-        report_to="none",  # tensorboard is attached below with a fixed folder
+        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (trackers.py)
+        run_name=train.run_name or Path(output_dir).name,
+        project=train.project,
         dataloader_pin_memory=torch.cuda.is_available(),
         use_cpu=not torch.cuda.is_available(),
     )
@@ -277,9 +279,6 @@ def build_trainer(
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
     throughput = Throughput(peft_model, peak_tflops(recipe.train.peak_tflops))
-    # Its writer (and folder) is created at the start of training, on the main process only.
-    tensorboard = TensorBoardCallback()
-    tensorboard.logging_dir = str(output_dir / "tensorboard")
     # DPO: TRL's head computes the answers' log-probabilities without whole logits already
     chunked = recipe.memory.chunked_loss and not dpo and supports_chunked_loss(peft_model.get_base_model())
     patience = recipe.train.early_stopping_patience
@@ -302,7 +301,7 @@ def build_trainer(
             throughput,
             metrics_log,
             *([guard] if guard is not None else []),
-            tensorboard,
+            *tracker_callbacks(recipe, output_dir),
             *stopping,
             *(callbacks or []),
         ],
