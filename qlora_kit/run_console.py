@@ -63,6 +63,8 @@ class RunConsole(TrainerCallback):
             step = f"step {state.global_step}/{state.max_steps}"
             if "eval_loss" in logs:
                 line = f"{step}  eval loss {logs['eval_loss']:.4f}"
+                if "eval_rewards/accuracies" in logs:  # train.objective dpo
+                    line += f"  preference accuracy {logs['eval_rewards/accuracies']:.3f}"
             else:
                 left = remaining(time.perf_counter() - self.started, state.global_step, state.max_steps)
                 line = f"{step}  {shown}  left {left}"
@@ -82,6 +84,8 @@ def figures(logs: dict[str, Any]) -> dict[str, str]:
         shown["loss"] = f"{logs['loss']:.4f}"
     if "eval_loss" in logs:
         shown["eval"] = f"{logs['eval_loss']:.4f}"
+    if "eval_rewards/accuracies" in logs:  # train.objective dpo: held-out preference accuracy
+        shown["eval acc"] = f"{logs['eval_rewards/accuracies']:.3f}"
     if "learning_rate" in logs:
         shown["lr"] = f"{logs['learning_rate']:.2e}"
     if "grad_norm" in logs:

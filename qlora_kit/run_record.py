@@ -106,19 +106,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
     seconds = _seconds(manifest.get("started_at"), manifest.get("finished_at"))
     if seconds is not None:
         rows.append(("wall time", f"{seconds:.0f} s (start to finished, loading and saving included)"))
-    losses = [row["loss"] for row in record.rows_with("loss")]
-    if losses:
-        rows.append(("loss, first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
-    evals = record.rows_with("eval_loss")
-    if evals:
-        values = [row["eval_loss"] for row in evals]
-        best = min(evals, key=lambda row: row["eval_loss"])
-        rows.append(
-            (
-                "eval loss, first -> best -> last",
-                f"{values[0]:.4f} -> {best['eval_loss']:.4f} (step {best['step']}) -> {values[-1]:.4f}",
-            )
-        )
+    rows += metric_rows(record.metrics)
     if "best" in manifest:
         best = manifest["best"]
         rows.append(
@@ -143,6 +131,31 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
     if manifest.get("git_commit"):
         rows.append(("git commit", str(manifest["git_commit"])))
+    return rows
+
+
+def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(what, value) rows of what a run logged: loss first -> last, eval loss first -> best (its step) ->
+    last, and under train.objective dpo the held-out preference accuracy first -> last."""
+    rows = []
+    losses = [row["loss"] for row in metrics if "loss" in row]
+    if losses:
+        rows.append(("loss, first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
+    evals = [row for row in metrics if "eval_loss" in row]
+    if evals:
+        best = min(evals, key=lambda row: row["eval_loss"])
+        first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
+        rows.append(
+            (
+                "eval loss, first -> best -> last",
+                f"{first:.4f} -> {best['eval_loss']:.4f} (step {best['step']}) -> {last:.4f}",
+            )
+        )
+    accuracies = [row["eval_rewards/accuracies"] for row in metrics if "eval_rewards/accuracies" in row]
+    if accuracies:
+        rows.append(
+            ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")
+        )
     return rows
 
 

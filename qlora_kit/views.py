@@ -51,13 +51,9 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
         rows.append(
             ("training time", f"{usage['train_seconds']:.1f} s ({usage['tokens_per_s']:,.0f} tokens/s)")
         )
-    losses, evals = result.train_losses, result.eval_losses
-    if losses:
-        rows.append(("loss, first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
-    if evals:
-        rows.append(
-            ("eval loss, first -> best -> last", f"{evals[0]:.4f} -> {min(evals):.4f} -> {evals[-1]:.4f}")
-        )
+    from qlora_kit.run_record import metric_rows
+
+    rows += metric_rows(result.metrics)
     peaks = [
         usage[key] for key in ("peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib") if key in usage
     ]
