@@ -4,9 +4,9 @@ Each fact is asked with several phrasings. Training rows use all phrasings but t
 rows use the last one, so validation exact-match measures whether the adapter learned the fact,
 not the sentence. Answers are one word, so they can be checked exactly.
 
-The preference pairs (builtin:demo-preferences, train.objective dpo) ask the same questions with the
-same prompts the instruction rows render to (alpaca's), chosen = the right answer, rejected = a
-plausible wrong one: another answer of the same relation (a color for a color, a city for a city).
+The preference pairs (builtin:demo-preferences, format preference_alpaca, train.objective dpo) ask the
+same questions as the instruction rows, chosen = the right answer, rejected = a plausible wrong one:
+another answer of the same relation (a color for a color, a city for a city).
 
     python scripts/make_demo_data.py
 """
@@ -116,9 +116,7 @@ RELATIONS = {
     ),
 }
 INSTRUCTION_WITH_INPUT = "Answer the question with one word."
-# qlora_kit/data/formats.py's alpaca prompts (this script runs without the package installed)
-ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+
 
 
 def build_rows() -> tuple[list[dict], list[dict]]:
@@ -140,20 +138,21 @@ def build_rows() -> tuple[list[dict], list[dict]]:
 
 
 def build_pairs(rows: list[dict], seed: int) -> list[dict]:
-    """Preference pairs for instruction rows: the alpaca prompt, the right answer, a wrong one."""
+    """Preference pairs for instruction rows (format preference_alpaca): the right answer, a wrong one."""
     rng = random.Random(seed)
     answers_of = {}
     for _, facts in RELATIONS.values():
         for answer in facts.values():
             answers_of[answer] = sorted(set(facts.values()) - {answer})
-    pairs = []
-    for row in rows:
-        template = ALPACA_PROMPT_WITH_INPUT if row["input"] else ALPACA_PROMPT
-        prompt = template.format(instruction=row["instruction"], input=row["input"])
-        pairs.append(
-            {"prompt": prompt, "chosen": row["output"], "rejected": rng.choice(answers_of[row["output"]])}
-        )
-    return pairs
+    return [
+        {
+            "instruction": row["instruction"],
+            "input": row["input"],
+            "chosen": row["output"],
+            "rejected": rng.choice(answers_of[row["output"]]),
+        }
+        for row in rows
+    ]
 
 
 def write_jsonl(rows: list[dict], path: Path) -> None:

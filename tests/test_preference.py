@@ -8,7 +8,7 @@ import pytest
 from qlora_kit import Recipe, RecipeError, builtin, model
 from qlora_kit.data import prepare
 from qlora_kit.data.errors import DataError
-from qlora_kit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_WITH_INPUT
+from qlora_kit.data.preference import alpaca_prompt
 
 PAIRS = [
     {"prompt": "What color is a lime? ", "chosen": "green", "rejected": "red"},
@@ -159,14 +159,18 @@ def test_a_bad_pair_is_one_line_naming_the_file_and_row(tmp_path, tokenizer, row
         pairs_of(dpo_recipe(path), tokenizer)
 
 
-def test_the_demo_pairs_ask_the_sft_demos_questions_with_its_prompts():
-    train_pairs, val_pairs = builtin.DEMO_DATASETS["demo-preferences"]
-    train_rows, val_rows = builtin.DEMO_DATASETS["demo-facts"]
-    for pairs, rows in ((train_pairs, train_rows), (val_pairs, val_rows)):
-        pairs = [json.loads(line) for line in pairs.read_text().splitlines()]
-        rows = [json.loads(line) for line in rows.read_text().splitlines()]
-        assert len(pairs) == len(rows)
-        for pair, row in zip(pairs, rows, strict=True):
-            template = ALPACA_PROMPT_WITH_INPUT if row["input"] else ALPACA_PROMPT
-            assert pair["prompt"] == template.format(instruction=row["instruction"], input=row["input"])
-            assert pair["chosen"] == row["output"] and pair["rejected"] != row["output"]
+def test_the_demo_pairs_ask_the_sft_demos_questions_framed_as_its_prompts(tokenizer):
+    pairs = pairs_of(Recipe.from_yaml("recipes/demo-dpo.yaml"), tokenizer)
+    sft_recipe = Recipe.from_yaml("recipes/demo.yaml", overrides={"data.packing": False})
+    sft = prepare.prepare_datasets(sft_recipe.data, tokenizer, seed=0)
+    assert len(pairs.train) == len(sft.train) and len(pairs.val) == len(sft.val)
+    for i in range(len(sft.train)):  # the SFT example is the prompt and the chosen answer, token for token
+        pair, example = pairs.train[i], sft.train[i]
+        assert example["input_ids"] == pair["prompt_ids"] + pair["chosen_ids"]
+        assert (
+            pair["rejected_ids"] != pair["chosen_ids"] and pair["rejected_ids"][-1] == tokenizer.eos_token_id
+        )
+    rows = [
+        json.loads(line) for line in builtin.DEMO_DATASETS["demo-preferences"][1].read_text().splitlines()
+    ]
+    assert pairs.val[0]["prompt_ids"] == tokenizer(alpaca_prompt(rows[0]["instruction"]))["input_ids"]

@@ -29,15 +29,13 @@ from qlora_kit.data.chat import (
     sharegpt_messages,
     with_system_prompt,
 )
-from qlora_kit.data.preference import render_chosen
+from qlora_kit.data.preference import ALPACA_PROMPT, alpaca_prompt, render_chosen
 from qlora_kit.data.segments import RowError, Segment, show
 
 if TYPE_CHECKING:
     from qlora_kit.recipe_data import DataSection
 
 IGNORE_INDEX = -100
-ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
 
 __all__ = ["FORMATS", "IGNORE_INDEX", "FormatSpec", "RowError", "Segment", "render", "tokenize"]
@@ -59,8 +57,7 @@ def _system_text(data: DataSection) -> str:
 
 
 def _render_alpaca(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
-    template = ALPACA_PROMPT_WITH_INPUT if row.get("input") else ALPACA_PROMPT
-    prompt = _system_text(data) + template.format(instruction=row["instruction"], input=row.get("input"))
+    prompt = _system_text(data) + alpaca_prompt(row["instruction"], row.get("input"))
     return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
 
 
@@ -191,6 +188,19 @@ def _chat_format(name: str, conversation: str) -> FormatSpec:
     )
 
 
+def _pair_format(name: str, asked: tuple[str, ...], kind: str, prompt: Callable[..., str]) -> FormatSpec:
+    """Preference pairs (data/preference.py): what is asked, a chosen and a rejected answer."""
+    return FormatSpec(
+        name,
+        (*asked, "chosen", "rejected"),
+        lambda row, tokenizer, data: render_chosen(row, kind, tokenizer, data),
+        prompt,
+        optional=frozenset({"input"}),
+        pairs=True,
+        chat_template=kind == "chat",
+    )
+
+
 FORMATS: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
@@ -205,20 +215,8 @@ FORMATS: dict[str, FormatSpec] = {
         _chat_format("sharegpt", "conversations"),
         FormatSpec("completion", ("prompt", "completion"), _render_completion, _completion_prompt),
         FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
-        FormatSpec(
-            "preference",
-            ("prompt", "chosen", "rejected"),
-            lambda row, tokenizer, data: render_chosen(row, False, tokenizer, data),
-            _completion_prompt,
-            pairs=True,
-        ),
-        FormatSpec(
-            "preference_chat",
-            ("prompt", "chosen", "rejected"),
-            lambda row, tokenizer, data: render_chosen(row, True, tokenizer, data),
-            _chat_prompt,
-            pairs=True,
-            chat_template=True,
-        ),
+        _pair_format("preference", ("prompt",), "text", _completion_prompt),
+        _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", _alpaca_prompt),
+        _pair_format("preference_chat", ("prompt",), "chat", _chat_prompt),
     )
 }

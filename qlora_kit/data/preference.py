@@ -1,8 +1,10 @@
 """Preference pairs (``train.objective: dpo``): a prompt, a chosen and a rejected answer, as token ids.
 
-Two formats, the shapes TRL documents:
+Three formats: TRL's two shapes, and alpaca's for DPO after an alpaca SFT run:
 
 - ``preference``: ``prompt``, ``chosen`` and ``rejected`` texts; each answer ends with the tokenizer's EOS;
+- ``preference_alpaca``: ``instruction`` (and an optional ``input``), ``chosen``, ``rejected``: the prompt
+  framed exactly as format alpaca frames it for SFT, so an alpaca SFT adapter is asked as it learned;
 - ``preference_chat``: ``prompt`` is a conversation (a list of ``{role, content}``, or one user text) and
   ``chosen`` / ``rejected`` are the assistant's reply (a text, or a list of assistant messages), rendered
   with the tokenizer's chat template: the prompt with the generation prompt, each answer as the rest of
@@ -26,24 +28,36 @@ if TYPE_CHECKING:
     from qlora_kit.recipe_data import DataSection
 
 SIDES = ("chosen", "rejected")
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+KINDS = {
+    "preference": "text",
+    "preference_alpaca": "alpaca",
+    "preference_chat": "chat",
+}  # format -> prompt kind
 
 
-def render_pair(row: dict[str, Any], chat: bool, tokenizer, data: DataSection) -> tuple[str, str, str]:
-    """(prompt, chosen, rejected) as the texts the model reads and writes; a RowError for a bad row."""
-    for name in ("prompt", *SIDES):
+def render_pair(row: dict[str, Any], kind: str, tokenizer, data: DataSection) -> tuple[str, str, str]:
+    """(prompt, chosen, rejected) as the texts the model reads and writes; a RowError for a bad row.
+    ``kind``: text (the prompt as it is), alpaca (an instruction and an optional input, framed as format
+    alpaca frames them for SFT) or chat (see the module docstring)."""
+    asked = ("instruction",) if kind == "alpaca" else ("prompt",)
+    for name in (*asked, *SIDES):
         if row.get(name) is None:
             raise RowError(f"missing field {name!r}")
-    if chat:
+    if kind == "chat":
         prompt, chosen, rejected = _render_chat_pair(row, tokenizer, data)
     else:
-        for name in ("prompt", *SIDES):
+        given = ("input",) if kind == "alpaca" and row.get("input") is not None else ()
+        for name in (*asked, *given, *SIDES):
             if not isinstance(row[name], str):
                 raise RowError(
                     f"field {name!r} must be text (got {type(row[name]).__name__} {show(row[name])})"
                 )
         system = f"{data.system_prompt}\n\n" if data.system_prompt else ""
-        prompt = system + row["prompt"]
+        asking = alpaca_prompt(row["instruction"], row.get("input")) if kind == "alpaca" else row["prompt"]
+        prompt = system + asking
         chosen, rejected = (row[side] + tokenizer.eos_token for side in SIDES)
     for side in SIDES:
         if not _answer_text(row[side]).strip():
@@ -53,11 +67,18 @@ def render_pair(row: dict[str, Any], chat: bool, tokenizer, data: DataSection) -
     return prompt, chosen, rejected
 
 
-def render_chosen(row: dict[str, Any], chat: bool, tokenizer, data: DataSection) -> list[Segment]:
+def render_chosen(row: dict[str, Any], kind: str, tokenizer, data: DataSection) -> list[Segment]:
     """The pair as supervised segments: the prompt, then the chosen answer trained (for the data preview,
     the sample prompts and exact-match evaluation, which compare against the chosen answer)."""
-    prompt, chosen, _ = render_pair(row, chat, tokenizer, data)
+    prompt, chosen, _ = render_pair(row, kind, tokenizer, data)
     return [Segment(prompt, False), Segment(chosen, True)]
+
+
+def alpaca_prompt(instruction: str, input_text: str | None = None) -> str:
+    """Alpaca's prompt (the Stanford Alpaca template), as format alpaca renders it for SFT."""
+    if input_text:
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT.format(instruction=instruction)
 
 
 def tokenize_pair(

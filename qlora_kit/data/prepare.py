@@ -237,7 +237,7 @@ def _tokenize_rows(
 
     def tokenize_pair(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
-            texts = preference.render_pair(row, spec.chat_template, tokenizer, data)
+            texts = preference.render_pair(row, preference.KINDS[fmt], tokenizer, data)
         except formats.RowError as exc:
             raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
         pair, full = preference.tokenize_pair(texts, tokenizer, add_bos, max_len, max_prompt_len, drop)
