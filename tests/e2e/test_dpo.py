@@ -145,7 +145,7 @@ def test_the_demo_reaches_its_bar_and_bad_pairs_are_one_line(tmp_path):
     assert any("eval_rewards/accuracies" in row for row in rows)
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"prompt": "Q? ", "chosen": "yes", "rejected": "yes"}) + "\n")
+    bad.write_text(json.dumps({"instruction": "Q?", "chosen": "yes", "rejected": "yes"}) + "\n")
     command = [*command[:5], "--output-dir", str(tmp_path / "never"), "--set", f"data.path={bad}"]
     command += ["--set", "train.eval_steps=null", "--set", "train.sample_prompts=0"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
