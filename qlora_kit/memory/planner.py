@@ -269,10 +269,12 @@ def plan(
     device: str = "cuda",
     processes: int = 1,
 ) -> Plan:
-    """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence;
-    per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without)."""
+    """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence
+    (a DPO batch of n pairs is 2n sequences; its reference forward runs without grad and keeps
+    nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without)."""
     shape = model_shape(recipe)
-    batch = batch or recipe.train.micro_batch_size
+    # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
+    batch = batch or recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1)
     seq = seq or recipe.data.max_seq_len
     weights = weight_bytes(shape, recipe)
     per_tensor = [recipe.lora.rank * d for li in targets(shape, recipe) for d in (li.d_in, li.d_out)]
