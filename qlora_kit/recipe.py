@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
@@ -43,6 +43,13 @@ class ModelSection(Section):
     """A trained adapter folder to start from (a qlora-kit train output): train.objective dpo tunes the SFT adapter and keeps it, frozen, as the reference; sft continues training it."""
     attn_implementation: str = "auto"
     """Attention kernel: auto (sdpa where the model supports it, else eager), sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
+
+    @field_validator("adapter")
+    @classmethod
+    def _absolute_adapter(cls, value: str | None) -> str | None:
+        # an override's relative path means the working directory's (a recipe file's was resolved against
+        # its folder already): the run's saved recipe must name the same folder from anywhere
+        return None if value is None else str(Path(value).expanduser().absolute())
 
     @model_validator(mode="after")
     def _check_attention(self) -> ModelSection:
@@ -298,7 +305,8 @@ class Recipe(Section):
         ]
         named += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(self.data.sources)]
         for field, value in named:
-            if isinstance(value, str) and looks_local(value) and not Path(value).expanduser().exists():
+            local = field == "model.adapter" or looks_local(value or "")  # an adapter is always a folder
+            if isinstance(value, str) and local and not Path(value).expanduser().exists():
                 raise RecipeError(f"{field}: no such file or folder: {value}")
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
@@ -358,7 +366,8 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> None:
         holders += [(source, "path") for source in sources]
     for block, name in holders:
         value = block.get(name) if isinstance(block, dict) else None
-        if isinstance(value, str) and looks_local(value) and not Path(value).is_absolute():
+        local = name == "adapter" or looks_local(value or "") if isinstance(value, str) else False
+        if local and not Path(value).expanduser().is_absolute():
             block[name] = str((base / value).resolve())
 
 

@@ -118,7 +118,6 @@ RELATIONS = {
 INSTRUCTION_WITH_INPUT = "Answer the question with one word."
 
 
-
 def build_rows() -> tuple[list[dict], list[dict]]:
     train, val = [], []
     for templates, facts in RELATIONS.values():

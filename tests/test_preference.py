@@ -174,3 +174,17 @@ def test_the_demo_pairs_ask_the_sft_demos_questions_framed_as_its_prompts(tokeni
         json.loads(line) for line in builtin.DEMO_DATASETS["demo-preferences"][1].read_text().splitlines()
     ]
     assert pairs.val[0]["prompt_ids"] == tokenizer(alpaca_prompt(rows[0]["instruction"]))["input_ids"]
+
+
+def test_the_data_view_shows_each_pair_and_passes_the_preflight(tokenizer):
+    from qlora_kit.data.report import inspect_data
+
+    view = inspect_data(Recipe.from_yaml("recipes/demo-dpo.yaml"), tokenizer, count=2)
+    rows = [
+        json.loads(line) for line in builtin.DEMO_DATASETS["demo-preferences"][0].read_text().splitlines()
+    ]
+    for runs, row in zip(view.examples, rows, strict=False):
+        trained = [text for text, is_trained in runs if is_trained]
+        assert trained == [row["chosen"] + tokenizer.eos_token, row["rejected"] + tokenizer.eos_token]
+        assert row["instruction"] in runs[0][0] and not runs[0][1]
+    assert all(check.passed for check in view.checks), view.checks

@@ -29,18 +29,32 @@ class DataView:
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     # Examples one by one: packed rows would show several examples glued together.
     unpacked = recipe.data.model_copy(update={"packing": False})
-    prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed)
+    pairs = recipe.train.objective == "dpo"
+    prompt_limit = recipe.preference.max_prompt_len if pairs else None
+    prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed, prompt_limit)
     train = prepared.train
+    shown = [train[i] for i in range(min(count, len(train)))]
     examples = [
-        _runs(train[i]["input_ids"], train[i]["labels"], tokenizer) for i in range(min(count, len(train)))
+        _pair_runs(row, tokenizer) if pairs else _runs(row["input_ids"], row["labels"], tokenizer)
+        for row in shown
     ]
     lengths = [n for report in prepared.train_reports for n in report.lengths]
     cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
     shares = prepare.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
-    collator = prepare.build_collator(tokenizer, packing=False)
+    collator = None if pairs else prepare.build_collator(tokenizer, packing=False)
     checks = preflight.run_checks(prepared, recipe.data, tokenizer, collator)
     return DataView(examples, prepared.reports, percentiles, shares, checks)
+
+
+def _pair_runs(row: dict[str, list[int]], tokenizer) -> list[tuple[str, bool]]:
+    """A preference pair as the prompt, then the chosen and the rejected answer, both trained."""
+    return [
+        (tokenizer.decode(row["prompt_ids"]), False),
+        (tokenizer.decode(row["chosen_ids"]), True),
+        ("\n(rejected:) ", False),
+        (tokenizer.decode(row["rejected_ids"]), True),
+    ]
 
 
 def _runs(input_ids: list[int], labels: list[int], tokenizer) -> list[tuple[str, bool]]:
