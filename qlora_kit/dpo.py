@@ -23,7 +23,6 @@ What this module changes in TRL's behaviour, and why:
 
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,8 +33,6 @@ from qlora_kit.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe import Recipe
-
-log = logging.getLogger(__name__)
 
 POLICY, REFERENCE = "default", "ref"  # TRL's adapter names (DPOTrainer.__init__)
 

@@ -34,6 +34,7 @@ LIBRARIES = (
     "accelerate",
     "datasets",
     "tokenizers",
+    "trl",
 )
 MANIFEST = "manifest.json"
 
@@ -48,12 +49,21 @@ def build_manifest(recipe: Recipe, model_path: str) -> dict[str, Any]:
         "versions": {"python": platform.python_version(), **{name: _version(name) for name in LIBRARIES}},
         "data_files": data_hashes(recipe),
         "base_model": {"path": model_path, "config_sha256": _config_hash(model_path, recipe)},
+        **_starting_adapter(recipe),
         "seed": recipe.train.seed,
         "git_commit": project_commit(),
         "machine": machine(),
         "argv": sys.argv,
         "started_at": utc_now(),
     }
+
+
+def _starting_adapter(recipe: Recipe) -> dict[str, Any]:
+    """model.adapter: the adapter the run started from (for DPO, also its reference), by its weights' hash."""
+    if recipe.model.adapter is None:
+        return {}
+    weights = Path(recipe.model.adapter) / "adapter_model.safetensors"
+    return {"starting_adapter": {"path": recipe.model.adapter, "sha256": _sha256(weights)}}
 
 
 def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:

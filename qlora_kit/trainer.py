@@ -14,7 +14,7 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
    run here, before the optimizer applies it; dead LoRA gradients stop it too (guards.py);
 5. the optimizer step (with a GradScaler under fp16, which skips overflow steps itself), the scheduler;
 6. logging (``MemoryMonitor`` and ``Throughput`` add their figures to the logs ``MetricsLog`` and
-   tensorboard write);
+   the trackers write: trackers.py);
 7. a checkpoint when due: ``_save_checkpoint`` stages it and renames it into place.
 
 Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -48,6 +49,20 @@ def trained_run(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"run-{request.param}") / "out"
     settings = {"train.max_steps": 30, "train.logging_steps": 5, "train.mixed_precision": request.param}
     return train(quick_recipe(out, **settings))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The builtin tiny model's tokenizer (a byte-level BPE trained on the demo data, with a chat template)."""
+    from qlora_kit import Recipe, model
+
+    return model.load_tokenizer(Recipe().model)
+
+
+def write(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as a JSON-lines file at ``path``."""
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
 
 
 def lora_model(compute_dtype: str = "bfloat16", targets="all-linear"):

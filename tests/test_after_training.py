@@ -3,6 +3,7 @@
 import hashlib
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,16 +99,22 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
+def interrupted_then_resumed(recipe, step: int):
+    """Train until ``step``, lose that step's checkpoint and the finished marker (as if killed while
+    writing them), then resume from the newest complete checkpoint: the resumed run's result."""
+    out = Path(recipe.train.output_dir)
+    train(recipe, callbacks=[StopAt(step)])
+    shutil.rmtree(out / f"checkpoint-{step}", ignore_errors=True)
+    (out / "adapter_config.json").unlink()
+    return train(recipe, resume=True)
+
+
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_resumed_run_ends_with_the_same_adapter_bit_for_bit(tmp_path, precision):
     settings = {"train.max_steps": 8, "train.save_steps": 3, "lora.dropout": 0.1, "data.packing": False}
     settings["train.mixed_precision"] = precision
     whole = train(quick_recipe(tmp_path / "whole", **settings))
-    recipe = quick_recipe(tmp_path / "split", **settings)
-    train(recipe, callbacks=[StopAt(4)])  # interrupted after step 4; newest checkpoint: step 3
-    shutil.rmtree(tmp_path / "split" / "checkpoint-4", ignore_errors=True)
-    (tmp_path / "split" / "adapter_config.json").unlink()  # as if it had died before finishing
-    resumed = train(recipe, resume=True)
+    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 4)  # from step 3
     a = load_file(whole.output_dir / "adapter_model.safetensors")
     b = load_file(resumed.output_dir / "adapter_model.safetensors")
     assert a.keys() == b.keys()

@@ -11,6 +11,8 @@ from qlora_kit.data.errors import DataError
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.packing import FlattenedRowsCollator, best_fit_decreasing, pack_dataset
 
+from .conftest import write
+
 ROWS = [
     {"instruction": "What color is a lime?", "input": "", "output": "green"},
     {"instruction": "Answer in one word.", "input": "What sound does a cat make?", "output": "meow"},
@@ -34,16 +36,6 @@ CHATS = [
         ]
     },
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return model.load_tokenizer(Recipe().model)
-
-
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def section(**fields):

@@ -5,10 +5,12 @@ import re
 
 import pytest
 
-from qlora_kit import Recipe, RecipeError, builtin, model
+from qlora_kit import Recipe, RecipeError, builtin
 from qlora_kit.data import prepare
 from qlora_kit.data.errors import DataError
 from qlora_kit.data.preference import alpaca_prompt
+
+from .conftest import write
 
 PAIRS = [
     {"prompt": "What color is a lime? ", "chosen": "green", "rejected": "red"},
@@ -21,16 +23,6 @@ CHAT_PAIRS = [
         "rejected": "black",
     }
 ]
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return model.load_tokenizer(Recipe().model)
-
-
-def write(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
 
 
 def dpo_recipe(path, fmt="preference", **extra):

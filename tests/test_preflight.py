@@ -8,17 +8,12 @@ import sys
 import pytest
 from transformers import DataCollatorForLanguageModeling
 
-from qlora_kit import Recipe, cli, model
+from qlora_kit import Recipe, cli
 from qlora_kit.data import prepare
 from qlora_kit.data.errors import DataError
 from qlora_kit.data.preflight import enforce, run_checks
 
 from .chat_templates import FAMILIES
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return model.load_tokenizer(Recipe().model)
 
 
 def data_of(tmp_path, rows, **fields):

@@ -54,7 +54,8 @@ def test_cli_commands_and_recipe_sections():
         "train",
         "validate",
     ]
-    assert list(Recipe.model_fields) == ["model", "quant", "lora", "memory", "optimizer", "data", "train"]
+    sections = ["model", "quant", "lora", "memory", "optimizer", "data", "train", "preference"]
+    assert list(Recipe.model_fields) == sections
 
 
 def test_import_and_help_load_no_heavy_library():

@@ -6,13 +6,8 @@ import json
 import datasets
 import pytest
 
-from qlora_kit import Recipe, RecipeError, model
+from qlora_kit import Recipe, RecipeError
 from qlora_kit.data import prepare
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return model.load_tokenizer(Recipe().model)
 
 
 def jsonl(path, rows):

@@ -3,7 +3,6 @@ exact resume, evaluation, and the demo's bar from the README — in both of the 
 
 import json
 import math
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from qlora_kit import Recipe, evaluate, model, train
 from qlora_kit.after.preference_eval import answer_logps
 from qlora_kit.pipeline import build
 
-from ..test_after_training import StopAt
+from ..test_after_training import interrupted_then_resumed
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -117,11 +116,7 @@ def test_reference_is_the_starting_adapter_on_the_one_4bit_base(trained_run, tmp
 def test_resumed_dpo_run_ends_with_the_same_adapter_bit_for_bit(tmp_path):
     settings = {"train.max_steps": 6, "train.save_steps": 2, "train.mixed_precision": "bf16"}
     whole = train(dpo_recipe(tmp_path / "whole", **settings))
-    recipe = dpo_recipe(tmp_path / "split", **settings)
-    train(recipe, callbacks=[StopAt(3)])  # interrupted after step 3; newest checkpoint: step 2
-    shutil.rmtree(tmp_path / "split" / "checkpoint-3", ignore_errors=True)
-    (tmp_path / "split" / "adapter_config.json").unlink()  # as if it had died before finishing
-    resumed = train(recipe, resume=True)
+    resumed = interrupted_then_resumed(dpo_recipe(tmp_path / "split", **settings), 3)  # from step 2
     a = load_file(whole.output_dir / "adapter_model.safetensors")
     b = load_file(resumed.output_dir / "adapter_model.safetensors")
     assert a.keys() == b.keys() and not any(".ref." in key for key in a)
