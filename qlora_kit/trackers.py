@@ -57,10 +57,9 @@ def tracker_callbacks(recipe: Recipe, output_dir: Path) -> list[TrainerCallback]
     chosen = recipe.train.report_to
     if not chosen:
         return []
-    os.environ.setdefault("WANDB_PROJECT", recipe.train.project)
-    os.environ.setdefault("MLFLOW_EXPERIMENT_NAME", recipe.train.project)
-    if "mlflow" in chosen and "MLFLOW_TRACKING_URI" not in os.environ:
-        os.environ["MLFLOW_TRACKING_URI"] = (output_dir / "mlruns").as_uri()
+    _default_env("WANDB_PROJECT", recipe.train.project)
+    _default_env("MLFLOW_EXPERIMENT_NAME", recipe.train.project)
+    if "mlflow" in chosen and _default_env("MLFLOW_TRACKING_URI", (output_dir / "mlruns").resolve().as_uri()):
         os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 refuses file stores without it
     callbacks = []
     for name in chosen:
@@ -70,6 +69,18 @@ def tracker_callbacks(recipe: Recipe, output_dir: Path) -> list[TrainerCallback]
             callback.logging_dir = str(output_dir / "tensorboard")
         callbacks.append(callback)
     return [*callbacks, LogRecipe(recipe.to_yaml(), recipe.resolved_values(), callbacks)]
+
+
+_DEFAULTED: dict[str, str] = {}  # environment variables qlora_kit filled in, with the value it gave
+
+
+def _default_env(name: str, value: str) -> bool:
+    """Set an environment variable the integrations read, unless the user set it; True if set here. A
+    later run in the same process (a notebook) gets its own value, not the first run's."""
+    if name in os.environ and _DEFAULTED.get(name) != os.environ[name]:
+        return False
+    os.environ[name] = _DEFAULTED[name] = value
+    return True
 
 
 class LogRecipe(TrainerCallback):
