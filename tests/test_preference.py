@@ -134,6 +134,17 @@ def test_the_length_policy_keeps_the_prompts_end_and_cuts_or_drops_long_answers(
     assert cut.train_reports[0].truncated == 1
     dropped = pairs_of(dpo_recipe(path, **{"data.max_seq_len": 12, "data.overlong": "drop"}), tokenizer)
     assert len(dropped.train) == 2 and dropped.train_reports[0].dropped == 1
+    # a long prompt cut to max_prompt_len is the prompt policy, not an overlong pair: kept, nothing dropped
+    short = [dict(long[0], chosen="green")]
+    kept = pairs_of(
+        dpo_recipe(
+            write(tmp_path / "short.jsonl", short + PAIRS),
+            **{"data.max_seq_len": 12, "data.overlong": "drop", "preference.max_prompt_len": 4},
+        ),
+        tokenizer,
+    )
+    assert len(kept.train) == 3 and kept.train_reports[0].dropped == 0
+    assert kept.train[0]["prompt_ids"] == full_prompt[-4:]
 
 
 @pytest.mark.parametrize(

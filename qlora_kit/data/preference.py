@@ -89,14 +89,15 @@ def tokenize_pair(
     max_prompt_len: int | None,
     drop: bool,
 ) -> tuple[dict[str, list[int]], int]:
-    """The pair's token ids after the length policy, and its longest side's length before it (prompt plus
-    answer). A dropped pair has empty answers."""
+    """The pair's token ids after the length policy, and its longer side's length before the answers are
+    cut (the prompt, already cut to ``max_prompt_len``, plus the answer): above ``max_len`` the pair is
+    truncated or dropped, as data.overlong counts it. A dropped pair has empty answers."""
     prompt, chosen, rejected = texts
     prompt_ids = tokenizer(prompt, add_special_tokens=add_bos)["input_ids"]
     answers = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in (chosen, rejected)]
-    full = len(prompt_ids) + max(len(ids) for ids in answers)
     if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
         prompt_ids = prompt_ids[-max_prompt_len:]
+    full = len(prompt_ids) + max(len(ids) for ids in answers)
     room = max(max_len - len(prompt_ids), 0)
     if any(len(ids) > room for ids in answers):
         answers = [[] if drop else ids[:room] for ids in answers]
