@@ -22,6 +22,9 @@ timeout 150 python3 benchmarks/fsdp_check.py --processes 1 2>&1 | grep -A8 "^| r
 cp benchmarks/results/fsdp-gpu.md "${OUT:-/tmp}/" 2>/dev/null
 # Packing without cross-attention on every kernel the machine has (flash ones where installed).
 timeout 60 python3 benchmarks/packing_check.py 2>&1 | grep "^packing"
-timeout 240 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
+# DPO (train.objective dpo, TRL's DPOTrainer with the frozen "ref" adapter) on the demo pairs, then its evaluation.
+timeout 45 python3 -m qlora_kit train recipes/demo-dpo.yaml --output-dir /tmp/demo-dpo -q 2>&1 | grep -E "preference|eval loss,|error"
+timeout 30 python3 -m qlora_kit eval --adapter /tmp/demo-dpo 2>&1 | grep -E "accuracy|margin|error"
+timeout 165 python3 benchmarks/gpu_check.py "$@" 2>&1 | tee "${OUT:-/tmp}/gpu-check.log" | grep -v -e "it/s\]" -e "examples/s\]"
 # qlora_kit against the TRL + PEFT script on the GPU (benchmarks/vs_trl.py; writes results/vs-trl-gpu.md).
 timeout 90 python3 benchmarks/vs_trl.py --rounds 2 --steps 16 2>&1 | grep -A12 "^| comparison"
