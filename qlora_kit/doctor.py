@@ -32,6 +32,7 @@ from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
 from qlora_kit.pipeline import run
 from qlora_kit.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe import Recipe
+from qlora_kit.recipe_base import one_line
 
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
 # The tiny run: long enough for the loss to fall, short enough for CI (~10 s on 2 CPU cores).
@@ -74,7 +75,7 @@ def _attempt(checks: list[Check], name: str, work: Callable):
     try:
         ok, detail, *value = work()
     except Exception as exc:  # a broken machine shows as a failed row, not a traceback
-        checks.append(Check(name, False, f"{exc.__class__.__name__}: {_one_line(str(exc))}"))
+        checks.append(Check(name, False, f"{exc.__class__.__name__}: {one_line(str(exc))[:300]}"))
         return None
     checks.append(Check(name, ok, detail))
     return value[0] if value and ok else None
@@ -99,7 +100,7 @@ def _bitsandbytes_native() -> str | None:
     try:
         from bitsandbytes import cextension
     except Exception as exc:
-        return f"bitsandbytes does not import: {exc.__class__.__name__}: {_one_line(str(exc))}"
+        return f"bitsandbytes does not import: {exc.__class__.__name__}: {one_line(str(exc))[:300]}"
     if isinstance(cextension.lib, cextension.ErrorHandlerMockBNBNativeLibrary):
         return "bitsandbytes' native library did not load"
     return None
@@ -190,7 +191,3 @@ def _plan(recipe: Recipe):
     if chosen is not None:
         detail += f"; the recipe's {chosen.policy} needs {chosen.peak / GIB:.2f} GiB"
     return fits, detail
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())[:300]

@@ -23,7 +23,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
 from qlora_kit import attention
 from qlora_kit.memory.optimizers import OPTIMIZERS
-from qlora_kit.recipe_base import RecipeError, Section, looks_local
+from qlora_kit.recipe_base import RecipeError, Section, describe_validation_error, looks_local, one_line
 from qlora_kit.recipe_data import DataSection
 from qlora_kit.recipe_preference import PreferenceSection, check_objective, unpacked_for_pairs
 
@@ -284,7 +284,7 @@ class Recipe(Section):
         try:
             values = yaml.safe_load(text) or {}
         except yaml.YAMLError as exc:
-            raise RecipeError(f"{path}: not valid YAML ({_one_line(str(exc))})") from None
+            raise RecipeError(f"{path}: not valid YAML ({one_line(str(exc))})") from None
         if not isinstance(values, dict):
             raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(values).__name__}")
         _resolve_paths(values, path.parent)
@@ -369,37 +369,3 @@ def _resolve_paths(values: dict[str, Any], base: Path) -> None:
         local = name == "adapter" or looks_local(value or "") if isinstance(value, str) else False
         if local and not Path(value).expanduser().is_absolute():
             block[name] = str((base / value).resolve())
-
-
-def describe_validation_error(exc: ValidationError) -> str:
-    """The first problem as one line: ``lora.rank: must be > 0 (got 0)``."""
-    errors = exc.errors()
-    first = errors[0]
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    loc = ".".join(str(part) for part in first["loc"])
-    if first["type"] == "value_error":
-        message = str((first.get("ctx") or {}).get("error", first["msg"]))
-        if not loc or message.startswith(f"{loc}."):
-            return f"{message}{more}"  # recipe- and section-level validators name the field themselves
-    return f"{loc}: {_message_for(first)}{more}"
-
-
-def _message_for(error: dict[str, Any]) -> str:
-    kind, ctx, got = error["type"], error.get("ctx") or {}, error.get("input")
-    bounds = {"greater_than": ">", "greater_than_equal": ">=", "less_than": "<", "less_than_equal": "<="}
-    if kind in bounds:
-        limit = next(iter(ctx.values()))
-        return f"must be {bounds[kind]} {limit} (got {got!r})"
-    if kind == "extra_forbidden":
-        return "unknown key"
-    if kind == "missing":
-        return "required"
-    if kind == "literal_error":
-        return f"must be one of {ctx.get('expected')} (got {got!r})"
-    if kind == "value_error":
-        return str(ctx.get("error", error["msg"]))
-    return f"{error['msg'][0].lower()}{error['msg'][1:]} (got {got!r})"
-
-
-def _one_line(text: str) -> str:
-    return " ".join(text.split())
