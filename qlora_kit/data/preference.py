@@ -31,11 +31,8 @@ SIDES = ("chosen", "rejected")
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-KINDS = {
-    "preference": "text",
-    "preference_alpaca": "alpaca",
-    "preference_chat": "chat",
-}  # format -> prompt kind
+# data.format -> how its prompt is asked (render_pair's kind)
+KINDS = {"preference": "text", "preference_alpaca": "alpaca", "preference_chat": "chat"}
 
 
 def render_pair(row: dict[str, Any], kind: str, tokenizer, data: DataSection) -> tuple[str, str, str]:
