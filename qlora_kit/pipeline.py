@@ -50,6 +50,7 @@ from qlora_kit.paths import (
     check_model_folder,
     check_output_folder,
     check_output_holds_no_input,
+    read_json,
 )
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
@@ -118,7 +119,14 @@ def check_runnable(recipe: Recipe) -> None:
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
     if recipe.model.adapter is not None:
-        check_adapter_folder(Path(recipe.model.adapter).expanduser(), "model.adapter")
+        folder = Path(recipe.model.adapter).expanduser()
+        check_adapter_folder(folder, "model.adapter")
+        bias = read_json(folder / "adapter_config.json", "model.adapter").get("bias", "none")
+        if recipe.train.objective == "dpo" and bias != "none":
+            raise RecipeError(
+                f"model.adapter: {folder} trains biases (bias: {bias}); DPO's reference is a second adapter, "
+                "and peft allows trained biases in one adapter only"
+            )
     launch = launched_fsdp_settings()
     if recipe.train.fsdp and launch is None:
         raise RecipeError(
@@ -174,6 +182,8 @@ def build(
     )
     if dpo:
         log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
+        # TRL's disable_dropout: policy and reference score the same answer alike before training
+        log.info("dpo: dropout is off, lora.dropout included (TRL's default)")
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
 
 

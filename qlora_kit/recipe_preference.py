@@ -92,6 +92,13 @@ def check_objective(recipe: Recipe) -> None:
 def _check_dpo(recipe: Recipe) -> None:
     if recipe.data.packing:
         raise ValueError("data.packing: not with train.objective dpo (TRL pads its pairs; it packs none)")
+    if recipe.data.group_by_length:
+        raise ValueError("data.group_by_length: not with train.objective dpo (pairs have no single length)")
+    if recipe.lora.bias != "none":
+        raise ValueError(
+            f"lora.bias: {recipe.lora.bias} not with train.objective dpo (TRL's reference is a second adapter, "
+            "and peft allows trained biases in one adapter only)"
+        )
     if recipe.data.train_on_inputs:
         raise ValueError("data.train_on_inputs: not with train.objective dpo (pairs compare answers only)")
     if recipe.train.fsdp:

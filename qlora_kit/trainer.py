@@ -8,7 +8,8 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
    loss or the chunked loss head (memory/loss_head.py), while ``SavedTensors`` counts the bytes saved
    for backward and the monitor counts tokens;
 2. ``training_step`` — backward; then the micro-batch's loss is folded into the guard's device flag
-   (no host read) and the monitor closes the backward phase;
+   (no host read; under train.objective dpo TRL's loss reads its reward metrics on the host each
+   micro-batch) and the monitor closes the backward phase;
 3. after the last micro-batch: DDP's all-reduce, then the Trainer unscales (fp16) and clips;
 4. ``on_pre_optimizer_step`` — the guard reads its flags once: a non-finite loss or gradient stops the
    run here, before the optimizer applies it; dead LoRA gradients stop it too (guards.py);

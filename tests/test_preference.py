@@ -66,6 +66,14 @@ def pairs_of(recipe, tokenizer):
             "preference.label_smoothing: exo_pair needs it above 0",
         ),
         (
+            {"train": {"objective": "dpo"}, "data": {"format": "preference", "group_by_length": True}},
+            "data.group_by_length: not with train.objective dpo",
+        ),
+        (
+            {"train": {"objective": "dpo"}, "data": {"format": "preference"}, "lora": {"bias": "all"}},
+            "lora.bias: all not with train.objective dpo",
+        ),
+        (
             {
                 "train": {"objective": "dpo", "fsdp": True},
                 "data": {"format": "preference"},

@@ -137,8 +137,9 @@ class MetricsLog(TrainerCallback):
                 row[name] = float(value)
         for key in self.PREFERENCE_KEYS:
             for name in (key, f"eval_{key}"):
-                if isinstance(logs.get(name), (int, float)):
-                    row[name] = float(logs[name])
+                value = logs.get(name)
+                if isinstance(value, (int, float)) and math.isfinite(value):
+                    row[name] = float(value)
         if len(row) == 1:
             return  # end-of-training summaries carry none of the per-step keys
         row["epoch"] = round(float(state.epoch or 0.0), 4)

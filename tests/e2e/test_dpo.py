@@ -3,6 +3,7 @@ exact resume, evaluation, and the demo's bar from the README — in both of the 
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +14,10 @@ import torch.nn.functional as F
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from qlora_kit import Recipe, evaluate, model, train
-from qlora_kit.after.preference_eval import answer_logps
-from qlora_kit.pipeline import build
+from qlora_kit import Recipe, RecipeError, evaluate, model, train
+from qlora_kit.after.preference_eval import answer_logps, reference_logps
+from qlora_kit.data import prepare
+from qlora_kit.pipeline import build, check_runnable
 
 from ..test_after_training import interrupted_then_resumed
 
@@ -111,6 +113,29 @@ def test_reference_is_the_starting_adapter_on_the_one_4bit_base(trained_run, tmp
     assert not torch.equal(answer_logps(peft_model, pairs)[0], before[0]), "the policy did not move"
     rows = trainer.metrics_log.rows
     assert any("rewards/margins" in row for row in rows)
+
+
+def test_the_reference_for_evaluating_a_bare_base_leaves_the_base_bare(trained_run, tmp_path):
+    """qlora-kit eval --no-adapter on a DPO recipe with model.adapter: the SFT reference is scored on the
+    same base, which must answer as the base again afterwards (exact match is measured on it next)."""
+    sft = trained_run.output_dir
+    recipe = dpo_recipe(tmp_path / "out", **{"model.adapter": str(sft)})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    pairs = prepare.prepare_datasets(recipe.data, model.load_tokenizer(recipe.model), 0).val.select(range(4))
+    alone = answer_logps(base, pairs)
+    reference = reference_logps(base, recipe, pairs)
+    assert not torch.equal(reference[0], alone[0])  # the SFT adapter scored them
+    again = answer_logps(base, pairs)
+    assert torch.equal(again[0], alone[0]) and torch.equal(again[1], alone[1])
+    assert not any("lora" in name for name, _ in base.named_modules())
+
+    # a starting adapter that trains biases cannot have DPO's second adapter beside it: one line, before loading
+    biased = tmp_path / "biased"
+    shutil.copytree(sft, biased, ignore=shutil.ignore_patterns("checkpoint-*", "tensorboard"))
+    config = json.loads((biased / "adapter_config.json").read_text())
+    (biased / "adapter_config.json").write_text(json.dumps({**config, "bias": "all"}))
+    with pytest.raises(RecipeError, match=f"model.adapter: {biased} trains biases"):
+        check_runnable(dpo_recipe(tmp_path / "out", **{"model.adapter": str(biased)}))
 
 
 def test_resumed_dpo_run_ends_with_the_same_adapter_bit_for_bit(tmp_path):
