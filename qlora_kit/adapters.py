@@ -97,18 +97,17 @@ def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: boo
 def log_continued_shape(peft_model: PeftModel, recipe: Recipe) -> None:
     """model.adapter: the adapter's own config fixes its shape; say so where the recipe's lora differs."""
     config = peft_model.peft_config[peft_model.active_adapter]
-    own = {"rank": config.r, "alpha": config.lora_alpha}
-    differing = {k: v for k, v in own.items() if getattr(recipe.lora, k) != v}
     log.info(
         "model.adapter: continuing %s (rank %d, alpha %g)", recipe.model.adapter, config.r, config.lora_alpha
     )
-    if differing:
-        log.warning(
-            "model.adapter: the adapter's own shape applies, not lora.%s %s (it has %s)",
-            next(iter(differing)),
-            getattr(recipe.lora, next(iter(differing))),
-            next(iter(differing.values())),
-        )
+    for field, own in (("rank", config.r), ("alpha", config.lora_alpha)):
+        if getattr(recipe.lora, field) != own:
+            log.warning(
+                "model.adapter: the adapter's own shape applies, not lora.%s %s (it has %s)",
+                field,
+                getattr(recipe.lora, field),
+                own,
+            )
 
 
 def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:

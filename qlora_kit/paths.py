@@ -63,21 +63,24 @@ def check_model_folder(path: str, field: str = "model.path", weights: bool = Tru
         )
 
 
-def check_adapter_folder(folder: Path, flag: str = "--adapter") -> None:
-    """A folder written by ``qlora-kit train`` (or a checkpoint of one) whose adapter files read."""
+def check_adapter_folder(folder: Path, flag: str = "--adapter") -> dict:
+    """A folder written by ``qlora-kit train`` (or a checkpoint of one) whose adapter files read; returns
+    its adapter config."""
     if not folder.exists():
         raise RecipeError(f"{flag}: {folder} does not exist")
     if not folder.is_dir():
         raise RecipeError(f"{flag}: {folder} is a file; give the folder a run wrote")
-    config = folder / "adapter_config.json"
-    if not config.is_file():
+    path = folder / "adapter_config.json"
+    if not path.is_file():
         raise RecipeError(f"{flag}: {folder} holds no adapter (adapter_config.json is missing)")
-    if not isinstance(read_json(config, flag), dict):
-        raise RecipeError(f"{flag}: {config} is not an adapter config (a JSON object)")
+    config = read_json(path, flag)
+    if not isinstance(config, dict):
+        raise RecipeError(f"{flag}: {path} is not an adapter config (a JSON object)")
     weights = folder / "adapter_model.safetensors"
     if not weights.is_file():
         raise RecipeError(f"{flag}: {folder} has no adapter_model.safetensors")
     check_safetensors(weights, flag)
+    return config
 
 
 def check_checkpoint(folder: Path) -> None:

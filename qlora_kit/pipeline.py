@@ -50,7 +50,6 @@ from qlora_kit.paths import (
     check_model_folder,
     check_output_folder,
     check_output_holds_no_input,
-    read_json,
 )
 from qlora_kit.precision import resolve_mixed_precision
 from qlora_kit.recipe import RecipeError
@@ -120,8 +119,7 @@ def check_runnable(recipe: Recipe) -> None:
         check_model_folder(recipe.model.path)
     if recipe.model.adapter is not None:
         folder = Path(recipe.model.adapter).expanduser()
-        check_adapter_folder(folder, "model.adapter")
-        bias = read_json(folder / "adapter_config.json", "model.adapter").get("bias", "none")
+        bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")
         if recipe.train.objective == "dpo" and bias != "none":
             raise RecipeError(
                 f"model.adapter: {folder} trains biases (bias: {bias}); DPO's reference is a second adapter, "

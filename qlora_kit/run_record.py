@@ -121,11 +121,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
         utilisation = f", MFU {sum(mfu) / len(mfu):.1%}" if mfu else ""
         rows.append(("trained tokens/s (median)", f"{speeds[len(speeds) // 2]:,.0f}{utilisation}"))
     peaks = [row[key] for row in record.metrics for key in PEAK_KEYS if key in row]
-    saved = [row["saved_mib"] for row in record.rows_with("saved_mib")]
-    if peaks:
-        rows.append(("peak GPU memory (allocated)", f"{max(peaks):.2f} GiB"))
-    elif saved:
-        rows.append(("most saved for backward", f"{max(saved):.1f} MiB"))
+    rows += memory_rows(peaks, [row["saved_mib"] for row in record.rows_with("saved_mib")])
     versions = manifest.get("versions", {})
     if versions:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
@@ -157,6 +153,15 @@ def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
             ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")
         )
     return rows
+
+
+def memory_rows(peaks_gib: list[float], saved_mib: list[float]) -> list[tuple[str, str]]:
+    """The run's memory as one row: CUDA's peak allocated memory, or on a CPU the most saved for backward."""
+    if peaks_gib:
+        return [("peak GPU memory (allocated)", f"{max(peaks_gib):.2f} GiB")]
+    if saved_mib:
+        return [("most saved for backward", f"{max(saved_mib):.1f} MiB")]
+    return []
 
 
 def plot_run(record: RunRecord, path: str | Path | None = None) -> Path:

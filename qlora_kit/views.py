@@ -51,16 +51,11 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
         rows.append(
             ("training time", f"{usage['train_seconds']:.1f} s ({usage['tokens_per_s']:,.0f} tokens/s)")
         )
-    from qlora_kit.run_record import metric_rows
+    from qlora_kit.run_record import PEAK_KEYS, memory_rows, metric_rows
 
     rows += metric_rows(result.metrics)
-    peaks = [
-        usage[key] for key in ("peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib") if key in usage
-    ]
-    if peaks:
-        rows.append(("peak GPU memory (allocated)", f"{max(peaks):.2f} GiB"))
-    elif "saved_mib" in usage:
-        rows.append(("most saved for backward", f"{usage['saved_mib']:.1f} MiB"))
+    saved = [usage["saved_mib"]] if "saved_mib" in usage else []
+    rows += memory_rows([usage[key] for key in PEAK_KEYS if key in usage], saved)
     rows.append(("written to", str(result.output_dir)))
     return rows
 

@@ -14,6 +14,7 @@ adapter DPO started from), loaded as a second adapter on the same 4-bit base, or
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -47,11 +48,9 @@ def preference_metrics(lm, recipe: Recipe, pairs: Dataset) -> dict[str, Any]:
 def reference_logps(lm, recipe: Recipe, pairs: Dataset) -> tuple[torch.Tensor, torch.Tensor]:
     """The answers' log-probabilities under the reference policy, on the same 4-bit base as ``lm``."""
     adapter = recipe.model.adapter
-    if adapter is None:
-        if isinstance(lm, PeftModel):
-            with lm.disable_adapter():
-                return answer_logps(lm, pairs)[:2]
-        return answer_logps(lm, pairs)[:2]
+    if adapter is None:  # the base: lm's adapter switched off, or lm itself
+        with lm.disable_adapter() if isinstance(lm, PeftModel) else contextlib.nullcontext():
+            return answer_logps(lm, pairs)[:2]
     if isinstance(lm, PeftModel):
         active = lm.active_adapter
         lm.load_adapter(str(Path(adapter).expanduser()), adapter_name=REFERENCE)

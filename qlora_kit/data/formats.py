@@ -29,7 +29,7 @@ from qlora_kit.data.chat import (
     sharegpt_messages,
     with_system_prompt,
 )
-from qlora_kit.data.preference import ALPACA_PROMPT, alpaca_prompt, render_chosen
+from qlora_kit.data.preference import alpaca_prompt, render_chosen
 from qlora_kit.data.segments import RowError, Segment, show
 
 if TYPE_CHECKING:
@@ -135,7 +135,7 @@ def prompt_text(segments: list[Segment]) -> str:
 def _alpaca_prompt(
     text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
 ) -> str:
-    return _system_text(data) + ALPACA_PROMPT.format(instruction=text)
+    return _system_text(data) + alpaca_prompt(text)
 
 
 def _chat_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
