@@ -28,8 +28,9 @@ MIB = 2**20
 
 
 def build(kernel: str, packing: bool, out: Path):
-    from qlora_kit import Recipe, builtin
-    from qlora_kit.pipeline import build as build_run
+    from qlora_kit import Recipe
+    from qlora_kit.model import builtin
+    from qlora_kit.training.pipeline import build as build_run
 
     folder = builtin.ensure_tiny_model("tiny-llama", **SHAPE, max_position_embeddings=SEQ)
     recipe = Recipe.from_dict(

@@ -33,9 +33,9 @@ SETTINGS = {
 
 
 def build(compiled: bool, memory: dict, out: Path):
-    import qlora_kit.trainer
+    import qlora_kit.training.trainer
     from qlora_kit import Recipe
-    from qlora_kit.pipeline import build as build_run
+    from qlora_kit.training.pipeline import build as build_run
 
     recipe = Recipe.from_dict(
         {
@@ -45,17 +45,17 @@ def build(compiled: bool, memory: dict, out: Path):
             "train": {"output_dir": str(out), "micro_batch_size": BATCH, "max_steps": 1000},
         }
     )
-    plain = qlora_kit.trainer.training_arguments
+    plain = qlora_kit.training.trainer.training_arguments
 
     def with_compile(*args, **kwargs):  # the Trainer's own switch; qlora_kit has no field for it
         arguments = plain(*args, **kwargs)
         return dataclasses.replace(arguments, torch_compile=compiled)  # __post_init__ picks inductor
 
-    qlora_kit.trainer.training_arguments = with_compile
+    qlora_kit.training.trainer.training_arguments = with_compile
     try:
         trainer = build_run(recipe).trainer
     finally:
-        qlora_kit.trainer.training_arguments = plain
+        qlora_kit.training.trainer.training_arguments = plain
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     # What trainer.train() does first: accelerate prepares the model, compiling it when asked.

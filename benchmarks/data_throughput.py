@@ -28,7 +28,7 @@ MODES = {
 
 def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     """Text rows whose token counts spread from ~24 to ~240."""
-    from qlora_kit.builtin import corpus_words
+    from qlora_kit.model.builtin import corpus_words
 
     words = corpus_words()
     rng = random.Random(seed)
@@ -43,7 +43,7 @@ def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
 def build(mode: str, data_path: Path, out: Path, batch: int):
     """The mode's run set up by pipeline.build, as `qlora-kit train` sets it up."""
     from qlora_kit import Recipe
-    from qlora_kit.pipeline import build as build_run
+    from qlora_kit.training.pipeline import build as build_run
 
     overrides = {
         "data.path": str(data_path),

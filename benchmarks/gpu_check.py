@@ -1,6 +1,6 @@
 """The GPU check: qlora_kit's memory figures on a real CUDA device, through ``trainer.train()``.
 
-Every measurement is a real run of ``qlora_kit.pipeline.run`` — the code path of ``qlora-kit train``:
+Every measurement is a real run of ``qlora_kit.training.pipeline.run`` — the code path of ``qlora-kit train``:
 accelerate's prepare, the device's mixed precision (bf16 autocast with fp32 output conversion on a
 bf16 GPU), the guards, the optimizer the recipe names — on a ~1B-parameter Llama built from a config
 (random weights, Llama-3's 128,256-token vocabulary so the loss head matters), loaded in 4-bit, on
@@ -71,14 +71,14 @@ def versions() -> dict[str, str]:
 
 
 def model_folder(tiny: bool) -> Path:
-    from qlora_kit import builtin
+    from qlora_kit.model import builtin
 
     return builtin.ensure_tiny_model("tiny-llama", **(TINY_SHAPE if tiny else FULL_SHAPE))
 
 
 def text_rows(folder: Path, seq: int, rows: int) -> Path:
     """Rows of plain text longer than ``seq`` tokens: truncated, each is exactly ``seq`` tokens."""
-    from qlora_kit.builtin import corpus_words
+    from qlora_kit.model.builtin import corpus_words
 
     words, rng = corpus_words(), random.Random(0)
     path = folder / f"text-{seq}.jsonl"
@@ -110,7 +110,7 @@ def recipe_for(folder: Path, data: Path, memory: dict, batch: int, seq: int, ste
 
 def train(recipe, resume: str | None = None) -> dict:
     """One real run (``qlora-kit train``'s code path); its memory summary and tokens/s."""
-    from qlora_kit.pipeline import run
+    from qlora_kit.training.pipeline import run
 
     result = run(recipe, resume=resume or False, overwrite=resume is None)
     usage = dict(result.memory)

@@ -21,7 +21,7 @@ from common import markdown_table, write_result
 
 def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str) -> float:
     from qlora_kit import Recipe
-    from qlora_kit.pipeline import run
+    from qlora_kit.training.pipeline import run
 
     recipe = Recipe.from_dict(
         {},

@@ -36,7 +36,8 @@ def sample():  # the kernel reports peak RSS with file pages included; anonymous
                 peak[key] = max(peak[key], int(line.split()[1]) * 1024)
         time.sleep(0.2)
 threading.Thread(target=sample, daemon=True).start()
-from qlora_kit import Recipe, model
+from qlora_kit import Recipe
+from qlora_kit.model import loading as model
 from qlora_kit.data import prepare, preflight
 recipe = Recipe.from_dict({"data": {"path": sys.argv[1], "max_seq_len": 1024}})
 tokenizer = model.load_tokenizer(recipe.model)
@@ -60,7 +61,8 @@ print(json.dumps({
 def single_token_words() -> list[str]:
     """Whole words the demo tokenizer encodes as one token each (~6 characters a token, as real
     tokenizers give English text), so the file's size stands for a realistic number of tokens."""
-    from qlora_kit import Recipe, model
+    from qlora_kit import Recipe
+    from qlora_kit.model import loading as model
 
     vocab = model.load_tokenizer(Recipe().model).get_vocab()
     return sorted(w[1:] for w in vocab if w.startswith("Ġ") and w[1:].isalpha() and len(w) > 3)

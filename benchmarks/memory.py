@@ -36,8 +36,9 @@ MIB = 2**20
 
 def build(name: str, vocab: int, memory_fields: dict, out: Path):
     """The policy's run set up by pipeline.build, as `qlora-kit train` sets it up."""
-    from qlora_kit import Recipe, builtin
-    from qlora_kit.pipeline import build as build_run
+    from qlora_kit import Recipe
+    from qlora_kit.model import builtin
+    from qlora_kit.training.pipeline import build as build_run
 
     folder = builtin.ensure_tiny_model("tiny-llama", **SHAPE, vocab_size=vocab)
     recipe = Recipe.from_dict(

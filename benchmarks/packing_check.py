@@ -47,9 +47,11 @@ def check(kernel: str, compute_dtype: str) -> float:
     """The largest per-token loss difference, packed against one by one."""
     from datasets import Dataset
 
-    from qlora_kit import Recipe, adapters, builtin, model
+    from qlora_kit import Recipe
     from qlora_kit.data import prepare
     from qlora_kit.data.packing import pack_dataset
+    from qlora_kit.model import adapters, builtin
+    from qlora_kit.model import loading as model
 
     recipe = Recipe.from_dict(
         {
@@ -82,7 +84,7 @@ def check(kernel: str, compute_dtype: str) -> float:
 
 
 def main() -> None:
-    from qlora_kit import attention
+    from qlora_kit.registries import attention
 
     cuda = torch.cuda.is_available()
     results = {}

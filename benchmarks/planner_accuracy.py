@@ -59,7 +59,7 @@ def measure_row(arch: str, policy: str, every_n: int, packing: bool, out: Path) 
     from qlora_kit.memory.accounting import measure_saved_bytes
     from qlora_kit.memory.planner import activation_bytes, formula_activation_bytes
     from qlora_kit.memory.shapes import model_shape
-    from qlora_kit.pipeline import build
+    from qlora_kit.training.pipeline import build
 
     recipe = recipe_for(arch, policy, every_n, packing, out)
     setup = build(recipe)
@@ -100,7 +100,7 @@ def plan_seconds() -> list[list[str]]:
 
 
 def main() -> None:
-    from qlora_kit import builtin
+    from qlora_kit.model import builtin
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -41,7 +41,7 @@ BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0  # SEED: the data; each round trains 
 
 def make_dataset(folder: Path, rows: int = 1024) -> Path:
     """prompt/completion rows whose lengths vary about 10x (20 to 220 tokens)."""
-    from qlora_kit.builtin import corpus_words
+    from qlora_kit.model.builtin import corpus_words
 
     words = corpus_words()
     rng = random.Random(SEED)
@@ -220,7 +220,7 @@ def main() -> None:
         child(system, model_dir, data, int(steps), packing == "1", int(seed))
         return
 
-    from qlora_kit import builtin
+    from qlora_kit.model import builtin
 
     model_dir = str(builtin.ensure_tiny_model("tiny-llama", **SHAPE))
     folder = Path(tempfile.mkdtemp())

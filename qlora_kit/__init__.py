@@ -13,10 +13,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit.recipe import Recipe, RecipeError
+from qlora_kit.errors import RecipeError
+from qlora_kit.recipe.recipe import Recipe
 
 if TYPE_CHECKING:
-    from qlora_kit.pipeline import TrainResult
+    from qlora_kit.training.pipeline import TrainResult
 
 __all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "generate", "merge", "show", "train"]
 __version__ = "0.1.0"
@@ -37,8 +38,8 @@ logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(_DropOptionalKernel
 def train(
     recipe: Recipe, overwrite: bool = False, resume: bool | str = False, callbacks: list | None = None
 ) -> TrainResult:
-    """Run the whole QLoRA pipeline for ``recipe``; see ``qlora_kit.pipeline.run``."""
-    from qlora_kit.pipeline import run
+    """Run the whole QLoRA pipeline for ``recipe``; see ``qlora_kit.training.pipeline.run``."""
+    from qlora_kit.training.pipeline import run
 
     return run(recipe, overwrite=overwrite, resume=resume, callbacks=callbacks)
 
@@ -65,17 +66,17 @@ def merge(adapter_dir: str, out_dir: str, **kwargs: Any):
 
 
 def show(run_dir: str | Path, plot: bool = True) -> Path | None:
-    """Print a run's summary from its folder and write its loss.png; see ``qlora_kit.run_record.show``."""
+    """Print a run's summary from its folder and write its loss.png; see ``qlora_kit.cli.views.show_run_folder``."""
     from rich.console import Console
 
-    from qlora_kit.run_record import show as show_run
+    from qlora_kit.cli.views import show_run_folder as show_run
 
     return show_run(run_dir, Console(), plot=plot)
 
 
 def __getattr__(name: str) -> Any:
     if name == "TrainResult":
-        from qlora_kit.pipeline import TrainResult
+        from qlora_kit.training.pipeline import TrainResult
 
         return TrainResult
     raise AttributeError(f"module 'qlora_kit' has no attribute {name!r}")

@@ -54,7 +54,8 @@ def trained_run(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tokenizer():
     """The builtin tiny model's tokenizer (a byte-level BPE trained on the demo data, with a chat template)."""
-    from qlora_kit import Recipe, model
+    from qlora_kit import Recipe
+    from qlora_kit.model import loading as model
 
     return model.load_tokenizer(Recipe().model)
 
@@ -70,7 +71,9 @@ def lora_model(compute_dtype: str = "bfloat16", targets="all-linear"):
     gradient from the first step (peft starts B at zero)."""
     import torch
 
-    from qlora_kit import Recipe, adapters, model
+    from qlora_kit import Recipe
+    from qlora_kit.model import adapters
+    from qlora_kit.model import loading as model
 
     recipe = Recipe.from_dict(
         {"quant": {"compute_dtype": compute_dtype}, "lora": {"dropout": 0.0, "target_modules": targets}}

@@ -2,7 +2,9 @@
 
 import bitsandbytes as bnb
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
 
 
 def attach(**lora):

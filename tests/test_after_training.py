@@ -10,13 +10,14 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, TrainerCallback
 
-from qlora_kit import Recipe, adapters, builtin, model, train
+from qlora_kit import Recipe, train
 from qlora_kit.after.evaluate import evaluate
 from qlora_kit.after.generate import generate
-from qlora_kit.after.merge import MergeDriftError, merge_adapter
-from qlora_kit.guards import TrainingGuardError
+from qlora_kit.after.merge import merge_adapter
+from qlora_kit.errors import MergeDriftError, OutputDirError, TrainingGuardError
 from qlora_kit.memory import checkpointing
-from qlora_kit.outputs import OutputDirError
+from qlora_kit.model import adapters, builtin
+from qlora_kit.model import loading as model
 
 from .conftest import DEMO, PRECISIONS, quick_recipe
 
@@ -132,7 +133,7 @@ def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tm
 
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
     from qlora_kit.data import prepare
-    from qlora_kit.trainer import build_trainer
+    from qlora_kit.training.objectives import build_trainer
 
     recipe = quick_recipe(tmp_path, **{"train.max_steps": 3, "memory.checkpointing": "none"})
     base = model.load_base_model(recipe.model, recipe.quant)

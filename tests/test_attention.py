@@ -6,11 +6,14 @@ import shutil
 import pytest
 import torch
 
-from qlora_kit import Recipe, attention, builtin, model
+from qlora_kit import Recipe
 from qlora_kit.data import prepare
 from qlora_kit.data.packing import FlattenedRowsCollator, PackedRowCollator
-from qlora_kit.pipeline import check_runnable
-from qlora_kit.recipe import RecipeError
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import builtin
+from qlora_kit.model import loading as model
+from qlora_kit.registries import attention
+from qlora_kit.training.pipeline import check_runnable
 
 
 @pytest.mark.parametrize(
@@ -121,7 +124,8 @@ def test_packed_rows_reach_each_kernel_without_cross_attention(kernel, collator)
 @pytest.mark.slow
 def test_eager_trains_packed_under_bf16_autocast_and_reloads_with_its_kernel(tmp_path):
     """The GPU's path (the Trainer's bf16 autocast) with another kernel than the default, packing on."""
-    from qlora_kit import adapters, train
+    from qlora_kit import train
+    from qlora_kit.model import adapters
     from tests.conftest import quick_recipe
 
     settings = {

@@ -10,7 +10,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from qlora_kit import Recipe, cli
+from qlora_kit import Recipe
+from qlora_kit.cli import app as cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -316,7 +317,7 @@ def make_wrong_path(kind: str, where: Path, run: Path) -> Path:
             weights.write_bytes(weights.read_bytes()[:100])
         return path
     elif kind == "model folder" or kind in MODEL_FOLDER_KINDS:
-        from qlora_kit import builtin
+        from qlora_kit.model import builtin
 
         if kind == "adapter folder":
             return run

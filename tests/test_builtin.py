@@ -6,7 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
-from qlora_kit import builtin
+from qlora_kit.model import builtin
 
 ROOT = Path(__file__).resolve().parents[1]
 

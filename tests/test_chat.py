@@ -7,11 +7,12 @@ import json
 
 import pytest
 
-from qlora_kit import Recipe, model
+from qlora_kit import Recipe
 from qlora_kit.data import formats, prepare
 from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
-from qlora_kit.data.errors import DataError
 from qlora_kit.data.formats import IGNORE_INDEX, RowError
+from qlora_kit.errors import DataError
+from qlora_kit.model import loading as model
 
 from .chat_templates import FAMILIES
 
@@ -148,7 +149,7 @@ def test_generation_markers_and_the_rendered_text_must_agree(demo_tokenizer):
 
 
 def test_system_prompt_mode_only_applies_to_chat():
-    from qlora_kit.recipe import RecipeError
+    from qlora_kit.errors import RecipeError
 
     with pytest.raises(
         RecipeError, match=r"^data\.system_prompt_mode: only applies to formats chat and sharegpt"

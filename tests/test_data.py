@@ -5,11 +5,13 @@ import json
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, builtin, model
+from qlora_kit import Recipe
 from qlora_kit.data import prepare
-from qlora_kit.data.errors import DataError
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.packing import FlattenedRowsCollator, best_fit_decreasing, pack_dataset
+from qlora_kit.errors import DataError
+from qlora_kit.model import adapters, builtin
+from qlora_kit.model import loading as model
 
 from .conftest import write
 

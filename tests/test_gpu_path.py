@@ -8,10 +8,10 @@ from accelerate.state import AcceleratorState
 
 from qlora_kit import Recipe
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
-from qlora_kit.precision import Device, resolve_mixed_precision
-from qlora_kit.recipe import RecipeError
+from qlora_kit.model.precision import Device, resolve_mixed_precision
 
 from .conftest import lora_model, quick_recipe
 
@@ -90,7 +90,7 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
     """fp16 on a GPU: GradScaler overflow steps give inf gradients that the scaler skips; the guard must
     not stop the run for them. The CPU has no fp16 scaler in accelerate, so a real torch GradScaler
     and fp16 autocast are put where accelerate puts them on CUDA."""
-    from qlora_kit.pipeline import build
+    from qlora_kit.training.pipeline import build
 
     # The run is set up as on a pre-Ampere GPU (fp16 with compute_dtype float16), on this CPU.
     monkeypatch.setattr(
@@ -113,7 +113,7 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
 
 def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, caplog):
     """transformers multiplies the batch by every visible GPU; the 4-bit model sits on one."""
-    from qlora_kit.trainer import pin_to_one_device, training_arguments
+    from qlora_kit.training.trainer import pin_to_one_device, training_arguments
 
     recipe = quick_recipe(tmp_path, **{"train.micro_batch_size": 4})
     args = training_arguments(recipe, tmp_path, has_eval=False, precision="no")
@@ -125,7 +125,7 @@ def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, cap
 
 
 def test_ddp_does_not_search_for_unused_parameters(tmp_path):
-    from qlora_kit.trainer import training_arguments
+    from qlora_kit.training.trainer import training_arguments
 
     args = training_arguments(quick_recipe(tmp_path), tmp_path, has_eval=False, precision="bf16")
     assert args.ddp_find_unused_parameters is False  # the Trainer's default for a PeftModel is True

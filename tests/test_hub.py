@@ -4,8 +4,9 @@ import errno
 
 import pytest
 
-from qlora_kit import Recipe, hub
-from qlora_kit.recipe import RecipeError
+from qlora_kit import Recipe
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import hub
 
 
 @pytest.mark.parametrize(

@@ -3,11 +3,13 @@
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
 from qlora_kit.data import prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.loss_head import chunked_lm_loss
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
 
 from .conftest import lora_model
 

@@ -4,10 +4,12 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
 from qlora_kit.data import prepare
 from qlora_kit.memory import checkpointing, optimizers
-from qlora_kit.trainer import build_trainer
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
+from qlora_kit.training.objectives import build_trainer
 
 
 def base_with(**memory_fields):

@@ -4,8 +4,10 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
 from qlora_kit.memory import checkpointing
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
 
 
 def load(**quant):

@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from qlora_kit.memory.optimizers import (
-    OPTIMIZERS,
-    PAGEABLE_MIN_ELEMENTS,
     optimizer_class_and_kwargs,
     optimizer_state_report,
     repage_optimizer_state,
 )
-from qlora_kit.recipe import OptimizerSection
+from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
+from qlora_kit.recipe.recipe import OptimizerSection
 
 
 def test_pageable_report_follows_the_100k_element_rule():

@@ -7,8 +7,9 @@ import torch
 import yaml
 from peft import PeftModel
 
-from qlora_kit import Recipe, model, train
-from qlora_kit.outputs import OutputDirError
+from qlora_kit import Recipe, train
+from qlora_kit.errors import OutputDirError
+from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
 
@@ -78,7 +79,7 @@ def test_other_architectures_run_the_same_pipeline(arch, tmp_path):
 
 
 def test_bad_data_with_overwrite_keeps_the_earlier_run(trained_run, tmp_path):
-    from qlora_kit.data.errors import DataError
+    from qlora_kit.errors import DataError
 
     out = trained_run.output_dir
     before = sorted(p.name for p in out.iterdir())

@@ -4,11 +4,13 @@ import bitsandbytes as bnb
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, model
+from qlora_kit import Recipe
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.planner import GIB, activation_bytes, choose_policy, plan
 from qlora_kit.memory.shapes import model_shape, weight_bytes
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
 
 POLICIES = [("none", 2), ("every_n", 2), ("every_n", 3), ("full", 1)]
 SHAPES = [(1, 64), (2, 32), (4, 96)]

@@ -5,10 +5,11 @@ import re
 
 import pytest
 
-from qlora_kit import Recipe, RecipeError, builtin
+from qlora_kit import Recipe, RecipeError
 from qlora_kit.data import prepare
-from qlora_kit.data.errors import DataError
 from qlora_kit.data.preference import alpaca_prompt
+from qlora_kit.errors import DataError
+from qlora_kit.model import builtin
 
 from .conftest import write
 

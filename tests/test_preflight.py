@@ -8,10 +8,11 @@ import sys
 import pytest
 from transformers import DataCollatorForLanguageModeling
 
-from qlora_kit import Recipe, cli
+from qlora_kit import Recipe
+from qlora_kit.cli import app as cli
 from qlora_kit.data import prepare
-from qlora_kit.data.errors import DataError
 from qlora_kit.data.preflight import enforce, run_checks
+from qlora_kit.errors import DataError
 
 from .chat_templates import FAMILIES
 

@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 from qlora_kit import Recipe
-from qlora_kit.cli import app
+from qlora_kit.cli.app import app
 
 
 def test_package_exports_and_signatures():
@@ -15,7 +15,7 @@ def test_package_exports_and_signatures():
     import qlora_kit.after.evaluate
     import qlora_kit.after.generate
     import qlora_kit.after.merge
-    import qlora_kit.pipeline
+    import qlora_kit.training.pipeline
 
     assert sorted(qlora_kit.__all__) == [
         "Recipe",
@@ -60,7 +60,7 @@ def test_cli_commands_and_recipe_sections():
 
 def test_import_and_help_load_no_heavy_library():
     code = (
-        "import sys, qlora_kit, qlora_kit.cli; "
+        "import sys, qlora_kit, qlora_kit.cli.app; "
         "print(sorted(m for m in ('torch', 'transformers', 'peft', 'datasets', 'bitsandbytes') if m in sys.modules))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

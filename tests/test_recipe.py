@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from qlora_kit import Recipe, RecipeError
-from qlora_kit.recipe import apply_overrides
+from qlora_kit.recipe.recipe import apply_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 

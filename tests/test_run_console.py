@@ -5,7 +5,7 @@ import io
 from rich.console import Console
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from qlora_kit.run_console import RunConsole, figures, remaining
+from qlora_kit.training.run_console import RunConsole, figures, remaining
 
 LOGS = {
     "loss": 0.51234,

@@ -8,8 +8,9 @@ import pytest
 from rich.console import Console
 
 from qlora_kit import Recipe
-from qlora_kit.outputs import OutputDirError
-from qlora_kit.run_record import plot_run, read_run, recipe_changes, show, summary_rows
+from qlora_kit.cli.views import show_run_folder as show
+from qlora_kit.errors import OutputDirError
+from qlora_kit.training.run_record import plot_run, read_run, recipe_changes, summary_rows
 
 
 def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():
@@ -79,7 +80,7 @@ def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_p
     # matplotlib is an extra: hidden from this process, show still prints and exits 0
     code = (
         "import sys; sys.modules['matplotlib'] = None; sys.argv = ['qlora-kit', 'show', sys.argv[1]];"
-        "from qlora_kit.cli import main; main()"
+        "from qlora_kit.cli.app import main; main()"
     )
     result = subprocess.run(
         [sys.executable, "-c", code, str(trained_run.output_dir)], capture_output=True, text=True, timeout=120

@@ -4,7 +4,9 @@ against the recipe file and recorded, as resolved, in the manifest; outputs are 
 import json
 import shutil
 
-from qlora_kit import Recipe, builtin, model, train
+from qlora_kit import Recipe, train
+from qlora_kit.model import builtin
+from qlora_kit.model import loading as model
 
 
 def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):

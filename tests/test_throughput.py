@@ -7,10 +7,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from qlora_kit import Recipe, adapters, model, train
+from qlora_kit import Recipe, train
 from qlora_kit.data import prepare
 from qlora_kit.data.formats import IGNORE_INDEX
-from qlora_kit.throughput import flops_per_token, peak_tflops
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
+from qlora_kit.training.throughput import flops_per_token, peak_tflops
 from tests.conftest import quick_recipe
 
 

@@ -9,12 +9,14 @@ import time
 import pytest
 import torch
 
-from qlora_kit import Recipe, adapters, builtin, model
+from qlora_kit import Recipe
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.planner import activation_bytes, plan
 from qlora_kit.memory.shapes import model_shape
 from qlora_kit.memory.tracing import trace_layers
+from qlora_kit.model import adapters, builtin
+from qlora_kit.model import loading as model
 
 ARCHITECTURES = sorted(builtin.TINY_ARCHITECTURES)  # nine families: Llama ... GPT-2, OLMo-2
 POLICIES = [("none", 1), ("every_n", 2), ("full", 1)]

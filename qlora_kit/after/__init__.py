@@ -1,4 +1,10 @@
-"""After training: ``evaluate`` (loss, perplexity, exact match), ``generate`` (and the chat loop's
-completion) and ``merge`` (export with a drift check). A sub-package, not top-level modules: a module
-``qlora_kit/evaluate.py`` would replace the package's ``qlora_kit.evaluate()`` function as an
-attribute the moment it is imported (the same holds for generate and merge)."""
+"""After training: what a trained adapter is used for.
+
+- ``evaluate``: loss, perplexity and exact match on held-out rows; ``preference_eval``: the same for pairs;
+- ``generate``: answers to prompts wrapped as training saw them;
+- ``merge``: the adapter merged into a 16-bit model, with a drift check.
+
+A sub-package, not top-level modules: a module ``qlora_kit/evaluate.py`` would replace the package's
+``qlora_kit.evaluate()`` function as an attribute the moment it is imported (the same holds for generate
+and merge). Modules are imported by path; this file imports nothing.
+"""

@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from qlora_kit import adapters
 from qlora_kit.after.generate import complete
 from qlora_kit.after.preference_eval import preference_metrics
 from qlora_kit.data import prepare
-from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
-from qlora_kit.recipe import RecipeError
+from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import adapters
+from qlora_kit.registries.formats import FORMATS
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
 
 def evaluate(

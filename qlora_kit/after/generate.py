@@ -1,78 +1,22 @@
-"""Generation through transformers' ``generate``: greedy by default (repeatable), sampling on request,
-prompts wrapped the way the recipe's data format trained them, tokens streamed to the terminal."""
+"""``qlora-kit generate``: answers from a trained adapter, each prompt wrapped the way the recipe's data
+format trained it (``model/generation.py`` does the decoding: greedy by default, sampling on request)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import torch
-from transformers import TextStreamer
-
-from qlora_kit import adapters
-from qlora_kit.data.formats import FORMATS
+from qlora_kit.data import formats
+from qlora_kit.model import adapters
+from qlora_kit.model.generation import Sampling, complete
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from qlora_kit.recipe_data import DataSection
-
-
-@dataclass(frozen=True)
-class Sampling:
-    max_new_tokens: int = 64
-    temperature: float = 0.0  # 0 is greedy decoding
-    top_p: float = 1.0
-
-    def generate_kwargs(self) -> dict:
-        if self.temperature <= 0:
-            return {"max_new_tokens": self.max_new_tokens, "do_sample": False}
-        return {
-            "max_new_tokens": self.max_new_tokens,
-            "do_sample": True,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-        }
+    from qlora_kit.recipe.data import DataSection
 
 
 def wrap_prompt(text: str, data: DataSection, tokenizer, history: list[dict[str, str]] | None = None) -> str:
     """The user's text as the model saw prompts in training (the format's own prompt, data/formats.py,
     with the recipe's system prompt)."""
-    return FORMATS[data.format].prompt(text, tokenizer, data, history)
-
-
-def complete(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompt: str,
-    sampling: Sampling | None = None,
-    stream: bool = False,
-    max_new_tokens: int | None = None,
-) -> str:
-    """The model's continuation of ``prompt`` (without the prompt), special tokens removed."""
-    sampling = sampling or Sampling()
-    kwargs = sampling.generate_kwargs()
-    if max_new_tokens is not None:
-        kwargs["max_new_tokens"] = max_new_tokens
-    was_training = model.training
-    model.eval()
-    # Chat templates carry their own BOS; plain prompts get the tokenizer's usual special tokens.
-    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not _has_bos(prompt, tokenizer))
-    inputs = inputs.to(model.device)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    try:
-        with torch.no_grad():
-            output = model.generate(
-                **inputs, use_cache=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs
-            )
-    finally:
-        model.train(was_training)
-    new_tokens = output[0, inputs["input_ids"].shape[1] :]
-    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
-
-
-def _has_bos(prompt: str, tokenizer) -> bool:
-    return bool(tokenizer.bos_token) and prompt.startswith(tokenizer.bos_token)
+    return formats.prompt(text, data.format, tokenizer, data, history)
 
 
 def generate(

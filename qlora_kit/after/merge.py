@@ -25,22 +25,18 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM
 
-from qlora_kit import adapters, model
 from qlora_kit.data import prepare
-from qlora_kit.outputs import OutputDirError
-from qlora_kit.paths import check_model_folder, check_output_folder
-from qlora_kit.recipe import RecipeError
+from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
+from qlora_kit.model.paths import check_model_folder, check_output_folder
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
 MAX_KL = 0.02
 MIN_TOP1 = 0.98
 DRIFT_PROMPTS = 16
-
-
-class MergeDriftError(RuntimeError):
-    """The merged model drifts from the adapter it came from; the export was left in a staging folder."""
 
 
 @dataclass

@@ -24,7 +24,7 @@ from peft import PeftModel
 if TYPE_CHECKING:
     from datasets import Dataset
 
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
 REFERENCE = "reference"
 

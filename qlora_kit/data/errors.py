@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-
-class DataError(ValueError):
-    """A problem with the user's data: one line naming the file, the row and the problem."""
+from qlora_kit.errors import DataError
 
 
 def diagnose_load_failure(path: Path, source: str, exc: Exception) -> DataError:

@@ -1,10 +1,8 @@
-"""The format registry: one ``FormatSpec`` per ``data.format``, and tokenizing rendered rows with labels.
+"""Each format's rendering (a row as trained and untrained text) and prompt wrapping (a user's text as
+training saw prompts), and tokenizing rendered rows with labels.
 
-A spec says which fields a row has, how it renders as trained and untrained text, how a user's text is
-wrapped for generation the way training saw prompts, whether a reference answer can be checked
-exactly (``qlora-kit eval``), and whether a conversation keeps its history (``qlora-kit chat``). The
-recipe's choices, data preparation, generation, evaluation and the CLI all read it, so adding a format
-is one entry here (plus its tests). This module imports nothing heavy: the recipe reads it.
+Which formats exist, their fields and which of the functions here each one uses is the registry's
+(``registries/formats.py``); ``render`` and ``prompt`` look the functions up by the names a spec gives.
 
 A row becomes a list of ``Segment(text, trained)``. Segments are tokenized one by one and concatenated,
 so a BPE merge across a boundary can never blur which tokens are trained; labels are -100 on every
@@ -17,8 +15,6 @@ system prompt one: a system message in chats, text before the prompt in alpaca a
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit.data.chat import (
@@ -29,16 +25,14 @@ from qlora_kit.data.chat import (
     sharegpt_messages,
     with_system_prompt,
 )
-from qlora_kit.data.preference import alpaca_prompt, render_chosen
+from qlora_kit.data.preference import render_chosen
 from qlora_kit.data.segments import RowError, Segment, show
+from qlora_kit.registries.formats import FORMATS, alpaca_prompt, system_text
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe_data import DataSection
+    from qlora_kit.recipe.data import DataSection
 
 IGNORE_INDEX = -100
-ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
-
-__all__ = ["FORMATS", "IGNORE_INDEX", "FormatSpec", "RowError", "Segment", "render", "tokenize"]
 
 
 def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[Segment]:
@@ -48,29 +42,34 @@ def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[
     if not spec.pairs:  # a pair's fields are text or conversations: preference.py checks them
         for name in spec.fields:
             _check_field(row, name, optional=name in spec.optional)
-    return spec.render(row, tokenizer, data)
+    if spec.pairs:
+        return render_chosen(row, spec.pair_kind, tokenizer, data)
+    return globals()[spec.render](row, tokenizer, data)
 
 
-def _system_text(data: DataSection) -> str:
-    """data.system_prompt as the text before a plain prompt (alpaca, completion)."""
-    return f"{data.system_prompt}\n\n" if data.system_prompt else ""
+def prompt(
+    text: str, fmt: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
+) -> str:
+    """The user's text as the model saw prompts in training (the format's own prompt function below,
+    with the recipe's system prompt)."""
+    return globals()[FORMATS[fmt].prompt](text, tokenizer, data, history)
 
 
-def _render_alpaca(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
-    prompt = _system_text(data) + alpaca_prompt(row["instruction"], row.get("input"))
+def render_alpaca(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    prompt = system_text(data.system_prompt) + alpaca_prompt(row["instruction"], row.get("input"))
     return [Segment(prompt, False), Segment(row["output"] + tokenizer.eos_token, True)]
 
 
-def _render_completion(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
-    prompt = _system_text(data) + row["prompt"]
+def render_completion(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    prompt = system_text(data.system_prompt) + row["prompt"]
     return [Segment(prompt, False), Segment(row["completion"] + tokenizer.eos_token, True)]
 
 
-def _render_text(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+def render_text(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     return [Segment(row["text"] + tokenizer.eos_token, True)]
 
 
-def _render_chat(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+def render_conversation(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     messages = _messages(row, data)
     return render_chat(messages, tokenizer, data.system_prompt_mode, tools=row.get("tools"))
 
@@ -132,13 +131,13 @@ def prompt_text(segments: list[Segment]) -> str:
     return text
 
 
-def _alpaca_prompt(
+def alpaca_prompt_for(
     text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
 ) -> str:
-    return _system_text(data) + alpaca_prompt(text)
+    return system_text(data.system_prompt) + alpaca_prompt(text)
 
 
-def _chat_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
+def chat_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
     """The conversation so far and the user's text, rendered as training rendered it (chat.py)."""
     if tokenizer.chat_template is None:
         return text
@@ -147,76 +146,11 @@ def _chat_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str
     return apply_template(tokenizer, messages, generation_prompt=True, mode=data.system_prompt_mode)
 
 
-def _completion_prompt(
+def completion_prompt(
     text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None
 ) -> str:
-    return _system_text(data) + text
+    return system_text(data.system_prompt) + text
 
 
-def _raw_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
+def raw_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
     return text
-
-
-@dataclass(frozen=True)
-class FormatSpec:
-    """One data format: its fields and how it renders for training and for generation."""
-
-    name: str
-    fields: tuple[str, ...]  # what a row has (data.fields may rename them)
-    render: Callable[[dict[str, Any], Any, Any], list[Segment]]  # (row, tokenizer, data section) -> segments
-    prompt: Callable[..., str]  # (text, tokenizer, data section, history) -> the prompt a model continues
-    optional: frozenset[str] = frozenset()  # fields that may be absent or empty
-    checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
-    multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
-    chat_template: bool = False  # rendered by the tokenizer's chat template, which adds its own BOS
-    pairs: bool = (
-        False  # preference pairs (train.objective: dpo): render gives the prompt and the chosen answer
-    )
-
-
-def _chat_format(name: str, conversation: str) -> FormatSpec:
-    """A conversation (``messages``, or ShareGPT's ``conversations``) with optional ``tools``, rendered by
-    the tokenizer's chat template."""
-    return FormatSpec(
-        name,
-        (conversation, "tools"),
-        _render_chat,
-        _chat_prompt,
-        optional=frozenset({"tools"}),
-        multi_turn=True,
-        chat_template=True,
-    )
-
-
-def _pair_format(name: str, asked: tuple[str, ...], kind: str, prompt: Callable[..., str]) -> FormatSpec:
-    """Preference pairs (data/preference.py): what is asked, a chosen and a rejected answer."""
-    return FormatSpec(
-        name,
-        (*asked, "chosen", "rejected"),
-        lambda row, tokenizer, data: render_chosen(row, kind, tokenizer, data),
-        prompt,
-        optional=frozenset({"input"}),
-        pairs=True,
-        chat_template=kind == "chat",
-    )
-
-
-FORMATS: dict[str, FormatSpec] = {
-    spec.name: spec
-    for spec in (
-        FormatSpec(
-            "alpaca",
-            ("instruction", "input", "output"),
-            _render_alpaca,
-            _alpaca_prompt,
-            optional=frozenset({"input"}),
-        ),
-        _chat_format("chat", "messages"),
-        _chat_format("sharegpt", "conversations"),
-        FormatSpec("completion", ("prompt", "completion"), _render_completion, _completion_prompt),
-        FormatSpec("text", ("text",), _render_text, _raw_prompt, checkable=False),
-        _pair_format("preference", ("prompt",), "text", _completion_prompt),
-        _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", _alpaca_prompt),
-        _pair_format("preference_chat", ("prompt",), "chat", _chat_prompt),
-    )
-}

@@ -23,16 +23,13 @@ from typing import TYPE_CHECKING, Any
 
 from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, with_system_prompt
 from qlora_kit.data.segments import RowError, Segment, show
+from qlora_kit.registries.formats import alpaca_prompt, system_text
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe_data import DataSection
+    from qlora_kit.recipe.data import DataSection
 
 SIDES = ("chosen", "rejected")
-ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
-ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
-# data.format -> how its prompt is asked (render_pair's kind)
-KINDS = {"preference": "text", "preference_alpaca": "alpaca", "preference_chat": "chat"}
 
 
 def render_pair(row: dict[str, Any], kind: str, tokenizer, data: DataSection) -> tuple[str, str, str]:
@@ -52,7 +49,7 @@ def render_pair(row: dict[str, Any], kind: str, tokenizer, data: DataSection) ->
                 raise RowError(
                     f"field {name!r} must be text (got {type(row[name]).__name__} {show(row[name])})"
                 )
-        system = f"{data.system_prompt}\n\n" if data.system_prompt else ""
+        system = system_text(data.system_prompt)
         asking = alpaca_prompt(row["instruction"], row.get("input")) if kind == "alpaca" else row["prompt"]
         prompt = system + asking
         chosen, rejected = (row[side] + tokenizer.eos_token for side in SIDES)
@@ -69,13 +66,6 @@ def render_chosen(row: dict[str, Any], kind: str, tokenizer, data: DataSection) 
     the sample prompts and exact-match evaluation, which compare against the chosen answer)."""
     prompt, chosen, _ = render_pair(row, kind, tokenizer, data)
     return [Segment(prompt, False), Segment(chosen, True)]
-
-
-def alpaca_prompt(instruction: str, input_text: str | None = None) -> str:
-    """Alpaca's prompt (the Stanford Alpaca template), as format alpaca renders it for SFT."""
-    if input_text:
-        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
-    return ALPACA_PROMPT.format(instruction=instruction)
 
 
 def tokenize_pair(

@@ -22,12 +22,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit.data.errors import DataError
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.errors import DataError
 
 if TYPE_CHECKING:
     from qlora_kit.data.prepare import PreparedData
-    from qlora_kit.recipe_data import DataSection
+    from qlora_kit.recipe.data import DataSection
 
 COLLATED_EXAMPLES = 8  # examples collated for the padding check
 

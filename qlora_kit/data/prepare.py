@@ -22,10 +22,9 @@ import datasets
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit import attention
 from qlora_kit.data import formats, preference, sources
-from qlora_kit.data.errors import DataError, diagnose_load_failure
-from qlora_kit.data.formats import FORMATS, IGNORE_INDEX
+from qlora_kit.data.errors import diagnose_load_failure
+from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.packing import (
     FlattenedRowsCollator,
     PackedRowCollator,
@@ -33,8 +32,11 @@ from qlora_kit.data.packing import (
     examples_per_batch,
     pack_dataset,
 )
-from qlora_kit.recipe import DataSection
-from qlora_kit.recipe_data import SourceSection
+from qlora_kit.errors import DataError
+from qlora_kit.recipe.data import SourceSection
+from qlora_kit.recipe.recipe import DataSection
+from qlora_kit.registries import attention
+from qlora_kit.registries.formats import FORMATS
 
 log = logging.getLogger(__name__)
 
@@ -237,7 +239,7 @@ def _tokenize_rows(
 
     def tokenize_pair(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
-            texts = preference.render_pair(row, preference.KINDS[fmt], tokenizer, data)
+            texts = preference.render_pair(row, FORMATS[fmt].pair_kind, tokenizer, data)
         except formats.RowError as exc:
             raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
         pair, full = preference.tokenize_pair(texts, tokenizer, add_bos, max_len, max_prompt_len, drop)

@@ -12,7 +12,7 @@ from qlora_kit.data import preflight, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
 PERCENTILES = (50, 90, 99)
 

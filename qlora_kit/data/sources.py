@@ -14,10 +14,11 @@ import datasets
 from datasets import Dataset
 from datasets.utils import logging as datasets_logging
 
-from qlora_kit import builtin, hub
-from qlora_kit.data.errors import DataError, diagnose_load_failure
-from qlora_kit.recipe import DataSection, RecipeError
-from qlora_kit.recipe_data import SourceSection
+from qlora_kit.data.errors import diagnose_load_failure
+from qlora_kit.errors import DataError, RecipeError
+from qlora_kit.model import builtin, hub
+from qlora_kit.recipe.data import SourceSection
+from qlora_kit.recipe.recipe import DataSection
 
 LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 

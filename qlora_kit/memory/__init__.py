@@ -1,13 +1,15 @@
 """The memory family: what a run keeps on the device and how qlora_kit decides and measures it.
 
 - ``checkpointing``: the activation-checkpointing policy applied to the decoder layers;
-- ``optimizers``: the optimizer registry (class, paged, 8-bit, state bytes, pageable threshold);
+- ``optimizers``: building the recipe's optimizer, its state report, re-paging after a resume (which
+  optimizers exist is ``registries/optimizers``);
 - ``loss_head``: the chunked, recomputed output head and loss;
 - ``accounting``: bytes saved for backward, CUDA peaks per phase;
 - ``monitor``: the Trainer callbacks that record them (and ``metrics.jsonl``);
-- ``planner``: peak memory predicted from the model config alone, per policy.
+- ``shapes``: a model's shapes and weight bytes from its config alone;
+- ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
+- ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it.
 
-Arrows: checkpointing -> planner -> optimizers; monitor -> accounting. Nothing here imports the
-pipeline. Modules are imported by path (``from qlora_kit.memory import planner``): this file imports
-nothing, so the recipe can read the optimizer registry without loading torch.
+Arrows: planner -> tracing -> checkpointing -> accounting; monitor -> accounting. Modules are imported by
+path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

@@ -46,17 +46,24 @@ loads a quantized model on every process before FSDP shards it.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qlora_kit.memory.optimizers import OPTIMIZERS
+import torch
+
+from qlora_kit.errors import RecipeError
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tracing import trace_layers
-from qlora_kit.precision import Device, resolve_mixed_precision
+from qlora_kit.model.precision import Device, resolve_mixed_precision
+from qlora_kit.registries.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import MemorySection, Recipe
+
+log = logging.getLogger(__name__)
 
 GIB = 1024**3
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # the linears reading a layer's first norm
@@ -344,3 +351,25 @@ def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None
     if best is not the_plan.policies[0]:
         why += f"; none would need {the_plan.policies[0].peak / GIB:.2f} GiB"
     return policy, int(n) if n else 2, why
+
+
+def resolve_checkpointing(recipe: Recipe) -> MemorySection:
+    """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why)."""
+    memory = recipe.memory
+    if memory.checkpointing != "auto":
+        return memory
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
+    the_plan = plan(recipe, device=device, processes=int(os.environ.get("WORLD_SIZE", "1")))
+    if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
+        smallest = min(the_plan.policies, key=lambda p: p.peak)
+        raise RecipeError(
+            f"memory.budget_gb: no checkpointing policy fits {memory.budget_gb:g} GiB (the smallest predicted "
+            f"peak is {smallest.peak / GIB:.2f} GiB, with full checkpointing); lower train.micro_batch_size "
+            f"({recipe.train.micro_batch_size}), data.max_seq_len ({recipe.data.max_seq_len}) or lora.rank "
+            f"({recipe.lora.rank}), or set memory.over_budget: true to train anyway"
+        )
+    policy, every_n, why = choose_policy(recipe, memory.budget_gb, the_plan)
+    chosen = memory.model_copy(update={"checkpointing": policy, "every_n": every_n})
+    log.info("memory.checkpointing auto: %s (%s)", policy_name(policy, every_n), why)
+    return chosen

@@ -23,16 +23,16 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.pytorch_utils import Conv1D
 
-from qlora_kit import hub
+from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.model import resolve_model_path
-from qlora_kit.paths import first_line
-from qlora_kit.recipe import RecipeError
+from qlora_kit.model import hub
+from qlora_kit.model.loading import resolve_model_path
+from qlora_kit.model.paths import first_line
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
-BUNDLED_CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+BUNDLED_CONFIGS = Path(__file__).resolve().parents[1] / "model" / "configs"
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 BLOCK = 64  # bitsandbytes' 4-bit blocksize as transformers configures it
 NESTED_BLOCK = 256

@@ -35,11 +35,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, masking_utils
 
-from qlora_kit import attention
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
+from qlora_kit.registries import attention
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe import Recipe
+    from qlora_kit.recipe.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,8 @@ def _cut(config, types: tuple[str, ...]):
 
 
 def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str) -> dict[str, int]:
-    from qlora_kit import adapters
     from qlora_kit.memory import checkpointing
+    from qlora_kit.model import adapters
 
     kernel = attention.kernel(recipe.model.attn_implementation)
     # Flash and flex kernels cannot run on fake CPU tensors (flex's block mask reads data pointers and

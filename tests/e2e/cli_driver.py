@@ -3,7 +3,7 @@ torch and transformers once:
 
     python tests/e2e/cli_driver.py '{"case name": ["train", "recipe.yaml", "--set", "..."], ...}'
 
-Each case is the real ``qlora_kit.cli.main`` with its own ``sys.argv``; between cases the driver writes
+Each case is the real ``qlora_kit.cli.app.main`` with its own ``sys.argv``; between cases the driver writes
 ``=== case NAME`` and ``=== exit CODE`` lines to stderr, where the case's own output goes too.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import sys
 
-from qlora_kit import cli
+from qlora_kit.cli import app as cli
 
 for name, argv in json.loads(sys.argv[1]).items():
     print(f"=== case {name}", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ import sys
 import torch
 from transformers import TrainerCallback
 
-import qlora_kit.pipeline
+import qlora_kit.training.pipeline
 from qlora_kit import Recipe, train
 
 
@@ -47,7 +47,7 @@ def kill_inside_checkpoint(step: int) -> None:
 
 
 def kill_inside_final_move() -> None:
-    real_move = qlora_kit.pipeline.move_into_place
+    real_move = qlora_kit.training.pipeline.move_into_place
 
     def move(staged, destination, last=None):
         first = next(p for p in sorted(staged.iterdir()) if p.name != last)
@@ -55,7 +55,7 @@ def kill_inside_final_move() -> None:
         die()
         real_move(staged, destination, last)
 
-    qlora_kit.pipeline.move_into_place = move
+    qlora_kit.training.pipeline.move_into_place = move
 
 
 def main() -> None:

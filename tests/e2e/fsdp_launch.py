@@ -39,21 +39,21 @@ def _kill_after_step(step: int) -> None:
 
     from transformers import TrainerCallback
 
-    import qlora_kit.pipeline
+    import qlora_kit.training.pipeline
 
     class KillAfterStep(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step == step and state.is_world_process_zero:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-    real_run = qlora_kit.pipeline.run
-    qlora_kit.pipeline.run = lambda *a, callbacks=None, **k: real_run(
+    real_run = qlora_kit.training.pipeline.run
+    qlora_kit.training.pipeline.run = lambda *a, callbacks=None, **k: real_run(
         *a, callbacks=[KillAfterStep(), *(callbacks or [])], **k
     )
 
 
 if __name__ == "__main__":
-    from qlora_kit.cli import main
+    from qlora_kit.cli.app import main
 
     if "QLORA_KIT_TEST_KILL_AFTER_STEP" in os.environ:
         _kill_after_step(int(os.environ["QLORA_KIT_TEST_KILL_AFTER_STEP"]))

@@ -8,7 +8,7 @@ pytestmark = pytest.mark.slow  # compiling takes tens of seconds on 2 cores
 
 
 def test_compiled_run_trains_to_the_losses_of_the_eager_run(tmp_path):
-    from qlora_kit.pipeline import build
+    from qlora_kit.training.pipeline import build
 
     losses = {}
     for compiled in (False, True):

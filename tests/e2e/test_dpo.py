@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from qlora_kit import Recipe, RecipeError, evaluate, model, train
+from qlora_kit import Recipe, RecipeError, evaluate, train
 from qlora_kit.after.preference_eval import answer_logps, reference_logps
 from qlora_kit.data import prepare
-from qlora_kit.pipeline import build, check_runnable
+from qlora_kit.model import loading as model
+from qlora_kit.training.pipeline import build, check_runnable
 
 from ..test_after_training import interrupted_then_resumed
 

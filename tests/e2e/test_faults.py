@@ -15,7 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit.outputs import OutputDirError, check_free_space, is_complete_checkpoint
+from qlora_kit.errors import OutputDirError
+from qlora_kit.training.outputs import check_free_space, is_complete_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -146,7 +147,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(re
 def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path):
     """While one process holds the folder (here: this test, through the same lock a run takes), another
     run refuses at once. That a killed run leaves no stuck lock, every resume above shows."""
-    from qlora_kit.outputs import exclusive
+    from qlora_kit.training.outputs import exclusive
 
     out = tmp_path / "out"
     with exclusive(out):

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from qlora_kit import Recipe, train
-from qlora_kit.builtin import ensure_tiny_model
+from qlora_kit.model.builtin import ensure_tiny_model
 from tests.chat_templates import TOOLS_CHATML
 from tests.test_chat import TOOL, TOOL_CHAT
 

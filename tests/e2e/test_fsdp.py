@@ -20,8 +20,8 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from qlora_kit.builtin import ensure_tiny_model
-from qlora_kit.outputs import complete_checkpoints
+from qlora_kit.model.builtin import ensure_tiny_model
+from qlora_kit.training.outputs import complete_checkpoints
 from tests.e2e.test_distributed import free_port, losses
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from qlora_kit import builtin
+from qlora_kit.model import builtin
 from tests.hub_server import FakeHub
 
 pytestmark = pytest.mark.slow  # CLI processes: the full suite runs them

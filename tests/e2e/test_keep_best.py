@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit import builtin
+from qlora_kit.model import builtin
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 

@@ -105,7 +105,7 @@ def test_trackio_local_database_holds_the_run(tmp_path):
 
 def test_a_tracker_that_is_not_installed_is_one_line_at_validation(tmp_path):
     code = (
-        "import sys; sys.modules['wandb'] = None; from qlora_kit.cli import main; "
+        "import sys; sys.modules['wandb'] = None; from qlora_kit.cli.app import main; "
         f"sys.argv = ['qlora-kit', 'validate', {str(DEMO)!r}, '--set', 'train.report_to=[tensorboard, wandb]']; main()"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

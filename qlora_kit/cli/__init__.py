@@ -1,0 +1,10 @@
+"""The ``qlora-kit`` command line.
+
+- ``app``: the typer app, one thin function per subcommand, user mistakes as one line and exit code 2;
+- ``views``: rich tables and lines (a run, a run folder, the data view, a plan, an evaluation);
+- ``doctor``: prove a machine and plan a recipe on it;
+- ``logging_setup``: qlora_kit's log lines on stderr, rich on a terminal and plain elsewhere.
+
+Modules are imported by path (``from qlora_kit.cli import views``); this file imports nothing, so
+``qlora-kit --help`` loads no torch.
+"""

@@ -1,0 +1,385 @@
+"""The ``qlora-kit`` command: one thin function per subcommand; the logic lives in the pipeline modules.
+
+User mistakes (a bad recipe, bad data, an output folder that is in use) print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.markup import escape  # a message's own brackets (data.sources[0], qlora-kit[wandb]) are text
+
+from qlora_kit.cli import views
+from qlora_kit.cli.logging_setup import configure_logging
+from qlora_kit.errors import RecipeError
+from qlora_kit.recipe.recipe import Recipe
+
+app = typer.Typer(
+    name="qlora-kit",
+    help="QLoRA fine-tuning from a typed recipe: 4-bit base, LoRA, checkpointing, paged 8-bit AdamW.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+errors = Console(stderr=True)
+USER_ERROR = 2
+GUARD_STOP = 3  # a guard stopped training: the setup or the run went wrong, not the command line
+
+RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file, e.g. recipes/demo.yaml.")]
+SetOpt = Annotated[
+    list[str] | None, typer.Option("--set", help="Override a field: --set lora.rank=16 (repeatable).")
+]
+OutputOpt = Annotated[Path | None, typer.Option("--output-dir", help="Overrides train.output_dir.")]
+
+
+def user_errors(command):
+    """Turn a user's mistake into one line on stderr and exit code 2, never a traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        from qlora_kit.errors import DataError, Interrupted, OutputDirError, TrainingGuardError
+
+        try:
+            return command(*args, **kwargs)
+        except (RecipeError, DataError, OutputDirError) as exc:
+            errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(USER_ERROR) from None
+        except TrainingGuardError as exc:
+            errors.print(
+                f"[bold red]training stopped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
+            )
+            raise typer.Exit(GUARD_STOP) from None
+        except Interrupted as exc:
+            errors.print(f"[bold yellow]interrupted:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def load_recipe(path: Path, overrides: list[str] | None, output_dir: Path | None = None) -> Recipe:
+    recipe = Recipe.from_yaml(path, overrides=overrides or [])
+    if output_dir is not None:
+        recipe = recipe.with_overrides({"train.output_dir": str(output_dir)})
+    return recipe
+
+
+@app.command()
+@user_errors
+def train(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    output_dir: OutputOpt = None,
+    overwrite: Annotated[
+        bool, typer.Option(help="Replace what an earlier run left in the output dir.")
+    ] = False,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue from the newest complete checkpoint in the output dir.")
+    ] = False,
+    resume_from: Annotated[
+        Path | None, typer.Option("--resume-from", help="Continue from this checkpoint folder.")
+    ] = None,
+    quiet: Annotated[
+        bool, typer.Option("--quiet", "-q", help="Only warnings, errors and the final summary.")
+    ] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="Debug lines of qlora_kit and transformers' info.")
+    ] = False,
+) -> None:
+    """Fine-tune: load the 4-bit base, attach LoRA, train on the Trainer, save the adapter."""
+    from rich.console import Console
+
+    from qlora_kit.training.pipeline import run
+
+    configure_logging(errors, -1 if quiet else 1 if verbose else 0)
+    progress = Console(stderr=True, quiet=True) if quiet else errors
+    recipe_ = load_recipe(recipe, set_, output_dir)
+    result = run(recipe_, overwrite=overwrite, resume=resume_from or resume, console=progress)
+    if result.main_process:
+        views.show_run(console, result)
+
+
+@app.command()
+@user_errors
+def validate(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    output_dir: OutputOpt = None,
+    accelerate_config: Annotated[
+        Path | None,
+        typer.Option("--accelerate-config", help="Check the recipe against this accelerate config (FSDP)."),
+    ] = None,
+) -> None:
+    """Load a recipe, apply overrides, and print every resolved value."""
+    from qlora_kit.training.distributed import check_fsdp_launch, fsdp_settings_of, launched_fsdp_settings
+
+    resolved = load_recipe(recipe, set_, output_dir)
+    resolved.check_paths()
+    launch = fsdp_settings_of(accelerate_config) if accelerate_config else launched_fsdp_settings()
+    check_fsdp_launch(resolved, launch)
+    from qlora_kit.training.trackers import check_installed
+
+    missing = check_installed(resolved.train.report_to)
+    if missing:
+        raise RecipeError(missing)
+    console.print(f"# {recipe}: valid", style="green", highlight=False)
+    console.print(resolved.to_yaml(), highlight=False, markup=False)
+
+
+@app.command("data")
+@user_errors
+def show_data(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    examples: Annotated[int, typer.Option(help="How many rendered examples to show.")] = 3,
+) -> None:
+    """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
+    configure_logging(errors)
+    from qlora_kit.data.preflight import enforce
+    from qlora_kit.data.report import inspect_data
+    from qlora_kit.model.loading import load_tokenizer
+
+    resolved = load_recipe(recipe, set_)
+    view = inspect_data(resolved, load_tokenizer(resolved.model), count=examples)
+    views.show_data(console, view, resolved)
+    if resolved.data.preflight.enabled:
+        enforce(view.checks)  # a failed check: its line and exit code 2, as `train` would stop
+
+
+@app.command()
+@user_errors
+def plan(
+    recipe: RecipeArg,
+    set_: SetOpt = None,
+    budget_gb: Annotated[
+        float | None, typer.Option("--budget-gb", help="Show which policies fit this many GiB.")
+    ] = None,
+    batch: Annotated[int | None, typer.Option(help="Rows per micro-batch (default: the recipe's).")] = None,
+    seq: Annotated[int | None, typer.Option(help="Tokens per row (default: data.max_seq_len).")] = None,
+    device: Annotated[str, typer.Option(help="cuda or cpu: the autocast and dropout masks differ.")] = "cuda",
+    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (sizes in bytes).")] = False,
+    processes: Annotated[
+        int, typer.Option(min=1, help="GPUs the run is launched on (train.fsdp shards over them).")
+    ] = 1,
+) -> None:
+    """Predict peak memory per GPU from the model config alone, for every checkpointing policy."""
+    from qlora_kit.memory.planner import plan as make_plan
+
+    resolved = load_recipe(recipe, set_)
+    the_plan = make_plan(resolved, batch=batch, seq=seq, device=device, processes=processes)
+    if as_json:
+        print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))
+        return
+    views.show_plan(console, the_plan, resolved, budget_gb)
+
+
+AdapterOpt = Annotated[Path, typer.Option("--adapter", help="Folder written by qlora-kit train.")]
+MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
+TemperatureOpt = Annotated[float, typer.Option(help="0 decodes greedily (repeatable); above 0 samples.")]
+TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, with --temperature > 0.")]
+
+
+@app.command("eval")
+@user_errors
+def eval_command(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Recipe (default: the one saved with the adapter).")
+    ] = None,
+    adapter: Annotated[
+        Path | None, typer.Option("--adapter", help="Folder written by qlora-kit train.")
+    ] = None,
+    no_adapter: Annotated[bool, typer.Option("--no-adapter", help="Evaluate the base model alone.")] = False,
+    set_: SetOpt = None,
+    max_examples: Annotated[int | None, typer.Option(help="Evaluate on the first N validation rows.")] = None,
+    output: Annotated[
+        Path | None, typer.Option(help="JSON results file (default: ADAPTER/eval.json).")
+    ] = None,
+) -> None:
+    """Loss, perplexity and exact-match accuracy on the validation set, as a table and as JSON."""
+    configure_logging(errors)
+    from qlora_kit.after.evaluate import evaluate
+
+    if recipe is None and (adapter is None or no_adapter):
+        raise RecipeError("eval: give a RECIPE, or --adapter DIR to use the recipe saved with it")
+    resolved = load_recipe(recipe, set_) if recipe is not None else None
+    if not no_adapter and adapter is None:
+        raise RecipeError("eval: --adapter DIR is required (or --no-adapter for the base model alone)")
+    adapter_dir = None if no_adapter else adapter
+    output = output or (adapter_dir / "eval.json" if adapter_dir is not None else None)
+    if output is not None:
+        from qlora_kit.model.paths import check_output_file
+
+        check_output_file(output.expanduser().resolve(), "--output")
+    results = evaluate(resolved, adapter_dir, max_examples=max_examples, output=output)
+    views.show_eval(console, results, "the base model alone" if no_adapter else str(adapter))
+    if output is not None:
+        console.print(f"results written to {output}", highlight=False)
+
+
+@app.command()
+@user_errors
+def generate(
+    adapter: AdapterOpt,
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
+    file: Annotated[
+        Path | None, typer.Option("--file", help='JSONL file, one {"prompt": ...} per line.')
+    ] = None,
+    raw: Annotated[
+        bool, typer.Option(help="Send prompts as they are, without the training prompt format.")
+    ] = False,
+    max_new_tokens: MaxTokensOpt = 64,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+) -> None:
+    """Answer prompts with the trained adapter, streaming tokens as they come."""
+    configure_logging(errors)
+    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.data.sources import read_prompts
+    from qlora_kit.model import adapters
+
+    prompts = list(prompt or []) + (read_prompts(str(file)) if file is not None else [])
+    if not prompts:
+        raise RecipeError("generate: give --prompt TEXT or --file prompts.jsonl")
+    recipe, tokenizer, lm = adapters.load_trained(adapter)
+    sampling = Sampling(max_new_tokens, temperature, top_p)
+    for text in prompts:
+        console.print(f"[bold]> {text}[/]", highlight=False)
+        complete(
+            lm,
+            tokenizer,
+            text if raw else wrap_prompt(text, recipe.data, tokenizer),
+            sampling,
+            stream=True,
+        )
+
+
+@app.command()
+@user_errors
+def chat(
+    adapter: AdapterOpt,
+    max_new_tokens: MaxTokensOpt = 128,
+    temperature: TemperatureOpt = 0.0,
+    top_p: TopPOpt = 1.0,
+) -> None:
+    """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
+    configure_logging(errors)
+    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.model import adapters
+    from qlora_kit.registries.formats import FORMATS
+
+    recipe, tokenizer, lm = adapters.load_trained(adapter)
+    sampling = Sampling(max_new_tokens, temperature, top_p)
+    history: list[dict[str, str]] = []
+    keeps_history = FORMATS[recipe.data.format].multi_turn
+    console.print("chat with the adapter; an empty line ends it", style="dim")
+    while True:
+        try:
+            text = input("you> ").strip()
+        except EOFError:
+            break
+        if not text:
+            break
+        console.print("model> ", end="")
+        answer = complete(
+            lm, tokenizer, wrap_prompt(text, recipe.data, tokenizer, history), sampling, stream=True
+        )
+        if keeps_history:
+            history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+
+
+@app.command()
+@user_errors
+def merge(
+    adapter: AdapterOpt,
+    out: Annotated[Path, typer.Option("--out", help="New folder for the merged model.")],
+    base: Annotated[
+        str, typer.Option(help="dequantized (what the adapter trained against) or original.")
+    ] = "dequantized",
+    force: Annotated[bool, typer.Option(help="Export even when the drift check fails.")] = False,
+    max_kl: Annotated[float, typer.Option(help="Largest mean KL(adapter || merged) accepted.")] = 0.02,
+    min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement accepted.")] = 0.98,
+) -> None:
+    """Merge the adapter into its base and export a standalone model, checked for drift."""
+    configure_logging(errors)
+    from qlora_kit.after.merge import merge_adapter
+    from qlora_kit.errors import MergeDriftError
+
+    if base not in ("dequantized", "original"):
+        raise RecipeError(f"--base: must be dequantized or original (got {base!r})")
+    try:
+        result = merge_adapter(adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force)
+    except MergeDriftError as exc:
+        errors.print(f"[bold red]refused:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(GUARD_STOP) from None
+    drift = result.drift
+    console.print(
+        f"drift over {drift.positions} positions: mean KL {drift.mean_kl:.3g}, top-1 agreement {drift.top1_agreement:.1%}",
+        highlight=False,
+    )
+    console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
+
+
+@app.command()
+@user_errors
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="A run's output folder (train.output_dir).")],
+    plot: Annotated[
+        bool, typer.Option(help="Write loss.png (losses and learning rate against the step) into it.")
+    ] = True,
+) -> None:
+    """A run at a glance: what its recipe changed, losses, evaluations, speed, memory, versions; loss.png."""
+    from qlora_kit.cli.views import show_run_folder as show_run
+
+    show_run(run_dir, console, plot=plot)
+
+
+@app.command()
+@user_errors
+def doctor(
+    recipe: Annotated[
+        Path | None, typer.Argument(help="Also plan this recipe against the device's free memory.")
+    ] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Prove this machine: versions, device, a short real training run on it, reload, merge; exit 1 on a failure."""
+    configure_logging(errors)
+    from qlora_kit.cli.doctor import diagnose
+
+    resolved = load_recipe(recipe, set_) if recipe is not None else None
+    checks = diagnose(resolved)
+    views.show_doctor(console, checks)
+    if not all(check.ok for check in checks):
+        raise typer.Exit(1)
+
+
+def main() -> None:
+    # Typer's own usage errors (an unknown flag, a missing argument, a value of the wrong type) become
+    # one line and exit code 2, like every other mistake a user can make.
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="qlora-kit", standalone_mode=False)
+    except typer.Abort:
+        sys.exit(130)
+    except Exception as exc:
+        # Duck-typed: typer vendors its own copy of click's UsageError.
+        if getattr(exc, "exit_code", None) != USER_ERROR or not hasattr(exc, "format_message"):
+            raise
+        if not exc.format_message().strip():
+            sys.exit(0)  # no arguments at all: the help was shown
+        context = getattr(exc, "ctx", None)
+        where = f"{context.command_path}: " if context is not None else ""
+        errors.print(
+            f"[bold red]error:[/] {escape(where + exc.format_message())}", highlight=False, soft_wrap=True
+        )
+        sys.exit(USER_ERROR)
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

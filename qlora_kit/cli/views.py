@@ -1,0 +1,266 @@
+"""How the CLI shows results: rich tables and lines for a run, the data view, the plan and an evaluation.
+
+Kept apart from cli.py so the command functions stay one screen each and hold no rendering.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from qlora_kit.training.run_record import (
+    PEAK_KEYS,
+    memory_rows,
+    metric_rows,
+    plot_run,
+    read_run,
+    recipe_changes,
+)
+from qlora_kit.training.run_record import summary_rows as record_rows
+
+GIB = 1024**3
+MIB = 1024**2
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from qlora_kit.cli.doctor import Check
+    from qlora_kit.data.report import DataView
+    from qlora_kit.memory.planner import Plan
+    from qlora_kit.recipe.recipe import Recipe
+    from qlora_kit.training.pipeline import TrainResult
+    from qlora_kit.training.run_record import RunRecord
+
+
+def show_run(console: Console, result: TrainResult) -> None:
+    """The run's summary table, the sample answers before and after, and where it all went."""
+    table = Table(title="run summary", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    for name, value in summary_rows(result):
+        table.add_row(name, value)
+    console.print(table)
+    if result.samples:
+        table = Table(title="Answers before and after fine-tuning")
+        for column in ("prompt", "reference", "before", "after"):
+            table.add_column(column, overflow="fold")
+        for row in result.samples:
+            table.add_row(
+                _question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''"
+            )
+        console.print(table)
+    console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
+
+
+def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
+    """(what, value) rows: steps, time, tokens/s, losses, eval losses, peak memory, the output folder."""
+    usage, rows = result.memory, []
+    rows.append(("steps", str(result.steps)))
+    if "train_seconds" in usage:
+        rows.append(
+            ("training time", f"{usage['train_seconds']:.1f} s ({usage['tokens_per_s']:,.0f} tokens/s)")
+        )
+    rows += metric_rows(result.metrics)
+    saved = [usage["saved_mib"]] if "saved_mib" in usage else []
+    rows += memory_rows([usage[key] for key in PEAK_KEYS if key in usage], saved)
+    rows.append(("written to", str(result.output_dir)))
+    return rows
+
+
+def show_record(console: Console, record: RunRecord) -> None:
+    """``qlora-kit show``: the recipe's changes from the defaults, then the run's summary."""
+    changes = Table(title="recipe: what differs from the defaults")
+    for column in ("field", "default", "this run"):
+        changes.add_column(column, overflow="fold")
+    for name, default, value in recipe_changes(record.recipe):
+        changes.add_row(name, str(default), str(value))
+    console.print(changes)
+    table = Table(title="run", show_header=False)
+    table.add_column("what", style="bold")
+    table.add_column("value", overflow="fold")
+    for name, value in record_rows(record):
+        table.add_row(name, value)
+    console.print(table)
+
+
+def _question(prompt: str) -> str:
+    # Show the question itself, not the prompt template around it.
+    lines = [line for line in prompt.splitlines() if line and not line.startswith("###")]
+    return " ".join(lines)
+
+
+def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
+    for i, runs in enumerate(view.examples, start=1):
+        console.rule(f"example {i} (trained text in [bold green]green[/], between ⟦ ⟧)")
+        for text, trained in runs:
+            style = "bold green" if trained else "dim"
+            console.print(
+                f"⟦{text}⟧" if trained else text, style=style, end="", markup=False, highlight=False
+            )
+        console.print()
+    table = Table(title="token lengths (before truncation)")
+    for name in view.percentiles:
+        table.add_column(name, justify="right")
+    table.add_row(*(str(v) for v in view.percentiles.values()))
+    console.print(table)
+    for report in view.reports:
+        console.print(report.summary(), highlight=False)
+    shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
+    console.print(f"pad tokens per batch of {recipe.train.micro_batch_size}: {shares}", highlight=False)
+    checks = Table(title="preflight (data.preflight: what stops a run before training)")
+    for column in ("check", "result", "measured"):
+        checks.add_column(column, overflow="fold")
+    for check in view.checks:
+        result = "[green]pass[/]" if check.passed else "[bold red]FAIL[/]"
+        checks.add_row(check.name, result, check.detail + ("" if check.passed else f" ({check.fix})"))
+    console.print(checks)
+
+
+def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:
+    shape, weights = plan.shape, plan.weights
+    table = Table(
+        title=f"{recipe.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
+    )
+    for column, justify in (("memory", "left"), ("size", "right"), ("from", "left")):
+        table.add_column(column, justify=justify)
+    bits = 8 * weights.quantized / shape.quantized_values
+    values = f"{shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each"
+    table.add_row(f"{recipe.quant.bits}-bit weights ({values})", size(weights.quantized), "closed form")
+    table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", size(weights.unquantized), "shapes")
+    table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", size(weights.lora), "shapes")
+    table.add_row("LoRA gradients (during backward)", size(plan.lora_grads), "shapes")
+    pageable = f"{size(plan.optimizer_pageable)} pageable"
+    table.add_row(f"{recipe.optimizer.name} state ({pageable})", size(plan.optimizer_state), "closed form")
+    if plan.shards > 1:
+        table.add_row(
+            f"per GPU of {plan.shards} (FSDP): 1/{plan.shards} of the above, the root and 2 layers whole",
+            size(plan.static),
+            "closed form",
+        )
+        table.add_row("per GPU while loading (the whole 4-bit model)", size(plan.load_peak), "closed form")
+    console.print(table)
+    if plan.activation_source == "traced":
+        how = f"traced from the model's code under {plan.precision} autocast"
+    else:
+        how = "from the Llama-shaped formula (this model's code could not be traced)"
+    policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens; activations {how}")
+    for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
+        policies.add_column(column, justify="right")
+    if budget_gb is not None:
+        policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
+    for row in plan.policies:
+        sizes = [size(nbytes) for nbytes in (row.activations, row.spike, row.peak)]
+        fits = [("yes" if row.peak <= budget_gb * GIB else "no")] if budget_gb is not None else []
+        policies.add_row(row.policy, str(row.recompute_layers), *sizes, *fits)
+    console.print(policies)
+    console.print(
+        "largest transient: the loss head's logits or backward's recompute spike (closed form); "
+        "the CUDA context and allocator fragmentation come on top",
+        highlight=False,
+    )
+    if budget_gb is not None:
+        console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
+
+
+def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[str, Any]:
+    """The plan for scripts (``qlora-kit plan --json``): every size in bytes."""
+    shape, weights = plan.shape, plan.weights
+    result: dict[str, Any] = {
+        "model": recipe.model.path,
+        "layers": shape.layers,
+        "hidden": shape.hidden,
+        "vocab": shape.vocab,
+        "batch": plan.batch,
+        "seq": plan.seq,
+        "precision": plan.precision,
+        "activations_from": plan.activation_source,
+        "weights_quantized": weights.quantized,
+        "weights_unquantized": weights.unquantized,
+        "lora_parameters": weights.lora,
+        "lora_gradients": plan.lora_grads,
+        "optimizer_state": plan.optimizer_state,
+        "optimizer_pageable": plan.optimizer_pageable,
+        "fsdp_processes": plan.shards,
+        "static_per_gpu": plan.static,
+        "load_peak_per_gpu": plan.load_peak,
+        "policies": [
+            {
+                "policy": row.policy,
+                "recomputed_layers": row.recompute_layers,
+                "activations": row.activations,
+                "largest_transient": row.spike,
+                "peak": row.peak,
+                **({"fits": row.peak <= budget_gb * GIB} if budget_gb is not None else {}),
+            }
+            for row in plan.policies
+        ],
+    }
+    if budget_gb is not None:
+        result["budget_gib"] = budget_gb
+        result["auto"] = _auto_choice(plan, recipe, budget_gb)[0]
+    return result
+
+
+def _auto_choice(plan: Plan, recipe: Recipe, budget_gb: float) -> tuple[str, str]:
+    from qlora_kit.memory.planner import choose_policy  # the CLI boundary: torch loads only here
+
+    policy, every_n, why = choose_policy(recipe, budget_gb, plan)
+    name = f"every_n={every_n}" if policy == "every_n" else policy
+    return name, f"{name}: {why}"
+
+
+def size(nbytes: int) -> str:
+    """MiB below a GiB (a tiny model's figures are not all rounding steps), GiB above."""
+    if nbytes < GIB:
+        return f"{nbytes / MIB:.1f} MiB"
+    return f"{nbytes / GIB:.2f} GiB"
+
+
+def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
+    table = Table(title=f"evaluation of {subject}")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    keys = ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples")
+    keys += ("preference_accuracy", "reward_margin", "likelihood_accuracy", "pairs", "reference")
+    for key in keys:
+        if key in results:
+            value = results[key]
+            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def show_doctor(console: Console, checks: list[Check]) -> None:
+    table = Table(title="qlora-kit doctor")
+    table.add_column("check")
+    table.add_column("result")
+    table.add_column("detail", overflow="fold")
+    for check in checks:
+        table.add_row(check.name, "[green]pass[/]" if check.ok else "[bold red]FAIL[/]", check.detail)
+    console.print(table)
+    failed = [check.name for check in checks if not check.ok]
+    console.print(
+        f"[bold red]{len(failed)} failed:[/] {', '.join(failed)}"
+        if failed
+        else "[green]all checks passed[/]",
+        highlight=False,
+    )
+
+
+def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) -> Path | None:
+    """Print the run in ``run_dir`` (show_record) and, with ``plot``, write its loss.png; returns
+    the plot's path. Without matplotlib installed, says so on the console and returns None."""
+    record = read_run(run_dir)
+    show_record(console, record)
+    if not plot:
+        return None
+    try:
+        written = plot_run(record)
+    except ImportError:
+        console.print(
+            "loss.png not written: it needs matplotlib (pip install 'qlora-kit[plot]')", markup=False
+        )
+        return None
+    console.print(f"loss plot written to [bold]{written}[/]", highlight=False)
+    return written

@@ -1,0 +1,12 @@
+"""The model family: the base model in 4 bits, its adapters, and what running it needs.
+
+- ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
+- ``adapters``: attach LoRA with peft, save it, load it back, and what counts as a linear layer;
+- ``precision``: which autocast the Trainer runs under on this machine;
+- ``generation``: a model's continuation of a prompt (greedy or sampled);
+- ``hub``: base models and datasets named by a hub id, checked before any slow work;
+- ``builtin``: the tiny local models, their tokenizer and the demo data;
+- ``paths``: the folders and files a command is pointed at, checked before any work.
+
+Modules are imported by path (``from qlora_kit.model import adapters``); this file imports nothing.
+"""

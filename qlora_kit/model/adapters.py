@@ -1,0 +1,159 @@
+"""Adapter stage: attach LoRA to the 4-bit base with peft, save it, load it back.
+
+Only the LoRA matrices train. ``all-linear`` targets every linear layer but the output head (peft's
+own rule), which is the QLoRA paper's finding: adapters on every layer matter more than the rank.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import bitsandbytes as bnb
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.utils.error import NoMatchingPeftModuleError
+from torch.distributed.tensor import DTensor
+
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import loading as base_model
+from qlora_kit.model.paths import check_adapter_folder
+from qlora_kit.recipe.recipe import Recipe
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from qlora_kit.recipe.recipe import LoraSection
+
+log = logging.getLogger(__name__)
+
+# peft's init_lora_weights values for the recipe's names; "default" is peft's True.
+PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
+
+
+def lora_config(lora: LoraSection):
+
+    return LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=lora.target_modules,
+        bias=lora.bias,
+        use_rslora=lora.rslora,
+        use_dora=lora.dora,
+        init_lora_weights=PEFT_INIT[lora.init],
+        task_type="CAUSAL_LM",
+    )
+
+
+def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
+    """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
+    try:
+        return get_peft_model(model, lora_config(lora))
+    except NoMatchingPeftModuleError:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        raise RecipeError(
+            f"lora.target_modules: none of {lora.target_modules} is a linear layer of this model; "
+            f"its linear layers are: {', '.join(names)} (or use all-linear)"
+        ) from None
+
+
+def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable (LoRA) tensors, whole, on the CPU, by parameter name: what ``save_pretrained(...,
+    state_dict=)`` writes. Under FSDP2 each rank holds a shard of each (a DTensor) and every rank must
+    call this (one all-gather per tensor); the frozen 4-bit base is never gathered."""
+    state = {}
+    for name, parameter in model.named_parameters():
+        if parameter.requires_grad:
+            tensor = parameter.detach()
+            if isinstance(tensor, DTensor):
+                tensor = tensor.full_tensor()
+            state[name] = tensor.cpu()
+    return state
+
+
+def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Tensor] | None = None) -> None:
+    """Write the adapter (``state``: its tensors, gathered under FSDP; None: the model's own).
+
+    Never the base's embedding or output-head weights: peft adds them when LoRA targets ``lm_head`` or
+    ``embed_tokens`` (``save_embedding_layers="auto"``), for vocabularies resized in training, which
+    qlora_kit never does; for Llama-3-8B that is a 1 GB copy of the head in every checkpoint.
+    """
+    # only the trained adapter: under DPO the model also holds TRL's frozen reference copy (dpo.py)
+    model.save_pretrained(
+        folder, state_dict=state, save_embedding_layers=False, selected_adapters=[model.active_adapter]
+    )
+
+
+def _is_linear(module: torch.nn.Module) -> bool:
+    return isinstance(module, (torch.nn.Linear, bnb.nn.Linear4bit))
+
+
+def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
+
+    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+
+
+def log_continued_shape(peft_model: PeftModel, recipe: Recipe) -> None:
+    """model.adapter: the adapter's own config fixes its shape; say so where the recipe's lora differs."""
+    config = peft_model.peft_config[peft_model.active_adapter]
+    log.info(
+        "model.adapter: continuing %s (rank %d, alpha %g)", recipe.model.adapter, config.r, config.lora_alpha
+    )
+    for field, own in (("rank", config.r), ("alpha", config.lora_alpha)):
+        if getattr(recipe.lora, field) != own:
+            log.warning(
+                "model.adapter: the adapter's own shape applies, not lora.%s %s (it has %s)",
+                field,
+                getattr(recipe.lora, field),
+                own,
+            )
+
+
+def trainable_parameter_count(model: PreTrainedModel) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit weights count as the values they hold."""
+    trainable = total = 0
+    for param in model.parameters():
+        count = param.numel()
+        # Packed 4-bit storage holds two values per byte of its container dtype: count values, not elements.
+        if param.__class__.__name__ == "Params4bit":
+            count *= param.element_size() * 2
+        total += count
+        if param.requires_grad:
+            trainable += count
+    return trainable, total
+
+
+def recipe_of(adapter_dir: str | Path):
+    """The resolved recipe a run saved beside its adapter."""
+    path = Path(adapter_dir) / "recipe.yaml"
+    check_adapter_folder(Path(adapter_dir))
+    if not path.is_file():
+        raise RecipeError(
+            f"--adapter: {adapter_dir} has no recipe.yaml; it was not written by qlora-kit train"
+        )
+    return Recipe.from_yaml(path)
+
+
+def load_for_inference(adapter_dir: str | Path | None, recipe: Recipe | None = None):
+    """(recipe, tokenizer, model) for eval and generation: the 4-bit base with the trained adapter, as
+    it was trained (the recipe defaults to the one saved beside it), or, without ``adapter_dir``, the
+    recipe's base model alone, for comparison."""
+    if adapter_dir is not None:
+        return load_trained(adapter_dir, recipe)
+    if recipe is None:
+        raise RecipeError("give a recipe, an adapter directory, or both")
+    return (
+        recipe,
+        base_model.load_tokenizer(recipe.model),
+        base_model.load_base_model(recipe.model, recipe.quant),
+    )
+
+
+def load_trained(adapter_dir: str | Path, recipe=None):
+    """(recipe, tokenizer, model): the 4-bit base with the trained adapter, as it was trained."""
+    recipe = recipe or recipe_of(adapter_dir)
+    tokenizer = base_model.load_tokenizer(recipe.model, path=str(adapter_dir))
+    base = base_model.load_base_model(recipe.model, recipe.quant)
+    return recipe, tokenizer, load_adapter(base, adapter_dir)

@@ -1,0 +1,191 @@
+"""The embedded default: tiny local base models, a locally trained tokenizer and the demo dataset.
+
+Nothing here downloads. ``builtin:tiny-llama`` (and ``tiny-qwen2``, ``tiny-mistral`` and the other
+architectures in ``TINY_ARCHITECTURES``) name a small
+randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
+into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
+The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
+dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from qlora_kit.registries.formats import ALPACA_FRAMING
+
+BUILTIN = "builtin:"
+DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
+DEMO_DATASETS = {
+    "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
+    # the same questions as preference pairs (format preference): the right answer and a wrong one
+    "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
+}
+
+# Bump when the build below changes, so caches from an older build are not reused.
+BUILD_VERSION = 1
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+TOKENIZER_VOCAB = 640
+LM_HEAD_SCALE = 8.0
+# ChatML-style template; {% generation %} marks assistant text so masks can be derived from it.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+# Sizes chosen so the demo trains in about a minute on 2 CPU cores while the layers stay real:
+# every linear is a multiple of 64 wide, so 4-bit blocks (64 values) tile it exactly.
+TINY_ARCHITECTURES = {
+    "tiny-llama": ("LlamaConfig", {}),
+    "tiny-qwen2": ("Qwen2Config", {"use_sliding_window": False}),
+    "tiny-mistral": ("MistralConfig", {"sliding_window": None}),
+    # Layers of other shapes, for the planner's tracing and the pipeline's breadth: q/k norms (Qwen3),
+    # fused qkv and gate-up projections (Phi-3), post-norms, soft-capping and alternating sliding
+    # attention (Gemma-2), parallel residual with a plain MLP and LayerNorm (GPT-NeoX), Conv1D
+    # projections and learned positions (GPT-2), post-norms with q/k norms (OLMo-2).
+    "tiny-qwen3": ("Qwen3Config", {"head_dim": 32}),
+    "tiny-phi3": ("Phi3Config", {}),
+    "tiny-gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 32}),
+    "tiny-gptneox": ("GPTNeoXConfig", {}),
+    "tiny-gpt2": ("GPT2Config", {}),
+    "tiny-olmo2": ("Olmo2Config", {}),
+}
+TINY_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+
+
+def is_builtin(path: str) -> bool:
+    return path.startswith(BUILTIN)
+
+
+def builtin_name(path: str) -> str:
+    return path.removeprefix(BUILTIN)
+
+
+def cache_root() -> Path:
+    """``$QLORA_KIT_CACHE`` or ``~/.cache/qlora_kit``."""
+    return Path(os.environ.get("QLORA_KIT_CACHE", Path.home() / ".cache" / "qlora_kit"))
+
+
+def demo_data_files(name: str) -> tuple[Path, Path]:
+    if name not in DEMO_DATASETS:
+        raise ValueError(f"data.path: unknown builtin dataset {name!r} (known: {', '.join(DEMO_DATASETS)})")
+    return DEMO_DATASETS[name]
+
+
+def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
+    """Return the folder of builtin model ``name``, building it first if the cache has none."""
+    if name not in TINY_ARCHITECTURES:
+        raise ValueError(
+            f"model.path: unknown builtin model {name!r} (known: {', '.join(TINY_ARCHITECTURES)})"
+        )
+    shape = {**TINY_SHAPE, **shape_overrides}
+    key = _cache_key(name, shape)
+    folder = cache_root() / "models" / f"{name}-{key}"
+    if (folder / "config.json").exists():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the destination and rename: a crash or a concurrent build never leaves half a model.
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    try:
+        _build(name, shape, staging)
+        os.replace(staging, folder)
+    except OSError:
+        if not (folder / "config.json").exists():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def _cache_key(name: str, shape: dict) -> str:
+    digest = hashlib.sha256()
+    digest.update(
+        json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode()
+    )
+    for path in DEMO_DATASETS["demo-facts"]:
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def _build(name: str, shape: dict, folder: Path) -> None:
+    tokenizer = build_tokenizer()
+    config_class, extra = TINY_ARCHITECTURES[name]
+    shape = dict(shape)
+    config = getattr(transformers, config_class)(
+        vocab_size=shape.pop("vocab_size", len(tokenizer)),  # benchmarks widen it; the tokenizer stays
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape,
+        **extra,
+    )
+    with torch.random.fork_rng():  # a fixed seed without disturbing the caller's random stream
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    # The output head is frozen in QLoRA and sees RMS-normalised states, so its row norms bound the
+    # logits. At the usual init (std 0.02) no logit passes ~2.5 and no answer can be confident;
+    # a wider head lets a fine-tuned tiny model reach the low losses a pretrained one would.
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(LM_HEAD_SCALE)
+    model.generation_config.eos_token_id = [
+        tokenizer.eos_token_id,
+        tokenizer.convert_tokens_to_ids("<|im_end|>"),
+    ]
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer trained on the demo dataset (deterministic), with a chat template."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(ALPACA_FRAMING), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_SHAPE["max_position_embeddings"],
+    )
+
+
+def corpus_words() -> list[str]:
+    """The words of the demo data, for benchmarks that need text the builtin tokenizer knows."""
+    return " ".join(_corpus([])).split()
+
+
+def _corpus(framing: list[str]) -> list[str]:
+    texts = list(framing)
+    for path in DEMO_DATASETS["demo-facts"]:
+        for line in path.read_text(encoding="utf-8").splitlines():
+            texts.extend(value for value in json.loads(line).values() if value)
+    return texts

@@ -1,0 +1,65 @@
+"""A model's continuation of a prompt through transformers' ``generate``: greedy by default (repeatable),
+sampling on request, tokens streamed to the terminal. Used for the run's sample answers, ``qlora-kit
+generate``/``chat`` and exact-match evaluation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from transformers import TextStreamer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 is greedy decoding
+    top_p: float = 1.0
+
+    def generate_kwargs(self) -> dict:
+        if self.temperature <= 0:
+            return {"max_new_tokens": self.max_new_tokens, "do_sample": False}
+        return {
+            "max_new_tokens": self.max_new_tokens,
+            "do_sample": True,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+        }
+
+
+def complete(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: str,
+    sampling: Sampling | None = None,
+    stream: bool = False,
+    max_new_tokens: int | None = None,
+) -> str:
+    """The model's continuation of ``prompt`` (without the prompt), special tokens removed."""
+    sampling = sampling or Sampling()
+    kwargs = sampling.generate_kwargs()
+    if max_new_tokens is not None:
+        kwargs["max_new_tokens"] = max_new_tokens
+    was_training = model.training
+    model.eval()
+    # Chat templates carry their own BOS; plain prompts get the tokenizer's usual special tokens.
+    inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not _has_bos(prompt, tokenizer))
+    inputs = inputs.to(model.device)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
+    try:
+        with torch.no_grad():
+            output = model.generate(
+                **inputs, use_cache=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs
+            )
+    finally:
+        model.train(was_training)
+    new_tokens = output[0, inputs["input_ids"].shape[1] :]
+    return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
+
+
+def _has_bos(prompt: str, tokenizer) -> bool:
+    return bool(tokenizer.bos_token) and prompt.startswith(tokenizer.bos_token)

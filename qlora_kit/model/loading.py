@@ -1,0 +1,159 @@
+"""Model stage: the tokenizer and the base causal LM with its linear weights quantized to 4 bits.
+
+Quantization goes through transformers' ``BitsAndBytesConfig``: every ``nn.Linear`` in the decoder
+becomes a ``bitsandbytes.nn.Linear4bit`` holding packed NF4/FP4 weights (blocks of 64 values, one
+absmax each, the absmax themselves 8-bit quantized with double quantization). Embeddings, norms and
+the output head stay in ``quant.compute_dtype``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import bitsandbytes as bnb
+import torch
+from accelerate import PartialState
+from safetensors import SafetensorError
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import builtin, hub
+from qlora_kit.model.paths import check_model_folder, first_line
+from qlora_kit.registries import attention
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from qlora_kit.recipe.recipe import ModelSection, QuantSection
+
+log = logging.getLogger(__name__)
+
+
+def resolve_model_path(model: ModelSection) -> str:
+    """A local folder or hub id; builtin names are built (once) into the cache first."""
+    if builtin.is_builtin(model.path):
+        return str(builtin.ensure_tiny_model(builtin.builtin_name(model.path)))
+    local = Path(model.path).expanduser()
+    return str(local) if local.exists() else model.path  # a hub id stays as it is
+
+
+def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTokenizerBase:
+    field = "--adapter"  # the tokenizer saved beside an adapter
+    if path is None:
+        path, field = resolve_model_path(model), "model.path"
+        check_model_folder(path, weights=False)
+    with _model_path_errors(path, field, model.revision):
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
+    if tokenizer.pad_token is None:
+        # Llama-style tokenizers ship without a pad token. Padded label positions are -100 anyway
+        # (see data.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def bnb_config(quant: QuantSection):
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quant.quant_type,
+        bnb_4bit_use_double_quant=quant.double_quant,
+        bnb_4bit_compute_dtype=getattr(torch, quant.compute_dtype),
+        bnb_4bit_quant_storage=getattr(torch, quant.quant_storage),
+    )
+
+
+def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
+    """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
+    GPU when there is one, otherwise on the CPU.
+
+    Under FSDP too every process loads and quantizes the whole model onto its own device, and FSDP
+    shards it when the Trainer prepares it (freeing the rest): transformers 5.24 loads on rank 0 alone
+    (``cpu_ram_efficient_loading``) only models that are not quantized (modeling_utils,
+    ``_move_missing_keys_from_meta_to_device``), so the whole 4-bit model must fit one GPU while it loads.
+    """
+    if model.trust_remote_code:
+        log.warning("model.trust_remote_code is on: code shipped with %s will run", model.path)
+    path = path or resolve_model_path(model)
+    check_model_folder(path)
+    with _model_path_errors(path, revision=model.revision):
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
+    kernel = _attention_kernel(model.attn_implementation, config)
+    with _model_path_errors(path, revision=model.revision):
+        base = _from_pretrained(model, quant, path, kernel)
+    disable_cpu_weight_repacking(base)
+    if kernel is not None and base.config._attn_implementation != kernel:
+        # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
+        # 5.24); the recipe's kernel is the one that runs, always.
+        base.set_attn_implementation(kernel)
+    log.info(
+        "attention: %s (model.attn_implementation: %s)",
+        base.config._attn_implementation,
+        model.attn_implementation,
+    )
+    base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    return base
+
+
+@contextlib.contextmanager
+def _model_path_errors(path: str, field: str = "model.path", revision: str | None = None):
+    """What transformers raises for a folder it cannot load (OSError, a conversion ValueError, a damaged
+    safetensors file) or a hub download that failed becomes one line naming the field; the original
+    stays chained for debugging."""
+    try:
+        yield
+    except (OSError, ValueError, SafetensorError) as exc:
+        line = hub.explain_model_failure(exc, field, path, revision)
+        raise RecipeError(line or f"{field}: cannot load {path} ({first_line(exc)[:300]})") from exc
+
+
+def _attention_kernel(name: str, config) -> str | None:
+    try:
+        return attention.resolve(name, config)
+    except ValueError as exc:  # the architecture does not support the recipe's kernel
+        raise RecipeError(str(exc)) from None
+
+
+def _from_pretrained(
+    model: ModelSection, quant: QuantSection, path: str, kernel: str | None
+) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(
+        path,
+        quantization_config=bnb_config(quant) if quant.bits == 4 else None,
+        dtype=getattr(torch, quant.compute_dtype),
+        device_map=device_map(),
+        trust_remote_code=model.trust_remote_code,
+        revision=model.revision,
+        # always the recipe's kernel: a config.json naming one would otherwise choose it silently
+        attn_implementation=kernel,
+    )
+
+
+def device_map() -> dict[str, int | str]:
+    """The whole model on this process's GPU (its local rank under a multi-process launch), else the CPU."""
+    if torch.cuda.is_available():
+        # One process per GPU under accelerate/torchrun: each rank loads onto its own device.
+
+        return {"": PartialState().local_process_index}
+    return {"": "cpu"}
+
+
+def disable_cpu_weight_repacking(model: PreTrainedModel) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, ``Linear4bit.forward`` in eval mode without grad (what the Trainer's
+    evaluation does) repacks the weight in place for a faster kernel. Training afterwards gets wrong
+    input gradients silently, and merging reads garbage. See bitsandbytes' ``Linear4bit.forward``
+    (``_convert_weight_packed_for_cpu``). Returns how many layers were changed.
+    """
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    for layer in layers:
+        layer.support_avx512bf16_for_cpu = False
+    return len(layers)

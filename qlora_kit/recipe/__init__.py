@@ -1,0 +1,11 @@
+"""The typed recipe: the one source of truth for a run's settings.
+
+- ``base``: what every section shares (the pydantic base, local paths vs hub ids, one-line errors);
+- ``data``: the data section (one path or a mixture of sources, formats, lengths, layout, preflight);
+- ``preference``: the preference section (how ``train.objective: dpo`` scores pairs);
+- ``recipe``: the other sections, the cross-section rules, YAML loading, ``--set`` overrides and the
+  recipe's input paths.
+
+Modules are imported by path (``from qlora_kit.recipe.recipe import Recipe``; the public API exports
+``qlora_kit.Recipe``); this file imports nothing.
+"""

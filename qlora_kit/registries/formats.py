@@ -1,0 +1,102 @@
+"""The format registry: one ``FormatSpec`` per ``data.format``, read by everything else.
+
+A spec says which fields a row has, which functions of ``data/formats.py`` render it for training and
+wrap a user's text for generation, whether a reference answer can be checked exactly (``qlora-kit eval``),
+whether a conversation keeps its history (``qlora-kit chat``) and whether rows are preference pairs (and
+how their prompt is asked). The recipe's choices, data preparation, generation, evaluation and the CLI
+all read it, so adding a format is one entry here plus its two functions (and its tests). Standard
+library only: the recipe reads it.
+
+It also owns the plain-text prompt conventions every format shares: the Stanford Alpaca template and
+how ``data.system_prompt`` goes before a plain prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
+ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+# the template's fixed text, in order (the builtin tokenizer learns it as words)
+ALPACA_FRAMING = ["### Instruction:\n", "\n\n### Input:\n", "\n\n### Response:\n"]
+
+
+def alpaca_prompt(instruction: str, input_text: str | None = None) -> str:
+    """Alpaca's prompt (the Stanford Alpaca template), as format alpaca renders it for SFT."""
+    if input_text:
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT.format(instruction=instruction)
+
+
+def system_text(system_prompt: str | None) -> str:
+    """data.system_prompt as the text before a plain prompt (alpaca, completion, text pairs)."""
+    return f"{system_prompt}\n\n" if system_prompt else ""
+
+
+@dataclass(frozen=True)
+class FormatSpec:
+    """One data format: its fields, and the names of its functions in ``data/formats.py``."""
+
+    name: str
+    fields: tuple[str, ...]  # what a row has (data.fields may rename them)
+    render: str  # (row, tokenizer, data section) -> segments, the trained part marked
+    prompt: str  # (text, tokenizer, data section, history) -> the prompt a model continues
+    optional: frozenset[str] = frozenset()  # fields that may be absent or empty
+    checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
+    multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
+    chat_template: bool = False  # rendered by the tokenizer's chat template, which adds its own BOS
+    # preference pairs (train.objective: dpo): how the prompt is asked (text, alpaca or chat); render
+    # gives the prompt and the chosen answer
+    pair_kind: str | None = None
+
+    @property
+    def pairs(self) -> bool:
+        return self.pair_kind is not None
+
+
+def _chat_format(name: str, conversation: str) -> FormatSpec:
+    """A conversation (``messages``, or ShareGPT's ``conversations``) with optional ``tools``, rendered by
+    the tokenizer's chat template."""
+    return FormatSpec(
+        name,
+        (conversation, "tools"),
+        "render_conversation",
+        "chat_prompt",
+        optional=frozenset({"tools"}),
+        multi_turn=True,
+        chat_template=True,
+    )
+
+
+def _pair_format(name: str, asked: tuple[str, ...], kind: str, prompt: str) -> FormatSpec:
+    """Preference pairs (data/preference.py): what is asked, a chosen and a rejected answer."""
+    return FormatSpec(
+        name,
+        (*asked, "chosen", "rejected"),
+        "render_chosen",
+        prompt,
+        optional=frozenset({"input"}),
+        chat_template=kind == "chat",
+        pair_kind=kind,
+    )
+
+
+FORMATS: dict[str, FormatSpec] = {
+    spec.name: spec
+    for spec in (
+        FormatSpec(
+            "alpaca",
+            ("instruction", "input", "output"),
+            "render_alpaca",
+            "alpaca_prompt_for",
+            optional=frozenset({"input"}),
+        ),
+        _chat_format("chat", "messages"),
+        _chat_format("sharegpt", "conversations"),
+        FormatSpec("completion", ("prompt", "completion"), "render_completion", "completion_prompt"),
+        FormatSpec("text", ("text",), "render_text", "raw_prompt", checkable=False),
+        _pair_format("preference", ("prompt",), "text", "completion_prompt"),
+        _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", "alpaca_prompt_for"),
+        _pair_format("preference_chat", ("prompt",), "chat", "chat_prompt"),
+    )
+}

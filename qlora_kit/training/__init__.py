@@ -1,0 +1,14 @@
+"""The training family: a run from recipe to saved adapter, and everything that watches it.
+
+- ``pipeline``: ``build(recipe)`` sets a run up stage by stage, ``run(recipe)`` trains and saves;
+- ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
+- ``trainer``: ``GuardedTrainer`` and the Trainer's arguments; ``dpo``: TRL's DPOTrainer with the same;
+- ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
+- ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
+- ``distributed``: what one process of several does differently (DDP, FSDP2);
+- ``outputs``: the output folder's policy and atomic checkpoints; ``manifest``: what produced an adapter;
+- ``run_log``, ``run_console``, ``run_record``: what a run says, what a person watching sees, and
+  a run read back from its folder.
+
+Modules are imported by path (``from qlora_kit.training import pipeline``); this file imports nothing.
+"""

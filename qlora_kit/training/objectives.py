@@ -1,0 +1,87 @@
+"""Training stage: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks.
+
+SFT runs on ``GuardedTrainer`` (trainer.py), DPO on ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer
+under the same additions). Both get the same callbacks, in the order that lets the memory and throughput
+figures reach every log: the memory monitor, throughput, the metrics file, the guards, the trackers,
+early stopping, then the caller's.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from transformers import EarlyStoppingCallback
+
+from qlora_kit.data import prepare
+from qlora_kit.memory import optimizers
+from qlora_kit.memory.loss_head import supports_chunked_loss
+from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.model.precision import resolve_mixed_precision
+from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.throughput import Throughput, peak_tflops
+from qlora_kit.training.trackers import tracker_callbacks
+from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device, training_arguments
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+
+def build_trainer(
+    recipe: Recipe,
+    peft_model,
+    tokenizer,
+    train_set,
+    val_set,
+    output_dir: Path,
+    callbacks: list | None = None,
+    guards: bool = True,
+) -> GuardedTrainer:
+    """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost).
+    ``train.objective: dpo`` builds TRL's DPOTrainer with the same additions (dpo.py)."""
+    precision = resolve_mixed_precision(recipe)
+    has_eval = val_set is not None
+    dpo = recipe.train.objective == "dpo"
+    if dpo:
+        from qlora_kit.training.dpo import GuardedDPOTrainer, dpo_arguments  # TRL loads for DPO runs only
+
+        trainer_class, args = GuardedDPOTrainer, dpo_arguments(recipe, output_dir, has_eval, precision)
+    else:
+        trainer_class, args = GuardedTrainer, training_arguments(recipe, output_dir, has_eval, precision)
+    pin_to_one_device(args)
+    guard = TrainingGuard(peft_model) if guards else None
+    metrics_log = MetricsLog(output_dir / "metrics.jsonl")
+    monitor = MemoryMonitor()
+    throughput = Throughput(peft_model, peak_tflops(recipe.train.peak_tflops))
+    # DPO: TRL's head computes the answers' log-probabilities without whole logits already
+    chunked = recipe.memory.chunked_loss and not dpo and supports_chunked_loss(peft_model.get_base_model())
+    patience = recipe.train.early_stopping_patience
+    stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
+    collator = (
+        None  # TRL's DataCollatorForPreference pads the pairs
+        if dpo
+        else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+    )
+    return trainer_class(
+        model=peft_model,
+        args=args,
+        train_dataset=train_set,
+        eval_dataset=val_set if args.eval_strategy != "no" else None,
+        data_collator=collator,
+        processing_class=tokenizer,
+        optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
+        callbacks=[
+            monitor,  # first, with the next: they add their figures to the logs the others write
+            throughput,
+            metrics_log,
+            *([guard] if guard is not None else []),
+            *tracker_callbacks(recipe, output_dir),
+            *stopping,
+            *(callbacks or []),
+        ],
+        memory_monitor=monitor,
+        metrics_log=metrics_log,
+        throughput=throughput,
+        guard=guard,
+        chunk_tokens=recipe.memory.loss_chunk_tokens if chunked else None,
+    )

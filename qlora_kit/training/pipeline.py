@@ -1,0 +1,388 @@
+"""The whole pipeline, top to bottom: ``build(recipe)`` sets a run up, ``run(recipe)`` is build + train + save.
+
+build: load tokenizer -> tokenize data -> load 4-bit base -> checkpointing policy -> attach LoRA ->
+transformers' Trainer with the chosen optimizer (trainer.py). run adds the output folder (lock,
+checks, manifest), training, the final save and the samples. The Trainer owns the loop. Benchmarks,
+``qlora-kit doctor``, notebooks and tests set runs up through ``build`` (or ``run``), never by hand.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
+from transformers import TrainerState, set_seed
+
+from qlora_kit.data import preflight, prepare
+from qlora_kit.errors import Interrupted, RecipeError
+from qlora_kit.memory import checkpointing, planner
+from qlora_kit.model import adapters, builtin, hub
+from qlora_kit.model import loading as model
+from qlora_kit.model.generation import complete
+from qlora_kit.model.paths import (
+    check_adapter_folder,
+    check_checkpoint,
+    check_model_folder,
+    check_output_folder,
+    check_output_holds_no_input,
+)
+from qlora_kit.model.precision import resolve_mixed_precision
+from qlora_kit.registries import attention
+from qlora_kit.registries.optimizers import OPTIMIZERS
+from qlora_kit.training import run_log, trackers
+from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
+from qlora_kit.training.interrupts import StopOnSignal
+from qlora_kit.training.manifest import build_manifest, utc_now, write_manifest
+from qlora_kit.training.objectives import build_trainer
+from qlora_kit.training.outputs import (
+    FINISHED_MARKER,
+    check_output_dir,
+    check_writable,
+    checkpoint_step,
+    clear_staging,
+    complete_checkpoints,
+    drop_aside,
+    exclusive,
+    find_resume_checkpoint,
+    finished_training,
+    move_into_place,
+    prepare_output_dir,
+    restore_aside,
+    staging_dir,
+    truncate_metrics,
+)
+from qlora_kit.training.run_console import replace_trainer_output
+from qlora_kit.training.trainer import GuardedTrainer
+
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from rich.console import Console
+    from transformers import PreTrainedTokenizerBase
+
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Setup:
+    """A run ready to train, exactly as ``run`` trains it."""
+
+    recipe: Recipe
+    tokenizer: PreTrainedTokenizerBase
+    data: prepare.PreparedData
+    model: PeftModel
+    trainer: GuardedTrainer
+    checkpointed_layers: list[int]
+
+
+@dataclass
+class TrainResult:
+    """What a run leaves behind: where it wrote, what it logged, and the trained model in memory."""
+
+    output_dir: Path
+    metrics: list[dict[str, Any]]
+    model: PeftModel
+    tokenizer: PreTrainedTokenizerBase
+    checkpointed_layers: list[int] = field(default_factory=list)
+    samples: list[dict[str, str]] = field(default_factory=list)
+    memory: dict[str, Any] = field(default_factory=dict)  # the run's largest saved bytes, CUDA peaks
+    main_process: bool = True  # False on the other ranks of a multi-process run (they print nothing)
+    steps: int = 0  # optimizer steps the run has taken (a resumed run: counted from the start)
+
+    @property
+    def eval_losses(self) -> list[float]:
+        return [row["eval_loss"] for row in self.metrics if "eval_loss" in row]
+
+    @property
+    def train_losses(self) -> list[float]:
+        return [row["loss"] for row in self.metrics if "loss" in row]
+
+
+def check_runnable(recipe: Recipe) -> None:
+    """What can be refused before any work: missing local paths, a base-model folder that cannot load, an
+    output folder that cannot be written, a launch the recipe does not match, a mixed precision this
+    machine cannot run."""
+    recipe.check_paths()
+    output_dir = Path(recipe.train.output_dir).expanduser().resolve()
+    check_output_folder(output_dir, "train.output_dir")
+    inputs = {
+        "model.path": recipe.model.path,
+        "data.path": recipe.data.path,
+        "data.val_path": recipe.data.val_path,
+        "model.adapter": recipe.model.adapter,
+    }
+    check_output_holds_no_input(output_dir, inputs)
+    if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
+        check_model_folder(recipe.model.path)
+    if recipe.model.adapter is not None:
+        folder = Path(recipe.model.adapter).expanduser()
+        bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")
+        if recipe.train.objective == "dpo" and bias != "none":
+            raise RecipeError(
+                f"model.adapter: {folder} trains biases (bias: {bias}); DPO's reference is a second adapter, "
+                "and peft allows trained biases in one adapter only"
+            )
+    launch = launched_fsdp_settings()
+    if recipe.train.fsdp and launch is None:
+        raise RecipeError(
+            "train.fsdp: the recipe shards the model with FSDP; launch it with accelerate launch "
+            "--config_file recipes/accelerate/fsdp-qlora.yaml --num_processes N -m qlora_kit train RECIPE"
+        )
+    check_fsdp_launch(recipe, launch)
+    resolve_mixed_precision(recipe)
+    unavailable = attention.check_installed(recipe.model.attn_implementation, torch.cuda.is_available())
+    unavailable = unavailable or trackers.check_installed(recipe.train.report_to)
+    if unavailable:
+        raise RecipeError(unavailable)
+
+
+def build(
+    recipe: Recipe, output_dir: Path | None = None, callbacks: list | None = None, guards: bool = True
+) -> Setup:
+    """Everything a run trains with; nothing is written. ``output_dir`` defaults to the recipe's;
+    ``callbacks`` are extra ``transformers.TrainerCallback`` objects; ``guards=False`` drops the loss and
+    gradient guards (for measuring what they cost; never for a run)."""
+    check_runnable(recipe)
+    output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
+    # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
+    # first, in a few requests, before the data is tokenized or the weights are fetched.
+    hub.check_model(recipe.model)
+    hub.check_dataset(recipe.data)
+    # checkpointing auto: planned from the config alone, refused here if no policy fits
+    memory = planner.resolve_checkpointing(recipe)
+    set_seed(recipe.train.seed)
+    tokenizer = model.load_tokenizer(recipe.model)
+    # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
+    dpo = recipe.train.objective == "dpo"
+    with Ranks().main_first():
+        prepared = prepare.prepare_datasets(
+            recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
+        )
+    if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
+        collator = (
+            None  # pairs: TRL's collator marks the answers by a mask, never by the pad id
+            if dpo
+            else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+        )
+        preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
+    base = model.load_base_model(recipe.model, recipe.quant)
+    checkpointed = checkpointing.enable_checkpointing(base, memory)
+    if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
+        peft_model = adapters.load_adapter(base, Path(recipe.model.adapter).expanduser(), trainable=True)
+        adapters.log_continued_shape(peft_model, recipe)
+    else:
+        peft_model = adapters.attach_lora(base, recipe.lora)
+    trainer = build_trainer(
+        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards
+    )
+    if dpo:
+        log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
+        # TRL's disable_dropout: policy and reference score the same answer alike before training
+        log.info("dpo: dropout is off, lora.dropout included (TRL's default)")
+    return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
+
+
+def run(
+    recipe: Recipe,
+    overwrite: bool = False,
+    resume: bool | str | Path = False,
+    callbacks: list | None = None,
+    guards: bool = True,
+    console: Console | None = None,
+) -> TrainResult:
+    """Fine-tune the recipe's base model with QLoRA and save the adapter into ``recipe.train.output_dir``.
+
+    ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
+    checkpoint. ``callbacks`` and ``guards`` as for ``build``. ``console``: show progress there
+    (run_console.py) instead of the Trainer's progress bars and printed log dicts.
+    """
+    check_runnable(recipe)
+    log.debug("the resolved recipe:\n%s", recipe.to_yaml())
+    ranks = Ranks()
+    output_dir = Path(recipe.train.output_dir).expanduser().resolve()
+    with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
+        checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
+        if checkpoint is not None:
+            check_checkpoint(checkpoint)
+        if not resume:
+            check_output_dir(output_dir, overwrite=overwrite)
+        stopper = StopOnSignal()
+        setup = build(recipe, output_dir, [stopper, *(callbacks or [])], guards)
+        peft_model, tokenizer, trainer = setup.model, setup.tokenizer, setup.trainer
+        if console is not None:
+            replace_trainer_output(trainer, console)
+        if ranks.is_main:
+            run_log.log_setup(peft_model, setup.checkpointed_layers, setup.data, recipe)
+            run_log.log_optimizer_state(peft_model, recipe)
+        # Under FSDP the trained model is sharded: every rank generates the same greedy answers in step
+        # (each forward all-gathers the layers); otherwise the main process answers alone.
+        answering = ranks.is_main or recipe.train.fsdp
+        examples = (
+            prepare.prompt_examples(setup.data, recipe.data, tokenizer, recipe.train.sample_prompts)
+            if answering
+            else []
+        )
+        before = _answer(peft_model, tokenizer, examples)
+        manifest, aside = (
+            _prepare_folder(output_dir, recipe, peft_model, overwrite, resume, checkpoint)
+            if ranks.is_main
+            else ({}, None)
+        )
+        try:
+            ranks.barrier()
+            _train(trainer, stopper, peft_model, checkpoint, output_dir)
+            # Take accelerate's autocast wrapper off the model's forward: the model handed back computes
+            # as it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
+            trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
+            _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
+            if ranks.is_main:
+                ended = {"finished_at": utc_now(), "steps": trainer.state.global_step, **_best(trainer)}
+                write_manifest(output_dir, manifest | ended)
+                if "best" in ended:
+                    best = ended["best"]
+                    log.info(
+                        "train.keep_best: the final adapter is step %d's (%s %.4g)",
+                        best["step"],
+                        best["metric"],
+                        best["value"],
+                    )
+            ranks.barrier()
+        except BaseException:
+            if aside is not None:
+                _after_failed_overwrite(output_dir, aside)
+            raise
+        if aside is not None:
+            drop_aside(aside)
+    samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
+    usage = trainer.memory_monitor.summary()
+    if checkpoint is not None:
+        usage["repaged_optimizer_tensors"] = trainer.repaged_tensors
+    if ranks.is_main:
+        run_log.log_memory(usage)
+        log.info("adapter, tokenizer and recipe written to %s", output_dir)
+    return TrainResult(
+        output_dir=output_dir,
+        metrics=trainer.metrics_log.rows,
+        model=peft_model,
+        tokenizer=tokenizer,
+        checkpointed_layers=setup.checkpointed_layers,
+        samples=samples,
+        memory=usage,
+        main_process=ranks.is_main,
+        steps=trainer.state.global_step,
+    )
+
+
+def _after_failed_overwrite(output_dir: Path, aside: Path) -> None:
+    """The run that was to replace an earlier one failed: with no checkpoint of its own to resume from,
+    the earlier run comes back as it was; with one, the earlier run is gone for it."""
+    newest = complete_checkpoints(output_dir)
+    if newest:
+        drop_aside(aside)
+        log.warning("--overwrite: the earlier run was replaced; this run can --resume from %s", newest[-1])
+        return
+    try:
+        restore_aside(output_dir, aside)
+    except OSError as exc:
+        log.error("--overwrite: could not put the earlier run back (%s); it is kept in %s", exc, aside)
+        return
+    log.warning(
+        "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
+        output_dir,
+    )
+
+
+def _prepare_folder(
+    output_dir: Path, recipe: Recipe, peft_model, overwrite: bool, resume, checkpoint
+) -> tuple[dict, Path | None]:
+    """The main process readies the output folder; returns the run manifest it wrote, and where an
+    earlier run's files were set aside (--overwrite)."""
+    aside = None if resume else prepare_output_dir(output_dir, overwrite=overwrite)
+    if aside is not None:
+        log.info("--overwrite: the earlier run is kept in %s until this run has a checkpoint", aside)
+    try:
+        check_writable(output_dir, _output_bytes(peft_model, recipe))
+        clear_staging(output_dir)
+        if resume:
+            truncate_metrics(output_dir, checkpoint_step(checkpoint))
+            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
+        manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
+        log.info("run manifest: %s", write_manifest(output_dir, manifest))
+        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    except BaseException:
+        if aside is not None:
+            _after_failed_overwrite(output_dir, aside)
+        raise
+    return manifest, aside
+
+
+def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, output_dir: Path) -> None:
+    stopper.install()
+    try:
+        if checkpoint is not None and finished_training(checkpoint, trainer.args.max_steps):
+            # killed while saving the final output: the checkpoint's state says which adapter is final
+            trainer.state = TrainerState.load_from_json(str(checkpoint / "trainer_state.json"))
+            best = trainer.state.best_model_checkpoint if trainer.args.load_best_model_at_end else None
+            final = Path(best) if best and Path(best).is_dir() else checkpoint
+            set_peft_model_state_dict(peft_model, load_file(final / "adapter_model.safetensors"))
+        else:
+            if checkpoint is not None:
+                # The baseline evaluation belongs to step 0: at the resumed step it would log that step's
+                # evaluation a second time, and count as "no improvement" for early stopping.
+                trainer.args.eval_on_start = False
+            trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)
+    finally:
+        stopper.restore()
+    if stopper.stopped:
+        newest = complete_checkpoints(output_dir)
+        raise Interrupted(
+            stopper.received or 15, trainer.state.global_step, str(newest[-1]) if newest else None
+        )
+
+
+def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, fsdp: bool) -> None:
+    """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last.
+    Under FSDP every rank takes part in gathering the sharded adapter."""
+    staged = staging_dir(output_dir, name="final")
+    adapter = adapters.full_adapter_state(peft_model) if fsdp else None  # a collective: every rank
+    if ranks.is_main:
+        adapters.save_adapter(peft_model, staged, adapter)
+        tokenizer.save_pretrained(staged)
+        move_into_place(staged, output_dir, last=FINISHED_MARKER)
+        clear_staging(output_dir)  # a finished run leaves no empty .staging/ behind
+
+
+def _best(trainer) -> dict[str, Any]:
+    """The manifest's record of train.keep_best: which evaluation's adapter is the final one."""
+    if not trainer.args.load_best_model_at_end or trainer.state.best_global_step is None:
+        return {}
+    metric, value = trainer.args.metric_for_best_model, trainer.state.best_metric
+    return {"best": {"metric": metric, "value": value, "step": trainer.state.best_global_step}}
+
+
+def _output_bytes(peft_model, recipe: Recipe) -> int:
+    """Room for a checkpoint (adapter + optimizer state) and the final adapter, with a margin."""
+    spec = OPTIMIZERS[recipe.optimizer.name]
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    adapter = sum(p.numel() * 4 for p in params)
+    return 2 * (2 * adapter + sum(spec.state_bytes(p.numel()) for p in params)) + 64 * 2**20
+
+
+def _answer(peft_model, tokenizer, examples: list[prepare.PromptExample]) -> list[str]:
+    return [complete(peft_model, tokenizer, example.prompt, max_new_tokens=8) for example in examples]
+
+
+def _samples(
+    examples: list[prepare.PromptExample], before: list[str], after: list[str]
+) -> list[dict[str, str]]:
+    return [
+        {"prompt": ex.prompt, "reference": ex.reference, "before": b, "after": a}
+        for ex, b, a in zip(examples, before, after, strict=True)
+    ]

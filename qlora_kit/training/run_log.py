@@ -1,0 +1,87 @@
+"""What a run tells its user about itself: the setup before training and the memory after it.
+
+Called by the main process only (pipeline.run); every line goes to the ``qlora_kit`` logger.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from qlora_kit.data.prepare import PreparedData, pad_shares
+from qlora_kit.memory.optimizers import optimizer_state_report
+from qlora_kit.model.adapters import trainable_parameter_count
+from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger("qlora_kit.training.pipeline")
+
+
+def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recipe: Recipe) -> None:
+    trainable, total = trainable_parameter_count(peft_model)
+    log.info(
+        "trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total
+    )
+    log.info("checkpointed decoder layers: %s", checkpointed or "none")
+    for report in prepared.reports:
+        log.info("data %s", report.summary())
+    shares = pad_shares(prepared, recipe.data, recipe.train.micro_batch_size, recipe.train.seed)
+    mode = (
+        "packing" if recipe.data.packing else "group_by_length" if recipe.data.group_by_length else "padding"
+    )
+    log.info(
+        "data: %d training examples in %d rows; pad tokens per batch: %.1f%% with %s (%.1f%% if padded)",
+        len(prepared.example_lengths),
+        len(prepared.train),
+        100 * shares[mode],
+        mode,
+        100 * shares["padding"],
+    )
+
+
+def log_optimizer_state(peft_model, recipe: Recipe) -> None:
+    """How much optimizer state the paged optimizer can page; warn when it is asked to page nothing."""
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    report = optimizer_state_report(params, recipe.optimizer.name)
+    log.info(
+        "optimizer state: %.2f MiB, of which %.2f MiB pageable (%d of %d tensors have >= %s elements)",
+        report.total_bytes / 2**20,
+        report.pageable_bytes / 2**20,
+        report.pageable_tensors,
+        report.parameters,
+        f"{PAGEABLE_MIN_ELEMENTS:,}",
+    )
+    spec = OPTIMIZERS[recipe.optimizer.name]
+    if spec.paged and report.pageable_bytes == 0:
+        unpaged = [s.name for s in OPTIMIZERS.values() if not s.paged and s.eight_bit == spec.eight_bit]
+        log.warning(
+            "optimizer.name %s pages nothing here: bitsandbytes pages only tensors of >= %s elements and the "
+            "largest LoRA tensor has %s (raise lora.rank, or use %s)",
+            recipe.optimizer.name,
+            f"{PAGEABLE_MIN_ELEMENTS:,}",
+            f"{max(p.numel() for p in params):,}",
+            unpaged[0] if unpaged else "an optimizer that is not paged",
+        )
+
+
+def log_memory(usage: dict[str, Any]) -> None:
+    if "saved_mib" not in usage:
+        return  # no training step ran
+    layers = usage["saved_mib_layers"]
+    log.info(
+        "memory: at most %.1f MiB saved for backward (head %.1f MiB; decoder layers %.1f-%.1f MiB each)",
+        usage["saved_mib"],
+        usage["saved_mib_head"],
+        min(layers, default=0.0),
+        max(layers, default=0.0),
+    )
+    if "peak_backward_gib" in usage:
+        log.info(
+            "CUDA peaks: forward %.2f GiB, backward %.2f GiB, optimizer step %.2f GiB; device used %.2f GiB",
+            usage["peak_forward_gib"],
+            usage["peak_backward_gib"],
+            usage["peak_optimizer_gib"],
+            usage["device_used_gib"],
+        )

@@ -1,0 +1,209 @@
+"""A finished (or running) run read back from its folder: ``qlora-kit show DIR`` and the notebooks.
+
+A run folder holds ``recipe.yaml``, ``manifest.json`` and ``metrics.jsonl`` (pipeline.py writes them);
+this module reads them into a ``RunRecord``, says what the recipe changed from the defaults, and draws
+the losses and the learning rate into ``loss.png`` (matplotlib, the ``plot`` extra). ``cli/views.show_run``
+prints it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from qlora_kit.errors import OutputDirError
+from qlora_kit.recipe.recipe import Recipe
+
+PEAK_KEYS = ("peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib")
+
+
+@dataclass
+class RunRecord:
+    folder: Path
+    recipe: dict[str, Any]  # the resolved recipe as the run wrote it
+    manifest: dict[str, Any]
+    metrics: list[dict[str, Any]]
+
+    def rows_with(self, key: str) -> list[dict[str, Any]]:
+        return [row for row in self.metrics if key in row]
+
+    @property
+    def finished(self) -> bool:
+        return "finished_at" in self.manifest
+
+
+def read_run(folder: str | Path) -> RunRecord:
+    """The run in ``folder``; an OutputDirError naming the file when it is not a run folder or a file is unreadable."""
+    folder = Path(folder).expanduser().resolve()
+    if not (folder / "manifest.json").is_file():
+        raise OutputDirError(f"{folder}: not a qlora-kit run folder (no manifest.json)")
+    manifest = _read_json(folder / "manifest.json")
+    recipe = manifest.get("recipe") or {}
+    if (folder / "recipe.yaml").is_file():
+        try:
+            recipe = yaml.safe_load((folder / "recipe.yaml").read_text(encoding="utf-8")) or recipe
+        except yaml.YAMLError as exc:
+            raise OutputDirError(
+                f"{folder / 'recipe.yaml'}: not valid YAML ({exc.__class__.__name__})"
+            ) from None
+    metrics = []
+    path = folder / "metrics.jsonl"
+    if path.is_file():
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                metrics.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise OutputDirError(f"{path}:{number}: not a JSON object") from None
+    return RunRecord(folder, recipe, manifest, metrics)
+
+
+def recipe_changes(recipe: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    """(field, default, value) for every field the run's recipe sets to something else than the default."""
+    # a 16-bit recipe has no 4-bit-only fields: only the fields the run's recipe holds are compared
+    default_values = _flatten(Recipe().resolved_values())
+    return [
+        (name, default_values.get(name), value)
+        for name, value in _flatten(recipe).items()
+        if default_values.get(name) != value
+    ]
+
+
+def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
+    """(what, value) rows for a run read from its folder (views.show_record prints them)."""
+    rows = [("run", str(record.folder))]
+    manifest = record.manifest
+    state = "finished" if record.finished else "not finished (running, stopped or failed)"
+    rows.append(("state", f"{state}, {manifest.get('steps', _last_step(record))} steps"))
+    seconds = _seconds(manifest.get("started_at"), manifest.get("finished_at"))
+    if seconds is not None:
+        rows.append(("wall time", f"{seconds:.0f} s (start to finished, loading and saving included)"))
+    rows += metric_rows(record.metrics)
+    if "best" in manifest:
+        best = manifest["best"]
+        rows.append(
+            (
+                "final adapter (train.keep_best)",
+                f"step {best['step']}'s, {best['metric']} {best['value']:.4g}",
+            )
+        )
+    speeds = sorted(row["tokens_per_s"] for row in record.rows_with("tokens_per_s"))
+    if speeds:
+        mfu = [row["mfu"] for row in record.rows_with("mfu")]
+        utilisation = f", MFU {sum(mfu) / len(mfu):.1%}" if mfu else ""
+        rows.append(("trained tokens/s (median)", f"{speeds[len(speeds) // 2]:,.0f}{utilisation}"))
+    peaks = [row[key] for row in record.metrics for key in PEAK_KEYS if key in row]
+    rows += memory_rows(peaks, [row["saved_mib"] for row in record.rows_with("saved_mib")])
+    versions = manifest.get("versions", {})
+    if versions:
+        rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
+    if manifest.get("git_commit"):
+        rows.append(("git commit", str(manifest["git_commit"])))
+    return rows
+
+
+def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """(what, value) rows of what a run logged: loss first -> last, eval loss first -> best (its step) ->
+    last, and under train.objective dpo the held-out preference accuracy first -> last."""
+    rows = []
+    losses = [row["loss"] for row in metrics if "loss" in row]
+    if losses:
+        rows.append(("loss, first -> last", f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
+    evals = [row for row in metrics if "eval_loss" in row]
+    if evals:
+        best = min(evals, key=lambda row: row["eval_loss"])
+        first, last = evals[0]["eval_loss"], evals[-1]["eval_loss"]
+        rows.append(
+            (
+                "eval loss, first -> best -> last",
+                f"{first:.4f} -> {best['eval_loss']:.4f} (step {best['step']}) -> {last:.4f}",
+            )
+        )
+    accuracies = [row["eval_rewards/accuracies"] for row in metrics if "eval_rewards/accuracies" in row]
+    if accuracies:
+        rows.append(
+            ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")
+        )
+    return rows
+
+
+def memory_rows(peaks_gib: list[float], saved_mib: list[float]) -> list[tuple[str, str]]:
+    """The run's memory as one row: CUDA's peak allocated memory, or on a CPU the most saved for backward."""
+    if peaks_gib:
+        return [("peak GPU memory (allocated)", f"{max(peaks_gib):.2f} GiB")]
+    if saved_mib:
+        return [("most saved for backward", f"{max(saved_mib):.1f} MiB")]
+    return []
+
+
+def plot_run(record: RunRecord, path: str | Path | None = None) -> Path:
+    """Draw training and validation loss against the step, with the learning rate on a second axis, into
+    ``path`` (default: the run folder's loss.png). Needs matplotlib (``pip install 'qlora-kit[plot]'``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, never a window: works over ssh, in CI and in Docker
+    import matplotlib.pyplot as plt
+
+    path = Path(path) if path is not None else record.folder / "loss.png"
+    fig, loss_axis = plt.subplots(figsize=(7, 4))
+    train_rows, eval_rows = record.rows_with("loss"), record.rows_with("eval_loss")
+    loss_axis.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training loss")
+    loss_axis.plot(
+        [r["step"] for r in eval_rows], [r["eval_loss"] for r in eval_rows], "o-", label="validation loss"
+    )
+    if all(r["loss"] > 0 for r in train_rows) and all(r["eval_loss"] > 0 for r in eval_rows):
+        loss_axis.set_yscale("log")  # a fine-tune's loss falls by orders of magnitude
+    loss_axis.set_xlabel("optimizer step")
+    loss_axis.set_ylabel("loss")
+    lr_rows = record.rows_with("lr")
+    if lr_rows:
+        lr_axis = loss_axis.twinx()
+        lr_axis.plot(
+            [r["step"] for r in lr_rows], [r["lr"] for r in lr_rows], ":", color="gray", label="learning rate"
+        )
+        lr_axis.set_ylabel("learning rate")
+        lr_axis.set_ylim(bottom=0)
+    handles = [line for axis in fig.axes for line in axis.get_lines()]
+    loss_axis.legend(handles, [line.get_label() for line in handles], loc="upper right")
+    loss_axis.set_title(record.folder.name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and prefix == "":
+            flat |= _flatten(value, f"{name}.")
+        else:
+            flat[name] = value
+    return flat
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise OutputDirError(f"{path}: cannot read ({exc.__class__.__name__})") from None
+    if not isinstance(value, dict):
+        raise OutputDirError(f"{path}: not a JSON object")
+    return value
+
+
+def _last_step(record: RunRecord) -> int:
+    return max((row.get("step", 0) for row in record.metrics), default=0)
+
+
+def _seconds(started: str | None, finished: str | None) -> float | None:
+    if not started or not finished:
+        return None
+    return (datetime.fromisoformat(finished) - datetime.fromisoformat(started)).total_seconds()

@@ -1,0 +1,178 @@
+"""The house's shape, enforced: one direction of dependency between the packages, no import cycle of any
+kind, sub-packages whose ``__init__`` imports nothing and whose docstring names every module.
+
+Every import counts: top-level, function-local and ``TYPE_CHECKING``-only (a cycle hidden in a function
+is still a cycle a reader has to hold in their head, and the next refactor turns it into an ImportError).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "qlora_kit"
+
+# Bottom to top: a module may import only from its own layer's package (without a cycle) or from the
+# layers below it. errors and registries are leaves every layer reads.
+LAYERS = ["errors", "registries", "recipe", "model", "data", "memory", "training", "after", "cli"]
+ROOT_MODULES_MAX = 8
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Each qlora_kit module -> the qlora_kit modules it imports, wherever the import statement is."""
+    files = {module_name(f): f for f in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in files}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:  # relative: resolve against this module's package
+                    anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    base = f"{anchor}.{base}" if base else anchor
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                # `from qlora_kit.model import adapters` imports the submodule, not only the package
+                if target in files and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    if len(parts) < 2 or parts[1] in ("__main__",):
+        return None  # the package root (public API) and __main__ sit above every layer
+    return LAYERS.index(parts[1]) if parts[1] in LAYERS else -1
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan), as a sorted list."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in on_stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                components.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return components
+
+
+def test_no_import_cycle_of_any_kind():
+    graph = import_graph()
+    graph = {m: {t for t in ts if t != "qlora_kit"} for m, ts in graph.items()}  # the root is checked below
+    assert find_cycles(graph) == []
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for module, targets in import_graph().items():
+        mine = layer_of(module)
+        if mine is None:
+            continue
+        assert mine >= 0, f"{module} is in no layer: put it in one of {LAYERS}"
+        for target in targets:
+            theirs = layer_of(target)
+            if theirs is None or theirs > mine:
+                upward.append(f"{module} -> {target}")
+    assert upward == []
+
+
+def test_registries_and_errors_import_only_the_standard_library():
+    """At module level: the recipe reads them, and ``import qlora_kit`` stays light. (A kernel's
+    availability probe may import its library inside a function.)"""
+    import sys
+
+    leaves = [PACKAGE / "errors.py", *sorted((PACKAGE / "registries").glob("*.py"))]
+    for path in leaves:
+        for node in _module_level(ast.parse(path.read_text()).body):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] in sys.stdlib_module_names, f"{path.name}: {name}"
+
+
+def _module_level(body: list[ast.stmt]):
+    """The statements run at import, descending into if/try blocks but not into functions or classes."""
+    for node in body:
+        yield node
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            if isinstance(node, (ast.If, ast.Try, ast.ExceptHandler)) and hasattr(node, field):
+                yield from _module_level(getattr(node, field))
+
+
+def test_every_format_names_functions_that_exist():
+    from qlora_kit.data import formats
+    from qlora_kit.registries.formats import FORMATS
+
+    for spec in FORMATS.values():
+        assert callable(getattr(formats, spec.prompt, None)), spec
+        assert spec.pairs or callable(getattr(formats, spec.render, None)), spec
+
+
+def test_the_root_holds_few_modules_and_sub_packages_import_nothing():
+    assert len(list(PACKAGE.glob("*.py"))) <= ROOT_MODULES_MAX
+    for init in PACKAGE.glob("*/__init__.py"):
+        tree = ast.parse(init.read_text())
+        assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
+        doc = ast.get_docstring(tree) or ""
+        modules = sorted(p.stem for p in init.parent.glob("*.py") if p.name != "__init__.py")
+        missing = [m for m in modules if f"{m}" not in doc]
+        assert missing == [], f"{init.parent.name}/__init__.py's docstring does not name {missing}"
+
+
+def test_the_checker_sees_each_kind_of_import(tmp_path, monkeypatch):
+    """The graph counts function-local and TYPE_CHECKING imports, and finds a two-module cycle."""
+    root = tmp_path / "qlora_kit"
+    (root / "memory").mkdir(parents=True)
+    (root / "memory" / "__init__.py").write_text('"""a, b"""\n')
+    (root / "memory" / "a.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from qlora_kit.memory import b\n"
+    )
+    (root / "memory" / "b.py").write_text("def f():\n    from qlora_kit.memory.a import x\n")
+    (root / "errors.py").write_text("")
+    (root / "data.py").write_text("")
+    (root / "memory" / "c.py").write_text("def g():\n    from qlora_kit.cli import views\n")
+    (root / "cli").mkdir()
+    (root / "cli" / "__init__.py").write_text("")
+    (root / "cli" / "views.py").write_text("")
+    monkeypatch.setitem(globals(), "PACKAGE", root)
+    graph = import_graph()
+    assert graph["qlora_kit.memory.a"] == {"qlora_kit.memory.b", "qlora_kit.memory"}
+    assert find_cycles(graph) == [["qlora_kit.memory.a", "qlora_kit.memory.b"]]
+    assert layer_of("qlora_kit.cli.views") > layer_of("qlora_kit.memory.c")
