@@ -9,8 +9,8 @@ from qlora_kit.memory.optimizers import (
     optimizer_state_report,
     repage_optimizer_state,
 )
-from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
 from qlora_kit.recipe.recipe import OptimizerSection
+from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
 
 
 def test_pageable_report_follows_the_100k_element_rule():
