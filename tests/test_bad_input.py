@@ -433,23 +433,34 @@ def test_overwrite_with_a_run_that_fails_first_gives_the_earlier_run_back(
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")) == ["run"]
 
 
-def test_an_output_folder_that_holds_the_runs_data_is_refused(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("field", ["data.path", "data.sources[0].path", "data.val_path"])
+def test_an_output_folder_that_holds_the_runs_data_is_refused(field, tmp_path, monkeypatch, capsys):
     """--overwrite sets a folder's contents aside and deletes them once the run has its own: a folder
-    holding the data the run reads is refused before anything moves."""
-    monkeypatch.chdir(ROOT)
-    data = tmp_path / "rows.jsonl"
+    holding data the run reads, under any of the recipe's data fields (a mixture's sources included), is
+    refused before anything moves."""
+    out = tmp_path / "out"
+    out.mkdir()
+    data = out / "rows.jsonl"
     data.write_text('{"instruction": "Say hi.", "output": "hi"}\n')
-    argv = ["train", RECIPE, "--output-dir", str(tmp_path), "--overwrite", "--set", f"data.path={data}"]
-    argv += [
-        "--set",
-        "data.val_fraction=0.0",
-        "--set",
-        "train.eval_steps=null",
-        "--set",
-        "train.sample_prompts=0",
-    ]
-    code, err = run_cli(argv, monkeypatch, capsys)
+    elsewhere = tmp_path / "other.jsonl"
+    elsewhere.write_text('{"instruction": "Say bye.", "output": "bye"}\n')
+    section = {
+        "data.path": {"path": str(data), "val_fraction": 0.0},
+        "data.sources[0].path": {"sources": [{"path": str(data)}], "val_fraction": 0.0},
+        "data.val_path": {"path": str(elsewhere), "val_path": str(data)},
+    }[field]
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"path": "builtin:tiny-llama"},
+                "data": section,
+                "train": {"output_dir": str(out), "sample_prompts": 0},
+            }
+        )
+    )
+    code, err = run_cli(["train", str(recipe), "--overwrite"], monkeypatch, capsys)
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1, err[-2000:]
-    assert f"holds data.path {data}" in errors[0]
-    assert data.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+    assert f"holds {field} {data}" in errors[0]
+    assert data.exists() and sorted(p.name for p in out.iterdir()) == ["rows.jsonl"]

@@ -62,7 +62,7 @@ def _field_naming(source: str, data: DataSection, section: SourceSection) -> str
     """The recipe field a source comes from, for its error lines."""
     if source == data.val_path:
         return "data.val_path"
-    if section in data.sources:
+    if section in data.sources:  # by identity: two sources may name the same file
         return f"data.sources[{data.sources.index(section)}].path"
     return "data.path"
 

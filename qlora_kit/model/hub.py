@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import builtin
 from qlora_kit.model.paths import first_line
+from qlora_kit.recipe.recipe import data_paths
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import DataSection, ModelSection
@@ -123,13 +124,8 @@ def check_dataset(data: DataSection) -> None:
         return
     from huggingface_hub import HfApi
 
-    named = [("data.val_path", data.val_path)]
-    if data.sources:
-        named += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(data.sources)]
-    else:
-        named.insert(0, ("data.path", data.path))
-    for field, repo in named:
-        if repo is None or not is_hub_id(repo):
+    for field, repo in data_paths(data):
+        if not is_hub_id(repo):
             continue
         with hub_errors(field, repo, None, kind="dataset"):
             HfApi().dataset_info(repo, timeout=10)

@@ -301,15 +301,15 @@ class Recipe(Section):
         except ValidationError as exc:
             raise RecipeError(describe_validation_error(exc)) from None
 
+    def input_paths(self) -> list[tuple[str, str]]:
+        """Every path the recipe reads, as (field, value): the one list that the path checks, the output
+        folder's refusal, the manifest's data hashes and the hub's checks all read."""
+        return [(field, block[key]) for field, block, key in path_fields(self.model_dump())]
+
     def check_paths(self) -> None:
         """Local files and folders the recipe names must exist (hub ids and builtin: names are not checked)."""
-        named = [
-            (f"{section}.{name}", getattr(getattr(self, section), name)) for section, name in _PATH_FIELDS
-        ]
-        named += [(f"data.sources[{i}].path", source.path) for i, source in enumerate(self.data.sources)]
-        for field, value in named:
-            local = field == "model.adapter" or looks_local(value or "")  # an adapter is always a folder
-            if isinstance(value, str) and local and not Path(value).expanduser().exists():
+        for field, value in self.input_paths():
+            if is_local_path(field, value) and not Path(value).expanduser().exists():
                 raise RecipeError(f"{field}: no such file or folder: {value}")
 
     def with_overrides(self, overrides: list[str] | dict[str, Any]) -> Recipe:
@@ -360,18 +360,41 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any
 _PATH_FIELDS = [("model", "path"), ("model", "adapter"), ("data", "path"), ("data", "val_path")]
 
 
+def path_fields(values: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
+    """Every input path a recipe's values hold, as (field, the mapping holding it, its key): model.path,
+    model.adapter, the training data (data.path, or each of data.sources when there is a mixture) and
+    data.val_path. Read on raw values (resolving a recipe file's relative paths) and on a loaded recipe."""
+    data = values.get("data") if isinstance(values.get("data"), dict) else {}
+    sources = data.get("sources") if isinstance(data.get("sources"), list) else []
+    found = []
+    for section, key in _PATH_FIELDS:
+        if section == "data" and key == "path" and sources:
+            continue  # a mixture reads its sources, not data.path
+        found.append((f"{section}.{key}", values.get(section), key))
+    found += [(f"data.sources[{i}].path", source, "path") for i, source in enumerate(sources)]
+    return [
+        (field, block, key)
+        for field, block, key in found
+        if isinstance(block, dict) and isinstance(block.get(key), str)
+    ]
+
+
+def data_paths(data: DataSection) -> list[tuple[str, str]]:
+    """The data section's part of ``Recipe.input_paths``: the training sources and data.val_path."""
+    return [(field, block[key]) for field, block, key in path_fields({"data": data.model_dump()})]
+
+
+def is_local_path(field: str, value: str) -> bool:
+    """A local file or folder, not a hub id or a builtin: name (an adapter is always a folder)."""
+    return field == "model.adapter" or looks_local(value)
+
+
 def _resolve_paths(values: dict[str, Any], base: Path) -> None:
     """Make relative local paths absolute against the recipe's folder; hub ids and builtin: names stay."""
-    holders = [(values.get(section), name) for section, name in _PATH_FIELDS]
-    data = values.get("data")
-    sources = data.get("sources") if isinstance(data, dict) else None
-    if isinstance(sources, list):
-        holders += [(source, "path") for source in sources]
-    for block, name in holders:
-        value = block.get(name) if isinstance(block, dict) else None
-        local = name == "adapter" or looks_local(value or "") if isinstance(value, str) else False
-        if local and not Path(value).expanduser().is_absolute():
-            block[name] = str((base / value).resolve())
+    for field, block, key in path_fields(values):
+        value = block[key]
+        if is_local_path(field, value) and not Path(value).expanduser().is_absolute():
+            block[key] = str((base / value).resolve())
 
 
 def check_objective(recipe: Recipe) -> None:

@@ -21,6 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.model import builtin
+from qlora_kit.recipe.recipe import data_paths
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -76,12 +77,12 @@ def write_manifest(output_dir: Path, manifest: dict[str, Any]) -> Path:
 
 def data_hashes(recipe: Recipe) -> dict[str, str]:
     """sha256 of each local data file of every source (every file of a folder); hub names as given."""
-    sources = [recipe.data.val_path] if recipe.data.val_path else []
-    for source in recipe.data.source_list():
-        if builtin.is_builtin(source.path):
-            sources += [str(p) for p in builtin.demo_data_files(builtin.builtin_name(source.path))]
+    sources = []
+    for _, source in data_paths(recipe.data):
+        if builtin.is_builtin(source):
+            sources += [str(p) for p in builtin.demo_data_files(builtin.builtin_name(source))]
         else:
-            sources.append(source.path)
+            sources.append(source)
     hashes = {}
     for source in sources:
         path = Path(source).expanduser()

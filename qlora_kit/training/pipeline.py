@@ -112,13 +112,7 @@ def check_runnable(recipe: Recipe) -> None:
     recipe.check_paths()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     check_output_folder(output_dir, "train.output_dir")
-    inputs = {
-        "model.path": recipe.model.path,
-        "data.path": recipe.data.path,
-        "data.val_path": recipe.data.val_path,
-        "model.adapter": recipe.model.adapter,
-    }
-    check_output_holds_no_input(output_dir, inputs)
+    check_output_holds_no_input(output_dir, dict(recipe.input_paths()))
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
     if recipe.model.adapter is not None:
