@@ -9,6 +9,7 @@ from rich.console import Console
 
 from qlora_kit import Recipe
 from qlora_kit.cli.views import show_run_folder as show
+from qlora_kit.cli.views import summary_rows as views_summary
 from qlora_kit.errors import OutputDirError
 from qlora_kit.training.run_record import plot_run, read_run, recipe_changes, summary_rows
 
@@ -43,6 +44,12 @@ def test_show_reads_back_what_the_run_logged(trained_run, tmp_path):
     assert written is None and not (trained_run.output_dir / "loss.png").exists()
     text = console.export_text()
     assert "train.max_steps" in text and rows["loss, first -> last"] in text
+
+    # one tokens/s for one run: the train summary prints what `show` reads back from metrics.jsonl
+    speed = [value for name, value in rows.items() if name.startswith("tokens/s")]
+    trained = [value for name, value in views_summary(trained_run) if name.startswith("tokens/s")]
+    assert len(speed) == 1 and speed == trained
+    assert f"{trained_run.memory['tokens_per_s']:,.0f}" in speed[0]
 
     picture = plot_run(record, tmp_path / "loss.png")
     assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000

@@ -17,6 +17,7 @@ from qlora_kit.training.run_record import (
     plot_run,
     read_run,
     recipe_changes,
+    speed_rows,
 )
 from qlora_kit.training.run_record import summary_rows as record_rows
 
@@ -59,9 +60,8 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
     usage, rows = result.memory, []
     rows.append(("steps", str(result.steps)))
     if "train_seconds" in usage:
-        rows.append(
-            ("training time", f"{usage['train_seconds']:.1f} s ({usage['tokens_per_s']:,.0f} tokens/s)")
-        )
+        rows.append(("training time", f"{usage['train_seconds']:.1f} s"))
+    rows += speed_rows(result.metrics)
     rows += metric_rows(result.metrics)
     saved = [usage["saved_mib"]] if "saved_mib" in usage else []
     rows += memory_rows([usage[key] for key in PEAK_KEYS if key in usage], saved)

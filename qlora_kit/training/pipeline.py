@@ -58,6 +58,7 @@ from qlora_kit.training.outputs import (
     truncate_metrics,
 )
 from qlora_kit.training.run_console import replace_trainer_output
+from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
@@ -256,6 +257,9 @@ def run(
             drop_aside(aside)
     samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
     usage = trainer.memory_monitor.summary()
+    speed = tokens_per_s(trainer.metrics_log.rows)
+    if speed is not None:
+        usage["tokens_per_s"] = speed  # the figure `qlora-kit show` reads back from metrics.jsonl
     if checkpoint is not None:
         usage["repaged_optimizer_tensors"] = trainer.repaged_tensors
     if ranks.is_main:

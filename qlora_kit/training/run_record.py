@@ -93,11 +93,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
                 f"step {best['step']}'s, {best['metric']} {best['value']:.4g}",
             )
         )
-    speeds = sorted(row["tokens_per_s"] for row in record.rows_with("tokens_per_s"))
-    if speeds:
-        mfu = [row["mfu"] for row in record.rows_with("mfu")]
-        utilisation = f", MFU {sum(mfu) / len(mfu):.1%}" if mfu else ""
-        rows.append(("trained tokens/s (median)", f"{speeds[len(speeds) // 2]:,.0f}{utilisation}"))
+    rows += speed_rows(record.metrics)
     peaks = [row[key] for row in record.metrics for key in PEAK_KEYS if key in row]
     rows += memory_rows(peaks, [row["saved_mib"] for row in record.rows_with("saved_mib")])
     versions = manifest.get("versions", {})
@@ -106,6 +102,23 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
     if manifest.get("git_commit"):
         rows.append(("git commit", str(manifest["git_commit"])))
     return rows
+
+
+def tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
+    """The run's tokens/s: the median of its logged windows (Throughput's, summed over processes; evaluation
+    time excluded). The one figure the train summary, doctor and ``qlora-kit show`` print."""
+    speeds = sorted(row["tokens_per_s"] for row in metrics if "tokens_per_s" in row)
+    return speeds[len(speeds) // 2] if speeds else None
+
+
+def speed_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """The tokens/s row (with the mean MFU where a peak is known)."""
+    speed = tokens_per_s(metrics)
+    if speed is None:
+        return []
+    mfu = [row["mfu"] for row in metrics if "mfu" in row]
+    utilisation = f", MFU {sum(mfu) / len(mfu):.1%}" if mfu else ""
+    return [("tokens/s (median of the logged steps)", f"{speed:,.0f}{utilisation}")]
 
 
 def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:

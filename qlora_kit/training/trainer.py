@@ -160,7 +160,7 @@ class GuardedTrainer(Trainer):
             return self._loss(model, inputs, return_outputs, num_items_in_batch)
         counter = SavedTensors(model)
         self.memory_monitor.phase_started()
-        self.memory_monitor.count_tokens(inputs)
+        self.memory_monitor.forward_started()
         self.throughput.count(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
