@@ -51,3 +51,15 @@ def test_trained_tokens_over_an_epoch_are_the_training_sets_and_mfu_needs_a_peak
     assert [r["trained_tokens"] for r in steps] == sorted(r["trained_tokens"] for r in steps)
     assert all(r["tokens_per_s"] > 0 and r["mfu"] > 0 for r in steps)
     assert peak_tflops(None) is None  # a CPU has no known peak: no MFU unless the recipe gives one
+
+
+def test_the_flop_count_includes_gpt2s_conv1d_projections():
+    """One definition of a linear layer (model/layers.py): GPT-2's Conv1D projections count for MFU."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qlora_kit.training.throughput import FlopsPerToken
+
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
+    model = GPT2LMHeadModel(config)
+    per_layer = 32 * 96 + 32 * 32 + 32 * 128 + 128 * 32  # c_attn, c_proj, c_fc, mlp.c_proj
+    assert FlopsPerToken(model).weights == 2 * per_layer + 32 * 64  # and the head

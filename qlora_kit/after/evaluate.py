@@ -3,8 +3,8 @@
 - loss and perplexity, weighted per trained token (the Trainer's eval_loss is a mean of batch means,
   which weighs a batch of short answers like a batch of long ones);
 - exact-match accuracy: the greedy answer to each validation prompt, compared with the reference
-  answer after trimming whitespace. Only formats with a response to compare (alpaca, completion,
-  chat) report it.
+  answer after trimming whitespace. Every format with a reference answer reports it
+  (``FormatSpec.checkable``: all but text).
 
 Preference pairs (train.objective dpo) report preference accuracy and reward margin against the
 reference policy, and likelihood accuracy, instead of the loss of whole sequences (preference_eval.py).

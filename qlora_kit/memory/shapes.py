@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.pytorch_utils import Conv1D
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.model import hub
+from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.paths import first_line
 
@@ -68,7 +68,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()
-    quantized = [m for m in meta.modules() if _is_linear(m) and m is not head]
+    quantized = [m for m in meta.modules() if is_linear(m) and m is not head]
     counted: set[int] = set()
     unquantized = 0
     for module in meta.modules():
@@ -80,9 +80,9 @@ def model_shape(recipe: Recipe) -> ModelShape:
                 unquantized += param.numel()
     layer = decoder_layers(meta)[0]
     linears = [
-        LinearShape(name, *_features(m), m.bias is not None)
+        LinearShape(name, *features(m), m.bias is not None)
         for name, m in layer.named_modules()
-        if _is_linear(m)
+        if is_linear(m)
     ]
     text = config.get_text_config()
     heads = text.num_attention_heads
@@ -103,17 +103,6 @@ def model_shape(recipe: Recipe) -> ModelShape:
         quantized_tensors=len(quantized),
         config=config,
     )
-
-
-def _is_linear(module: torch.nn.Module) -> bool:
-    """A linear layer bitsandbytes quantizes: nn.Linear, or GPT-2's transposed Conv1D."""
-    return isinstance(module, (torch.nn.Linear, Conv1D))
-
-
-def _features(module: torch.nn.Module) -> tuple[int, int]:
-    if isinstance(module, Conv1D):
-        return module.weight.shape[0], module.nf  # Conv1D keeps its weight as (in, out)
-    return module.in_features, module.out_features
 
 
 def load_config(recipe: Recipe):

@@ -1,7 +1,7 @@
 """The model family: the base model in 4 bits, its adapters, and what running it needs.
 
 - ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
-- ``adapters``: attach LoRA with peft, save it, load it back, and what counts as a linear layer;
+- ``adapters``: attach LoRA with peft, save it, load it back; ``layers``: what a linear layer is;
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;

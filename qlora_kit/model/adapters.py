@@ -10,7 +10,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import bitsandbytes as bnb
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.utils.error import NoMatchingPeftModuleError
@@ -18,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as base_model
+from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
 
@@ -52,7 +52,7 @@ def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     try:
         return get_peft_model(model, lora_config(lora))
     except NoMatchingPeftModuleError:
-        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if _is_linear(m)})
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m)})
         raise RecipeError(
             f"lora.target_modules: none of {lora.target_modules} is a linear layer of this model; "
             f"its linear layers are: {', '.join(names)} (or use all-linear)"
@@ -84,10 +84,6 @@ def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Te
     model.save_pretrained(
         folder, state_dict=state, save_embedding_layers=False, selected_adapters=[model.active_adapter]
     )
-
-
-def _is_linear(module: torch.nn.Module) -> bool:
-    return isinstance(module, (torch.nn.Linear, bnb.nn.Linear4bit))
 
 
 def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:

@@ -51,7 +51,7 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
         )
     if tokenizer.pad_token is None:
         # Llama-style tokenizers ship without a pad token. Padded label positions are -100 anyway
-        # (see data.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
+        # (see data/prepare.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 

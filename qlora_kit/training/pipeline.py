@@ -1,9 +1,10 @@
 """The whole pipeline, top to bottom: ``build(recipe)`` sets a run up, ``run(recipe)`` is build + train + save.
 
 build: load tokenizer -> tokenize data -> load 4-bit base -> checkpointing policy -> attach LoRA ->
-transformers' Trainer with the chosen optimizer (trainer.py). run adds the output folder (lock,
+transformers' Trainer for the objective with the chosen optimizer (objectives.py). run adds the output folder (lock,
 checks, manifest), training, the final save and the samples. The Trainer owns the loop. Benchmarks,
-``qlora-kit doctor``, notebooks and tests set runs up through ``build`` (or ``run``), never by hand.
+``qlora-kit doctor`` and notebooks set runs up through ``build`` (or ``run``); the tests of the Trainer
+subclass itself build one with ``objectives.build_trainer``.
 """
 
 from __future__ import annotations

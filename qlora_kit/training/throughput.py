@@ -16,6 +16,7 @@ or the table below for common GPUs; none on a CPU).
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from transformers import TrainerCallback
 
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.model.layers import features, is_linear
 from qlora_kit.training.distributed import over_ranks
 
 # Dense bf16 tensor-core peaks (fp16 on V100 and T4), TFLOPS per device, from the vendors' data sheets;
@@ -61,9 +63,9 @@ class FlopsPerToken:
     """``flops_per_token`` with the model's shapes read once."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-        self.weights = sum(m.in_features * m.out_features for m in linears)
-        self.trained = sum(m.in_features * m.out_features for m in linears if m.weight.requires_grad)
+        linears = [m for m in model.modules() if is_linear(m)]  # GPT-2's Conv1D projections too
+        self.weights = sum(math.prod(features(m)) for m in linears)
+        self.trained = sum(math.prod(features(m)) for m in linears if m.weight.requires_grad)
         config = model.config
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim
