@@ -89,3 +89,20 @@ def test_bad_data_with_overwrite_keeps_the_earlier_run(trained_run, tmp_path):
     with pytest.raises(DataError, match="missing field 'output'"):
         train(recipe, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_a_guards_stop_names_the_newest_complete_checkpoint(tmp_path):
+    """One meaning of "newest checkpoint": the one --resume would take (complete), not a half-written one."""
+    import json
+
+    from qlora_kit.training.guards import kept
+    from qlora_kit.training.outputs import CHECKPOINT_FILES
+
+    for step, complete in ((2, True), (4, False)):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        names = CHECKPOINT_FILES if complete else CHECKPOINT_FILES[:1]
+        for name in names:
+            (folder / name).write_text(json.dumps({}) if name.endswith(".json") else "x")
+    assert kept(str(tmp_path)) == f"the last checkpoint, {tmp_path / 'checkpoint-2'}, is intact"
+    assert kept(str(tmp_path / "empty")) == "no checkpoint was written"

@@ -21,16 +21,17 @@ a run before such a loss could be logged.) The dead-gradient check reads each te
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
-from transformers.trainer_utils import get_last_checkpoint
 
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.training.distributed import over_ranks
+from qlora_kit.training.outputs import complete_checkpoints
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -164,5 +165,6 @@ def _module_of(parameter_name: str) -> str:
 
 def kept(output_dir: str) -> str:
     """What survives a stop: the newest checkpoint (looked up only when stopping: it scans a folder)."""
-    last = get_last_checkpoint(output_dir) if output_dir else None
-    return f"the last checkpoint, {last}, is intact" if last else "no checkpoint was written"
+    # the newest *complete* one, as --resume means it (outputs.py): a half-written folder is not kept
+    complete = complete_checkpoints(Path(output_dir)) if output_dir else []
+    return f"the last checkpoint, {complete[-1]}, is intact" if complete else "no checkpoint was written"
