@@ -14,15 +14,25 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock, Timeout
 
 from qlora_kit.errors import OutputDirError
+from qlora_kit.model.loading import resolve_model_path
+from qlora_kit.registries.optimizers import OPTIMIZERS
+from qlora_kit.training.manifest import build_manifest, write_manifest
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 FINISHED_MARKER = "adapter_config.json"
 PREVIOUS = ".previous-"  # an earlier run set aside by --overwrite, inside the output folder
@@ -257,3 +267,54 @@ def _metrics_step(line: str) -> int:
         return int(json.loads(line).get("step", 0))
     except ValueError:
         return 1 << 62  # a torn last line: drop it
+
+
+def after_failed_overwrite(output_dir: Path, aside: Path) -> None:
+    """The run that was to replace an earlier one failed: with no checkpoint of its own to resume from,
+    the earlier run comes back as it was; with one, the earlier run is gone for it."""
+    newest = complete_checkpoints(output_dir)
+    if newest:
+        drop_aside(aside)
+        log.warning("--overwrite: the earlier run was replaced; this run can --resume from %s", newest[-1])
+        return
+    try:
+        restore_aside(output_dir, aside)
+    except OSError as exc:
+        log.error("--overwrite: could not put the earlier run back (%s); it is kept in %s", exc, aside)
+        return
+    log.warning(
+        "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
+        output_dir,
+    )
+
+
+def prepare_run_folder(
+    output_dir: Path, recipe: Recipe, peft_model, overwrite: bool, resume, checkpoint
+) -> tuple[dict, Path | None]:
+    """The main process readies the output folder; returns the run manifest it wrote, and where an
+    earlier run's files were set aside (--overwrite)."""
+    aside = None if resume else prepare_output_dir(output_dir, overwrite=overwrite)
+    if aside is not None:
+        log.info("--overwrite: the earlier run is kept in %s until this run has a checkpoint", aside)
+    try:
+        check_writable(output_dir, _output_bytes(peft_model, recipe))
+        clear_staging(output_dir)
+        if resume:
+            truncate_metrics(output_dir, checkpoint_step(checkpoint))
+            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
+        manifest = build_manifest(recipe, resolve_model_path(recipe.model))
+        log.info("run manifest: %s", write_manifest(output_dir, manifest))
+        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    except BaseException:
+        if aside is not None:
+            after_failed_overwrite(output_dir, aside)
+        raise
+    return manifest, aside
+
+
+def _output_bytes(peft_model, recipe: Recipe) -> int:
+    """Room for a checkpoint (adapter + optimizer state) and the final adapter, with a margin."""
+    spec = OPTIMIZERS[recipe.optimizer.name]
+    params = [p for p in peft_model.parameters() if p.requires_grad]
+    adapter = sum(p.numel() * 4 for p in params)
+    return 2 * (2 * adapter + sum(spec.state_bytes(p.numel()) for p in params)) + 64 * 2**20

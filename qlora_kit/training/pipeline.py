@@ -35,17 +35,15 @@ from qlora_kit.model.paths import (
 )
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention
-from qlora_kit.registries.optimizers import OPTIMIZERS
 from qlora_kit.training import run_log, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
-from qlora_kit.training.manifest import build_manifest, utc_now, write_manifest
+from qlora_kit.training.manifest import utc_now, write_manifest
 from qlora_kit.training.objectives import build_trainer
 from qlora_kit.training.outputs import (
     FINISHED_MARKER,
+    after_failed_overwrite,
     check_output_dir,
-    check_writable,
-    checkpoint_step,
     clear_staging,
     complete_checkpoints,
     drop_aside,
@@ -53,10 +51,8 @@ from qlora_kit.training.outputs import (
     find_resume_checkpoint,
     finished_training,
     move_into_place,
-    prepare_output_dir,
-    restore_aside,
+    prepare_run_folder,
     staging_dir,
-    truncate_metrics,
 )
 from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.run_record import tokens_per_s
@@ -146,6 +142,11 @@ def build(
     ``callbacks`` are extra ``transformers.TrainerCallback`` objects; ``guards=False`` drops the loss and
     gradient guards (for measuring what they cost; never for a run)."""
     check_runnable(recipe)
+    return _build_checked(recipe, output_dir, callbacks, guards)
+
+
+def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | None, guards: bool) -> Setup:
+    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder)."""
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
     # first, in a few requests, before the data is tokenized or the weights are fetched.
@@ -204,122 +205,111 @@ def run(
     ranks = Ranks()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
-        checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
-        if checkpoint is not None:
-            check_checkpoint(checkpoint)
-        if not resume:
-            check_output_dir(output_dir, overwrite=overwrite)
+        checkpoint = _checkpoint_to_resume(output_dir, resume, overwrite)
         stopper = StopOnSignal()
-        setup = build(recipe, output_dir, [stopper, *(callbacks or [])], guards)
-        peft_model, tokenizer, trainer = setup.model, setup.tokenizer, setup.trainer
-        if console is not None:
-            replace_trainer_output(trainer, console)
-        if ranks.is_main:
-            run_log.log_setup(peft_model, setup.checkpointed_layers, setup.data, recipe)
-            run_log.log_optimizer_state(peft_model, recipe)
-        # Under FSDP the trained model is sharded: every rank generates the same greedy answers in step
-        # (each forward all-gathers the layers); otherwise the main process answers alone.
-        answering = ranks.is_main or recipe.train.fsdp
-        examples = (
-            prepare.prompt_examples(setup.data, recipe.data, tokenizer, recipe.train.sample_prompts)
-            if answering
-            else []
-        )
-        before = _answer(peft_model, tokenizer, examples)
+        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards)
+        _announce(setup, ranks, console)
+        examples = _sample_examples(setup, ranks)
+        before = _answer(setup.model, setup.tokenizer, examples)
         manifest, aside = (
-            _prepare_folder(output_dir, recipe, peft_model, overwrite, resume, checkpoint)
+            prepare_run_folder(output_dir, recipe, setup.model, overwrite, resume, checkpoint)
             if ranks.is_main
             else ({}, None)
         )
         try:
-            ranks.barrier()
-            _train(trainer, stopper, peft_model, checkpoint, output_dir)
-            # Take accelerate's autocast wrapper off the model's forward: the model handed back computes
-            # as it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
-            trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
-            _save_final(trainer, peft_model, tokenizer, output_dir, ranks, recipe.train.fsdp)
-            if ranks.is_main:
-                ended = {"finished_at": utc_now(), "steps": trainer.state.global_step, **_best(trainer)}
-                write_manifest(output_dir, manifest | ended)
-                if "best" in ended:
-                    best = ended["best"]
-                    log.info(
-                        "train.keep_best: the final adapter is step %d's (%s %.4g)",
-                        best["step"],
-                        best["metric"],
-                        best["value"],
-                    )
-            ranks.barrier()
+            _train_and_save(setup, stopper, checkpoint, output_dir, ranks, manifest)
         except BaseException:
             if aside is not None:
-                _after_failed_overwrite(output_dir, aside)
+                after_failed_overwrite(output_dir, aside)
             raise
         if aside is not None:
             drop_aside(aside)
-    samples = _samples(examples, before, _answer(peft_model, tokenizer, examples))
+    samples = _samples(examples, before, _answer(setup.model, setup.tokenizer, examples))
+    usage = _usage(setup.trainer, checkpoint)
+    if ranks.is_main:
+        run_log.log_memory(usage)
+        log.info("adapter, tokenizer and recipe written to %s", output_dir)
+    return TrainResult(
+        output_dir=output_dir,
+        metrics=setup.trainer.metrics_log.rows,
+        model=setup.model,
+        tokenizer=setup.tokenizer,
+        checkpointed_layers=setup.checkpointed_layers,
+        samples=samples,
+        memory=usage,
+        main_process=ranks.is_main,
+        steps=setup.trainer.state.global_step,
+    )
+
+
+def _checkpoint_to_resume(output_dir: Path, resume: bool | str | Path, overwrite: bool) -> Path | None:
+    """The checkpoint a --resume continues (checked), or None; a fresh run's folder is checked instead."""
+    checkpoint = find_resume_checkpoint(output_dir, resume) if resume else None
+    if checkpoint is not None:
+        check_checkpoint(checkpoint)
+    if not resume:
+        check_output_dir(output_dir, overwrite=overwrite)
+    return checkpoint
+
+
+def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
+    """The run console replaces the Trainer's output; the main process logs the setup."""
+    if console is not None:
+        replace_trainer_output(setup.trainer, console)
+    if ranks.is_main:
+        run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
+        run_log.log_optimizer_state(setup.model, setup.recipe)
+
+
+def _sample_examples(setup: Setup, ranks: Ranks) -> list[prepare.PromptExample]:
+    """The validation prompts answered before and after training (train.sample_prompts). Under FSDP the
+    trained model is sharded: every rank generates the same greedy answers in step (each forward
+    all-gathers the layers); otherwise the main process answers alone."""
+    recipe = setup.recipe
+    if not (ranks.is_main or recipe.train.fsdp):
+        return []
+    return prepare.prompt_examples(setup.data, recipe.data, setup.tokenizer, recipe.train.sample_prompts)
+
+
+def _train_and_save(
+    setup: Setup,
+    stopper: StopOnSignal,
+    checkpoint: Path | None,
+    output_dir: Path,
+    ranks: Ranks,
+    manifest: dict,
+) -> None:
+    """Train (or resume), save the final adapter, and finish the manifest (with the best step kept)."""
+    trainer, peft_model = setup.trainer, setup.model
+    ranks.barrier()
+    _train(trainer, stopper, peft_model, checkpoint, output_dir)
+    # Take accelerate's autocast wrapper off the model's forward: the model handed back computes
+    # as it does once loaded from disk (generate, eval, a notebook), not under the training autocast.
+    trainer.accelerator.unwrap_model(peft_model, keep_fp32_wrapper=False)
+    _save_final(trainer, peft_model, setup.tokenizer, output_dir, ranks, setup.recipe.train.fsdp)
+    if ranks.is_main:
+        ended = {"finished_at": utc_now(), "steps": trainer.state.global_step, **_best(trainer)}
+        write_manifest(output_dir, manifest | ended)
+        if "best" in ended:
+            best = ended["best"]
+            log.info(
+                "train.keep_best: the final adapter is step %d's (%s %.4g)",
+                best["step"],
+                best["metric"],
+                best["value"],
+            )
+    ranks.barrier()
+
+
+def _usage(trainer, checkpoint: Path | None) -> dict[str, Any]:
+    """The run's memory figures, its tokens/s and, after a resume, how many optimizer tensors were re-paged."""
     usage = trainer.memory_monitor.summary()
     speed = tokens_per_s(trainer.metrics_log.rows)
     if speed is not None:
         usage["tokens_per_s"] = speed  # the figure `qlora-kit show` reads back from metrics.jsonl
     if checkpoint is not None:
         usage["repaged_optimizer_tensors"] = trainer.repaged_tensors
-    if ranks.is_main:
-        run_log.log_memory(usage)
-        log.info("adapter, tokenizer and recipe written to %s", output_dir)
-    return TrainResult(
-        output_dir=output_dir,
-        metrics=trainer.metrics_log.rows,
-        model=peft_model,
-        tokenizer=tokenizer,
-        checkpointed_layers=setup.checkpointed_layers,
-        samples=samples,
-        memory=usage,
-        main_process=ranks.is_main,
-        steps=trainer.state.global_step,
-    )
-
-
-def _after_failed_overwrite(output_dir: Path, aside: Path) -> None:
-    """The run that was to replace an earlier one failed: with no checkpoint of its own to resume from,
-    the earlier run comes back as it was; with one, the earlier run is gone for it."""
-    newest = complete_checkpoints(output_dir)
-    if newest:
-        drop_aside(aside)
-        log.warning("--overwrite: the earlier run was replaced; this run can --resume from %s", newest[-1])
-        return
-    try:
-        restore_aside(output_dir, aside)
-    except OSError as exc:
-        log.error("--overwrite: could not put the earlier run back (%s); it is kept in %s", exc, aside)
-        return
-    log.warning(
-        "--overwrite: this run failed before its first checkpoint; the earlier run in %s is back as it was",
-        output_dir,
-    )
-
-
-def _prepare_folder(
-    output_dir: Path, recipe: Recipe, peft_model, overwrite: bool, resume, checkpoint
-) -> tuple[dict, Path | None]:
-    """The main process readies the output folder; returns the run manifest it wrote, and where an
-    earlier run's files were set aside (--overwrite)."""
-    aside = None if resume else prepare_output_dir(output_dir, overwrite=overwrite)
-    if aside is not None:
-        log.info("--overwrite: the earlier run is kept in %s until this run has a checkpoint", aside)
-    try:
-        check_writable(output_dir, _output_bytes(peft_model, recipe))
-        clear_staging(output_dir)
-        if resume:
-            truncate_metrics(output_dir, checkpoint_step(checkpoint))
-            log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
-        manifest = build_manifest(recipe, model.resolve_model_path(recipe.model))
-        log.info("run manifest: %s", write_manifest(output_dir, manifest))
-        (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
-    except BaseException:
-        if aside is not None:
-            _after_failed_overwrite(output_dir, aside)
-        raise
-    return manifest, aside
+    return usage
 
 
 def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, output_dir: Path) -> None:
@@ -364,14 +354,6 @@ def _best(trainer) -> dict[str, Any]:
         return {}
     metric, value = trainer.args.metric_for_best_model, trainer.state.best_metric
     return {"best": {"metric": metric, "value": value, "step": trainer.state.best_global_step}}
-
-
-def _output_bytes(peft_model, recipe: Recipe) -> int:
-    """Room for a checkpoint (adapter + optimizer state) and the final adapter, with a margin."""
-    spec = OPTIMIZERS[recipe.optimizer.name]
-    params = [p for p in peft_model.parameters() if p.requires_grad]
-    adapter = sum(p.numel() * 4 for p in params)
-    return 2 * (2 * adapter + sum(spec.state_bytes(p.numel()) for p in params)) + 64 * 2**20
 
 
 def _answer(peft_model, tokenizer, examples: list[prepare.PromptExample]) -> list[str]:
