@@ -197,8 +197,31 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
 def _tokenize_rows(
     rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None
 ) -> tuple[Dataset, LengthReport]:
+    """A source's rows tokenized (pairs or single examples) under the length policy, with the facts the
+    preflight and the report read; rows left with no trained token are dropped."""
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
+    _check_columns(rows, fmt, source)
+    row_tokenizer = _RowTokenizer(data, fmt, tokenizer, source, max_prompt_len)
+    try:
+        with sources.quiet_datasets():
+            tokenized = rows.map(
+                row_tokenizer.pair if FORMATS[fmt].pairs else row_tokenizer.example,
+                with_indices=True,
+                remove_columns=rows.column_names,
+                writer_batch_size=examples_per_batch(data.max_seq_len),
+                desc="tokenizing",
+            )
+    except UnicodeDecodeError as exc:  # arrow defers decoding a JSON file's strings until a row is read
+        raise diagnose_load_failure(Path(source), source, exc) from None
+    report = _length_report(tokenized, source, data)
+    keep = [i for i, count in enumerate(tokenized["trained_tokens"]) if count]
+    if len(keep) < len(tokenized):
+        tokenized = tokenized.select(keep)
+    return tokenized, report
+
+
+def _check_columns(rows: Dataset, fmt: str, source: str) -> None:
     spec = FORMATS[fmt]
     required = [n for n in spec.fields if n not in spec.optional]
     missing = [n for n in required if n not in rows.column_names]
@@ -207,70 +230,78 @@ def _tokenize_rows(
             f"{source}: row 1: missing field {missing[0]!r} for format {fmt!r} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
         )
-    max_len, drop = data.max_seq_len, data.overlong == "drop"
-    train_on_inputs, add_bos = data.train_on_inputs, not spec.chat_template
-    ends = end_token_ids(tokenizer)
-    bos = tokenizer.bos_token_id
-    sampled = data.preflight.sample_rows if spec.chat_template else 0
 
-    def tokenize(row: dict[str, Any], index: int) -> dict[str, Any]:
+
+class _RowTokenizer:
+    """One row -> its token ids and labels (or a pair's three id lists), cut by the length policy, with
+    the facts the preflight reads (full length, trained tokens, a trained end token, a doubled BOS, a
+    digest for duplicates, and for sampled chat rows whether prompts render as trained)."""
+
+    def __init__(self, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None):
+        spec = FORMATS[fmt]
+        self.data, self.fmt, self.tokenizer, self.source = data, fmt, tokenizer, source
+        self.max_prompt_len, self.pair_kind = max_prompt_len, spec.pair_kind
+        self.max_len, self.drop = data.max_seq_len, data.overlong == "drop"
+        self.add_bos = not spec.chat_template
+        self.ends = end_token_ids(tokenizer)
+        self.bos = tokenizer.bos_token_id
+        self.sampled = data.preflight.sample_rows if spec.chat_template else 0
+
+    def _row_error(self, row: dict[str, Any], index: int, exc: Exception) -> DataError:
+        return DataError(f"{self.source}: row {row.get(ROW, index + 1)}: {exc}")
+
+    def example(self, row: dict[str, Any], index: int) -> dict[str, Any]:
+        data, tokenizer = self.data, self.tokenizer
         try:
-            segments = formats.render(row, fmt, tokenizer, data)
-            prefix_ok = (
-                formats.prompts_render_as_trained(row, fmt, tokenizer, data) if index < sampled else None
-            )
+            segments = formats.render(row, self.fmt, tokenizer, data)
+            checked = index < self.sampled
+            prefix_ok = formats.prompts_render_as_trained(row, self.fmt, tokenizer, data) if checked else None
         except formats.RowError as exc:
-            raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
-        example = formats.tokenize(segments, tokenizer, train_on_inputs, add_bos)
+            raise self._row_error(row, index, exc) from None
+        example = formats.tokenize(segments, tokenizer, data.train_on_inputs, self.add_bos)
         ids = example["input_ids"]
         full = len(ids)
         facts = {
             "full_length": full,
-            "double_bos": bos is not None and ids[:2] == [bos, bos],
+            "double_bos": self.bos is not None and ids[:2] == [self.bos, self.bos],
             "digest": _digest(ids),
             "prefix_ok": -1 if prefix_ok is None else int(prefix_ok),  # -1: not checked
         }
-        if full > max_len:
-            keep = 0 if drop else max_len
+        if full > self.max_len:
+            keep = 0 if self.drop else self.max_len
             example = {key: values[:keep] for key, values in example.items()}
         trained = [t for t in example["labels"] if t != IGNORE_INDEX]
-        facts |= {"trained_tokens": len(trained), "trains_end": any(t in ends for t in trained)}
+        facts |= {"trained_tokens": len(trained), "trains_end": any(t in self.ends for t in trained)}
         return {**example, **facts, "length": len(example["input_ids"])}
 
-    def tokenize_pair(row: dict[str, Any], index: int) -> dict[str, Any]:
+    def pair(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
-            texts = preference.render_pair(row, FORMATS[fmt].pair_kind, tokenizer, data)
+            texts = preference.render_pair(row, self.pair_kind, self.tokenizer, self.data)
         except formats.RowError as exc:
-            raise DataError(f"{source}: row {row.get(ROW, index + 1)}: {exc}") from None
-        pair, full = preference.tokenize_pair(texts, tokenizer, add_bos, max_len, max_prompt_len, drop)
+            raise self._row_error(row, index, exc) from None
+        pair, full = preference.tokenize_pair(
+            texts, self.tokenizer, self.add_bos, self.max_len, self.max_prompt_len, self.drop
+        )
         prompt, answers = pair["prompt_ids"], (pair["chosen_ids"], pair["rejected_ids"])
         return {
             **pair,
             "full_length": full,
-            "double_bos": bos is not None and prompt[:2] == [bos, bos],
+            "double_bos": self.bos is not None and prompt[:2] == [self.bos, self.bos],
             "digest": _digest(prompt + [-1] + answers[0] + [-1] + answers[1]),
             "prefix_ok": -1,  # a chat pair whose prompt renders differently is a row error
             "trained_tokens": min(len(ids) for ids in answers),  # a pair trains only with both answers
-            "trains_end": all(ids and ids[-1] in ends for ids in answers),
+            "trains_end": all(ids and ids[-1] in self.ends for ids in answers),
             "length": len(prompt) + max(len(ids) for ids in answers),
         }
 
-    try:
-        with sources.quiet_datasets():
-            tokenized = rows.map(
-                tokenize_pair if spec.pairs else tokenize,
-                with_indices=True,
-                remove_columns=rows.column_names,
-                writer_batch_size=examples_per_batch(max_len),
-                desc="tokenizing",
-            )
-    except UnicodeDecodeError as exc:  # arrow defers decoding a JSON file's strings until a row is read
-        raise diagnose_load_failure(Path(source), source, exc) from None
-    lengths = tokenized["full_length"]
-    report = LengthReport(source=source, rows=len(rows), lengths=lengths)
+
+def _length_report(tokenized: Dataset, source: str, data: DataSection) -> LengthReport:
+    """What the length policy did to a source; a source with no trained token left is refused."""
+    max_len, drop = data.max_seq_len, data.overlong == "drop"
+    lengths, trained_counts = tokenized["full_length"], tokenized["trained_tokens"]
+    report = LengthReport(source=source, rows=len(lengths), lengths=lengths)
     report.truncated = 0 if drop else sum(n > max_len for n in lengths)
     report.dropped = sum(n > max_len for n in lengths) if drop else 0
-    trained_counts = tokenized["trained_tokens"]
     report.untrainable = sum(
         1
         for n, count in zip(lengths, trained_counts, strict=True)
@@ -282,10 +313,7 @@ def _tokenize_rows(
             f"{source}: every row is over data.max_seq_len={max_len} tokens or has no trained token left "
             f"(longest {max(lengths)}, shortest {min(lengths)})"
         )
-    keep = [i for i, count in enumerate(trained_counts) if count]
-    if len(keep) < len(tokenized):
-        tokenized = tokenized.select(keep)
-    return tokenized, report
+    return report
 
 
 def _digest(ids: list[int]) -> str:
