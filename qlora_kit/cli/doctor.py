@@ -33,6 +33,7 @@ from qlora_kit.model import loading as model
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe.base import one_line
 from qlora_kit.recipe.recipe import Recipe
+from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.pipeline import run
 
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
@@ -139,12 +140,12 @@ def _train(folder: Path):
     detail = (
         f"{recipe.train.max_steps} steps in {seconds:.1f} s, mixed precision "
         f"{resolve_mixed_precision(recipe)}, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-        f"{usage.get('tokens_per_s', 0):,.0f} tokens/s"
+        f"{usage.get(keys.TOKENS_PER_S, 0):,.0f} tokens/s"
     )
-    if "peak_backward_gib" in usage:
+    if keys.PEAK_BACKWARD in usage:
         detail += (
-            f"; peaks forward {usage['peak_forward_gib']:.2f} / backward {usage['peak_backward_gib']:.2f} / "
-            f"optimizer {usage['peak_optimizer_gib']:.2f} GiB"
+            f"; peaks forward {usage[keys.PEAK_FORWARD]:.2f} / backward {usage[keys.PEAK_BACKWARD]:.2f} / "
+            f"optimizer {usage[keys.PEAK_OPTIMIZER]:.2f} GiB"
         )
     return falling, detail + ("" if falling else " (the loss did not fall)"), result
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
 
+from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_record import (
-    PEAK_KEYS,
     memory_rows,
     metric_rows,
     plot_run,
@@ -59,12 +59,12 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
     """(what, value) rows: steps, time, tokens/s, losses, eval losses, peak memory, the output folder."""
     usage, rows = result.memory, []
     rows.append(("steps", str(result.steps)))
-    if "train_seconds" in usage:
-        rows.append(("training time", f"{usage['train_seconds']:.1f} s"))
+    if keys.TRAIN_SECONDS in usage:
+        rows.append(("training time", f"{usage[keys.TRAIN_SECONDS]:.1f} s"))
     rows += speed_rows(result.metrics)
     rows += metric_rows(result.metrics)
-    saved = [usage["saved_mib"]] if "saved_mib" in usage else []
-    rows += memory_rows([usage[key] for key in PEAK_KEYS if key in usage], saved)
+    saved = [usage[keys.SAVED_MIB]] if keys.SAVED_MIB in usage else []
+    rows += memory_rows([usage[key] for key in keys.PEAK_KEYS if key in usage], saved)
     rows.append(("written to", str(result.output_dir)))
     return rows
 

@@ -25,6 +25,7 @@ import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qlora_kit.memory.loss_head import chunked_lm_loss
+from qlora_kit.registries import metric_keys as keys
 
 OUTSIDE = "outside layers"
 
@@ -116,8 +117,8 @@ class PhasePeaks:
     def as_dict(self) -> dict[str, float]:
         gib = 1024**3
         return {
-            "peak_forward_gib": self.forward / gib,
-            "peak_backward_gib": self.backward / gib,
-            "peak_optimizer_gib": self.optimizer / gib,
-            "device_used_gib": self.device_used / gib,
+            keys.PEAK_FORWARD: self.forward / gib,
+            keys.PEAK_BACKWARD: self.backward / gib,
+            keys.PEAK_OPTIMIZER: self.optimizer / gib,
+            keys.DEVICE_USED: self.device_used / gib,
         }

@@ -12,12 +12,13 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from qlora_kit.memory.accounting import OUTSIDE, PhasePeaks, SavedBytes
+from qlora_kit.registries import metric_keys as keys
 
 MIB = 1024**2
 
@@ -70,13 +71,13 @@ class MemoryMonitor(TrainerCallback):
             return
         biggest = max(self.window, key=lambda saved: saved.total)
         self.window.clear()
-        logs["memory/saved_mib"] = biggest.total / MIB
-        logs["memory/saved_mib_head"] = biggest.per_layer.get(OUTSIDE, 0) / MIB
+        logs[keys.MEMORY + keys.SAVED_MIB] = biggest.total / MIB
+        logs[keys.MEMORY + keys.SAVED_MIB_HEAD] = biggest.per_layer.get(OUTSIDE, 0) / MIB
         for name, nbytes in sorted(biggest.per_layer.items()):
             if name != OUTSIDE:
-                logs[f"memory/saved_mib_layer_{int(name.split()[-1]):03d}"] = nbytes / MIB
+                logs[f"{keys.MEMORY}{keys.SAVED_MIB_LAYER}{int(name.split()[-1]):03d}"] = nbytes / MIB
         if self.cuda:
-            logs.update({f"memory/{k}": v for k, v in self.peaks.as_dict().items()})
+            logs.update({keys.MEMORY + k: v for k, v in self.peaks.as_dict().items()})
             for phase in ("forward", "backward", "optimizer", "device_used"):
                 setattr(
                     self.run_peaks, phase, max(getattr(self.run_peaks, phase), getattr(self.peaks, phase))
@@ -89,13 +90,13 @@ class MemoryMonitor(TrainerCallback):
             return {}
         layers = [v for k, v in sorted(self.largest.per_layer.items()) if k != OUTSIDE]
         result: dict[str, Any] = {
-            "saved_mib": self.largest.total / MIB,
-            "saved_mib_head": self.largest.per_layer.get(OUTSIDE, 0) / MIB,
-            "saved_mib_layers": [v / MIB for v in layers],
+            keys.SAVED_MIB: self.largest.total / MIB,
+            keys.SAVED_MIB_HEAD: self.largest.per_layer.get(OUTSIDE, 0) / MIB,
+            keys.SAVED_MIB_LAYERS: [v / MIB for v in layers],
         }
         if self.first_forward is not None and self.last_backward is not None:
             seconds = max(self.last_backward - self.first_forward, 1e-9)
-            result["train_seconds"] = seconds
+            result[keys.TRAIN_SECONDS] = seconds
         if self.cuda:
             result |= self.run_peaks.as_dict()
         return result
@@ -106,22 +107,6 @@ class MetricsLog(TrainerCallback):
     memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks) and the throughput
     (tokens_per_s, trained_tokens, mfu: throughput.py)."""
 
-    KEYS: ClassVar[dict[str, str]] = {
-        "loss": "loss",
-        "eval_loss": "eval_loss",
-        "learning_rate": "lr",
-        "grad_norm": "grad_norm",
-    }
-    # train.objective dpo: TRL's reward and log-probability metrics, under their own names (eval_ too)
-    PREFERENCE_KEYS: ClassVar[tuple[str, ...]] = (
-        "rewards/chosen",
-        "rewards/rejected",
-        "rewards/accuracies",
-        "rewards/margins",
-        "logps/chosen",
-        "logps/rejected",
-    )
-
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
@@ -130,11 +115,11 @@ class MetricsLog(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         row: dict[str, Any] = {"step": state.global_step}
-        for key, name in self.KEYS.items():
+        for key, name in keys.TRAINER_KEYS.items():
             value = logs.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[name] = float(value)
-        for key in self.PREFERENCE_KEYS:
+        for key in keys.PREFERENCE_KEYS:
             for name in (key, f"eval_{key}"):
                 value = logs.get(name)
                 if isinstance(value, (int, float)) and math.isfinite(value):
@@ -142,14 +127,15 @@ class MetricsLog(TrainerCallback):
         if len(row) == 1:
             return  # end-of-training summaries carry none of the per-step keys
         row["epoch"] = round(float(state.epoch or 0.0), 4)
-        layers = [v for k, v in sorted(logs.items()) if k.startswith("memory/saved_mib_layer_")]
+        layer = keys.MEMORY + keys.SAVED_MIB_LAYER
+        layers = [v for k, v in sorted(logs.items()) if k.startswith(layer)]
         for key, value in logs.items():
-            if key.startswith("memory/") and not key.startswith("memory/saved_mib_layer_"):
-                row[key.removeprefix("memory/")] = round(float(value), 4)
-            elif key.startswith("throughput/"):
-                row[key.removeprefix("throughput/")] = round(float(value), 6)
+            if key.startswith(keys.MEMORY) and not key.startswith(layer):
+                row[key.removeprefix(keys.MEMORY)] = round(float(value), 4)
+            elif key.startswith(keys.THROUGHPUT):
+                row[key.removeprefix(keys.THROUGHPUT)] = round(float(value), 6)
         if layers:
-            row["saved_mib_layers"] = [round(float(v), 4) for v in layers]
+            row[keys.SAVED_MIB_LAYERS] = [round(float(v), 4) for v in layers]
         self.rows.append(row)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")

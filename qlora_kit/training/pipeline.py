@@ -35,6 +35,7 @@ from qlora_kit.model.paths import (
 )
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention
+from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training import run_log, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
@@ -306,7 +307,7 @@ def _usage(trainer, checkpoint: Path | None) -> dict[str, Any]:
     usage = trainer.memory_monitor.summary()
     speed = tokens_per_s(trainer.metrics_log.rows)
     if speed is not None:
-        usage["tokens_per_s"] = speed  # the figure `qlora-kit show` reads back from metrics.jsonl
+        usage[keys.TOKENS_PER_S] = speed  # the figure `qlora-kit show` reads back from metrics.jsonl
     if checkpoint is not None:
         usage["repaged_optimizer_tensors"] = trainer.repaged_tensors
     return usage

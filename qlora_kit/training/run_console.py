@@ -16,7 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
-PHASES = ("forward", "backward", "optimizer")
+from qlora_kit.registries import metric_keys as keys
 
 
 class RunConsole(TrainerCallback):
@@ -63,8 +63,8 @@ class RunConsole(TrainerCallback):
             step = f"step {state.global_step}/{state.max_steps}"
             if "eval_loss" in logs:
                 line = f"{step}  eval loss {logs['eval_loss']:.4f}"
-                if "eval_rewards/accuracies" in logs:  # train.objective dpo
-                    line += f"  preference accuracy {logs['eval_rewards/accuracies']:.3f}"
+                if keys.EVAL_PREFERENCE_ACCURACY in logs:  # train.objective dpo
+                    line += f"  preference accuracy {logs[keys.EVAL_PREFERENCE_ACCURACY]:.3f}"
             else:
                 left = remaining(time.perf_counter() - self.started, state.global_step, state.max_steps)
                 line = f"{step}  {shown}  left {left}"
@@ -84,19 +84,19 @@ def figures(logs: dict[str, Any]) -> dict[str, str]:
         shown["loss"] = f"{logs['loss']:.4f}"
     if "eval_loss" in logs:
         shown["eval"] = f"{logs['eval_loss']:.4f}"
-    if "eval_rewards/accuracies" in logs:  # train.objective dpo: held-out preference accuracy
-        shown["eval acc"] = f"{logs['eval_rewards/accuracies']:.3f}"
+    if keys.EVAL_PREFERENCE_ACCURACY in logs:  # train.objective dpo: held-out preference accuracy
+        shown["eval acc"] = f"{logs[keys.EVAL_PREFERENCE_ACCURACY]:.3f}"
     if "learning_rate" in logs:
         shown["lr"] = f"{logs['learning_rate']:.2e}"
     if "grad_norm" in logs:
         shown["grad"] = f"{logs['grad_norm']:.3f}"
-    if "throughput/tokens_per_s" in logs:
-        shown["tok/s"] = f"{logs['throughput/tokens_per_s']:,.0f}"
-    peaks = [logs[f"memory/peak_{phase}_gib"] for phase in PHASES if f"memory/peak_{phase}_gib" in logs]
+    if keys.THROUGHPUT + keys.TOKENS_PER_S in logs:
+        shown["tok/s"] = f"{logs[keys.THROUGHPUT + keys.TOKENS_PER_S]:,.0f}"
+    peaks = [logs[keys.MEMORY + key] for key in keys.PEAK_KEYS if keys.MEMORY + key in logs]
     if peaks:  # CUDA: the step's peak allocated memory
         shown["peak"] = f"{max(peaks):.2f} GiB"
-    elif "memory/saved_mib" in logs:  # elsewhere: what the forward pass saved for backward
-        shown["saved"] = f"{logs['memory/saved_mib']:.1f} MiB"
+    elif keys.MEMORY + keys.SAVED_MIB in logs:  # elsewhere: what the forward pass saved for backward
+        shown["saved"] = f"{logs[keys.MEMORY + keys.SAVED_MIB]:.1f} MiB"
     return shown
 
 

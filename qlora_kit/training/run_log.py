@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from qlora_kit.data.prepare import PreparedData, pad_shares
 from qlora_kit.memory.optimizers import optimizer_state_report
 from qlora_kit.model.adapters import trainable_parameter_count
+from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
 
 if TYPE_CHECKING:
@@ -67,21 +68,19 @@ def log_optimizer_state(peft_model, recipe: Recipe) -> None:
 
 
 def log_memory(usage: dict[str, Any]) -> None:
-    if "saved_mib" not in usage:
+    if keys.SAVED_MIB not in usage:
         return  # no training step ran
-    layers = usage["saved_mib_layers"]
+    layers = usage[keys.SAVED_MIB_LAYERS]
     log.info(
         "memory: at most %.1f MiB saved for backward (head %.1f MiB; decoder layers %.1f-%.1f MiB each)",
-        usage["saved_mib"],
-        usage["saved_mib_head"],
+        usage[keys.SAVED_MIB],
+        usage[keys.SAVED_MIB_HEAD],
         min(layers, default=0.0),
         max(layers, default=0.0),
     )
-    if "peak_backward_gib" in usage:
+    if keys.PEAK_BACKWARD in usage:
         log.info(
             "CUDA peaks: forward %.2f GiB, backward %.2f GiB, optimizer step %.2f GiB; device used %.2f GiB",
-            usage["peak_forward_gib"],
-            usage["peak_backward_gib"],
-            usage["peak_optimizer_gib"],
-            usage["device_used_gib"],
+            *(usage[key] for key in keys.PEAK_KEYS),
+            usage[keys.DEVICE_USED],
         )

@@ -18,8 +18,7 @@ import yaml
 
 from qlora_kit.errors import OutputDirError
 from qlora_kit.recipe.recipe import Recipe
-
-PEAK_KEYS = ("peak_forward_gib", "peak_backward_gib", "peak_optimizer_gib")
+from qlora_kit.registries import metric_keys as keys
 
 
 @dataclass
@@ -94,8 +93,8 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
             )
         )
     rows += speed_rows(record.metrics)
-    peaks = [row[key] for row in record.metrics for key in PEAK_KEYS if key in row]
-    rows += memory_rows(peaks, [row["saved_mib"] for row in record.rows_with("saved_mib")])
+    peaks = [row[key] for row in record.metrics for key in keys.PEAK_KEYS if key in row]
+    rows += memory_rows(peaks, [row[keys.SAVED_MIB] for row in record.rows_with(keys.SAVED_MIB)])
     versions = manifest.get("versions", {})
     if versions:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
@@ -107,7 +106,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
 def tokens_per_s(metrics: list[dict[str, Any]]) -> float | None:
     """The run's tokens/s: the median of its logged windows (Throughput's, summed over processes; evaluation
     time excluded). The one figure the train summary, doctor and ``qlora-kit show`` print."""
-    speeds = sorted(row["tokens_per_s"] for row in metrics if "tokens_per_s" in row)
+    speeds = sorted(row[keys.TOKENS_PER_S] for row in metrics if keys.TOKENS_PER_S in row)
     return speeds[len(speeds) // 2] if speeds else None
 
 
@@ -116,7 +115,7 @@ def speed_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
     speed = tokens_per_s(metrics)
     if speed is None:
         return []
-    mfu = [row["mfu"] for row in metrics if "mfu" in row]
+    mfu = [row[keys.MFU] for row in metrics if keys.MFU in row]
     utilisation = f", MFU {sum(mfu) / len(mfu):.1%}" if mfu else ""
     return [("tokens/s (median of the logged steps)", f"{speed:,.0f}{utilisation}")]
 
@@ -138,7 +137,9 @@ def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 f"{first:.4f} -> {best['eval_loss']:.4f} (step {best['step']}) -> {last:.4f}",
             )
         )
-    accuracies = [row["eval_rewards/accuracies"] for row in metrics if "eval_rewards/accuracies" in row]
+    accuracies = [
+        row[keys.EVAL_PREFERENCE_ACCURACY] for row in metrics if keys.EVAL_PREFERENCE_ACCURACY in row
+    ]
     if accuracies:
         rows.append(
             ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")

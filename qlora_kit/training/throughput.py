@@ -26,6 +26,7 @@ from transformers import TrainerCallback
 
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.model.layers import features, is_linear
+from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.distributed import over_ranks
 
 # Dense bf16 tensor-core peaks (fp16 on V100 and T4), TFLOPS per device, from the vendors' data sheets;
@@ -120,10 +121,10 @@ class Throughput(TrainerCallback):
         processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         positions, flops, trained_now = totals.tolist()
         self.trained_so_far += int(trained_now)
-        logs["throughput/tokens_per_s"] = positions / seconds
-        logs["throughput/trained_tokens"] = self.trained_so_far
+        logs[keys.THROUGHPUT + keys.TOKENS_PER_S] = positions / seconds
+        logs[keys.THROUGHPUT + keys.TRAINED_TOKENS] = self.trained_so_far
         if self.peak:
-            logs["throughput/mfu"] = flops / seconds / (self.peak * processes)
+            logs[keys.THROUGHPUT + keys.MFU] = flops / seconds / (self.peak * processes)
         self._restart()
 
     def _restart(self) -> None:

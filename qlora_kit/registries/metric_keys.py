@@ -1,0 +1,41 @@
+"""The names of the figures a run logs, writes to ``metrics.jsonl`` and reads back: one module spells them.
+
+In the Trainer's log (what the console and the trackers see) qlora_kit's figures carry their family's
+prefix (``memory/saved_mib``, ``throughput/tokens_per_s``); ``metrics.jsonl`` and the run's summary drop
+it (``saved_mib``, ``tokens_per_s``). The Trainer's own keys are renamed once (``learning_rate`` -> ``lr``).
+Writers (the memory monitor, throughput, the metrics log) and readers (the console, the summary, ``qlora-kit
+show``, ``doctor``) use these names, never a spelling of their own.
+"""
+
+from __future__ import annotations
+
+MEMORY = "memory/"  # the memory monitor's family prefix in the log
+THROUGHPUT = "throughput/"  # throughput's
+
+SAVED_MIB = "saved_mib"  # bytes saved for backward by the largest forward pass, MiB
+SAVED_MIB_HEAD = "saved_mib_head"  # of which outside the decoder layers (the loss head)
+SAVED_MIB_LAYER = "saved_mib_layer_"  # + the layer's index (three digits), in the log
+SAVED_MIB_LAYERS = "saved_mib_layers"  # the per-layer list, in metrics.jsonl and the summary
+PEAK_FORWARD = "peak_forward_gib"  # CUDA: peak allocated memory per phase of a step
+PEAK_BACKWARD = "peak_backward_gib"
+PEAK_OPTIMIZER = "peak_optimizer_gib"
+PEAK_KEYS = (PEAK_FORWARD, PEAK_BACKWARD, PEAK_OPTIMIZER)
+DEVICE_USED = "device_used_gib"  # CUDA: the device's own used memory (paged optimizer state included)
+TRAIN_SECONDS = "train_seconds"  # first forward to last backward
+
+TOKENS_PER_S = "tokens_per_s"  # input positions per second over all processes, one logging window
+TRAINED_TOKENS = "trained_tokens"  # trained (labelled) tokens so far, over all processes
+MFU = "mfu"  # model FLOPs utilisation per device
+
+# the Trainer's per-step keys -> their names in metrics.jsonl
+TRAINER_KEYS = {"loss": "loss", "eval_loss": "eval_loss", "learning_rate": "lr", "grad_norm": "grad_norm"}
+# train.objective dpo: TRL's reward and log-probability metrics, kept under their own names (eval_ too)
+PREFERENCE_KEYS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+EVAL_PREFERENCE_ACCURACY = "eval_rewards/accuracies"  # held-out preference accuracy
