@@ -5,7 +5,6 @@ User mistakes (a bad recipe, bad data, an output folder that is in use) print on
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 from pathlib import Path
@@ -15,9 +14,11 @@ import typer
 from rich.console import Console
 from rich.markup import escape  # a message's own brackets (data.sources[0], qlora-kit[wandb]) are text
 
-from qlora_kit.cli import views
+from qlora_kit.cli import recipes, views
+from qlora_kit.cli.exits import GUARD_STOP, USER_ERROR, errors, user_errors
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
+from qlora_kit.recipe import shipped
 from qlora_kit.recipe.recipe import Recipe
 
 app = typer.Typer(
@@ -27,44 +28,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+app.add_typer(recipes.app)  # qlora-kit recipes [show|copy]
 console = Console()
-errors = Console(stderr=True)
-USER_ERROR = 2
-GUARD_STOP = 3  # a guard stopped training: the setup or the run went wrong, not the command line
 
-RecipeArg = Annotated[Path, typer.Argument(help="Recipe YAML file, e.g. recipes/demo.yaml.")]
+RecipeArg = Annotated[
+    Path,
+    typer.Argument(help="A recipe YAML file, or a shipped recipe's name (qlora-kit recipes), e.g. demo."),
+]
 SetOpt = Annotated[
     list[str] | None, typer.Option("--set", help="Override a field: --set lora.rank=16 (repeatable).")
 ]
 OutputOpt = Annotated[Path | None, typer.Option("--output-dir", help="Overrides train.output_dir.")]
 
 
-def user_errors(command):
-    """Turn a user's mistake into one line on stderr and exit code 2, never a traceback."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        from qlora_kit.errors import DataError, Interrupted, OutputDirError, TrainingGuardError
-
-        try:
-            return command(*args, **kwargs)
-        except (RecipeError, DataError, OutputDirError) as exc:
-            errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(USER_ERROR) from None
-        except TrainingGuardError as exc:
-            errors.print(
-                f"[bold red]training stopped:[/] {escape(str(exc))}", highlight=False, soft_wrap=True
-            )
-            raise typer.Exit(GUARD_STOP) from None
-        except Interrupted as exc:
-            errors.print(f"[bold yellow]interrupted:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper
-
-
 def load_recipe(path: Path, overrides: list[str] | None, output_dir: Path | None = None) -> Recipe:
-    recipe = Recipe.from_yaml(path, overrides=overrides or [])
+    recipe = Recipe.from_yaml(shipped.resolve(path), overrides=overrides or [])
     if output_dir is not None:
         recipe = recipe.with_overrides({"train.output_dir": str(output_dir)})
     return recipe

@@ -4,7 +4,8 @@
 - ``data``: the data section (one path or a mixture of sources, formats, lengths, layout, preflight);
 - ``preference``: the preference section (how ``train.objective: dpo`` scores pairs);
 - ``recipe``: the other sections, the cross-section rules, YAML loading, ``--set`` overrides and the
-  recipe's input paths.
+  recipe's input paths;
+- ``shipped``: the recipes shipped inside the package, found by name (``qlora-kit train demo``).
 
 Modules are imported by path (``from qlora_kit.recipe.recipe import Recipe``; the public API exports
 ``qlora_kit.Recipe``); this file imports nothing.

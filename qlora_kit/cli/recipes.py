@@ -1,0 +1,145 @@
+"""``qlora-kit recipes``: the recipes shipped inside the package, for a user who installed it.
+
+    qlora-kit recipes                      # one line each: model, data, the GPU memory the planner predicts
+    qlora-kit recipes show demo            # print one (pipe it, or read it)
+    qlora-kit recipes copy demo [DEST]     # write it out for editing; never overwrites
+
+Every other command takes a shipped recipe's name where it takes a recipe path (``recipe.shipped``).
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Annotated
+
+import typer
+import yaml
+from rich.console import Console
+
+from qlora_kit.cli.exits import user_errors
+from qlora_kit.errors import RecipeError
+from qlora_kit.recipe import shipped
+from qlora_kit.recipe.base import one_line
+from qlora_kit.recipe.recipe import Recipe
+
+app = typer.Typer(
+    name="recipes",
+    help="The shipped recipes: list them (with the GPU memory each plans for), show one, copy one out.",
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+
+NameArg = Annotated[str, typer.Argument(help="A shipped recipe's name (qlora-kit recipes lists them).")]
+
+
+@app.callback(invoke_without_command=True)
+@user_errors
+def list_recipes(context: typer.Context) -> None:
+    """One line per shipped recipe: model, data, and the peak GPU memory the planner predicts for it."""
+    if context.invoked_subcommand is not None:
+        return
+    names = shipped.recipe_names()
+    recipes = {name: Recipe.from_yaml(shipped.folder() / f"{name}{shipped.SUFFIX}") for name in names}
+    rows = [
+        (name, r.model.path, ", ".join(s.path for s in r.data.source_list())) for name, r in recipes.items()
+    ]
+    widths = [max(len(row[i]) for row in [("NAME", "MODEL", "DATA"), *rows]) for i in range(3)]
+    line = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
+    console.print(
+        line.format("NAME", "MODEL", "DATA", "GPU MEMORY (planned peak)"),
+        style="bold",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for row in rows:
+        # planning takes a second or two per recipe: each line is printed as soon as it is known
+        console.print(
+            line.format(*row, planned_memory(recipes[row[0]])), highlight=False, markup=False, soft_wrap=True
+        )
+    console.print(
+        f"accelerate configs (for train.fsdp recipes): {', '.join(shipped.accelerate_names())}\n"
+        "qlora-kit train NAME runs one as shipped; qlora-kit recipes copy NAME writes it out for editing",
+        style="dim",
+        highlight=False,
+        soft_wrap=True,
+    )
+
+
+def planned_memory(recipe: Recipe) -> str:
+    """The planner's peak per GPU for the checkpointing policy the recipe trains with."""
+    from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+
+    processes = fsdp_processes() if recipe.train.fsdp else 1
+    try:
+        with warnings.catch_warnings():
+            # transformers' deprecation notes from building the meta model are not the user's business here
+            warnings.simplefilter("ignore", FutureWarning)
+            the_plan = plan(recipe, device="cuda", processes=processes)
+    except Exception as exc:  # a listing goes on: one recipe that cannot be planned says why on its line
+        return f"cannot plan ({exc.__class__.__name__}: {one_line(str(exc))[:160]})"
+    memory = recipe.memory
+    if memory.checkpointing == "auto":
+        name = policy_name(*choose_policy(recipe, memory.budget_gb, the_plan)[:2])
+    else:
+        name = policy_name(memory.checkpointing, memory.every_n)
+    peak = next(p.peak for p in the_plan.policies if p.policy == name)
+    per_gpu = f" per GPU on {processes}" if processes > 1 else ""
+    return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}, bs {the_plan.batch} x {the_plan.seq})"
+
+
+def fsdp_processes() -> int:
+    """GPUs an FSDP recipe is planned over: the shipped FSDP accelerate config's num_processes."""
+    for name in shipped.accelerate_names():
+        config = yaml.safe_load(shipped.find(name).read_text(encoding="utf-8")) or {}
+        if str(config.get("distributed_type", "")).upper() == "FSDP":
+            return int(config.get("num_processes", 1))
+    return 1
+
+
+@app.command()
+@user_errors
+def show(name: NameArg) -> None:
+    """Print a shipped recipe (or accelerate config) as it is shipped, comments included."""
+    sys.stdout.write(_shipped_file(name).read_text(encoding="utf-8"))
+
+
+@app.command()
+@user_errors
+def copy(
+    name: NameArg,
+    dest: Annotated[
+        Path | None,
+        typer.Argument(
+            help="A .yaml file, or a folder, to write (default: NAME.yaml here). Never overwritten."
+        ),
+    ] = None,
+) -> None:
+    """Write a shipped recipe (or accelerate config) out for editing; refuses to overwrite a file."""
+    source = _shipped_file(name)
+    target = dest or Path(source.name)
+    if target.is_dir() or target.suffix not in (".yaml", ".yml"):  # a folder, made when missing
+        target = target / source.name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with target.open("x", encoding="utf-8") as out:  # "x": fails when the file exists
+            out.write(source.read_text(encoding="utf-8"))
+    except FileExistsError:
+        raise RecipeError(f"{target}: already exists, not overwritten (give another DEST)") from None
+    except OSError as exc:
+        raise RecipeError(f"{target}: cannot write ({exc.strerror})") from None
+    if source.stem in shipped.recipe_names():
+        use = f"edit it, then: qlora-kit train {target}"
+    else:
+        use = f"launch with: accelerate launch --config_file {target} ..."
+    console.print(f"wrote {target}; {use}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _shipped_file(name: str) -> Path:
+    found = shipped.find(name)
+    if found is None:
+        known = ", ".join(shipped.recipe_names() + shipped.accelerate_names())
+        raise RecipeError(f"{name}: no shipped recipe of that name (there are: {known})")
+    return found

@@ -1,0 +1,121 @@
+"""The recipes shipped inside the package: the repository's recipes/ itself, found by name, listed with
+the planner's memory, shown, copied out without overwriting, and the same wherever a copy lives."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from qlora_kit.cli import app as cli
+from qlora_kit.recipe import shipped
+from qlora_kit.recipe.recipe import Recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
+
+
+def run_cli(argv, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def test_the_package_ships_the_repository_recipes_folder_itself():
+    # one folder, no second copy: in a checkout the package's recipes are the top-level files
+    assert shipped.folder().resolve() == (ROOT / "recipes").resolve()
+    assert shipped.recipe_names() == sorted(path.stem for path in RECIPES)
+    assert shipped.accelerate_names() == ["accelerate/fsdp-qlora"]
+
+
+def test_a_path_wins_over_a_shipped_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert shipped.resolve(Path("demo")) == shipped.folder() / "demo.yaml"
+    assert shipped.resolve(Path("demo.yaml")) == shipped.folder() / "demo.yaml"
+    # the form the README and the recipes' own comments use, from a folder that has no recipes/
+    assert shipped.resolve(Path("recipes/demo.yaml")) == shipped.folder() / "demo.yaml"
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "recipes" / "demo.yaml").write_text("train:\n  epochs: 2\n")
+    (tmp_path / "demo").write_text("train:\n  epochs: 3\n")
+    assert shipped.resolve(Path("recipes/demo.yaml")) == Path("recipes/demo.yaml")
+    assert shipped.resolve(Path("demo")) == Path("demo")
+    # an accelerate config is not a recipe, and an unknown name stays the path (its read error names it)
+    assert shipped.resolve(Path("accelerate/fsdp-qlora")) == Path("accelerate/fsdp-qlora")
+    assert shipped.resolve(Path("nosuch")) == Path("nosuch")
+
+
+@pytest.mark.parametrize("name", [path.stem for path in RECIPES])
+def test_a_copied_recipe_means_what_the_shipped_one_means(name, tmp_path, monkeypatch):
+    """Relative paths in a shipped recipe are relative to the file: copied anywhere, it must still load
+    to the same values (a path like model.adapter: ../outputs/x would not)."""
+    monkeypatch.chdir(tmp_path)
+    copy = tmp_path / "somewhere" / "else" / f"{name}.yaml"
+    copy.parent.mkdir(parents=True)
+    shutil.copyfile(shipped.find(name), copy)
+    assert Recipe.from_yaml(copy).resolved_values() == Recipe.from_yaml(shipped.find(name)).resolved_values()
+
+
+def test_every_command_takes_a_shipped_name(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(["validate", "demo", "--set", "lora.rank=4"], monkeypatch, capsys)
+    assert code == 0
+    assert "rank: 4" in out
+    # a file of that name here wins
+    (tmp_path / "demo").write_text("lora:\n  rank: 5\n")
+    code, out, _ = run_cli(["validate", "demo"], monkeypatch, capsys)
+    assert code == 0
+    assert "rank: 5" in out
+
+
+def test_recipes_show_prints_the_file_as_shipped(monkeypatch, capsys):
+    code, out, _ = run_cli(["recipes", "show", "llama3-8b-alpaca-24gb"], monkeypatch, capsys)
+    assert code == 0
+    assert out == (ROOT / "recipes" / "llama3-8b-alpaca-24gb.yaml").read_text()
+    code, out, _ = run_cli(["recipes", "show", "accelerate/fsdp-qlora"], monkeypatch, capsys)
+    assert out == (ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text()
+
+
+def test_recipes_copy_writes_it_out_and_never_overwrites(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = run_cli(["recipes", "copy", "demo"], monkeypatch, capsys)
+    assert code == 0
+    assert (tmp_path / "demo.yaml").read_text() == (ROOT / "recipes" / "demo.yaml").read_text()
+    assert "qlora-kit train demo.yaml" in out
+    (tmp_path / "demo.yaml").write_text("# my edits\n")
+    code, _, err = run_cli(["recipes", "copy", "demo"], monkeypatch, capsys)
+    assert code == 2
+    assert "demo.yaml: already exists, not overwritten" in err
+    assert len(err.strip().splitlines()) == 1
+    assert (tmp_path / "demo.yaml").read_text() == "# my edits\n"
+    # DEST as a folder (made when missing) or a file name; an accelerate config by its name
+    code, _, _ = run_cli(["recipes", "copy", "accelerate/fsdp-qlora", "launch"], monkeypatch, capsys)
+    assert code == 0
+    assert (tmp_path / "launch" / "fsdp-qlora.yaml").is_file()
+    code, _, _ = run_cli(["recipes", "copy", "demo-dpo", "a/b/mine.yaml"], monkeypatch, capsys)
+    assert code == 0
+    assert (tmp_path / "a" / "b" / "mine.yaml").read_text() == (
+        ROOT / "recipes" / "demo-dpo.yaml"
+    ).read_text()
+    code, _, err = run_cli(["recipes", "copy", "nosuch"], monkeypatch, capsys)
+    assert code == 2
+    assert "nosuch: no shipped recipe of that name (there are: demo, demo-dpo," in err
+
+
+def test_recipes_lists_each_with_the_planners_memory(monkeypatch, capsys):
+    from qlora_kit.memory.planner import GIB, plan
+
+    code, out, _ = run_cli(["recipes"], monkeypatch, capsys)
+    assert code == 0
+    lines = {line.split()[0]: line for line in out.splitlines()[1:] if line.split()}
+    for path in RECIPES:
+        recipe = Recipe.from_yaml(path)
+        line = lines[path.stem]
+        assert recipe.model.path in line
+        assert recipe.data.source_list()[0].path in line
+        processes = 2 if recipe.train.fsdp else 1  # the shipped FSDP accelerate config's num_processes
+        peak = plan(recipe, device="cuda", processes=processes).chosen(recipe).peak
+        assert f"{peak / GIB:.2f} GiB" in line, line
