@@ -78,6 +78,12 @@ def train(
     configure_logging(errors, -1 if quiet else 1 if verbose else 0)
     progress = Console(stderr=True, quiet=True) if quiet else errors
     recipe_ = load_recipe(recipe, set_, output_dir)
+    from qlora_kit.errors import TrainingGuardError
+    from qlora_kit.model.driver import unusable_gpu
+
+    problem = unusable_gpu()  # a GPU nvidia-smi sees but torch cannot use: say why before a CPU run
+    if problem is not None:
+        raise TrainingGuardError(problem)
     result = run(recipe_, overwrite=overwrite, resume=resume_from or resume, console=progress)
     if result.main_process:
         views.show_run(console, result)

@@ -29,6 +29,7 @@ from peft import PeftModel
 from qlora_kit.after.merge import merge_adapter
 from qlora_kit.errors import MergeDriftError
 from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+from qlora_kit.model import driver
 from qlora_kit.model import loading as model
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe.base import one_line
@@ -61,7 +62,7 @@ class Check:
 
 def diagnose(recipe: Recipe | None = None, workdir: Path | None = None) -> list[Check]:
     """Every check, in order; a check that raises is a failed row, and the rest still run when they can."""
-    checks = [_versions(), _device()]
+    checks = [_versions(), _device(), _driver()]
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
         run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder)))
         if run is not None:
@@ -123,6 +124,14 @@ def _device() -> Check:
         f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}, bf16 {'yes' if bf16 else 'no'}), "
         f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, {torch.cuda.device_count()} visible",
     )
+
+
+def _driver() -> Check:
+    """The NVIDIA driver against the CUDA torch was built for: fails, with the ways out, when torch
+    cannot use the GPU nvidia-smi sees."""
+    found = driver.report()
+    problem = found.problem()
+    return Check("NVIDIA driver", problem is None, problem or found.summary())
 
 
 def _train(folder: Path):

@@ -6,7 +6,8 @@
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;
 - ``builtin``: the tiny local models, their tokenizer and the demo data;
-- ``paths``: the folders and files a command is pointed at, checked before any work.
+- ``paths``: the folders and files a command is pointed at, checked before any work;
+- ``driver``: whether torch can use this machine's NVIDIA GPU (the driver against torch's CUDA).
 
 Modules are imported by path (``from qlora_kit.model import adapters``); this file imports nothing.
 """
