@@ -56,3 +56,27 @@ def test_this_environment_runs_the_locked_versions():
     cpu = pins(LOCKS[1].read_text())
     for name in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "pydantic"):
         assert metadata.version(name) == cpu[name], name
+
+
+def test_the_images_cuda_12_variant_keeps_every_pin_but_torch_and_its_cuda_packages(tmp_path):
+    """Dockerfile's TORCH_INDEX_URL branch filters the GPU lock with awk before a --require-hashes
+    install: what it keeps must be every other entry whole (name line, hashes and all), nothing of
+    torch's CUDA, so torch from the other index brings its own CUDA packages."""
+    import subprocess
+
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    program = re.search(r"awk '([^']+)' /tmp/requirements.lock", dockerfile).group(1)
+    kept = subprocess.run(["awk", program, str(LOCKS[0])], capture_output=True, text=True, check=True).stdout
+    gpu, cpu = (pins(lock.read_text()) for lock in LOCKS)
+    assert pins(kept) == {name: version for name, version in cpu.items() if name != "torch"}
+    entries = dict(
+        (PIN_LINE.match(entry).group(0)[:-2].lower(), entry)
+        for entry in re.split(r"\n(?=[A-Za-z0-9])", LOCKS[0].read_text())
+        if PIN_LINE.match(entry)
+    )
+    for entry in re.split(r"\n(?=[A-Za-z0-9])", kept):
+        if PIN_LINE.match(entry):
+            assert entry.rstrip("\n") == entries[PIN_LINE.match(entry).group(0)[:-2].lower()].rstrip("\n")
+    # the version the branch installs from the other index is the lock's
+    line = re.search(r"grep -o '([^']+)' /tmp/requirements.lock", dockerfile).group(1)
+    assert re.search(line, LOCKS[0].read_text(), re.MULTILINE).group(0) == f"torch=={gpu['torch']}"
