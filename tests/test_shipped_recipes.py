@@ -105,6 +105,7 @@ def test_recipes_copy_writes_it_out_and_never_overwrites(tmp_path, monkeypatch, 
     assert "nosuch: no shipped recipe of that name (there are: demo, demo-dpo," in err
 
 
+@pytest.mark.slow  # plans every shipped recipe twice (~20 s on 2 cores)
 def test_recipes_lists_each_with_the_planners_memory(monkeypatch, capsys):
     from qlora_kit.memory.planner import GIB, plan
 
