@@ -464,3 +464,26 @@ def test_an_output_folder_that_holds_the_runs_data_is_refused(field, tmp_path, m
     assert code == 2 and len(errors) == 1, err[-2000:]
     assert f"holds {field} {data}" in errors[0]
     assert data.exists() and sorted(p.name for p in out.iterdir()) == ["rows.jsonl"]
+
+
+def test_a_tokenizer_larger_than_the_embeddings_is_one_line_before_the_weights(tmp_path, monkeypatch, capsys):
+    """Special tokens added to a tokenizer without resizing the model: one line naming both sizes and the
+    fix, not an index error in the first forward pass."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from qlora_kit.model import builtin
+
+    folder = tmp_path / "model"
+    shutil.copytree(builtin.ensure_tiny_model("tiny-llama"), folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    rows = len(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|tool|>", "<|end_tool|>"]})
+    tokenizer.save_pretrained(folder)
+    argv = ["train", RECIPE, "--output-dir", str(tmp_path / "out"), "--set", f"model.path={folder}"]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err[-2000:]
+    assert f"tokenizer has {rows + 2:,} tokens but the model's embeddings have {rows:,} rows" in errors[0]
+    assert "resize_token_embeddings" in errors[0] and "Traceback" not in err

@@ -49,11 +49,32 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
         tokenizer = AutoTokenizer.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
+    check_vocab_fits(tokenizer, model, field)
     if tokenizer.pad_token is None:
         # Llama-style tokenizers ship without a pad token. Padded label positions are -100 anyway
         # (see data/prepare.build_collator), so reusing EOS for padding never hides a real EOS from the loss.
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def check_vocab_fits(
+    tokenizer: PreTrainedTokenizerBase, model: ModelSection, field: str = "model.path"
+) -> None:
+    """A tokenizer whose ids reach past the model's embedding rows (special tokens added without resizing)
+    would fail as an index error in the first forward pass: one line now, before any weight is loaded."""
+    path = resolve_model_path(model)
+    with _model_path_errors(path, revision=model.revision):
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if rows is not None and len(tokenizer) > rows:
+        raise RecipeError(
+            f"{field}: the tokenizer has {len(tokenizer):,} tokens but the model's embeddings have {rows:,} rows "
+            f"(ids {rows:,}-{len(tokenizer) - 1:,} have no embedding); use the tokenizer the model was trained "
+            "with, or resize the embeddings (model.resize_token_embeddings(len(tokenizer))) and save the model "
+            "before fine-tuning it"
+        )
 
 
 def bnb_config(quant: QuantSection):
