@@ -1,8 +1,14 @@
-"""Shared by the benchmark scripts: the machine's description, a hand-stepped training step, and
-writing a result table."""
+"""Shared by the benchmark scripts: their common command line (``--smoke``, ``--out``), the machine's
+description, a hand-stepped training step, and writing a result table.
+
+Every script takes ``--smoke``: a few steps on the smallest shapes, which the test suite runs
+(tests/e2e/test_benchmarks.py) with ``--out`` pointing at a temporary folder, so a script that no
+longer runs, or writes a table of NaNs, fails the suite instead of waiting for the next person to try it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import os
 import platform
@@ -11,6 +17,18 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The script's command line, described by its docstring's first line, with the shared options."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument(
+        "--smoke", action="store_true", help="a few steps on the smallest shapes: does it still run?"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=RESULTS, help="folder the table is written to (default: %(default)s)"
+    )
+    return parser
 
 
 def machine() -> str:
@@ -39,8 +57,9 @@ def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def write_result(name: str, title: str, table: str, notes: str = "") -> Path:
-    """Print the table and write it, with the command that made it, to benchmarks/results/NAME.md."""
+def write_result(name: str, title: str, table: str, notes: str = "", folder: Path = RESULTS) -> Path:
+    """Print the table and write it, with the command that made it, to FOLDER/NAME.md (by default
+    benchmarks/results/NAME.md, the tables the README quotes)."""
     command = "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
     text = (
         f"# {title}\n\n"
@@ -51,8 +70,8 @@ def write_result(name: str, title: str, table: str, notes: str = "") -> Path:
     )
     if notes:
         text += f"\n{notes}\n"
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.md"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.md"
     path.write_text(text, encoding="utf-8")
     print(text)
     return path

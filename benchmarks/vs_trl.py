@@ -13,7 +13,12 @@ its span over the seeds.
    in fp32 on CPUs), so both compute in the same precision;
 2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast).
 
+Counting and timing go through public seams only: a TrainerCallback times each step on both sides;
+qlora_kit's trained tokens per step come from the ``trained_tokens`` totals the run writes to its
+metrics.jsonl (logged every step), TRL's are counted by wrapping the script's own ``trainer.data_collator``.
+
     python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
+    python benchmarks/vs_trl.py --smoke --out /tmp/x   # one round of 3 steps on a smaller model
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ SHAPE = {
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
 }
+SMOKE_SHAPE = {**SHAPE, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 BATCH, MAX_LEN, LR, SEED = 8, 256, 2e-4, 0  # SEED: the data; each round trains with its own seed
+ROWS = 1024
 
 
-def make_dataset(folder: Path, rows: int = 1024) -> Path:
+def make_dataset(folder: Path, rows: int = ROWS) -> Path:
     """prompt/completion rows whose lengths vary about 10x (20 to 220 tokens)."""
     from qlora_kit.model.builtin import corpus_words
 
@@ -82,38 +89,37 @@ def step_timer():
     return StepTimer()
 
 
-def run_qlora_kit(model_dir: str, data: str, out: str, steps: int, packing: bool, seed: int) -> dict:
+def run_qlora_kit(job: dict, out: str) -> dict:
     from qlora_kit import Recipe, train
-    from qlora_kit.data import prepare
 
-    counters = []
-    real_build_collator = prepare.build_collator
-
-    def counting_collator(*args, **kwargs):  # the benchmark counts what the run's own collator builds
-        counters.append(Counter(real_build_collator(*args, **kwargs)))
-        return counters[-1]
-
-    prepare.build_collator = counting_collator  # trainer.py looks it up on the module at each build
     recipe = Recipe.from_dict(
         {
-            "model": {"path": model_dir},
-            "data": {"path": data, "format": "completion", "max_seq_len": MAX_LEN, "packing": packing},
+            "model": {"path": job["model_dir"]},
+            "data": {
+                "path": job["data"],
+                "format": "completion",
+                "max_seq_len": job["max_len"],
+                "packing": job["packing"],
+            },
             "optimizer": {"lr": LR, "warmup_ratio": 0.0},
             "train": {
                 "output_dir": out,
-                "max_steps": steps,
-                "micro_batch_size": BATCH,
+                "max_steps": job["steps"],
+                "micro_batch_size": job["batch"],
                 "logging_steps": 1,
-                "seed": seed,
+                "seed": job["seed"],
             },
         }
     )
     timer = step_timer()
     result = train(recipe, callbacks=[timer])
-    return {"times": timer.times, "losses": result.train_losses, "tokens": counters[0].tokens}
+    # The run's own count (metrics.jsonl): trained_tokens is the running total of label tokens at each log.
+    totals = [row["trained_tokens"] for row in result.metrics if "trained_tokens" in row]
+    tokens = [now - before for before, now in zip([0, *totals], totals, strict=False)]
+    return {"times": timer.times, "losses": result.train_losses, "tokens": tokens}
 
 
-def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int, defaults: bool) -> dict:
+def run_trl(job: dict, out: str) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -128,31 +134,31 @@ def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int, defaults
         bnb_4bit_compute_dtype=torch.bfloat16,
     )
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, quantization_config=quantization, dtype=torch.bfloat16
+        job["model_dir"], quantization_config=quantization, dtype=torch.bfloat16
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = load_dataset("json", data_files=data, split="train")
+    tokenizer = AutoTokenizer.from_pretrained(job["model_dir"])
+    dataset = load_dataset("json", data_files=job["data"], split="train")
     peft_config = LoraConfig(
         r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM"
     )
     args = SFTConfig(
         output_dir=out,
-        max_steps=steps,
-        per_device_train_batch_size=BATCH,
+        max_steps=job["steps"],
+        per_device_train_batch_size=job["batch"],
         learning_rate=LR,
         lr_scheduler_type="constant",
         optim="paged_adamw_8bit",
         max_grad_norm=0.3,
         gradient_checkpointing=True,
-        max_length=MAX_LEN,
+        max_length=job["max_len"],
         logging_steps=1,
         report_to="none",
         save_strategy="no",
-        seed=seed,
+        seed=job["seed"],
         use_cpu=not torch.cuda.is_available(),
         # TRL turns bf16 autocast on by default; qlora_kit computes the 4-bit layers in bf16 and the LoRA
         # matrices in fp32 without autocast on CPUs. Equal settings means the same precision.
-        **({} if defaults else {"bf16": False}),
+        **({} if job["packing"] else {"bf16": False}),  # qlora_kit packing: each tool's defaults
     )
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
@@ -162,32 +168,28 @@ def run_trl(model_dir: str, data: str, out: str, steps: int, seed: int, defaults
     trainer.add_callback(timer)
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
-    return {"times": timer.times, "losses": losses, "tokens": counter.tokens}
+    # accelerate's loader builds one batch ahead (to know the last one): keep the batches trained on
+    return {"times": timer.times, "losses": losses, "tokens": counter.tokens[: len(timer.times)]}
 
 
-def child(system: str, model_dir: str, data: str, steps: int, packing: bool, seed: int) -> None:
+def child(job: dict) -> None:
     with tempfile.TemporaryDirectory() as out:
-        if system == "trl":
-            result = run_trl(model_dir, data, str(Path(out) / "run"), steps, seed, defaults=packing)
-        else:
-            result = run_qlora_kit(model_dir, data, str(Path(out) / "run"), steps, packing, seed)
+        run = run_trl if job["system"] == "trl" else run_qlora_kit
+        result = run(job, str(Path(out) / "run"))
+    if not len(result["times"]) == len(result["tokens"]) == job["steps"]:
+        raise RuntimeError(
+            f"{job['system']}: {len(result['times'])} step times and {len(result['tokens'])} token counts "
+            f"for {job['steps']} steps"
+        )
     result["peak_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool, seed: int = SEED) -> dict:
-    command = [
-        sys.executable,
-        __file__,
-        "--child",
-        system,
-        model_dir,
-        data,
-        str(steps),
-        str(int(packing)),
-        str(seed),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+def spawn(system: str, setup: dict, steps: int, packing: bool, seed: int = SEED) -> dict:
+    job = {**setup, "system": system, "steps": steps, "packing": packing, "seed": seed}
+    done = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=900
+    )
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
         raise RuntimeError(f"{system} failed:\n{done.stderr[-3000:]}")
@@ -197,7 +199,7 @@ def spawn(system: str, model_dir: str, data: str, steps: int, packing: bool, see
 def summarise(runs: list[dict]) -> dict:
     # Each run's first step warms up. Throughput is the median of per-step rates, so one stalled step
     # (a page-cache miss, the other process of the machine) does not decide the comparison.
-    steps = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["times"][1:], strict=False)]
+    steps = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["times"][1:], strict=True)]
     return {
         "step": statistics.median(t for _, t in steps),
         "tokens_per_s": statistics.median(n / t for n, t in steps),
@@ -208,32 +210,36 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    from common import markdown_table, write_result
+    from common import markdown_table, parser, write_result
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--rounds", type=int, default=3)
+    options.add_argument("--steps", type=int, default=24)
+    options.add_argument("--child", help=argparse.SUPPRESS)
+    args = options.parse_args()
     if args.child:
-        system, model_dir, data, steps, packing, seed = args.child
-        child(system, model_dir, data, int(steps), packing == "1", int(seed))
+        child(json.loads(args.child))
         return
 
     from qlora_kit.model import builtin
 
-    model_dir = str(builtin.ensure_tiny_model("tiny-llama", **SHAPE))
+    # --smoke: a smaller model, shorter rows, one round of 3 steps (the first is a warm-up), no warm-up pair
+    shape, batch, max_len, examples = (SMOKE_SHAPE, 2, 64, 64) if args.smoke else (SHAPE, BATCH, MAX_LEN, ROWS)
+    rounds, steps = (1, 3) if args.smoke else (args.rounds, args.steps)
+    model_dir = str(builtin.ensure_tiny_model("tiny-llama", **shape))
     folder = Path(tempfile.mkdtemp())
-    data = str(make_dataset(folder))
+    data = str(make_dataset(folder, examples))
+    setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
     comparisons = {"equal settings (padded batches)": False, "defaults (qlora_kit packs)": True}
     rows, verdicts = [], []
     for name, packing in comparisons.items():
-        spawn("qlora_kit", model_dir, data, 4, packing)  # warm-up pair: caches, page cache
-        spawn("trl", model_dir, data, 4, packing)
+        if not args.smoke:
+            spawn("qlora_kit", setup, 4, packing)  # warm-up pair: caches, page cache
+            spawn("trl", setup, 4, packing)
         ours, theirs = [], []
-        for seed in range(args.rounds):
-            ours.append(spawn("qlora_kit", model_dir, data, args.steps, packing, seed))
-            theirs.append(spawn("trl", model_dir, data, args.steps, packing, seed))
+        for seed in range(rounds):
+            ours.append(spawn("qlora_kit", setup, steps, packing, seed))
+            theirs.append(spawn("trl", setup, steps, packing, seed))
         a, b = summarise(ours), summarise(theirs)
         for system, r in (("qlora_kit", a), ("TRL SFTTrainer", b)):
             rows.append(
@@ -254,16 +260,18 @@ def main() -> None:
     )
     notes = (
         "; ".join(verdicts)
-        + f". Tiny Llama {SHAPE}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
-        f"micro-batch {BATCH}, max length {MAX_LEN}, completion-only loss on 1,024 prompt/completion rows of "
-        f"20-220 tokens; {args.rounds} interleaved rounds of {args.steps} steps per system after a warm-up pair; "
+        + f". Tiny Llama {shape}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
+        f"micro-batch {batch}, max length {max_len}, completion-only loss on {examples:,} prompt/completion rows of "
+        f"20-220 tokens; {rounds} interleaved rounds of {steps} steps per system"
+        f"{'' if args.smoke else ' after a warm-up pair'}; "
         "every run its own process, round r with seed r (LoRA init, dropout and data order). Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
         "loss; defaults >= 1.5x trained tokens/s."
     )
     import torch
 
     device = "gpu" if torch.cuda.is_available() else "cpu"
-    write_result(f"vs-trl-{device}", f"qlora_kit vs a TRL + PEFT script ({device.upper()})", table, notes)
+    title = f"qlora_kit vs a TRL + PEFT script ({device.upper()})"
+    write_result(f"vs-trl-{device}", title, table, notes, args.out)
 
 
 if __name__ == "__main__":
