@@ -19,14 +19,14 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def parser(doc: str) -> argparse.ArgumentParser:
+def parser(doc: str, out: Path = RESULTS) -> argparse.ArgumentParser:
     """The script's command line, described by its docstring's first line, with the shared options."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument(
         "--smoke", action="store_true", help="a few steps on the smallest shapes: does it still run?"
     )
     parser.add_argument(
-        "--out", type=Path, default=RESULTS, help="folder the table is written to (default: %(default)s)"
+        "--out", type=Path, default=out, help="folder the results are written to (default: %(default)s)"
     )
     return parser
 
@@ -37,7 +37,11 @@ def machine() -> str:
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
-        device = f"CPU only, {os.cpu_count()} cores ({platform.processor() or platform.machine()})"
+        threads = torch.get_num_threads()
+        device = (
+            f"CPU only, {os.cpu_count()} cores ({platform.processor() or platform.machine()}), "
+            f"{threads} torch thread{'s' if threads > 1 else ''}"
+        )
     return f"{device}; python {platform.python_version()}, torch {torch.__version__}"
 
 
@@ -61,6 +65,8 @@ def write_result(name: str, title: str, table: str, notes: str = "", folder: Pat
     """Print the table and write it, with the command that made it, to FOLDER/NAME.md (by default
     benchmarks/results/NAME.md, the tables the README quotes)."""
     command = "python " + " ".join([os.path.relpath(sys.argv[0]), *sys.argv[1:]])
+    if "OMP_NUM_THREADS" in os.environ:  # torch's thread count changes every timing on a CPU
+        command = f"OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} {command}"
     text = (
         f"# {title}\n\n"
         f"- command: `{command}`\n"

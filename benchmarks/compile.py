@@ -2,28 +2,28 @@
 and is it faster?
 
 Two runs of the demo-sized tiny Llama, set up by ``pipeline.build`` with the same seed and batches, one
-with the Trainer's ``torch_compile=True`` (accelerate compiles the model with inductor), stepped in
+with ``train.compile`` (the Trainer's ``torch_compile``: accelerate compiles the model with inductor), stepped in
 turn (forward, backward, paged AdamW 8-bit step) so they see the same machine load. Compared: the
 loss of every step (the compiled run must follow the eager one) and the median step time after the
 compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``.
 
-qlora_kit ships no compile option: this script records why (benchmarks/results/compile-cpu.md).
+Whether ``train.compile`` pays is in benchmarks/results/compile-cpu.md.
 
     python benchmarks/compile.py [--steps 12]
+    python benchmarks/compile.py --smoke --out /tmp/x   # 3 steps of 2 x 32 tokens, the first setting
 """
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
 
 import torch
-from common import markdown_table, timed_step, write_result
+from common import markdown_table, parser, timed_step, write_result
 
 BATCH, SEQ = 8, 128
+SMOKE_BATCH, SMOKE_SEQ = 2, 32
 
 
 SETTINGS = {
@@ -32,30 +32,24 @@ SETTINGS = {
 }
 
 
-def build(compiled: bool, memory: dict, out: Path):
-    import qlora_kit.training.trainer
+def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int):
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import build as build_run
 
     recipe = Recipe.from_dict(
         {
             "memory": memory,
-            "data": {"packing": False, "max_seq_len": SEQ},
+            "data": {"packing": False, "max_seq_len": seq},
             "lora": {"dropout": 0.0},
-            "train": {"output_dir": str(out), "micro_batch_size": BATCH, "max_steps": 1000},
+            "train": {
+                "output_dir": str(out),
+                "micro_batch_size": batch,
+                "max_steps": 1000,
+                "compile": compiled,
+            },
         }
     )
-    plain = qlora_kit.training.trainer.training_arguments
-
-    def with_compile(*args, **kwargs):  # the Trainer's own switch; qlora_kit has no field for it
-        arguments = plain(*args, **kwargs)
-        return dataclasses.replace(arguments, torch_compile=compiled)  # __post_init__ picks inductor
-
-    qlora_kit.training.trainer.training_arguments = with_compile
-    try:
-        trainer = build_run(recipe).trainer
-    finally:
-        qlora_kit.training.trainer.training_arguments = plain
+    trainer = build_run(recipe).trainer
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     # What trainer.train() does first: accelerate prepares the model, compiling it when asked.
@@ -64,16 +58,16 @@ def build(compiled: bool, memory: dict, out: Path):
     return trainer
 
 
-def compare(memory: dict, steps: int, out: Path) -> tuple[list[list[str]], str]:
+def compare(memory: dict, steps: int, out: Path, batch: int, seq: int) -> tuple[list[list[str]], str]:
     from torch._dynamo.utils import counters
 
     counters.clear()
     generator = torch.Generator().manual_seed(0)
-    batches = [torch.randint(5, 600, (BATCH, SEQ), generator=generator) for _ in range(steps)]
+    batches = [torch.randint(5, 600, (batch, seq), generator=generator) for _ in range(steps)]
     torch.manual_seed(0)
-    eager = build(False, memory, out / "eager")
+    eager = build(False, memory, out / "eager", batch, seq)
     torch.manual_seed(0)
-    compiled = build(True, memory, out / "compiled")
+    compiled = build(True, memory, out / "compiled", batch, seq)
     results = {"eager": [], "compiled": []}
     for ids in batches:
         for name, trainer in (("eager", eager), ("compiled", compiled)):
@@ -100,13 +94,17 @@ def compare(memory: dict, steps: int, out: Path) -> tuple[list[list[str]], str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=12)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--steps", type=int, default=12)
+    args = options.parse_args()
+    # --smoke: the first setting only, one step after the warm-up (compiling is most of the time, and
+    # checkpointing with the chunked head takes several times longer to compile)
+    settings = dict(list(SETTINGS.items())[:1]) if args.smoke else SETTINGS
+    steps, batch, seq = (3, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (args.steps, BATCH, SEQ)
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
-        for index, (name, memory) in enumerate(SETTINGS.items()):
-            rows, summary = compare(memory, args.steps, Path(tmp) / str(index))
+        for index, (name, memory) in enumerate(settings.items()):
+            rows, summary = compare(memory, steps, Path(tmp) / str(index), batch, seq)
             table = markdown_table(["step", "eager loss", "compiled loss", "eager s", "compiled s"], rows)
             sections.append(f"## {name}\n\n{table}\n\n{summary}")
             print(sections[-1], flush=True)
@@ -114,8 +112,9 @@ def main() -> None:
         "compile-cpu",
         "torch.compile with 4-bit layers and LoRA (CPU)",
         "\n\n".join(sections),
-        f"Tiny Llama (builtin), batch {BATCH} x {SEQ}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit; "
+        f"Tiny Llama (builtin), batch {batch} x {seq}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit; "
         "the two runs of each setting stepped in turn on the same batches.",
+        args.out,
     )
 
 

@@ -5,11 +5,11 @@ the Trainer's own training step, interleaved round by round (A B C A B C ...) af
 drift of the machine hits all three alike. "Real tokens" are the non-padding tokens a step processes.
 
     python benchmarks/data_throughput.py [--rounds 4] [--steps 6]
+    python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of 2 steps, micro-batch 2
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import statistics
@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
 MODES = {
     "padding": {"data.packing": False},
@@ -87,15 +87,17 @@ def run_steps(trainer, batches, steps: int) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=6, help="optimizer steps per mode per round")
-    parser.add_argument("--batch", type=int, default=8)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--rounds", type=int, default=4)
+    options.add_argument("--steps", type=int, default=6, help="optimizer steps per mode per round")
+    options.add_argument("--batch", type=int, default=8)
+    args = options.parse_args()
+    if args.smoke:
+        args.rounds, args.steps, args.batch = 1, 2, 2
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        data_path = make_dataset(folder)
+        data_path = make_dataset(folder, rows=64 if args.smoke else 512)
         runs = {mode: build(mode, data_path, folder, args.batch) for mode in MODES}
         totals = {mode: [0.0, 0, 0] for mode in MODES}
         step_times = {mode: [] for mode in MODES}
@@ -128,7 +130,7 @@ def main() -> None:
         f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 24-240 tokens; {args.rounds} interleaved "
         f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding."
     )
-    write_result("data-throughput-cpu", "Padding vs packing vs group_by_length (CPU)", table, notes)
+    write_result("data-throughput-cpu", "Padding vs packing vs group_by_length (CPU)", table, notes, args.out)
 
 
 if __name__ == "__main__":

@@ -10,11 +10,11 @@ GPUs the launcher only adds the kill switch).
 
     python benchmarks/fsdp_check.py                   # here: 2 CPU processes over gloo
     python benchmarks/fsdp_check.py --processes 1     # the GPU check (one GPU)
+    python benchmarks/fsdp_check.py --smoke --out /tmp/x   # 4 steps, checkpoint at 2, killed after 3
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 
 import yaml
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
-STEPS, SAVE, KILL = 6, 3, 4
+STEPS, SAVE, KILL = 6, 3, 4  # steps, a checkpoint every SAVE steps, the kill after step KILL
+SMOKE_STEPS, SMOKE_SAVE, SMOKE_KILL = 4, 2, 3
 BATCH = 8
 SETTINGS = [
-    f"train.max_steps={STEPS}", f"train.save_steps={SAVE}", "train.logging_steps=1", "train.eval_steps=null",
+    "train.logging_steps=1", "train.eval_steps=null",
     "train.sample_prompts=0", "lora.dropout=0.0", "train.mixed_precision=bf16",
     "quant.compute_dtype=bfloat16", "quant.quant_storage=bfloat16", "optimizer.name=adamw_torch",
     "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
@@ -59,9 +60,11 @@ def main() -> None:
     import torch
     from safetensors.torch import load_file
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--processes", type=int, default=2)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--processes", type=int, default=2)
+    args = options.parse_args()
+    steps, save, kill = (SMOKE_STEPS, SMOKE_SAVE, SMOKE_KILL) if args.smoke else (STEPS, SAVE, KILL)
+    schedule = [f"train.max_steps={steps}", f"train.save_steps={save}"]
     cuda = torch.cuda.is_available()
     work = Path(tempfile.mkdtemp(prefix="fsdp-check-"))
     config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text())
@@ -79,18 +82,23 @@ def main() -> None:
     ]
     launch += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(port)]
     launch += [str(ROOT / "tests" / "e2e" / "fsdp_launch.py"), "train", "recipes/demo.yaml"]
-    fsdp = overrides("train.fsdp=true", f"train.micro_batch_size={BATCH // args.processes}")
+    fsdp = overrides(*schedule, "train.fsdp=true", f"train.micro_batch_size={BATCH // args.processes}")
     threads = {"OMP_NUM_THREADS": "1"} if not cuda else {}
 
     single = [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml"]
     results = {
         "one process": run(
-            [*single, *overrides(f"train.micro_batch_size={BATCH}"), "--output-dir", str(work / "one")]
+            [
+                *single,
+                *overrides(*schedule, f"train.micro_batch_size={BATCH}"),
+                "--output-dir",
+                str(work / "one"),
+            ]
         ),
         f"FSDP x{args.processes}": run([*launch, *fsdp, "--output-dir", str(work / "whole")], threads),
-        f"FSDP x{args.processes}, killed after step {KILL}": run(
+        f"FSDP x{args.processes}, killed after step {kill}": run(
             [*launch, *fsdp, "--output-dir", str(work / "killed")],
-            threads | {"QLORA_KIT_TEST_KILL_AFTER_STEP": str(KILL)},
+            threads | {"QLORA_KIT_TEST_KILL_AFTER_STEP": str(kill)},
         ),
         f"FSDP x{args.processes}, resumed": run(
             [*launch, *fsdp, "--output-dir", str(work / "killed"), "--resume"], threads
@@ -119,7 +127,7 @@ def main() -> None:
             )
         last_line = stderr.strip().splitlines()[-1][:80] if code and stderr.strip() else ""
         if folder is None:  # the run meant to die
-            last_line = f"killed after step {KILL}" if code else "NOT KILLED"
+            last_line = f"killed after step {kill}" if code else "NOT KILLED"
         rows.append([
             name, code, f"{seconds:.1f}", " ".join(f"{v:.4f}" for v in shown) or last_line, difference, identical,
         ])  # fmt: skip
@@ -137,6 +145,7 @@ def main() -> None:
         f"FSDP-QLoRA train, save, kill, resume ({device.upper()})",
         markdown_table(header, rows),
         notes=f"Global batch {BATCH} in every run; the killed run's exit is the SIGKILL's (non-zero by design).",
+        folder=args.out,
     )
 
 

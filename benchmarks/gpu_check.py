@@ -15,9 +15,9 @@ rows of exactly ``seq`` tokens:
    paged memory end the process): peak allocated, device memory used, step time; the paged one is
    then resumed from its checkpoint and reports how many state tensors went back to paged memory.
 
-Prints a table last and writes everything as JSON to $OUT (or ./gpu-check-out). ``--tiny`` runs the
-same code on a tiny model, on the CPU when there is no GPU: the test suite uses it so this script
-cannot rot between the sessions that have a GPU.
+Prints a table last and writes everything as JSON to --out (default: $OUT, else ./gpu-check-out).
+``--tiny`` (or ``--smoke``) runs the same code on a tiny model, on the CPU when there is no GPU: the
+test suite uses it so this script cannot rot between the sessions that have a GPU.
 
     bash benchmarks/gpu_check.sh          # on the lent machine (doctor first, then this)
     python benchmarks/gpu_check.py --tiny # anywhere
@@ -35,6 +35,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from common import parser
 
 GIB = 1024**3
 FULL_SHAPE = {
@@ -181,21 +182,21 @@ def optimizer_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs anywhere")
-    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    options = parser(__doc__, out=Path(os.environ.get("OUT", "gpu-check-out")))
+    options.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs anywhere")
+    options.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    args = options.parse_args()
     if args.child:
         folder, data, optimizer, batch, seq, steps = args.child
         optimizer_child(folder, data, optimizer, int(batch), int(seq), int(steps))
         return
-    out = Path(os.environ.get("OUT", "gpu-check-out"))
+    tiny, out = args.tiny or args.smoke, args.out
     out.mkdir(parents=True, exist_ok=True)
     report = {"versions": versions()}
     print(json.dumps(report["versions"]), flush=True)
-    folder = model_folder(args.tiny)
-    batch, seq, steps = (2, 64, 3) if args.tiny else (4, 2048, 4)
-    long_seq = 256 if args.tiny else 8192
+    folder = model_folder(tiny)
+    batch, seq, steps = (2, 64, 3) if tiny else (4, 2048, 4)
+    long_seq = 256 if tiny else 8192
     rows_folder = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
     data, long_data = text_rows(rows_folder, seq, 64), text_rows(rows_folder, long_seq, 8)
     report["policies"] = policy_rows(folder, data, batch, seq, steps)

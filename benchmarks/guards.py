@@ -8,15 +8,15 @@ the step time is the run's tokens over its tokens/s (first forward to last backw
 
     python benchmarks/guards.py                 # tiny Llama on this machine
     python benchmarks/guards.py --rounds 5 --steps 40 --grad-accum 4
+    python benchmarks/guards.py --smoke --out /tmp/x   # one round of 2 steps
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
 
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
 
 def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str) -> float:
@@ -41,12 +41,14 @@ def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str) -> f
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--grad-accum", type=int, default=2)
-    parser.add_argument("--precision", default="auto", help="train.mixed_precision of the runs")
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--rounds", type=int, default=3)
+    options.add_argument("--steps", type=int, default=30)
+    options.add_argument("--grad-accum", type=int, default=2)
+    options.add_argument("--precision", default="auto", help="train.mixed_precision of the runs")
+    args = options.parse_args()
+    if args.smoke:
+        args.rounds, args.steps = 1, 2
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.rounds):
         for guards in (True, False):
@@ -70,6 +72,7 @@ def main() -> None:
         "Training guards: step time with and without",
         table,
         notes,
+        args.out,
     )
 
 

@@ -8,11 +8,11 @@ resident memory is read from the kernel (``ru_maxrss``) and set against the file
 
     python benchmarks/large_data.py            # 1 GB
     python benchmarks/large_data.py --mb 64    # a quick look
+    python benchmarks/large_data.py --smoke --out /tmp/x   # a 1 MB file
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
 CHILD = """
 import json, resource, sys, threading, time
@@ -89,9 +89,11 @@ def write_rows(path: Path, megabytes: int) -> int:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mb", type=int, default=1024, help="size of the generated JSONL file")
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--mb", type=int, default=1024, help="size of the generated JSONL file")
+    args = options.parse_args()
+    if args.smoke:
+        args.mb = 1
     work = Path(tempfile.mkdtemp(prefix="large-data-"))
     path = work / "rows.jsonl"
     rows = write_rows(path, args.mb)
@@ -126,6 +128,7 @@ def main() -> None:
             "Peak RSS also counts pages of the memory-mapped arrow cache the kernel can drop at any time "
             "(ru_maxrss)."
         ),
+        folder=args.out,
     )
 
 

@@ -11,57 +11,78 @@ full + offload. Part 2 (the loss head, vocabulary 32,000, full checkpointing): t
 on and off.
 
     python benchmarks/memory.py [--rounds 5]
+    python benchmarks/memory.py --smoke --out /tmp/x   # one round; 2 layers, hidden 64, 2 x 64 tokens
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import markdown_table, timed_step, write_result
+from common import markdown_table, parser, timed_step, write_result
 
-SHAPE = {
-    "hidden_size": 512,
-    "intermediate_size": 1408,
-    "num_hidden_layers": 8,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 8,
-}
-BATCH, SEQ = 4, 512
 MIB = 2**20
 
 
-def build(name: str, vocab: int, memory_fields: dict, out: Path):
+@dataclass(frozen=True)
+class Size:
+    """The model, the batch (rows of ``seq`` tokens) and the vocabularies of part 1 and part 2."""
+
+    shape: dict = field(
+        default_factory=lambda: {
+            "hidden_size": 512,
+            "intermediate_size": 1408,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+        }
+    )
+    batch: int = 4
+    seq: int = 512
+    vocab: int = 8000  # part 1
+    large_vocab: int = 32000  # part 2
+
+
+SMOKE = Size(
+    {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4},
+    batch=2,
+    seq=64,
+    vocab=1000,
+    large_vocab=4000,
+)  # fmt: skip
+
+
+def build(name: str, vocab: int, memory_fields: dict, out: Path, size: Size):
     """The policy's run set up by pipeline.build, as `qlora-kit train` sets it up."""
     from qlora_kit import Recipe
     from qlora_kit.model import builtin
     from qlora_kit.training.pipeline import build as build_run
 
-    folder = builtin.ensure_tiny_model("tiny-llama", **SHAPE, vocab_size=vocab)
+    folder = builtin.ensure_tiny_model("tiny-llama", **size.shape, vocab_size=vocab)
     recipe = Recipe.from_dict(
         {
             "model": {"path": str(folder)},
             "memory": memory_fields,
-            "data": {"packing": False, "max_seq_len": SEQ},
-            "train": {"output_dir": str(out / name), "micro_batch_size": BATCH, "max_steps": 1000},
+            "data": {"packing": False, "max_seq_len": size.seq},
+            "train": {"output_dir": str(out / name), "micro_batch_size": size.batch, "max_steps": 1000},
         }
     )
     trainer = build_run(recipe).trainer
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
-    # One fixed batch of SEQ tokens per row, stepped by hand so the policies interleave.
-    ids = torch.randint(0, vocab, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
+    # One fixed batch of seq tokens per row, stepped by hand so the policies interleave.
+    ids = torch.randint(0, vocab, (size.batch, size.seq), generator=torch.Generator().manual_seed(1))
     return recipe, trainer, {"input_ids": ids, "labels": ids.clone()}
 
 
-def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
+def measure(settings: dict, vocab: int, rounds: int, out: Path, size: Size) -> dict:
     from qlora_kit.memory.planner import activation_bytes
     from qlora_kit.memory.shapes import model_shape
 
-    runs = {name: build(name, vocab, fields, out) for name, fields in settings.items()}
+    runs = {name: build(name, vocab, fields, out, size) for name, fields in settings.items()}
     times = {name: [] for name in settings}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted
         for name, (_, trainer, batch) in runs.items():
@@ -77,8 +98,8 @@ def measure(settings: dict, vocab: int, rounds: int, out: Path) -> dict:
             recipe,
             memory_fields.checkpointing,
             memory_fields.every_n,
-            BATCH,
-            SEQ,
+            size.batch,
+            size.seq,
             device="cpu",
         )
         results[name] = {
@@ -101,7 +122,7 @@ def measured_cells(r: dict, base_time: float, ratio_digits: int) -> list[str]:
     ]
 
 
-def checkpointing_table(results: dict) -> tuple[str, str]:
+def checkpointing_table(results: dict, size: Size) -> tuple[str, str]:
     from qlora_kit.memory.accounting import OUTSIDE
 
     base_time, base_saved = results["none"]["time"], results["none"]["saved"].total
@@ -111,15 +132,16 @@ def checkpointing_table(results: dict) -> tuple[str, str]:
         rows.append([name, saved, f"{r['saved'].total / base_saved:.3f}", planned, step, ratio])
     full = results["full"]["saved"]
     c = 2  # bf16
-    layers, hidden = SHAPE["num_hidden_layers"], SHAPE["hidden_size"]
-    floor = layers * BATCH * SEQ * hidden * c + full.per_layer[OUTSIDE]
+    layers, hidden = size.shape["num_hidden_layers"], size.shape["hidden_size"]
+    batch, seq = size.batch, size.seq
+    floor = layers * batch * seq * hidden * c + full.per_layer[OUTSIDE]
     table = markdown_table(
         ["policy", "saved for backward (MiB)", "vs none", "planner (MiB)", "median step (s)", "time vs none"],
         rows,
     )
     notes = (
-        f"Floor for full checkpointing = the decoder layers' inputs ({layers} x {BATCH}x{SEQ}x{hidden} bf16 = "
-        f"{layers * BATCH * SEQ * hidden * c / MIB:.1f} MiB) + what the final norm and the loss keep "
+        f"Floor for full checkpointing = the decoder layers' inputs ({layers} x {batch}x{seq}x{hidden} bf16 = "
+        f"{layers * batch * seq * hidden * c / MIB:.1f} MiB) + what the final norm and the loss keep "
         f"({full.per_layer[OUTSIDE] / MIB:.1f} MiB) = {floor / MIB:.1f} MiB; full keeps {full.total / floor:.3f}x the floor "
         f"(target <= 1.15x). Step time of full: {results['full']['time'] / base_time:.2f}x none (target <= 1.25x). "
         "Offload keeps checkpointed inputs in pinned host memory on a GPU; on the CPU they already are in host "
@@ -128,12 +150,12 @@ def checkpointing_table(results: dict) -> tuple[str, str]:
     return table, notes
 
 
-def loss_head_table(results: dict, vocab: int) -> tuple[str, str]:
+def loss_head_table(results: dict, vocab: int, size: Size) -> tuple[str, str]:
     plain, chunked = results["full, transformers loss"], results["full, chunked loss"]
     rows = [[name, *measured_cells(r, plain["time"], ratio_digits=3)] for name, r in results.items()]
-    layers, hidden, c = SHAPE["num_hidden_layers"], SHAPE["hidden_size"], 2
+    layers, hidden, c = size.shape["num_hidden_layers"], size.shape["hidden_size"], 2
     chunk = chunked["recipe"].memory.loss_chunk_tokens
-    n = BATCH * SEQ
+    n = size.batch * size.seq
     reference = layers * n * hidden * c + n * hidden * 4 + chunk * vocab * 4
     table = markdown_table(
         ["setting", "saved for backward (MiB)", "planner (MiB)", "median step (s)", "time vs unchunked"], rows
@@ -149,9 +171,10 @@ def loss_head_table(results: dict, vocab: int) -> tuple[str, str]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    options = parser(__doc__)
+    options.add_argument("--rounds", type=int, default=5)
+    args = options.parse_args()
+    size, rounds = (SMOKE, 1) if args.smoke else (Size(), args.rounds)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         part1 = measure(
@@ -165,28 +188,32 @@ def main() -> None:
                     "chunked_loss": False,
                 },
             },
-            vocab=8000,
-            rounds=args.rounds,
+            vocab=size.vocab,
+            rounds=rounds,
             out=out,
+            size=size,
         )
         part2 = measure(
             {
                 "full, transformers loss": {"checkpointing": "full", "chunked_loss": False},
                 "full, chunked loss": {"checkpointing": "full", "chunked_loss": True},
             },
-            vocab=32000,
-            rounds=args.rounds,
+            vocab=size.large_vocab,
+            rounds=rounds,
             out=out,
+            size=size,
         )
-    table1, notes1 = checkpointing_table(part1)
-    table2, notes2 = loss_head_table(part2, 32000)
-    shape = ", ".join(f"{k}={v}" for k, v in SHAPE.items())
+    table1, notes1 = checkpointing_table(part1, size)
+    table2, notes2 = loss_head_table(part2, size.large_vocab, size)
+    shape = ", ".join(f"{k}={v}" for k, v in size.shape.items())
     write_result(
         "memory-cpu",
         "Memory: checkpointing policies and the chunked loss head (CPU)",
-        f"## Checkpointing (vocabulary 8,000)\n\n{table1}\n\n{notes1}\n\n## Loss head (vocabulary 32,000)\n\n{table2}\n\n{notes2}",
-        f"Model: tiny Llama {shape}; batch {BATCH} x {SEQ} tokens, every position trained; NF4 + double quant, "
-        f"LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit; {args.rounds} interleaved rounds after a warm-up.",
+        f"## Checkpointing (vocabulary {size.vocab:,})\n\n{table1}\n\n{notes1}\n\n"
+        f"## Loss head (vocabulary {size.large_vocab:,})\n\n{table2}\n\n{notes2}",
+        f"Model: tiny Llama {shape}; batch {size.batch} x {size.seq} tokens, every position trained; NF4 + double "
+        f"quant, LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit; {rounds} interleaved rounds after a warm-up.",
+        args.out,
     )
 
 

@@ -8,6 +8,9 @@ positions, or for flash kernels the micro-batch flattened into one varlen sequen
 difference per kernel; a kernel whose examples attended to each other shows differences of order 1.
 
     python benchmarks/packing_check.py        # here: the kernels available; on the GPU check: all
+    python benchmarks/packing_check.py --smoke --out /tmp/x   # 8 examples a kernel
+
+Writes packing-check.json to --out (default: $OUT, else the current folder).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import os
 from pathlib import Path
 
 import torch
+from common import parser
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
@@ -43,7 +47,7 @@ def token_losses(peft_model, batch: dict) -> torch.Tensor:
     return losses[labels != IGNORE_INDEX].cpu()
 
 
-def check(kernel: str, compute_dtype: str) -> float:
+def check(kernel: str, compute_dtype: str, count: int) -> float:
     """The largest per-token loss difference, packed against one by one."""
     from datasets import Dataset
 
@@ -67,7 +71,7 @@ def check(kernel: str, compute_dtype: str) -> float:
                 param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
     peft_model.eval()
     tokenizer = builtin.build_tokenizer()
-    rows = examples(tokenizer)
+    rows = examples(tokenizer, count)
     dataset = Dataset.from_list([{k: r[k] for k in ("input_ids", "labels")} for r in rows])
     packed_rows = pack_dataset(dataset, capacity=64)
     collate = prepare.build_collator(tokenizer, True, kernel)
@@ -86,6 +90,8 @@ def check(kernel: str, compute_dtype: str) -> float:
 def main() -> None:
     from qlora_kit.registries import attention
 
+    args = parser(__doc__, out=Path(os.environ.get("OUT", "."))).parse_args()
+    count = 8 if args.smoke else 24
     cuda = torch.cuda.is_available()
     results = {}
     for kernel in attention.KERNELS:
@@ -94,15 +100,15 @@ def main() -> None:
             results[kernel] = {"skipped": f"needs {spec.needs}" + ("" if cuda else " and a CUDA GPU")}
         else:
             dtype = "bfloat16" if spec.half_precision else "float32"
-            difference = check(kernel, dtype)
+            difference = check(kernel, dtype, count)
             results[kernel] = {
                 "max_difference": difference,
                 "dtype": dtype,
                 "ok": difference < TOLERANCE[dtype],
             }
         print(f"packing, {kernel:18} {json.dumps(results[kernel])}", flush=True)
-    out = Path(os.environ.get("OUT", "."))
-    (out / "packing-check.json").write_text(json.dumps(results, indent=2))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "packing-check.json").write_text(json.dumps(results, indent=2))
     if not all(r.get("ok", True) for r in results.values()):
         raise SystemExit("packing let examples attend to each other on some kernel (see above)")
 

@@ -9,6 +9,7 @@ planner's prediction (``memory/tracing.py``) and the Llama-shaped formula it rep
 ``plan`` takes for the shipped real-model recipes and a 65B model, offline.
 
     python benchmarks/planner_accuracy.py
+    python benchmarks/planner_accuracy.py --smoke --out /tmp/x   # every_n=2 at 2 x 64 tokens, packing on and off
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
-BATCH, SEQ = 2, 512
+BATCH, SEQ, SMOKE_SEQ = 2, 512, 64
 POLICIES = [("none", 1), ("every_n", 2), ("full", 1)]
 MIB = 2**20
 RECIPES = [
@@ -31,7 +32,7 @@ RECIPES = [
 ]
 
 
-def recipe_for(arch: str, policy: str, every_n: int, packing: bool, out: Path):
+def recipe_for(arch: str, policy: str, every_n: int, packing: bool, out: Path, seq: int):
     from qlora_kit import Recipe
 
     return Recipe.from_dict(
@@ -39,29 +40,29 @@ def recipe_for(arch: str, policy: str, every_n: int, packing: bool, out: Path):
             "model": {"path": f"builtin:{arch}"},
             "memory": {"checkpointing": policy, "every_n": every_n, "chunked_loss": False},
             "lora": {"dropout": 0.05},
-            "data": {"packing": packing, "max_seq_len": SEQ},
+            "data": {"packing": packing, "max_seq_len": seq},
             "train": {"output_dir": str(out), "micro_batch_size": BATCH},
         }
     )
 
 
-def batch_of(packing: bool) -> dict[str, torch.Tensor]:
-    ids = torch.randint(5, 600, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+def batch_of(packing: bool, seq: int) -> dict[str, torch.Tensor]:
+    ids = torch.randint(5, 600, (BATCH, seq), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
     if packing:  # as the packing collator hands rows over: restarting positions, no attention mask
-        positions = torch.arange(SEQ).repeat(BATCH, 1)
-        positions[:, SEQ // 2 :] -= SEQ // 2
+        positions = torch.arange(seq).repeat(BATCH, 1)
+        positions[:, seq // 2 :] -= seq // 2
         batch["position_ids"] = positions
     return batch
 
 
-def measure_row(arch: str, policy: str, every_n: int, packing: bool, out: Path) -> list[str]:
+def measure_row(arch: str, policy: str, every_n: int, packing: bool, out: Path, seq: int) -> list[str]:
     from qlora_kit.memory.accounting import measure_saved_bytes
     from qlora_kit.memory.planner import activation_bytes, formula_activation_bytes
     from qlora_kit.memory.shapes import model_shape
     from qlora_kit.training.pipeline import build
 
-    recipe = recipe_for(arch, policy, every_n, packing, out)
+    recipe = recipe_for(arch, policy, every_n, packing, out, seq)
     setup = build(recipe)
     shape = model_shape(recipe)
     cells = [arch, policy if policy != "every_n" else f"every_n={every_n}", "on" if packing else "off"]
@@ -70,9 +71,9 @@ def measure_row(arch: str, policy: str, every_n: int, packing: bool, out: Path) 
             torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
         )
         with autocast:
-            saved = measure_saved_bytes(setup.model, batch_of(packing)).total
-        traced = activation_bytes(shape, recipe, policy, every_n, BATCH, SEQ, "cpu", precision=precision)
-        formula = formula_activation_bytes(shape, recipe, policy, every_n, BATCH, SEQ, "cpu").total
+            saved = measure_saved_bytes(setup.model, batch_of(packing, seq)).total
+        traced = activation_bytes(shape, recipe, policy, every_n, BATCH, seq, "cpu", precision=precision)
+        formula = formula_activation_bytes(shape, recipe, policy, every_n, BATCH, seq, "cpu").total
         assert traced.source == "traced", f"{arch}: tracing fell back to the formula"
         cells += [
             f"{saved / MIB:.2f}",
@@ -102,12 +103,14 @@ def plan_seconds() -> list[list[str]]:
 def main() -> None:
     from qlora_kit.model import builtin
 
+    args = parser(__doc__).parse_args()
+    policies, seq = ([("every_n", 2)], SMOKE_SEQ) if args.smoke else (POLICIES, SEQ)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for arch in sorted(builtin.TINY_ARCHITECTURES):
-            for policy, every_n in POLICIES:
+            for policy, every_n in policies:
                 for packing in (False, True):
-                    rows.append(measure_row(arch, policy, every_n, packing, Path(tmp) / "out"))
+                    rows.append(measure_row(arch, policy, every_n, packing, Path(tmp) / "out", seq))
                     print(" | ".join(rows[-1]), flush=True)
     headers = ["model", "policy", "packing"]
     for precision in ("no autocast", "bf16 autocast"):
@@ -120,10 +123,11 @@ def main() -> None:
         "Planner: predicted vs measured saved-for-backward bytes, per architecture (CPU)",
         f"{table}\n\nLargest traced error: {max(errors, key=abs):+.1f}% (target: every row within +-5%).\n\n"
         f"## Planning time, offline\n\n{timing}",
-        f"Batch {BATCH} x {SEQ} tokens, every position trained, transformers' loss; NF4 + double quant, LoRA r=16 "
+        f"Batch {BATCH} x {seq} tokens, every position trained, transformers' loss; NF4 + double quant, LoRA r=16 "
         "all-linear (dropout 0.05); each architecture's default attention implementation; models are the "
         "builtin tiny configs (hidden 128, 4 layers). Measured: accounting.SavedTensors on one forward of a run "
         "set up by pipeline.build.",
+        args.out,
     )
 
 

@@ -224,7 +224,9 @@ def main() -> None:
     from qlora_kit.model import builtin
 
     # --smoke: a smaller model, shorter rows, one round of 3 steps (the first is a warm-up), no warm-up pair
-    shape, batch, max_len, examples = (SMOKE_SHAPE, 2, 64, 64) if args.smoke else (SHAPE, BATCH, MAX_LEN, ROWS)
+    shape, batch, max_len, examples = (
+        (SMOKE_SHAPE, 2, 64, 64) if args.smoke else (SHAPE, BATCH, MAX_LEN, ROWS)
+    )
     rounds, steps = (1, 3) if args.smoke else (args.rounds, args.steps)
     model_dir = str(builtin.ensure_tiny_model("tiny-llama", **shape))
     folder = Path(tempfile.mkdtemp())

@@ -1,0 +1,154 @@
+"""Every benchmark script runs at ``--smoke`` size and writes its table, in the form the committed one
+has, with finite figures: a script that stops running, or starts writing NaNs, fails the suite instead
+of leaving a stale table in benchmarks/results/ for the README to quote (vs_trl.py crashed for weeks
+while its table stood). The tables go to a temporary folder (``--out``), never over the committed ones.
+gpu_check.py and packing_check.py write JSON and are run by tests/e2e/test_gpu_check.py."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHMARKS = ROOT / "benchmarks"
+
+# A figure as the scripts print it: 1,013 / 0.508 / -3 / +1.2 / 1.23e-05 (never nan or inf).
+N = r"[+-]?\d[\d,]*(?:\.\d+)?(?:e[+-]\d+)?"
+WITH_ERROR = rf"{N} \({N}%\)"  # 12.3 (+1.2%): a prediction and its error against the measurement
+SECONDS = N
+
+PLANNER_COLUMNS = [
+    (f"{kind} ({precision})" if kind.startswith("measured") else kind, pattern)
+    for precision in ("no autocast", "bf16 autocast")
+    for kind, pattern in (
+        ("measured MiB", N),
+        ("traced MiB (error)", WITH_ERROR),
+        ("formula MiB (error)", WITH_ERROR),
+    )
+]
+# script -> (its result file, then per table: each column's name and the form of its cells, and the
+# number of rows at --smoke size)
+TABLES = {
+    "attention.py": ("attention-cpu.md", [(
+        [("kernel", "sdpa|eager"), ("packing", "on|off"), ("saved for backward (MiB)", N),
+         ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("vs sdpa unpacked", rf"{N}x")], 4,
+    )]),
+    "compile.py": ("compile-cpu.md", [(
+        [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 3,
+    )]),
+    "data_throughput.py": ("data-throughput-cpu.md", [(
+        [("mode", "padding|group_by_length|packing"), ("pad share", rf"{N}%"), ("median step (s)", SECONDS),
+         ("real tokens/s", N), ("vs padding", rf"{N}x")], 3,
+    )]),
+    "fsdp_check.py": ("fsdp-cpu.md", [(
+        [("run", ".+"), ("exit", r"-?\d+"), ("wall s", SECONDS),
+         ("losses (or last line)", rf"{N}( {N})*|killed after step \d+"),
+         ("max abs diff vs one process", rf"{N}|-"), ("resume bit-identical", "yes|-")], 4,
+    )]),
+    "guards.py": ("guards-cpu.md", [(
+        [("run", "guards on|guards off|overhead"), ("median ms / optimizer step", rf"{N}%?"),
+         ("each round (ms)", rf"({N}( {N})*)?")], 3,
+    )]),
+    "large_data.py": ("large-data-cpu.md", [(
+        [("JSONL file", rf"{N} GiB"), ("rows", N), ("tokens", rf"{N} M"), ("packed rows", N),
+         ("prepare s", SECONDS), ("peak anonymous", rf"{N} MiB"), ("peak RSS (with mapped files)", rf"{N} MiB"),
+         ("arrow cache", rf"{N} GiB"), ("checks", "pass")], 1,
+    )]),
+    "memory.py": ("memory-cpu.md", [
+        ([("policy", r"none|every_2|full|full \+ offload"), ("saved for backward (MiB)", N), ("vs none", N),
+          ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs none", rf"{N}x")], 4),
+        ([("setting", "full, transformers loss|full, chunked loss"), ("saved for backward (MiB)", N),
+          ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs unchunked", rf"{N}x")], 2),
+    ]),
+    "planner_accuracy.py": ("planner-accuracy-cpu.md", [
+        ([("model", r"\w+"), ("policy", "every_n=2"), ("packing", "on|off"), *PLANNER_COLUMNS], 18),
+        ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
+    ]),
+    "vs_trl.py": ("vs-trl-cpu.md", [(
+        [("comparison", r"equal settings \(padded batches\)|defaults \(qlora_kit packs\)"),
+         ("system", "qlora_kit|TRL SFTTrainer"), ("median step (s)", SECONDS), ("trained tokens/s", N),
+         ("peak RSS (MiB)", N), ("final loss", rf"{N} \(seeds span {N}\)")], 4,
+    )]),
+}  # fmt: skip
+
+
+def fsdp_runs_did_what_they_should(rows: list[list[str]]) -> None:
+    exits = [row[1] for row in rows]
+    assert exits[0] == exits[1] == exits[3] == "0" and exits[2] != "0", rows  # the third is SIGKILLed
+    assert rows[3][5] == "yes", "the resumed FSDP adapter equals the uninterrupted one bit for bit"
+
+
+# What some tables' figures must say beyond their form, checked on the smoke run's first table.
+MEANING = {"fsdp_check.py": fsdp_runs_did_what_they_should}
+# Scripts whose smoke runs live in another test file, and the file.
+ELSEWHERE = {"gpu_check.py": "test_gpu_check.py", "packing_check.py": "test_gpu_check.py"}
+
+
+def markdown_tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
+    """Each markdown table in ``text``: its header cells and its rows' cells."""
+    tables, block = [], []
+    for line in [*text.splitlines(), ""]:
+        if line.startswith("|"):
+            block.append([cell.strip() for cell in line.strip().strip("|").split("|")])
+        elif block:
+            tables.append((block[0], block[2:]))  # block[1] is the |---| line
+            block = []
+    return tables
+
+
+def check_table(header: list[str], rows: list[list[str]], columns: list[tuple[str, str]], count: int) -> None:
+    assert header == [name for name, _ in columns], header
+    assert len(rows) == count, rows
+    for row in rows:
+        assert len(row) == len(header), row
+        for (name, pattern), cell in zip(columns, row, strict=True):
+            assert re.fullmatch(pattern, cell), f"{name}: {cell!r} is not of the form {pattern!r} (row {row})"
+
+
+def run_smoke(script: str, out: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", "--smoke", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", sorted(TABLES))
+def test_benchmark_runs_at_smoke_size_and_writes_a_table_of_finite_figures(script, tmp_path):
+    name, tables = TABLES[script]
+    committed = BENCHMARKS / "results" / name
+    before = committed.read_bytes() if committed.exists() else None
+    result = run_smoke(script, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / name).read_text()
+    assert f"python benchmarks/{script} --smoke --out {tmp_path}`" in text  # the command that made it
+    found = markdown_tables(text)
+    assert len(found) == len(tables), text
+    for (header, rows), (columns, count) in zip(found, tables, strict=True):
+        check_table(header, rows, columns, count)
+    assert not re.search(r"\b(nan|inf)\b", text, re.IGNORECASE), text  # in the notes either
+    if script in MEANING:
+        MEANING[script](found[0][1])
+    assert (committed.read_bytes() if committed.exists() else None) == before, "the committed table changed"
+
+
+def test_every_benchmark_script_is_run_by_the_suite():
+    scripts = {path.name for path in BENCHMARKS.glob("*.py")} - {"common.py"}
+    assert scripts == set(TABLES) | set(ELSEWHERE)
+    for script, test_file in ELSEWHERE.items():
+        assert f"benchmarks/{script}" in (Path(__file__).parent / test_file).read_text()
+    for script in scripts:
+        assert "--smoke" in (BENCHMARKS / script).read_text(), f"{script} takes no --smoke"
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in BENCHMARKS.glob("*.sh")))
+def test_benchmark_shell_scripts_parse(script):
+    result = subprocess.run(["bash", "-n", str(BENCHMARKS / script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
