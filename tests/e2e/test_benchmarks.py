@@ -68,7 +68,7 @@ TABLES = {
           ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs unchunked", rf"{N}x")], 2),
     ]),
     "planner_accuracy.py": ("planner-accuracy-cpu.md", [
-        ([("model", r"tiny-[\w-]+"), ("policy", "every_n=2"), ("packing", "on|off"), *PLANNER_COLUMNS], 18),
+        ([("model", r"tiny-[\w-]+"), ("policy", "none|every_n=2|full"), ("packing", "on|off"), *PLANNER_COLUMNS], 18),
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
     ]),
     "vs_trl.py": ("vs-trl-cpu.md", [(
@@ -142,15 +142,29 @@ def test_benchmark_runs_at_smoke_size_and_writes_a_table_of_finite_figures(scrip
     assert (committed.read_bytes() if committed.exists() else None) == before, "the committed table changed"
 
 
+@pytest.mark.parametrize("script", sorted(TABLES))
+def test_committed_table_has_the_form_its_script_writes_now(script):
+    """The README quotes these: each must still be what its script writes (its columns, finite figures)."""
+    name, tables = TABLES[script]
+    text = (BENCHMARKS / "results" / name).read_text()
+    forms = {tuple(column for column, _ in columns): columns for columns, _ in tables}
+    for header, rows in markdown_tables(text):
+        assert tuple(header) in forms, f"{name}: a table the script no longer writes: {header}"
+        check_table(header, rows, forms[tuple(header)], len(rows))
+    assert not NOT_FINITE.search(text), text
+
+
 def test_every_benchmark_script_is_run_by_the_suite():
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - {"common.py"}
     assert scripts == set(TABLES) | set(ELSEWHERE)
     for script, test_file in ELSEWHERE.items():
         assert f"benchmarks/{script}" in (Path(__file__).parent / test_file).read_text()
     for script in scripts:
-        assert "--smoke" in (BENCHMARKS / script).read_text(), f"{script} takes no --smoke"
+        # --smoke and --out come from common.parser
+        assert "parser(__doc__" in (BENCHMARKS / script).read_text(), f"{script} takes no --smoke"
 
 
+@pytest.mark.slow  # a subprocess (the inner loop starts none)
 @pytest.mark.parametrize("script", sorted(path.name for path in BENCHMARKS.glob("*.sh")))
 def test_benchmark_shell_scripts_parse(script):
     result = subprocess.run(["bash", "-n", str(BENCHMARKS / script)], capture_output=True, text=True)
