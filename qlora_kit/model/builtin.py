@@ -22,6 +22,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
+from qlora_kit.errors import RecipeError
 from qlora_kit.registries.formats import ALPACA_FRAMING
 
 BUILTIN = "builtin:"
@@ -95,9 +96,8 @@ def demo_data_files(name: str) -> tuple[Path, Path]:
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
     if name not in TINY_ARCHITECTURES:
-        raise ValueError(
-            f"model.path: unknown builtin model {name!r} (known: {', '.join(TINY_ARCHITECTURES)})"
-        )
+        known = [*TINY_ARCHITECTURES, "smollm2-135m-instruct"]
+        raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
     shape = {**TINY_SHAPE, **shape_overrides}
     key = _cache_key(name, shape)
     folder = cache_root() / "models" / f"{name}-{key}"

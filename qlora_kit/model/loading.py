@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import builtin, hub
+from qlora_kit.model import builtin, hub, pretrained
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -35,7 +35,10 @@ log = logging.getLogger(__name__)
 def resolve_model_path(model: ModelSection) -> str:
     """A local folder or hub id; builtin names are built (once) into the cache first."""
     if builtin.is_builtin(model.path):
-        return str(builtin.ensure_tiny_model(builtin.builtin_name(model.path)))
+        name = builtin.builtin_name(model.path)
+        if name in pretrained.PRETRAINED:
+            return str(pretrained.ensure_pretrained(name, builtin.cache_root()))
+        return str(builtin.ensure_tiny_model(name))
     local = Path(model.path).expanduser()
     return str(local) if local.exists() else model.path  # a hub id stays as it is
 
