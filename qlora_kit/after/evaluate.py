@@ -59,7 +59,7 @@ def evaluate(
     if FORMATS[prepared.val_format].pairs:
         results |= preference_metrics(lm, recipe, val)
     else:
-        loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packing))
+        loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packs))
         results |= {"loss": loss, "tokens": tokens}
     results["perplexity"] = math.exp(results["loss"]) if results["loss"] < 700 else math.inf
     if FORMATS[prepared.val_format].checkable:

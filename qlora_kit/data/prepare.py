@@ -129,7 +129,7 @@ def prepare_datasets(
     lengths = list(train["length"])
     checks = train.select_columns([*FACTS, "length"])
     train = _facts_removed(train)
-    if data.packing:
+    if data.packs:  # auto: resolved after tokenizing, by data/layout.py
         train = pack_dataset(train, data.max_seq_len)
         val = pack_dataset(val, data.max_seq_len) if val is not None else None
     reports = train_reports + val_reports
@@ -183,7 +183,7 @@ def _facts_removed(dataset: Dataset) -> Dataset:
 def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed: int) -> dict[str, float]:
     """Share of pad tokens per batch for each batching mode, on this data."""
     lengths = prepared.example_lengths
-    rows = [len(ids) for ids in prepared.train["input_ids"]] if data.packing else None
+    rows = [len(ids) for ids in prepared.train["input_ids"]] if data.packs else None
     if rows is None:
         packed = best_fit_decreasing(lengths, data.max_seq_len)
         rows = [sum(lengths[i] for i in members) for members in packed]

@@ -8,7 +8,7 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit.data import preflight, prepare
+from qlora_kit.data import layout, preflight, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ class DataView:
     percentiles: dict[str, int]
     pad_share: dict[str, float]  # batching mode -> share of pad tokens
     checks: list[preflight.Check]
+    auto_layout: str  # what data.packing: auto picks on this data
 
 
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
@@ -42,9 +43,11 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     cuts = statistics.quantiles(lengths, n=100, method="inclusive") if len(lengths) > 1 else [lengths[0]] * 99
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
     shares = prepare.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
+    # what data.packing: auto would choose (the view shows it beside the shares)
+    auto = layout.choose_layout(shares, layout.LAYOUTS[:1] if pairs else layout.LAYOUTS)
     collator = None if pairs else prepare.build_collator(tokenizer, packing=False)
     checks = preflight.run_checks(prepared, recipe.data, tokenizer, collator)
-    return DataView(examples, prepared.reports, percentiles, shares, checks)
+    return DataView(examples, prepared.reports, percentiles, shares, checks, auto)
 
 
 def _pair_runs(row: dict[str, list[int]], tokenizer) -> list[tuple[str, bool]]:

@@ -158,7 +158,7 @@ def formula_activation_bytes(
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     n = batch * seq
     flags = checkpointed(policy, every_n, shape.layers)
-    rope_rows = batch if recipe.data.packing else 1  # packed rows carry their own position ids
+    rope_rows = batch if recipe.data.packs else 1  # packed rows carry their own position ids
     per_layer, rope_counted = [], False
     for i, is_checkpointed in enumerate(flags):
         if is_checkpointed:

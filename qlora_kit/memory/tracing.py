@@ -157,11 +157,11 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     # accelerate runs the forward under this autocast on a GPU and on a CPU alike (precision.py)
     dtype = AUTOCAST.get(precision)
     autocast = torch.autocast("cpu", dtype=dtype) if dtype else contextlib.nullcontext()
-    masked_rows = recipe.data.packing and traced_as == resolved  # sdpa and eager get a dense mask
-    if recipe.data.packing and flash:
+    masked_rows = recipe.data.packs and traced_as == resolved  # sdpa and eager get a dense mask
+    if recipe.data.packs and flash:
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
-        inputs = _batch(batch, seq, recipe.data.packing)
+        inputs = _batch(batch, seq, recipe.data.packs)
         counter = SavedTensors(peft_model)
         with counter.counting(), autocast, _no_packed_mask(not masked_rows):
             peft_model(**inputs)

@@ -72,12 +72,17 @@ class DataSection(Section):
     """Chat rows' system prompts: keep them, merge them into the first user message (templates without a system role), or drop them."""
     train_on_inputs: bool = False
     """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
-    packing: bool = True
-    """Flatten each micro-batch into one sequence with restarting position ids: no padding, no cross-attention."""
+    packing: bool | Literal["auto"] = "auto"
+    """Pack examples into rows of up to max_seq_len tokens (restarting position ids: no cross-attention); auto: padding, group_by_length or packing, whichever pads least on this data (chosen and logged at the start of a run)."""
     group_by_length: bool = False
     """Batch examples of similar length (less padding without packing; the lighter alternative)."""
     preflight: PreflightSection = PreflightSection()
     """Checks that stop a run whose data trains on nothing (thresholds)."""
+
+    @property
+    def packs(self) -> bool:
+        """Packing is on for certain (``auto`` is resolved at the start of a run, data/layout.py)."""
+        return self.packing is True
 
     def source_list(self) -> list[SourceSection]:
         """The training sources: data.sources, or data.path as the one source."""
@@ -107,7 +112,7 @@ class DataSection(Section):
             raise ValueError("data.roles: only applies to format sharegpt")
         if self.system_prompt is not None and "text" in self.formats_used():
             raise ValueError("data.system_prompt: format text has no prompt to put it before")
-        if self.packing and self.group_by_length:
+        if self.packing is True and self.group_by_length:
             raise ValueError(
                 "data.group_by_length: pointless with data.packing (packed batches have no padding)"
             )

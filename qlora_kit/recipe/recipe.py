@@ -262,7 +262,7 @@ class Recipe(Section):
             raise ValueError(
                 f"quant.compute_dtype: {kernel.name} computes in bfloat16 or float16 only (got float32)"
             )
-        if self.data.packing and kernel.packing is None:
+        if self.data.packing is True and kernel.packing is None:
             raise ValueError(
                 f"data.packing: cannot tell whether {kernel.name} keeps packed examples apart (only sdpa, eager, "
                 "flex_attention and flash kernels are known to); set data.packing: false"
@@ -419,7 +419,7 @@ def check_objective(recipe: Recipe) -> None:
 
 
 def _check_dpo(recipe: Recipe) -> None:
-    if recipe.data.packing:
+    if recipe.data.packing is True:
         raise ValueError("data.packing: not with train.objective dpo (TRL pads its pairs; it packs none)")
     if recipe.data.group_by_length:
         raise ValueError("data.group_by_length: not with train.objective dpo (pairs have no single length)")

@@ -60,7 +60,7 @@ def build_trainer(
     collator = (
         None  # TRL's DataCollatorForPreference pads the pairs
         if dpo
-        else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+        else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
     )
     return trainer_class(
         model=peft_model,

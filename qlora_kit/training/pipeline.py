@@ -20,7 +20,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit.data import preflight, prepare
+from qlora_kit.data import layout, preflight, prepare
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import checkpointing, planner
 from qlora_kit.model import adapters, builtin, hub
@@ -163,11 +163,12 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
         prepared = prepare.prepare_datasets(
             recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
         )
+    recipe, prepared = _resolve_layout(recipe, prepared)
     if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
         collator = (
             None  # pairs: TRL's collator marks the answers by a mask, never by the pad id
             if dpo
-            else prepare.build_collator(tokenizer, recipe.data.packing, recipe.model.attn_implementation)
+            else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
@@ -185,6 +186,20 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
         # TRL's disable_dropout: policy and reference score the same answer alike before training
         log.info("dpo: dropout is off, lora.dropout included (TRL's default)")
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
+
+
+def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Recipe, prepare.PreparedData]:
+    """``data.packing: auto`` -> the layout with the least padding on this data (data/layout.py); the
+    rest of the run reads the resolved recipe."""
+    if recipe.train.objective == "dpo":
+        allowed = ("padding",)  # TRL pads its pairs, which have no single length to group by
+    elif attention.kernel(recipe.model.attn_implementation).packing is None:
+        allowed = layout.LAYOUTS[:2]  # a kernel not known to keep packed examples apart
+    else:
+        allowed = layout.LAYOUTS
+    train = recipe.train
+    data, prepared = layout.resolve_layout(prepared, recipe.data, train.micro_batch_size, train.seed, allowed)
+    return recipe.model_copy(update={"data": data}), prepared
 
 
 def run(

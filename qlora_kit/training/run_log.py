@@ -29,9 +29,7 @@ def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recip
     for report in prepared.reports:
         log.info("data %s", report.summary())
     shares = pad_shares(prepared, recipe.data, recipe.train.micro_batch_size, recipe.train.seed)
-    mode = (
-        "packing" if recipe.data.packing else "group_by_length" if recipe.data.group_by_length else "padding"
-    )
+    mode = "packing" if recipe.data.packs else "group_by_length" if recipe.data.group_by_length else "padding"
     log.info(
         "data: %d training examples in %d rows; pad tokens per batch: %.1f%% with %s (%.1f%% if padded)",
         len(prepared.example_lengths),

