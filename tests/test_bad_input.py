@@ -33,7 +33,8 @@ NUMERIC_LIMITS = [
     ("memory", "loss_chunk_tokens", 0),
 ]
 NONSENSE = [
-    {"quant": {"bits": 16, "double_quant": True}},
+    # not double_quant: true, the default: a run's recipe.yaml holds it, and it must load back
+    {"quant": {"bits": 16, "double_quant": False}},
     {"quant": {"bits": 16, "quant_type": "fp4"}},
     {"train": {"fsdp": True}},
     {"data": {"path": "rows.jsonl"}, "train": {"eval_steps": 10}},
@@ -41,6 +42,8 @@ NONSENSE = [
     {"data": {"format": "chat", "fields": {"output": "answer"}}},
     {"memory": {"checkpointing": "auto"}},
     {"lora": {"dora": True, "init": "olora"}},
+    {"data": {"path": "builtin:demo-facts", "sources": [{"path": "builtin:demo-facts"}]}},
+    {"preference": {"beta": 0.5}},
 ]
 # Never a valid value of any recipe field: containers where scalars belong (and ints inside, where
 # strings belong), and words no number or boolean parser accepts.

@@ -10,6 +10,7 @@ from qlora_kit.data import prepare
 from qlora_kit.data.preference import alpaca_prompt
 from qlora_kit.errors import DataError
 from qlora_kit.model import builtin
+from qlora_kit.recipe.preference import PreferenceSection
 
 from .conftest import write
 
@@ -97,8 +98,10 @@ def test_a_dpo_recipe_is_unpacked_by_default_and_saved_recipes_load_back():
     assert dpo.data.packing is False and dpo.preference.beta == 0.25
     assert Recipe.from_dict(dpo.resolved_values()) == dpo
     sft = Recipe()
-    assert "preference" not in sft.resolved_values()  # setting it on an sft recipe is an error
+    assert sft.resolved_values()["preference"] == PreferenceSection().model_dump()  # its defaults load back
     assert Recipe.from_dict(sft.resolved_values()) == sft
+    with pytest.raises(RecipeError, match=r"^preference: only applies to train.objective: dpo"):
+        sft.with_overrides({"preference.beta": 0.5})
 
 
 def test_text_pairs_tokenize_prompt_and_answers_apart_with_eos(tmp_path, tokenizer):

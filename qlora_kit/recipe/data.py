@@ -43,9 +43,12 @@ class PreflightSection(Section):
     """Chat rows checked for a template that renders a conversation's start differently (slowest check)."""
 
 
+DEMO_DATA = "builtin:demo-facts"
+
+
 class DataSection(Section):
-    path: str = "builtin:demo-facts"
-    """Training data: a .jsonl/.json/.csv/.parquet file, a folder of such files (shards), a save_to_disk folder, a hub dataset, or builtin:demo-facts."""
+    path: str | None = None
+    """Training data: a .jsonl/.json/.csv/.parquet file, a folder of such files (shards), a save_to_disk folder, a hub dataset, or builtin:demo-facts (the default when data.sources is empty too)."""
     config_name: str | None = None
     """A hub dataset's configuration (subset) name, for datasets that have several."""
     format: FormatName = "alpaca"
@@ -88,7 +91,8 @@ class DataSection(Section):
         """The training sources: data.sources, or data.path as the one source."""
         if self.sources:
             return self.sources
-        return [SourceSection(path=self.path, config_name=self.config_name, fields=self.fields)]
+        path = DEMO_DATA if self.path is None else self.path
+        return [SourceSection(path=path, config_name=self.config_name, fields=self.fields)]
 
     def format_of(self, source: SourceSection) -> str:
         return source.format or self.format
@@ -98,7 +102,9 @@ class DataSection(Section):
 
     @model_validator(mode="after")
     def _check_fields(self) -> DataSection:
-        if self.sources and "path" in self.model_fields_set:
+        # decided from values, not from which fields were set: a run's recipe.yaml holds every field, and it
+        # must load back as the same recipe (data.path stays None under a mixture)
+        if self.sources and self.path is not None:
             raise ValueError("data.sources: give either data.path or data.sources, not both")
         for number, source in enumerate(self.source_list()):
             name = f"data.sources[{number}]." if self.sources else "data."

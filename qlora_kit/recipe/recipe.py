@@ -77,8 +77,9 @@ class QuantSection(Section):
     @model_validator(mode="after")
     def _check_bits(self) -> QuantSection:
         if self.bits == 16:
+            # from values, not from which fields were set: a run's recipe.yaml writes every field, defaults too
             for name in self.FOUR_BIT_ONLY:
-                if name in self.model_fields_set:
+                if getattr(self, name) != type(self).model_fields[name].default:
                     raise ValueError(f"quant.{name}: only applies to 4-bit weights (quant.bits is 16)")
         return self
 
@@ -319,16 +320,13 @@ class Recipe(Section):
         return yaml.safe_dump(self.resolved_values(), sort_keys=False)
 
     def resolved_values(self) -> dict[str, Any]:
-        """Every field's value, as a recipe file holds them: what loads back into this same recipe (the
-        4-bit-only quant fields are left out of a quant.bits 16 recipe, the preference section out of an
-        sft one: setting them there is an error)."""
-        values = self.model_dump(mode="json")
-        if self.train.objective != "dpo":  # where setting it is an error
-            values.pop("preference")
-        if self.quant.bits == 16:
-            for name in QuantSection.FOUR_BIT_ONLY:
-                values["quant"].pop(name)
-        return values
+        """Every field's value, as a recipe file holds them: what loads back into this same recipe.
+
+        Every rule that makes fields exclusive decides from their values (data.path is None under
+        data.sources; the 4-bit-only quant fields and the preference section keep their defaults where
+        they do not apply), never from which fields a file happened to set: so this dump, defaults
+        included, loads back equal, and an override applies the same to it as to the user's file."""
+        return self.model_dump(mode="json")
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
@@ -412,7 +410,7 @@ def check_objective(recipe: Recipe) -> None:
         raise ValueError(
             f"train.objective: format {sorted(used & pair_formats)[0]} holds preference pairs; set train.objective: dpo"
         )
-    if not dpo and recipe.preference.model_fields_set:
+    if not dpo and recipe.preference != PreferenceSection():  # from values: a saved recipe holds defaults
         raise ValueError("preference: only applies to train.objective: dpo")
     if dpo:
         _check_dpo(recipe)
