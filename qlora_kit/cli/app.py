@@ -210,6 +210,10 @@ def eval_command(
 @user_errors
 def generate(
     adapter: AdapterOpt,
+    # positional like ollama run and llm ("qlora-kit generate --adapter RUN 'a question'"); --prompt too
+    prompts: Annotated[
+        list[str] | None, typer.Argument(help="Prompts to answer.", show_default=False)
+    ] = None,
     prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
     file: Annotated[
         Path | None, typer.Option("--file", help='JSONL file, one {"prompt": ...} per line.')
@@ -227,9 +231,9 @@ def generate(
     from qlora_kit.data.sources import read_prompts
     from qlora_kit.model import adapters
 
-    prompts = list(prompt or []) + (read_prompts(str(file)) if file is not None else [])
+    prompts = [*(prompts or []), *(prompt or [])] + (read_prompts(str(file)) if file is not None else [])
     if not prompts:
-        raise RecipeError("generate: give --prompt TEXT or --file prompts.jsonl")
+        raise RecipeError("generate: give a prompt (TEXT or --prompt TEXT) or --file prompts.jsonl")
     recipe, tokenizer, lm = adapters.load_trained(adapter)
     sampling = Sampling(max_new_tokens, temperature, top_p)
     for text in prompts:
@@ -330,13 +334,20 @@ def doctor(
         Path | None, typer.Argument(help="Also plan this recipe against the device's free memory.")
     ] = None,
     set_: SetOpt = None,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose", "-v", help="Show the tiny run as qlora-kit train does (its log and progress)."
+        ),
+    ] = False,
 ) -> None:
     """Prove this machine: versions, device, a short real training run on it, reload, merge; exit 1 on a failure."""
-    configure_logging(errors)
+    # the table is the answer: the tiny run's lines only with -v, through the run console as train shows them
+    configure_logging(errors, 0 if verbose else -1)
     from qlora_kit.cli.doctor import diagnose
 
     resolved = load_recipe(recipe, set_) if recipe is not None else None
-    checks = diagnose(resolved)
+    checks = diagnose(resolved, console=errors if verbose else None)
     views.show_doctor(console, checks)
     if not all(check.ok for check in checks):
         raise typer.Exit(1)

@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import torch
 from peft import PeftModel
+from rich.console import Console
 
 from qlora_kit.after.merge import merge_adapter
 from qlora_kit.errors import MergeDriftError
@@ -60,11 +61,16 @@ class Check:
     detail: str
 
 
-def diagnose(recipe: Recipe | None = None, workdir: Path | None = None) -> list[Check]:
-    """Every check, in order; a check that raises is a failed row, and the rest still run when they can."""
+def diagnose(
+    recipe: Recipe | None = None, workdir: Path | None = None, console: Console | None = None
+) -> list[Check]:
+    """Every check, in order; a check that raises is a failed row, and the rest still run when they can.
+    ``console``: where the tiny run shows its progress (the run console of ``qlora-kit train``); none
+    shows nothing of it, never the Trainer's printed log dicts and bars."""
     checks = [_versions(), _device(), _driver()]
+    console = console if console is not None else Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
-        run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder)))
+        run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder), console))
         if run is not None:
             _attempt(checks, "reload with plain peft", lambda: _reload(run))
             _attempt(checks, "merge and drift check", lambda: _merge(run, Path(folder) / "merged"))
@@ -134,14 +140,14 @@ def _driver() -> Check:
     return Check("NVIDIA driver", problem is None, problem or found.summary())
 
 
-def _train(folder: Path):
+def _train(folder: Path, console: Console):
 
     # The device's own defaults: bf16 where the GPU has it, fp16 (with its gradient scaler) before Ampere.
     compute = "bfloat16" if Device.here().bf16 else "float16"
     settings = {**TINY_RUN, "quant.compute_dtype": compute, "train.output_dir": str(folder / "run")}
     recipe = Recipe.from_dict({}, settings)
     started = time.perf_counter()
-    result = run(recipe)
+    result = run(recipe, console=console)
     seconds = time.perf_counter() - started
     losses = result.train_losses
     falling = len(losses) >= 2 and losses[-1] < losses[0]

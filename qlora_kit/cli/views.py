@@ -257,6 +257,10 @@ def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) ->
     show_record(console, record)
     if not plot:
         return None
+    if not record.rows_with("loss") and not record.rows_with("eval_loss"):
+        # a run that has logged no step yet: an empty plot would only show matplotlib's default axes
+        console.print("loss.png not written: the run has logged no loss yet (nothing to plot)", markup=False)
+        return None
     try:
         written = plot_run(record)
     except ImportError:

@@ -52,6 +52,17 @@ def test_doctor_passes_on_this_machine_and_fails_a_recipe_that_cannot_fit():
     assert result.returncode == 1
     assert "1 failed: plan builtin:tiny-llama" in result.stdout
     assert "Traceback" not in result.stderr
+    # piped (CI, a log file): the table alone, none of the tiny run's Trainer dicts or tqdm bars (issue 35)
+    assert "{'loss'" not in result.stdout + result.stderr and "step 12/12" not in result.stderr
+    assert "it/s]" not in result.stderr and "s/it]" not in result.stderr
+
+
+def test_doctor_verbose_shows_the_tiny_run_through_the_run_console():
+    result = doctor("-v")
+    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
+    assert "step 12/12" in result.stderr  # the run console's plain line per logging step
+    assert "{'loss'" not in result.stdout + result.stderr
+    assert "all checks passed" in result.stdout
 
 
 def test_doctor_with_a_broken_recipe_is_one_line_and_exit_2(tmp_path):
