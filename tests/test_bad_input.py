@@ -176,6 +176,12 @@ def test_unknown_flags_are_one_line_and_exit_2(command, flag, monkeypatch, capsy
         (["generate", "--adapter", "x", "--max-new-tokens", "many"], "Invalid value for '--max-new-tokens'"),
         (["merge", "--adapter", "x"], "Missing option '--out'"),
         (["generate", "--adapter", "nowhere", "--prompt", "hi"], "--adapter: nowhere does not exist"),
+        # a prompt may be positional (ollama run, llm): parsed, so the adapter is what is wrong here
+        (
+            ["generate", "--adapter", "nowhere", "What sound does a cow make?"],
+            "--adapter: nowhere does not exist",
+        ),
+        (["generate", "--adapter", "nowhere"], "generate: give a prompt (TEXT or --prompt TEXT)"),
         (
             ["merge", "--adapter", "outputs", "--out", "m", "--base", "int3"],
             "--base: must be dequantized or original",

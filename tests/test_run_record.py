@@ -96,3 +96,12 @@ def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_p
     assert "loss, first -> last" in result.stdout
     assert "pip install 'qlora-kit[plot]'" in result.stdout
     assert not (trained_run.output_dir / "loss.png").exists()
+
+
+def test_show_on_a_run_that_has_logged_no_step_says_there_is_nothing_to_plot(tmp_path):
+    (tmp_path / "manifest.json").write_text(json.dumps({"recipe": {}}))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 0, "lr": 0.0}) + "\n")  # no loss yet
+    console = Console(record=True, width=200)
+    assert show(tmp_path, console, plot=True) is None
+    assert not (tmp_path / "loss.png").exists()
+    assert "loss.png not written: the run has logged no loss yet (nothing to plot)" in console.export_text()

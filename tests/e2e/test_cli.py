@@ -151,9 +151,12 @@ def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What sound does a dog make?"}\n')
-    generated = qlora_kit("generate", "--adapter", str(out), "--file", str(prompts))
+    generated = qlora_kit(
+        "generate", "--adapter", str(out), "What sound does a cow make?", "--file", str(prompts)
+    )
     assert generated.returncode == 0, generated.stderr
-    assert generated.stdout.splitlines()[-1].strip() == "woof"
+    lines = [line.strip() for line in generated.stdout.splitlines()]
+    assert lines[-4:] == ["> What sound does a cow make?", "moo", "> What sound does a dog make?", "woof"]
 
     chat = subprocess.run(
         [sys.executable, "-m", "qlora_kit", "chat", "--adapter", str(out)],

@@ -201,3 +201,57 @@ def test_resume_reads_torch_files_only_with_weights_only(recipe, tmp_path, monke
     train(config, resume=True)
     assert calls and all(flag is True for flag in calls)
     assert not list(out.rglob("*.bin")) or all(p.name == "training_args.bin" for p in out.rglob("*.bin"))
+
+
+MIXTURE_STEPS = 6
+MIXTURE = f"""
+lora:
+  dropout: 0.1
+data:
+  max_seq_len: 64
+  packing: false
+  sources:
+    - path: builtin:demo-facts
+      weight: 3
+    - path: extra.jsonl
+      weight: 1
+optimizer:
+  lr: 1.0e-3
+train:
+  max_steps: {MIXTURE_STEPS}
+  save_steps: 3
+  logging_steps: 1
+  micro_batch_size: 4
+"""
+
+
+def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_adapter(tmp_path):
+    """Issue 35: a recipe naming its data through data.sources only. `train mix.yaml --output-dir` used
+    to be refused, and the run's recipe.yaml (data.path written beside the sources) could not --resume."""
+    from qlora_kit.model import builtin
+
+    train_file, _ = builtin.demo_data_files("demo-facts")
+    rows = Path(train_file).read_text(encoding="utf-8").splitlines()[:24]
+    (tmp_path / "extra.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(MIXTURE)
+
+    reference_dir = tmp_path / "reference"
+    uninterrupted = cli("train", str(mix), "--output-dir", str(reference_dir))
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
+
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(mix), str(out), "step:4"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert assert_only_complete_checkpoints(out) == [3]
+    resumed = cli("train", str(out / "recipe.yaml"), "--resume")  # the run's own recipe, nothing else
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert_same_adapter(out, load_file(reference_dir / "adapter_model.safetensors"))
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [s for s in steps if s] == list(range(1, MIXTURE_STEPS + 1))
