@@ -159,8 +159,22 @@ def user_recipes(draw) -> tuple[dict, Recipe]:
         if section:
             values[name] = section
     values.setdefault("train", {})["objective"] = objective
+    data = values.setdefault("data", {})
     if objective == "dpo":
-        values.setdefault("data", {}).setdefault("format", formats[0])
+        data.setdefault("format", formats[0])
+    # the shapes this issue is about, often enough: every builtin model, mixtures, 16-bit bases, the auto
+    # checkpointing policy
+    if draw(st.booleans()):
+        values.setdefault("model", {})["path"] = draw(SPECIAL["model.path"])
+    if draw(st.booleans()):
+        data.pop("path", None)
+        data["sources"] = draw(
+            st.lists(section_values(SourceSection, "source", formats), min_size=1, max_size=3)
+        )
+    if draw(st.booleans()):
+        values.setdefault("quant", {})["bits"] = 16
+    if draw(st.booleans()):
+        values["memory"] = values.get("memory", {}) | {"checkpointing": "auto", "budget_gb": 24}
     for _ in range(12):
         try:
             return values, Recipe.from_dict(values)
