@@ -223,7 +223,7 @@ def loaded(path: Path, sets: list[str], output_dir: str | Path | None) -> Recipe
 
 # No shrinking: a failing case is printed as found (shrinking a whole recipe takes minutes).
 FAST = settings(
-    max_examples=60,
+    max_examples=50,
     deadline=None,
     derandomize=True,
     suppress_health_check=[HealthCheck.filter_too_much],
