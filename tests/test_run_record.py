@@ -22,7 +22,7 @@ def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():
         ("lora.rank", 16, 8),
         ("train.max_steps", None, 5),
     ]
-    # a 16-bit recipe is compared with the 16-bit defaults (no 4-bit-only fields to differ)
+    # a 16-bit recipe's 4-bit-only fields keep their defaults: they are no change
     assert recipe_changes(Recipe.from_dict({"quant": {"bits": 16}}).resolved_values()) == [
         ("quant.bits", 4, 16)
     ]

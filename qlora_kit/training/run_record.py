@@ -65,7 +65,7 @@ def read_run(folder: str | Path) -> RunRecord:
 
 def recipe_changes(recipe: dict[str, Any]) -> list[tuple[str, Any, Any]]:
     """(field, default, value) for every field the run's recipe sets to something else than the default."""
-    # a 16-bit recipe has no 4-bit-only fields: only the fields the run's recipe holds are compared
+    # only the fields the run's recipe holds are compared (an older run's recipe.yaml may lack newer ones)
     default_values = _flatten(Recipe().resolved_values())
     return [
         (name, default_values.get(name), value)
