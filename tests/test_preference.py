@@ -95,7 +95,8 @@ def test_a_dpo_recipe_is_unpacked_by_default_and_saved_recipes_load_back():
     dpo = Recipe.from_dict(
         {"train": {"objective": "dpo"}, "data": {"format": "preference"}, "preference": {"beta": 0.25}}
     )
-    assert dpo.data.packing is False and dpo.preference.beta == 0.25
+    # auto never packs pairs (the run resolves it to padding: training/pipeline._resolve_layout)
+    assert dpo.data.packing == "auto" and not dpo.data.packs and dpo.preference.beta == 0.25
     assert Recipe.from_dict(dpo.resolved_values()) == dpo
     sft = Recipe()
     assert sft.resolved_values()["preference"] == PreferenceSection().model_dump()  # its defaults load back

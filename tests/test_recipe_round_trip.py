@@ -52,6 +52,7 @@ SPECIAL = {
     "data.path": st.none() | DATA_PATHS,
     "data.config_name": st.none() | st.just("default"),
     "data.val_path": st.none() | st.just("/data/val.jsonl"),
+    "data.packing": st.sampled_from([True, False, "auto"]),
     "data.fields": st.dictionaries(st.sampled_from(FIELD_NAMES), WORDS, max_size=2),
     "data.roles": st.dictionaries(
         st.sampled_from(["bot", "human2", "narrator"]), st.sampled_from(["assistant", "user"]), max_size=2
@@ -185,15 +186,13 @@ def user_recipes(draw) -> tuple[dict, Recipe]:
 
 
 def overrides() -> st.SearchStrategy:
-    """--set lines over any field, and the switches between exclusive fields in particular. Not
-    train.objective: a dpo file that leaves data.packing unset gets false (preference.unpacked_for_pairs),
-    so --set train.objective=dpo on an sft run's recipe.yaml (packing: true, written) is refused where the
-    user's file without data.packing is not: a default that follows another field, the one case left."""
+    """--set lines over any field (train.objective included: no default follows another field, since
+    data.packing: auto resolves at run time), and the switches between exclusive fields in particular."""
     anywhere = []
     for section, field in Recipe.model_fields.items():
         for name, inner in field.annotation.model_fields.items():
             key = f"{section}.{name}"
-            if key in ("train.objective", "data.sources", "data.preflight"):
+            if key in ("data.sources", "data.preflight"):
                 continue
             strategy = value_strategy(key, inner.annotation, inner.metadata, [*ROW_FORMATS, *PAIR_FORMATS])
             anywhere.append(strategy.map(lambda value, key=key: f"{key}={json.dumps(value)}"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field, model_validator
 
@@ -49,15 +49,3 @@ class PreferenceSection(Section):
         if self.loss_type == "exo_pair" and not self.label_smoothing:
             raise ValueError("preference.label_smoothing: exo_pair needs it above 0 (e.g. 1e-3)")
         return self
-
-
-def unpacked_for_pairs(values: Any) -> Any:
-    """A dpo recipe that leaves data.packing unset gets false: TRL pads its pairs (it packs no pairs)."""
-    if not isinstance(values, dict):
-        return values
-    train, data = values.get("train"), values.get("data")
-    if isinstance(train, dict) and train.get("objective") == "dpo":
-        data = dict(data) if isinstance(data, dict) else {}
-        data.setdefault("packing", False)
-        return {**values, "data": data}
-    return values

@@ -22,7 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.base import Section, describe_validation_error, looks_local, one_line
 from qlora_kit.recipe.data import DataSection
-from qlora_kit.recipe.preference import PreferenceSection, unpacked_for_pairs
+from qlora_kit.recipe.preference import PreferenceSection
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
@@ -198,11 +198,6 @@ class Recipe(Section):
     train: TrainSection = TrainSection()
     preference: PreferenceSection = PreferenceSection()
 
-    @model_validator(mode="before")
-    @classmethod
-    def _pairs_are_not_packed(cls, values: Any) -> Any:
-        return unpacked_for_pairs(values)
-
     @model_validator(mode="after")
     def _check_combinations(self) -> Recipe:
         if self.train.eval_steps is not None and not self.has_validation_data:
@@ -305,7 +300,11 @@ class Recipe(Section):
     def input_paths(self) -> list[tuple[str, str]]:
         """Every path the recipe reads, as (field, value): the one list that the path checks, the output
         folder's refusal, the manifest's data hashes and the hub's checks all read."""
-        return [(field, block[key]) for field, block, key in path_fields(self.model_dump())]
+        return self._model_paths() + data_paths(self.data)
+
+    def _model_paths(self) -> list[tuple[str, str]]:
+        values = {"model": self.model.model_dump()}
+        return [(field, block[key]) for field, block, key in path_fields(values)]
 
     def check_paths(self) -> None:
         """Local files and folders the recipe names must exist (hub ids and builtin: names are not checked)."""
@@ -378,8 +377,12 @@ def path_fields(values: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]
 
 
 def data_paths(data: DataSection) -> list[tuple[str, str]]:
-    """The data section's part of ``Recipe.input_paths``: the training sources and data.val_path."""
-    return [(field, block[key]) for field, block, key in path_fields({"data": data.model_dump()})]
+    """The data section's part of ``Recipe.input_paths``: the training sources and data.val_path (with
+    neither data.path nor data.sources, the demo data the run reads)."""
+    found = [(field, block[key]) for field, block, key in path_fields({"data": data.model_dump()})]
+    if data.path is None and not data.sources:
+        found.insert(0, ("data.path", data.source_list()[0].path))
+    return found
 
 
 def is_local_path(field: str, value: str) -> bool:
