@@ -25,7 +25,7 @@ def data_of(tmp_path, rows, **fields):
 
 def results(data, tokenizer, collator=None) -> dict[str, bool]:
     prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
-    collator = collator or prepare.build_collator(tokenizer, data.packing)
+    collator = collator or prepare.build_collator(tokenizer, data.packs)
     return {check.name: check.passed for check in run_checks(prepared, data, tokenizer, collator)}
 
 
@@ -95,22 +95,58 @@ def test_a_collator_that_masks_pad_hides_the_eos_when_pad_is_eos(tokenizer, tmp_
     ]
 
 
-def test_a_template_that_moves_the_system_prompt_fails_the_prefix_check_until_it_is_merged(
-    tokenizer, tmp_path
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi?"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "Bye?"},
+    {"role": "assistant", "content": "bye"},
+]
+# A user turn in capitals once later turns follow: a template that renders a turn differently inside the
+# whole conversation than as the last one of a prompt, for a reason other than where the system prompt goes.
+REWRITES_EARLIER_TURNS = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'user' and not loop.last %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def checks_by_name(data, tokenizer) -> dict:
+    prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
+    collator = prepare.build_collator(tokenizer, data.packs)
+    return {check.name: check for check in run_checks(prepared, data, tokenizer, collator)}
+
+
+def test_a_template_that_only_moves_the_system_prompt_passes_with_a_warning_naming_the_turns(
+    tokenizer, tmp_path, caplog
 ):
+    """Mistral v0.3 puts the system prompt into the last user turn only: the family's own rendering, which
+    its users train and serve with, so the default is a warning that says which turns it affects."""
     mistral = with_template(tokenizer, "mistral-v0.3")
-    chat = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "Hi?"},
-        {"role": "assistant", "content": "hello"},
-        {"role": "user", "content": "Bye?"},
-        {"role": "assistant", "content": "bye"},
-    ]
-    data = data_of(tmp_path, [{"messages": chat}] * 2, format="chat")
-    assert results(data, mistral)["chat template prefix"] is False
+    data = data_of(tmp_path, [{"messages": CHAT}] * 2, format="chat")
+    check = checks_by_name(data, mistral)["chat template prefix"]
+    assert check.passed and check.warning
+    assert (
+        "last user turn only" in check.detail and "earlier assistant turns train without it" in check.detail
+    )
+    assert "merge_into_first_user" in check.detail
+    with caplog.at_level("WARNING"):
+        enforce([check])  # does not stop the run, says it once
+    assert any("last user turn only" in r.getMessage() for r in caplog.records)
     merged = data.model_copy(update={"system_prompt_mode": "merge_into_first_user"})
-    assert results(merged, mistral)["chat template prefix"]
-    assert results(data, with_template(tokenizer, "qwen2.5"))["chat template prefix"]
+    assert not checks_by_name(merged, mistral)["chat template prefix"].warning
+    plain = checks_by_name(data, with_template(tokenizer, "qwen2.5"))["chat template prefix"]
+    assert plain.passed and not plain.warning
+
+
+def test_a_template_that_rewrites_earlier_turns_fails_the_prefix_check(tokenizer, tmp_path):
+    rewriting = copy.deepcopy(tokenizer)
+    rewriting.chat_template = REWRITES_EARLIER_TURNS
+    data = data_of(tmp_path, [{"messages": CHAT}] * 2, format="chat")
+    check = checks_by_name(data, rewriting)["chat template prefix"]
+    assert check.passed is False and "2 of 2 chat rows" in check.detail
+    with pytest.raises(DataError, match="chat template prefix"):
+        enforce([check])
 
 
 def test_a_failed_check_is_one_line_naming_it_and_its_fix(tokenizer, tmp_path):

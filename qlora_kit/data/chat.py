@@ -125,6 +125,25 @@ def prefix_consistent(
     return True
 
 
+# How a conversation's turn prompts render against the whole conversation (prepare.FACTS' prefix_ok)
+PROMPTS_SAME, PROMPTS_DIFFER, SYSTEM_PLACED = 1, 0, 2
+
+
+def prompt_rendering(
+    messages: list[Any], tokenizer, system_prompt_mode: str = "keep", tools: list | str | None = None
+) -> int:
+    """PROMPTS_SAME when every turn's prompt starts the whole rendering (prefix_consistent);
+    SYSTEM_PLACED when they differ only by where the template puts the system prompt (Mistral v0.3's
+    puts it into the last user turn alone, so earlier turns are trained without it and asked with it:
+    the family's own rendering); PROMPTS_DIFFER otherwise."""
+    if prefix_consistent(messages, tokenizer, system_prompt_mode, tools):
+        return PROMPTS_SAME
+    without = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    if len(without) < len(messages) and prefix_consistent(without, tokenizer, system_prompt_mode, tools):
+        return SYSTEM_PLACED
+    return PROMPTS_DIFFER
+
+
 def sharegpt_messages(conversations: list[Any], roles: dict[str, str]) -> list[dict[str, Any]]:
     """ShareGPT turns (``{from, value}``) as chat messages; ``roles`` (data.roles) adds speaker names."""
     names = SHAREGPT_ROLES | roles

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from qlora_kit.data.chat import (
     apply_system_prompt_mode,
     apply_template,
-    prefix_consistent,
+    prompt_rendering,
     render_chat,
     sharegpt_messages,
     with_system_prompt,
@@ -81,12 +81,12 @@ def _messages(row: dict[str, Any], data: DataSection) -> list[Any]:
     return with_system_prompt(row["messages"], data.system_prompt)
 
 
-def prompts_render_as_trained(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> bool | None:
+def prompts_render_as_trained(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> int | None:
     """Whether each assistant turn's prompt, rendered as inference renders it, starts the rendering
-    training sees (chat.prefix_consistent); None for formats without a chat template."""
+    training sees (chat.prompt_rendering's codes); None for formats without a chat template."""
     if not FORMATS[fmt].chat_template:
         return None
-    return prefix_consistent(_messages(row, data), tokenizer, data.system_prompt_mode, row.get("tools"))
+    return prompt_rendering(_messages(row, data), tokenizer, data.system_prompt_mode, row.get("tools"))
 
 
 def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:

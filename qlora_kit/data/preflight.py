@@ -11,7 +11,8 @@ shows every result. Thresholds are ``data.preflight``'s. The silent failures pee
   masks the trained EOS too; a batch of real examples is collated and its trained end tokens counted;
 - the chat template's prefix: for a sample of chat rows, the prompt rendered for each assistant turn
   (the conversation so far with the generation prompt, what inference feeds the model) must be the
-  start of the whole conversation's rendering, which is what training feeds it.
+  start of the whole conversation's rendering, which is what training feeds it (a template that only
+  moves the system prompt, as Mistral's does, passes with a warning: the family's own rendering).
 
 Every check reads per-example facts written while tokenizing (``prepare.FACTS``), so it costs one pass
 over small columns, never over the tokens of data that may be bigger than memory.
@@ -19,15 +20,19 @@ over small columns, never over the tokens of data that may be bigger than memory
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from qlora_kit.data.chat import PROMPTS_DIFFER, SYSTEM_PLACED
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.errors import DataError
 
 if TYPE_CHECKING:
     from qlora_kit.data.prepare import PreparedData
     from qlora_kit.recipe.data import DataSection
+
+log = logging.getLogger(__name__)
 
 COLLATED_EXAMPLES = 8  # examples collated for the padding check
 
@@ -38,6 +43,7 @@ class Check:
     passed: bool
     detail: str  # what was measured
     fix: str = ""  # what to do about a failure
+    warning: bool = False  # passed, but with something the user should know (logged at the run's start)
 
     def line(self) -> str:
         return f"data preflight: {self.name}: {self.detail}" + (f"; {self.fix}" if self.fix else "")
@@ -87,20 +93,38 @@ def run_checks(prepared: PreparedData, data: DataSection, tokenizer, collator) -
         )
     )
     checks.append(_padding_check(prepared, tokenizer, collator, ends))
-    checked = [ok for ok in facts["prefix_ok"] if ok >= 0]
-    mismatched = checked.count(0)
-    checks.append(
-        Check(
-            "chat template prefix",
-            mismatched == 0,
-            f"{mismatched} of {len(checked)} chat rows checked render a turn's prompt differently from the "
-            "same turn inside the whole conversation"
-            if checked
-            else "no chat rows",
+    checks.append(_prefix_check([ok for ok in facts["prefix_ok"] if ok >= 0]))
+    return checks
+
+
+def _prefix_check(checked: list[int]) -> Check:
+    """A turn's prompt must render as the same turn inside the whole conversation. Where the only
+    difference is the system prompt's place (Mistral v0.3's template: in the last user turn only), it is
+    the family's own rendering, which its users train and serve with: a warning saying which turns it
+    affects, not a refusal."""
+    name = "chat template prefix"
+    if not checked:
+        return Check(name, True, "no chat rows")
+    differ, placed = checked.count(PROMPTS_DIFFER), checked.count(SYSTEM_PLACED)
+    if differ:
+        return Check(
+            name,
+            False,
+            f"{differ} of {len(checked)} chat rows checked render a turn's prompt differently from the "
+            "same turn inside the whole conversation",
             "inference would see a context training never showed: fix the chat template (or data.system_prompt_mode)",
         )
-    )
-    return checks
+    if placed:
+        return Check(
+            name,
+            True,
+            f"{placed} of {len(checked)} chat rows checked have a system prompt the template puts into the "
+            "last user turn only (as Mistral's does): their earlier assistant turns train without it, and a "
+            "multi-turn chat asks them with it. That is the family's own rendering; data.system_prompt_mode: "
+            "merge_into_first_user keeps it in every turn, drop leaves it out of training and asking alike",
+            warning=True,
+        )
+    return Check(name, True, f"{len(checked)} chat rows checked render each turn's prompt as trained")
 
 
 def _padding_check(prepared: PreparedData, tokenizer, collator, ends: set[int]) -> Check:
@@ -125,6 +149,9 @@ def _padding_check(prepared: PreparedData, tokenizer, collator, ends: set[int]) 
 
 def enforce(checks: list[Check]) -> None:
     """Stop with the first failed check's line (a DataError: one line, exit code 2)."""
+    for check in checks:
+        if check.passed and check.warning:
+            log.warning("data preflight: %s: %s", check.name, check.detail)
     failed = next((c for c in checks if not c.passed), None)
     if failed is not None:
         raise DataError(failed.line())
