@@ -28,7 +28,8 @@ from qlora_kit.training.pipeline import check_runnable
             "quant.compute_dtype: flash_attention_2 computes in bfloat16 or float16 only",
         ),
         (
-            {"model": {"attn_implementation": "someone/paged-attention"}},
+            # packing asked for explicitly (auto, the default, never packs with such a kernel)
+            {"model": {"attn_implementation": "someone/paged-attention"}, "data": {"packing": True}},
             "data.packing: cannot tell whether someone/paged-attention keeps packed examples apart",
         ),
     ],

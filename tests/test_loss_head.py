@@ -67,7 +67,7 @@ def test_packed_rows_and_accumulation_normalise_per_trained_token():
     peft_model = fp32_model()
     tokenizer = model.load_tokenizer(Recipe().model)
     prepared = prepare.prepare_datasets(
-        Recipe.from_dict({"data": {"max_seq_len": 64}}).data, tokenizer, seed=0
+        Recipe.from_dict({"data": {"max_seq_len": 64, "packing": True}}).data, tokenizer, seed=0
     )
     collate = prepare.build_collator(tokenizer, packing=True)
     first, second = (
