@@ -43,12 +43,19 @@ PRECISIONS = ["no", "bf16"]
 
 @pytest.fixture(scope="session", params=PRECISIONS)
 def trained_run(request, tmp_path_factory):
-    """One short real training run (30 steps on the tiny Llama) per precision, shared by read-only tests."""
+    """One short real training run (30 steps on the tiny Llama) per precision, shared by read-only tests
+    (a test that writes into a run copies it into its own tmp_path first). ``autocast``: what the training
+    forward ran under (probes.AutocastProbe), so the precision is proven where it acts."""
     from qlora_kit import train
+
+    from .probes import AutocastProbe
 
     out = tmp_path_factory.mktemp(f"run-{request.param}") / "out"
     settings = {"train.max_steps": 30, "train.logging_steps": 5, "train.mixed_precision": request.param}
-    return train(quick_recipe(out, **settings))
+    probe = AutocastProbe()
+    result = train(quick_recipe(out, **settings), callbacks=[probe])
+    result.autocast = probe.seen
+    return result
 
 
 @pytest.fixture(scope="session")

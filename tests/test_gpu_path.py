@@ -101,6 +101,9 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
     )
     assert resolve_mixed_precision(recipe) == "fp16"
     trainer = build(recipe, tmp_path).trainer
+    # the seam: the Trainer and accelerate hold fp16, not just the resolver's answer
+    assert trainer.args.fp16 is True and trainer.args.bf16 is False
+    assert trainer.accelerator.mixed_precision == "fp16"
     # A real GradScaler started far too high: its first steps overflow, as fp16 runs do early on.
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
     trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True

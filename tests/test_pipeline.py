@@ -12,6 +12,7 @@ from qlora_kit.errors import OutputDirError
 from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
+from .probes import EXPECTED_AUTOCAST
 
 pytestmark = pytest.mark.slow  # trains: the full suite runs it, the inner loop skips it
 
@@ -34,6 +35,13 @@ def test_run_writes_adapter_tokenizer_recipe_metrics_and_tensorboard(trained_run
     assert [row["step"] for row in rows] == [5, 10, 15, 20, 25, 30]
     assert all({"loss", "lr"} <= row.keys() for row in rows)
     assert rows == trained_run.metrics
+
+
+def test_the_run_trained_under_its_mixed_precision(trained_run):
+    """Both of the fixture's precisions are what every test using it claims to cover: bf16 must be
+    accelerate's autocast around the training forward, no must be none."""
+    precision = Recipe.from_yaml(trained_run.output_dir / "recipe.yaml").train.mixed_precision
+    assert trained_run.autocast == EXPECTED_AUTOCAST[precision], trained_run.autocast
 
 
 def test_short_run_lowers_the_loss(trained_run):

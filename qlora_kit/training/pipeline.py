@@ -275,6 +275,8 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     if ranks.is_main:
         run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
         run_log.log_optimizer_state(setup.model, setup.recipe)
+        # read back from accelerate, not the recipe: the autocast the forward will actually run under
+        log.info("mixed precision: %s", setup.trainer.accelerator.mixed_precision)
 
 
 def _sample_examples(setup: Setup, ranks: Ranks) -> list[prepare.PromptExample]:

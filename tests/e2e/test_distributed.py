@@ -61,6 +61,9 @@ def one_and_two_processes(
         cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert parallel.returncode == 0, parallel.stderr[-3000:]
+    # both runs trained under the same autocast, as accelerate holds it (pipeline.run logs it)
+    precision = [line for line in single.stderr.splitlines() if "mixed precision: " in line]
+    assert len(precision) == 1 and precision[0].split("mixed precision: ")[1] in parallel.stderr, precision
     return one, two, parallel.stderr
 
 
@@ -83,8 +86,10 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     assert stderr.count("run manifest:") == 1, "logs come from the main process only"
     adapter = load_file(two / "adapter_model.safetensors")
     assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name), "the adapter trained"
-    answers = generate(str(two), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
-    assert len(answers) == 1 and isinstance(answers[0], str)
+    question = ["What sound does a cow make?"]
+    answers = generate(str(two), question, Sampling(max_new_tokens=4))
+    assert len(answers) == 1 and answers[0].strip(), answers
+    assert answers == generate(str(one), question, Sampling(max_new_tokens=4)), "greedy: the same adapter"
 
 
 def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
@@ -94,7 +99,8 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
         "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
         "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
     ]  # fmt: skip
-    one, two, _ = one_and_two_processes(tmp_path, *bf16)
+    one, two, stderr = one_and_two_processes(tmp_path, *bf16)
+    assert "mixed precision: bf16" in stderr
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 6
     for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
@@ -119,3 +125,4 @@ def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path):
         ".ref." in name or ("lora_B" in name and not t.abs().sum()) for name, t in adapter.items()
     )
     assert stderr.count("the reference policy is") == 1
+    assert "mixed precision: bf16" in stderr

@@ -20,6 +20,7 @@ from qlora_kit.data import prepare
 from qlora_kit.model import loading as model
 from qlora_kit.training.pipeline import build, check_runnable
 
+from ..probes import EXPECTED_AUTOCAST, AutocastProbe
 from ..test_after_training import interrupted_then_resumed
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
@@ -79,6 +80,9 @@ def test_reference_is_the_starting_adapter_on_the_one_4bit_base(trained_run, tmp
     )
     setup = build(recipe)
     peft_model, trainer = setup.model, setup.trainer
+    assert trainer.args.bf16 is (precision == "bf16") and trainer.accelerator.mixed_precision == precision
+    probe = AutocastProbe()
+    trainer.add_callback(probe)
     # the policy starts as the SFT adapter, in fp32, bit for bit; the reference is a copy of it
     start = load_file(sft / "adapter_model.safetensors")
     state = {name: p for name, p in peft_model.named_parameters() if ".default." in name}
@@ -101,6 +105,7 @@ def test_reference_is_the_starting_adapter_on_the_one_4bit_base(trained_run, tmp
     )
 
     trainer.train()
+    assert probe.seen == EXPECTED_AUTOCAST[precision], probe.seen  # DPO under the Trainer's autocast
     trainer.accelerator.unwrap_model(
         peft_model, keep_fp32_wrapper=False
     )  # bf16: autocast off again, as run() does

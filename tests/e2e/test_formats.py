@@ -11,6 +11,7 @@ from transformers import AutoTokenizer
 from qlora_kit import Recipe, train
 from qlora_kit.model.builtin import ensure_tiny_model
 from tests.chat_templates import TOOLS_CHATML
+from tests.probes import EXPECTED_AUTOCAST, AutocastProbe
 from tests.test_chat import TOOL, TOOL_CHAT
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
@@ -33,7 +34,10 @@ def run(tmp_path, model_path, rows, fmt):
             },
         }
     )
-    return train(recipe)
+    probe = AutocastProbe()
+    result = train(recipe, callbacks=[probe])
+    assert probe.seen == EXPECTED_AUTOCAST["bf16"], probe.seen  # the GPU's path, as the docstring says
+    return result
 
 
 def test_sharegpt_and_tool_call_chats_train_on_the_tiny_model(tmp_path):
