@@ -3,11 +3,14 @@
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from qlora_kit import Recipe
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -178,14 +181,27 @@ def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path):
 
 
 def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path):
-    out = tmp_path / "run"
-    args = ("--output-dir", str(out), "--set", "train.max_steps=4", "--set", "train.save_steps=2")
-    first = qlora_kit("train", str(DEMO), *args, "--set", "train.sample_prompts=0")
-    assert first.returncode == 0, first.stderr
-    (out / "adapter_config.json").unlink()
-    resumed = qlora_kit("train", str(DEMO), *args, "--set", "train.sample_prompts=0", "--resume")
+    """Killed (SIGKILL) right after step 3, with checkpoint-2 on disk: --resume starts at step 3 and
+    trains steps 3 and 4 only, each logged once."""
+    out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
+    settings = {"train.max_steps": 4, "train.save_steps": 2, "train.logging_steps": 1}
+    settings |= {"train.sample_prompts": 0, "train.eval_steps": None}
+    recipe.write_text(Recipe.from_yaml(DEMO, overrides=settings).to_yaml())
+    driver = [sys.executable, str(ROOT / "tests" / "e2e" / "fault_driver.py"), str(recipe), str(out)]
+    killed = subprocess.run([*driver, "step:3"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
+    assert not (out / "adapter_config.json").exists()
+
+    resumed = qlora_kit("train", str(recipe), "--output-dir", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert f"resuming from {out / 'checkpoint-4'}" in " ".join(resumed.stderr.split())
+    assert f"resuming from {out / 'checkpoint-2'}" in " ".join(resumed.stderr.split())
+    trained = re.findall(r"^step (\d+)/4 ", resumed.stderr, re.MULTILINE)
+    assert trained == ["3", "4"], resumed.stderr[-2000:]
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    assert json.loads((out / "manifest.json").read_text())["steps"] == 4
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
 
 
 def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path):

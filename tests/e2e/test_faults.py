@@ -5,6 +5,7 @@ as a run that was never interrupted.
 """
 
 import json
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit.errors import OutputDirError
-from qlora_kit.training.outputs import check_free_space, is_complete_checkpoint
+from qlora_kit.cli.app import main as cli_main
+from qlora_kit.training.outputs import is_complete_checkpoint
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -170,10 +171,26 @@ def test_unwritable_output_folder_is_one_line_before_any_work(recipe, tmp_path):
     )
 
 
-def test_full_disk_is_refused_before_training(tmp_path):
-    check_free_space(tmp_path, needed_bytes=1)
-    with pytest.raises(OutputDirError, match="MiB free on the disk of"):
-        check_free_space(tmp_path, needed_bytes=1 << 60)
+def test_full_disk_is_refused_by_train_before_training(recipe, tmp_path, monkeypatch, capsys):
+    """The command, not the helper: `qlora-kit train` asks the disk before its first step. The disk's
+    answer is the one thing faked (a full disk cannot be made here): a few MiB free under tmp_path."""
+    real_usage = shutil.disk_usage
+
+    def nearly_full(path):
+        usage = real_usage(path)
+        return usage._replace(free=3 * 2**20) if str(path).startswith(str(tmp_path)) else usage
+
+    monkeypatch.setattr(shutil, "disk_usage", nearly_full)
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["qlora-kit", "train", str(recipe), "--output-dir", str(out)])
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main()
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2, err[-2000:]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and f"train.output_dir: 3 MiB free on the disk of {out}" in errors[0], err
+    assert "Traceback" not in err
+    assert not (out / "metrics.jsonl").exists() and not list(out.glob("checkpoint-*")), "nothing trained"
 
 
 def test_resume_reads_torch_files_only_with_weights_only(recipe, tmp_path, monkeypatch):

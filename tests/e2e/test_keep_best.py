@@ -5,6 +5,7 @@ the format and rises once it learns the right answers, so the best evaluation is
 """
 
 import json
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -66,15 +67,17 @@ def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tm
     # killed between the best evaluation and the stop, resumed: the same stop, the same adapter
     kill_at = best_step + 2
     driver = [sys.executable, str(ROOT / "tests" / "e2e" / "fault_driver.py"), str(recipe), str(killed)]
-    assert (
-        subprocess.run([*driver, f"step:{kill_at}"], cwd=ROOT, capture_output=True, timeout=600).returncode
-        != 0
-    )
+    dead = subprocess.run([*driver, f"step:{kill_at}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert dead.returncode == -signal.SIGKILL, dead.stderr[-2000:]  # killed there, not failed at start
+    assert not (killed / "adapter_config.json").exists()
+    survivors = sorted(int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*"))
+    assert survivors == list(range(4, kill_at + 1, 4)), survivors  # every save up to the kill
     resumed = subprocess.run(
         [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(killed), "--resume"],
         cwd=ROOT, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"resuming from {killed / f'checkpoint-{survivors[-1]}'}" in " ".join(resumed.stderr.split())
     assert json.loads((killed / "manifest.json").read_text())["best"] == manifest["best"]
     again = load_file(killed / "adapter_model.safetensors")
     assert all(torch.equal(again[k], final[k]) for k in final)
