@@ -463,7 +463,8 @@ def test_an_output_folder_that_holds_the_runs_data_is_refused(field, tmp_path, m
             {
                 "model": {"path": "builtin:tiny-llama"},
                 "data": section,
-                "train": {"output_dir": str(out), "sample_prompts": 0},
+                # one step: were the refusal broken, the run would fail this test in seconds, not minutes
+                "train": {"output_dir": str(out), "sample_prompts": 0, "max_steps": 1, "eval_steps": None},
             }
         )
     )

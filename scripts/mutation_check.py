@@ -1,0 +1,233 @@
+"""Mutation check: break, on purpose, each behaviour the test suite claims to guard, and see it go red.
+
+    python scripts/mutation_check.py              # every mutation, two at a time
+    python scripts/mutation_check.py --only NAME  # one (repeatable); --list shows the names
+    python scripts/mutation_check.py --jobs 1     # one at a time
+
+Each row of MUTATIONS is (name, file, exact old snippet, new snippet, the pytest node ids that must turn
+red). The tracked (and untracked, not ignored) files are copied to a temporary folder once per job; the
+snippet is replaced there, only the named tests run against the copy (PYTHONPATH and the tests' own
+subprocesses point at it), and the file is put back. A mutation "survives" when those tests pass: that
+is a finding to fix in the tests. The script exits 1 when any mutation survives, a snippet is not found
+exactly once, or a node id is not collected; CI runs it after the whole suite has passed (.ci/run), so a
+red test here is the mutation's doing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name, file, old snippet, new snippet, tests that must fail. Fast tests only: the whole table runs in a
+# few minutes on two cores. (Paths are the package's as of this script; move them with the modules.)
+MUTATIONS = [
+    (
+        "precision resolution always says no",
+        "qlora_kit/precision.py",
+        "    return wanted\n",
+        '    return "no"\n',
+        ["tests/test_precision_seam.py::test_build_hands_the_resolved_precision_to_the_trainer_and_accelerate"],
+    ),
+    (
+        "bf16 never reaches the Trainer",
+        "qlora_kit/trainer.py",
+        'bf16=precision == "bf16",',
+        "bf16=False,",
+        ["tests/test_precision_seam.py::test_dpo_build_hands_bf16_to_the_trainer_and_accelerate"],
+    ),
+    (
+        "resume restarts from step 0",
+        "qlora_kit/pipeline.py",
+        "trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)",
+        "trainer.train(resume_from_checkpoint=None)",
+        ["tests/e2e/test_cli.py::test_resume_from_the_shell_continues_the_newest_checkpoint"],
+    ),
+    (
+        "the kill switch never fires",
+        "qlora_kit/interrupts.py",
+        "        self.received = signum\n",
+        "        pass\n",
+        ["tests/test_interrupts.py::test_sigterm_stops_after_its_step_with_that_steps_checkpoint"],
+    ),
+    (
+        "the loss guard never stops",
+        "qlora_kit/guards.py",
+        "        if loss_bad:\n",
+        "        if False:\n",
+        ["tests/test_after_training.py::test_nonfinite_loss_stops_at_that_step"],
+    ),
+    (
+        "check_output_holds_no_input returns early",
+        "qlora_kit/paths.py",
+        "    deletes them once the run has its own.\"\"\"\n",
+        "    deletes them once the run has its own.\"\"\"\n    return\n",
+        ["tests/test_bad_input.py::test_an_output_folder_that_holds_the_runs_data_is_refused"],
+    ),
+    (
+        "packing leaks position ids across examples",
+        "qlora_kit/data/packing.py",
+        'positions += range(len(batch["input_ids"][i]))',
+        'positions += range(len(positions), len(positions) + len(batch["input_ids"][i]))',
+        ["tests/test_data.py::test_packed_batch_gives_the_same_token_losses_as_one_by_one[sdpa]"],
+    ),
+    (
+        "the chunked head keeps fp32 hidden states",
+        "qlora_kit/memory/loss_head.py",
+        "kept_hidden = hidden[:, :-1][trained].to(head.weight.dtype)",
+        "kept_hidden = hidden[:, :-1][trained]",
+        ["tests/test_gpu_path.py::test_chunked_head_keeps_16_bit_hidden_states_under_autocast"],
+    ),
+    (
+        "the preflight passes everything",
+        "qlora_kit/data/preflight.py",
+        "    failed = next((c for c in checks if not c.passed), None)\n",
+        "    failed = None\n",
+        ["tests/test_preflight.py::test_a_failed_check_is_one_line_naming_it_and_its_fix"],
+    ),
+    (
+        "the planner counts one layer fewer",
+        "qlora_kit/memory/planner.py",
+        "    return [i % step == 0 for i in range(layers)]\n",
+        "    return [i % step == 0 for i in range(layers - 1)]\n",
+        ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[none-1-tiny-llama]"],
+    ),
+    (
+        "train never asks the disk for room",
+        "qlora_kit/pipeline.py",
+        "check_writable(output_dir, _output_bytes(peft_model, recipe))",
+        "check_writable(output_dir, 0)",
+        ["tests/e2e/test_faults.py::test_full_disk_is_refused_by_train_before_training"],
+    ),
+    (
+        "a cross-field error names the wrong field",
+        "qlora_kit/recipe_data.py",
+        '"data.group_by_length: pointless',
+        '"data: group_by_length is pointless',
+        ["tests/test_bad_input.py::test_every_bad_recipe_is_one_line_and_exit_2"],
+    ),
+]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str
+    old: str
+    new: str
+    tests: list[str]
+
+
+def tree_files() -> list[str]:
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.decode()
+    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+
+
+def copy_tree(destination: Path, files: list[str]) -> None:
+    for name in files:
+        target = destination / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, target)
+
+
+def check_snippets(mutations: list[Mutation]) -> list[str]:
+    problems = []
+    for m in mutations:
+        source = (ROOT / m.path).read_text(encoding="utf-8") if (ROOT / m.path).is_file() else None
+        count = source.count(m.old) if source is not None else 0
+        if count != 1:
+            problems.append(f"{m.name}: the snippet occurs {count} times in {m.path}, not once")
+    return problems
+
+
+def run_tests(tree: Path, tests: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(tree), "PYTHONDONTWRITEBYTECODE": "1", "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-n", "0", "-p", "no:cacheprovider"]
+    command += ["-o", "addopts=", "--no-header", *tests]
+    return subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=900)
+
+
+def try_mutation(tree: Path, m: Mutation) -> tuple[str, float, str]:
+    """(verdict, seconds, the tail of pytest's output): caught, survived or error."""
+    path = tree / m.path
+    original = path.read_text(encoding="utf-8")
+    path.write_text(original.replace(m.old, m.new, 1), encoding="utf-8")
+    started = time.monotonic()
+    try:
+        result = run_tests(tree, m.tests)
+    finally:
+        path.write_text(original, encoding="utf-8")
+    # pytest's exit codes: 1 tests failed, 0 all passed; anything else (2 interrupted, 4 usage, 5 nothing
+    # collected) means the mutation was never judged.
+    verdict = {0: "survived", 1: "caught"}.get(result.returncode, f"error (pytest exit {result.returncode})")
+    return verdict, time.monotonic() - started, (result.stdout + result.stderr)[-1500:]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", action="append", help="run only the mutation of this name (repeatable)")
+    parser.add_argument("--list", action="store_true", help="list the mutations and exit")
+    parser.add_argument("--jobs", type=int, default=2, help="mutations tested at once (default 2)")
+    args = parser.parse_args()
+    mutations = [Mutation(*row) for row in MUTATIONS]
+    if args.list:
+        for m in mutations:
+            print(f"{m.name}: {m.path} -> {' '.join(m.tests)}")
+        return 0
+    if args.only:
+        unknown = set(args.only) - {m.name for m in mutations}
+        if unknown:
+            print(f"error: --only: no mutation named {', '.join(sorted(unknown))}", file=sys.stderr)
+            return 2
+        mutations = [m for m in mutations if m.name in args.only]
+    problems = check_snippets(mutations)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+
+    files = tree_files()
+    jobs = max(1, min(args.jobs, len(mutations)))
+    with tempfile.TemporaryDirectory(prefix="qlora-kit-mutants-") as scratch:
+        trees = [Path(scratch) / f"tree-{i}" for i in range(jobs)]
+        for tree in trees:
+            copy_tree(tree, files)
+        queue = list(enumerate(mutations))
+
+        def worker(tree: Path) -> list[tuple[int, str, float, str]]:
+            done = []
+            while True:
+                try:
+                    index, m = queue.pop(0)  # atomic: the two threads never take the same mutation
+                except IndexError:
+                    return done
+                verdict, seconds, tail = try_mutation(tree, m)
+                print(f"{verdict:>9}  {seconds:5.0f} s  {m.name}", flush=True)
+                done.append((index, verdict, seconds, tail))
+
+        started = time.monotonic()
+        with ThreadPoolExecutor(jobs) as pool:
+            results = sorted(r for rs in pool.map(worker, trees) for r in rs)
+    failed = [(mutations[i], verdict, tail) for i, verdict, _, tail in results if verdict != "caught"]
+    for m, verdict, tail in failed:
+        print(f"\n--- {verdict}: {m.name} ({m.path}; {' '.join(m.tests)})\n{tail}", file=sys.stderr)
+    caught = len(results) - len(failed)
+    print(f"{caught} of {len(results)} mutations caught in {time.monotonic() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
