@@ -36,7 +36,9 @@ MUTATIONS = [
         "qlora_kit/precision.py",
         "    return wanted\n",
         '    return "no"\n',
-        ["tests/test_precision_seam.py::test_build_hands_the_resolved_precision_to_the_trainer_and_accelerate"],
+        [
+            "tests/test_precision_seam.py::test_build_hands_the_resolved_precision_to_the_trainer_and_accelerate"
+        ],
     ),
     (
         "bf16 never reaches the Trainer",
@@ -69,8 +71,8 @@ MUTATIONS = [
     (
         "check_output_holds_no_input returns early",
         "qlora_kit/paths.py",
-        "    deletes them once the run has its own.\"\"\"\n",
-        "    deletes them once the run has its own.\"\"\"\n    return\n",
+        '    deletes them once the run has its own."""\n',
+        '    deletes them once the run has its own."""\n    return\n',
         ["tests/test_bad_input.py::test_an_output_folder_that_holds_the_runs_data_is_refused"],
     ),
     (

@@ -33,7 +33,9 @@ def test_sigterm_stops_after_its_step_with_that_steps_checkpoint(tmp_path):
     out = tmp_path / "out"
     recipe = quick_recipe(out, **{"train.max_steps": 6, "train.save_steps": 5, "train.logging_steps": 1})
     handler = signal.getsignal(signal.SIGTERM)
-    with pytest.raises(Interrupted, match="stopped by SIGTERM after step 2; checkpoint .*checkpoint-2 written"):
+    with pytest.raises(
+        Interrupted, match=r"stopped by SIGTERM after step 2; checkpoint .*checkpoint-2 written"
+    ):
         train(recipe, callbacks=[SignalDuringStep(2, signal.SIGTERM)])
     assert signal.getsignal(signal.SIGTERM) is handler, "the run puts the previous handler back"
     # checkpoint-2 is the signal's (save_steps would first save at 5), and nothing after step 2 ran

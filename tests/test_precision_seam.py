@@ -13,7 +13,9 @@ from qlora_kit.pipeline import build
 from .conftest import quick_recipe
 
 # auto follows quant.compute_dtype (bfloat16 in the demo) on a GPU with native bf16, and is no on a CPU
-AUTO = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False) else "no"
+AUTO = (
+    "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False) else "no"
+)
 
 
 @pytest.mark.parametrize(("wanted", "expected"), [("no", "no"), ("bf16", "bf16"), ("auto", AUTO)])
