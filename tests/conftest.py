@@ -67,6 +67,14 @@ def tokenizer():
     return model.load_tokenizer(Recipe().model)
 
 
+def copy_run(run_dir: Path, tmp_path: Path) -> Path:
+    """A private copy of a shared run's folder, for a test that writes into it (or might, if broken):
+    the session's runs are read by other tests, in any order, on any worker."""
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / "run-copy"))
+
+
 def write(path: Path, rows: list[dict]) -> Path:
     """``rows`` as a JSON-lines file at ``path``."""
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
@@ -95,19 +103,46 @@ def lora_model(compute_dtype: str = "bfloat16", targets="all-linear"):
     return peft_model.train()
 
 
+def once_per_session(tmp_path_factory, worker_id: str, name: str, make):
+    """``make(folder)`` (returning JSON) once per test session, even across xdist workers: the first
+    worker to ask builds it under a file lock in the session's base temp folder, the others wait for it
+    and read its result (pytest-xdist's "making session-scoped fixtures execute only once").
+    Returns (folder, result)."""
+    if worker_id == "master":  # no xdist: this process is the session
+        folder = tmp_path_factory.mktemp(name)
+        return folder, make(folder)
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp().parent  # shared by this session's workers, and only by them
+    folder, done = root / name, root / f"{name}.json"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.is_file():
+            if folder.exists():  # a worker failed building it: start again
+                import shutil
+
+                shutil.rmtree(folder)
+            folder.mkdir()
+            done.write_text(json.dumps(make(folder)))
+    return folder, json.loads(done.read_text())
+
+
 @pytest.fixture(scope="session")
-def demo_run(tmp_path_factory):
-    """The README's first command, once per session: the full demo recipe through the real CLI."""
+def demo_run(tmp_path_factory, worker_id):
+    """The README's first command, once per session (whichever worker asks first runs it; about two
+    minutes): the full demo recipe through the real CLI. Tests read the folder, never write into it."""
     import subprocess
     import sys
 
-    out = tmp_path_factory.mktemp("demo") / "out"
-    result = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", str(DEMO), "--output-dir", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, result
+    def run_demo(folder: Path) -> dict:
+        result = subprocess.run(
+            [sys.executable, "-m", "qlora_kit", "train", str(DEMO), "--output-dir", str(folder / "out")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        return {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
+
+    folder, done = once_per_session(tmp_path_factory, worker_id, "demo", run_demo)
+    return folder / "out", subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])

@@ -19,7 +19,7 @@ from qlora_kit.memory import checkpointing
 from qlora_kit.model import adapters, builtin
 from qlora_kit.model import loading as model
 
-from .conftest import DEMO, PRECISIONS, quick_recipe
+from .conftest import DEMO, PRECISIONS, copy_run, quick_recipe
 
 pytestmark = pytest.mark.slow  # trains: the full suite runs it, the inner loop skips it
 
@@ -128,7 +128,7 @@ def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tm
     started = train(quick_recipe(tmp_path / "empty", **{"train.max_steps": 2}), resume=True)
     assert json.loads((started.output_dir / "manifest.json").read_text())["steps"] == 2
     with pytest.raises(OutputDirError, match="holds a finished run"):
-        train(quick_recipe(trained_run.output_dir, **{"train.max_steps": 2}), resume=True)
+        train(quick_recipe(copy_run(trained_run.output_dir, tmp_path), **{"train.max_steps": 2}), resume=True)
 
 
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):

@@ -53,7 +53,11 @@ def test_an_unknown_hub_kernel_without_packing_is_accepted():
         ("flash_attention_2", "needs the flash-attn package (pip install flash-attn --no-build-isolation)"),
         ("flash_attention_3", "needs FlashAttention-3"),
         ("kernels-community/flash-attn", "needs the kernels package (pip install kernels)"),
-        ("flex_attention", "trains on CUDA GPUs only; on this machine use sdpa or eager"),
+        pytest.param(
+            "flex_attention",
+            "trains on CUDA GPUs only; on this machine use sdpa or eager",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="runs on this machine's GPU"),
+        ),
     ],
 )
 def test_a_kernel_this_machine_cannot_run_is_one_line_before_any_work(kernel, line, tmp_path):

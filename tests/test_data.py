@@ -288,6 +288,7 @@ def test_mapping_to_a_column_that_does_not_exist_is_named(tokenizer, tmp_path):
         ("save_to_disk", "alpaca", ROWS),
     ],
 )
+@pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
 def test_each_source_and_format_trains_end_to_end(kind, fmt, rows, tmp_path):
     from qlora_kit import train
 

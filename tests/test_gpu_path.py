@@ -105,7 +105,8 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
     assert trainer.args.fp16 is True and trainer.args.bf16 is False
     assert trainer.accelerator.mixed_precision == "fp16"
     # A real GradScaler started far too high: its first steps overflow, as fp16 runs do early on.
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**40, growth_interval=1000)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate put the model
+    scaler = torch.amp.GradScaler(device, init_scale=2.0**40, growth_interval=1000)
     trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
     trainer.train()
     assert scaler.get_scale() < 2.0**40, "the scaler skipped overflow steps"
@@ -132,7 +133,7 @@ def test_ddp_does_not_search_for_unused_parameters(tmp_path):
 
     args = training_arguments(quick_recipe(tmp_path), tmp_path, has_eval=False, precision="bf16")
     assert args.ddp_find_unused_parameters is False  # the Trainer's default for a PeftModel is True
-    assert args.bf16 and args.use_cpu
+    assert args.bf16 and args.use_cpu is not torch.cuda.is_available()
 
 
 @pytest.mark.parametrize(

@@ -52,6 +52,7 @@ def measured():
     return results
 
 
+@pytest.mark.slow  # runs forward and backward on 16 models; test_planner_oracle.py is the fast tier's check
 @pytest.mark.parametrize("arch", ["tiny-llama", "tiny-qwen2"])
 @pytest.mark.parametrize(("policy", "every_n"), POLICIES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["full-logits", "chunked-loss"])

@@ -28,6 +28,7 @@ def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():
     ]
 
 
+@pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
 def test_show_reads_back_what_the_run_logged(trained_run, tmp_path):
     record = read_run(trained_run.output_dir)
     assert record.finished and record.metrics == trained_run.metrics
@@ -83,6 +84,7 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, files, message):
         read_run(tmp_path)
 
 
+@pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
 def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_plot(trained_run):
     # matplotlib is an extra: hidden from this process, show still prints and exits 0
     code = (

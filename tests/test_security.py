@@ -4,9 +4,10 @@ against the recipe file and recorded, as resolved, in the manifest; outputs are 
 import json
 import shutil
 
+import pytest
+
 from qlora_kit import Recipe, train
-from qlora_kit.model import builtin
-from qlora_kit.model import loading as model
+from qlora_kit.model import builtin, loading as model
 
 
 def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):
@@ -17,6 +18,7 @@ def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):
     assert "model.trust_remote_code is on: code shipped with builtin:tiny-llama will run" in caplog.text
 
 
+@pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
 def test_relative_paths_resolve_against_the_recipe_and_land_in_the_manifest(tmp_path):
     train_file, val_file = builtin.demo_data_files("demo-facts")
     (tmp_path / "data").mkdir()

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -30,8 +31,9 @@ def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
         assert abs(row["predicted_saved_mib"] / row["saved_mib"] - 1) < 0.05, row
     assert [row["optimizer"] for row in report["optimizers"]] == ["paged_adamw_8bit", "adamw_8bit"]
     assert all("error" not in row for row in report["optimizers"])
-    # resumed from its checkpoint with one more step (nothing pages on a CPU)
-    assert [row["repaged_after_resume"] for row in report["optimizers"]] == [0, 0]
+    # resumed from its checkpoint with one more step (nothing pages on a CPU; on a GPU the paged one may)
+    repaged = [row["repaged_after_resume"] for row in report["optimizers"]]
+    assert repaged[1] == 0 and (repaged[0] == 0 or torch.cuda.is_available()), repaged
     assert "long sequence" in result.stdout
 
 
@@ -47,4 +49,8 @@ def test_packing_check_runs_every_kernel_available_here(tmp_path):
     report = json.loads((tmp_path / "packing-check.json").read_text())
     for kernel in ("sdpa", "eager", "flex_attention"):
         assert report[kernel]["ok"] and report[kernel]["max_difference"] < 1e-4, report[kernel]
-    assert "skipped" in report["flash_attention_2"]  # no CUDA here
+    flash = report["flash_attention_2"]
+    if torch.cuda.is_available():  # runs where flash-attn is installed, else says why not
+        assert "skipped" in flash or (flash["ok"] and flash["max_difference"] < 1e-2), flash
+    else:
+        assert "skipped" in flash  # no CUDA here

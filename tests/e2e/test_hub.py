@@ -8,8 +8,10 @@ import os
 import re
 import shutil
 import socket
+import struct
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -152,6 +154,32 @@ def closed_port_url() -> str:
     return f"http://127.0.0.1:{port}"  # nothing listens there any more: a machine without network
 
 
+class DeadHub:
+    """A hub address where the network reaches nothing: every connection is taken and reset at once,
+    and counted, so a test can bound the attempts (the hub client's retries among them) by number
+    rather than by the seconds they take."""
+
+    def __enter__(self) -> "DeadHub":
+        self.attempts = 0
+        self.sock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+        return self
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by __exit__
+                return
+            self.attempts += 1
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # reset, not FIN
+            conn.close()
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+
 def assert_one_line(code: int, stderr: str, *expected: str) -> None:
     assert code == 2, stderr[-3000:]
     assert "Traceback" not in stderr, stderr[-3000:]
@@ -185,12 +213,18 @@ def test_plan_on_a_hub_id_fetches_only_the_config(hub, online_failures):
 
 
 def test_without_network_says_so_in_seconds(tmp_path):
-    """No hub at all: one line at once (the hub's own retries wait ~25 s per file before giving up)."""
+    """No hub at all: one line at once (the hub's own retries wait ~25 s per file before giving up).
+    "At once" is counted, not timed: one connection attempt per case, no retries."""
     cases = {name: train_args(tmp_path / name, *overrides) for name, overrides in WITHOUT_HUB.items()}
     results = run_cases(cases, hub_env(tmp_path / "hf", closed_port_url()))
     for name, overrides in WITHOUT_HUB.items():
         field = overrides[0].split("=")[0]
         assert_one_line(*results[name], f"{field}: cannot reach the hub", "HF_HUB_OFFLINE=1")
+    with DeadHub() as dead:
+        results = run_cases(cases, hub_env(tmp_path / "hf-dead", dead.url))
+    for name, overrides in WITHOUT_HUB.items():  # (a dropped connection reads as a cut-off download)
+        assert_one_line(*results[name], f"{overrides[0].split('=')[0]}: ")
+    assert dead.attempts <= len(cases), f"{dead.attempts} connections for {len(cases)} cases: retries"
 
 
 def test_offline_mode_with_nothing_cached(hub, tmp_path):
