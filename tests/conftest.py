@@ -27,6 +27,21 @@ def model_cache(tmp_path_factory) -> Path:
     return folder
 
 
+@pytest.fixture(autouse=True)
+def fast_tier_trains_nothing(request, monkeypatch):
+    """`pytest -m "not slow"` is the inner loop: a test outside the slow tier that reaches the Trainer's
+    training loop fails at once, saying so (building a run, refusals before training and forward passes
+    are fine)."""
+    if request.node.get_closest_marker("slow"):
+        return
+    from transformers import Trainer
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError("this test trains: mark it @pytest.mark.slow (the fast tier trains nothing)")
+
+    monkeypatch.setattr(Trainer, "train", refuse)
+
+
 def quick_recipe(output_dir: Path, **overrides):
     """The demo recipe cut down to a few steps (the test decides how many)."""
     from qlora_kit import Recipe
