@@ -48,6 +48,13 @@ MUTATIONS = [
         ["tests/test_precision_seam.py::test_dpo_build_hands_bf16_to_the_trainer_and_accelerate"],
     ),
     (
+        "autocast never wraps the training forward",
+        "qlora_kit/trainer.py",
+        'bf16=precision == "bf16",',
+        "bf16=False,",
+        ["tests/e2e/test_formats.py::test_sharegpt_and_tool_call_chats_train_on_the_tiny_model"],
+    ),
+    (
         "resume restarts from step 0",
         "qlora_kit/pipeline.py",
         "trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint else None)",
@@ -101,7 +108,7 @@ MUTATIONS = [
         "qlora_kit/memory/planner.py",
         "    return [i % step == 0 for i in range(layers)]\n",
         "    return [i % step == 0 for i in range(layers - 1)]\n",
-        ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[none-1-tiny-llama]"],
+        ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[full-1-tiny-llama]"],
     ),
     (
         "train never asks the disk for room",

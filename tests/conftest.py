@@ -74,6 +74,21 @@ def trained_run(request, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, worker_id) -> Path:
+    """The folder of a small finished run (4 steps, no autocast), once per session across workers: for
+    tests that need a run's files, not a falling loss or both precisions. Read-only: copy_run first."""
+
+    def make(folder: Path) -> dict:
+        from qlora_kit import train
+
+        train(quick_recipe(folder / "out", **{"train.max_steps": 4, "train.logging_steps": 2}))
+        return {}
+
+    folder, _ = once_per_session(tmp_path_factory, worker_id, "finished-run", make)
+    return folder / "out"
+
+
+@pytest.fixture(scope="session")
 def tokenizer():
     """The builtin tiny model's tokenizer (a byte-level BPE trained on the demo data, with a chat template)."""
     from qlora_kit import Recipe

@@ -124,11 +124,11 @@ def test_resumed_run_ends_with_the_same_adapter_bit_for_bit(tmp_path, precision)
     assert state["global_step"] == 8
 
 
-def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tmp_path, trained_run):
+def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tmp_path, finished_run):
     started = train(quick_recipe(tmp_path / "empty", **{"train.max_steps": 2}), resume=True)
     assert json.loads((started.output_dir / "manifest.json").read_text())["steps"] == 2
     with pytest.raises(OutputDirError, match="holds a finished run"):
-        train(quick_recipe(copy_run(trained_run.output_dir, tmp_path), **{"train.max_steps": 2}), resume=True)
+        train(quick_recipe(copy_run(finished_run, tmp_path), **{"train.max_steps": 2}), resume=True)
 
 
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):

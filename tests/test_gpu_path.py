@@ -14,6 +14,7 @@ from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 
 from .conftest import lora_model, quick_recipe
+from .probes import EXPECTED_AUTOCAST, AutocastProbe
 
 
 def fresh_accelerator(precision: str) -> Accelerator:
@@ -108,7 +109,10 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
     device = "cuda" if torch.cuda.is_available() else "cpu"  # where accelerate put the model
     scaler = torch.amp.GradScaler(device, init_scale=2.0**40, growth_interval=1000)
     trainer.accelerator.scaler, trainer.accelerator.native_amp = scaler, True
+    probe = AutocastProbe()
+    trainer.add_callback(probe)
     trainer.train()
+    assert probe.seen == EXPECTED_AUTOCAST["fp16"], probe.seen  # the forward ran under fp16 autocast
     assert scaler.get_scale() < 2.0**40, "the scaler skipped overflow steps"
     assert trainer.state.global_step == 12
     losses = [row["loss"] for row in trainer.metrics_log.rows if "loss" in row]

@@ -66,8 +66,8 @@ def test_saved_adapter_loads_with_plain_peft_and_gives_the_same_logits(trained_r
     assert not torch.allclose(plain, got), "the adapter changes the output"
 
 
-def test_a_finished_run_is_not_overwritten_without_asking(trained_run, tmp_path):
-    out = copy_run(trained_run.output_dir, tmp_path)
+def test_a_finished_run_is_not_overwritten_without_asking(finished_run, tmp_path):
+    out = copy_run(finished_run, tmp_path)
     before = (out / "adapter_model.safetensors").read_bytes()
     with pytest.raises(OutputDirError, match="already holds a finished run"):
         train(quick_recipe(out, **{"train.max_steps": 1}))
@@ -86,10 +86,10 @@ def test_other_architectures_run_the_same_pipeline(arch, tmp_path):
     assert type(result.model.get_base_model()).__name__.lower().startswith(arch.split("-")[1])
 
 
-def test_bad_data_with_overwrite_keeps_the_earlier_run(trained_run, tmp_path):
+def test_bad_data_with_overwrite_keeps_the_earlier_run(finished_run, tmp_path):
     from qlora_kit.errors import DataError
 
-    out = copy_run(trained_run.output_dir, tmp_path / "copy")
+    out = copy_run(finished_run, tmp_path / "copy")
     before = sorted(p.name for p in out.iterdir())
     bad = tmp_path / "rows.jsonl"
     bad.write_text('{"instruction": "q", "input": ""}\n')  # no "output"

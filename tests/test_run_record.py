@@ -29,20 +29,21 @@ def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():
 
 
 @pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
-def test_show_reads_back_what_the_run_logged(trained_run, tmp_path):
-    record = read_run(trained_run.output_dir)
-    assert record.finished and record.metrics == trained_run.metrics
+def test_show_reads_back_what_the_run_logged(finished_run, tmp_path):
+    record = read_run(finished_run)
+    logged = [json.loads(line) for line in (finished_run / "metrics.jsonl").read_text().splitlines()]
+    assert record.finished and record.metrics == logged
     rows = dict(summary_rows(record))
-    losses = trained_run.train_losses
-    assert rows["loss, first -> last"] == f"{losses[0]:.4f} -> {losses[-1]:.4f}"
-    assert rows["state"] == f"finished, {trained_run.steps} steps"
+    losses = [row["loss"] for row in logged if "loss" in row]
+    assert len(losses) == 2 and rows["loss, first -> last"] == f"{losses[0]:.4f} -> {losses[-1]:.4f}"
+    assert rows["state"] == "finished, 4 steps"
     assert "torch" in rows["versions"]
     changed = dict((name, value) for name, _, value in recipe_changes(record.recipe))
-    assert changed["train.max_steps"] == 30 and changed["train.output_dir"] == str(trained_run.output_dir)
+    assert changed["train.max_steps"] == 4 and changed["train.output_dir"] == str(finished_run)
 
     console = Console(record=True, width=200)
-    written = show(trained_run.output_dir, console, plot=False)
-    assert written is None and not (trained_run.output_dir / "loss.png").exists()
+    written = show(finished_run, console, plot=False)
+    assert written is None and not (finished_run / "loss.png").exists()
     text = console.export_text()
     assert "train.max_steps" in text and rows["loss, first -> last"] in text
 
@@ -85,19 +86,19 @@ def test_a_folder_that_is_not_a_run_is_one_line(tmp_path, files, message):
 
 
 @pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
-def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_plot(trained_run):
+def test_the_cli_without_matplotlib_prints_the_summary_and_says_how_to_get_the_plot(finished_run):
     # matplotlib is an extra: hidden from this process, show still prints and exits 0
     code = (
         "import sys; sys.modules['matplotlib'] = None; sys.argv = ['qlora-kit', 'show', sys.argv[1]];"
         "from qlora_kit.cli.app import main; main()"
     )
     result = subprocess.run(
-        [sys.executable, "-c", code, str(trained_run.output_dir)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", code, str(finished_run)], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
     assert "loss, first -> last" in result.stdout
     assert "pip install 'qlora-kit[plot]'" in result.stdout
-    assert not (trained_run.output_dir / "loss.png").exists()
+    assert not (finished_run / "loss.png").exists()
 
 
 def test_show_on_a_run_that_has_logged_no_step_says_there_is_nothing_to_plot(tmp_path):
