@@ -228,15 +228,20 @@ def test_eval_generate_and_merge_an_adapter_trained_in_either_precision(trained_
     """What comes after training reads an adapter from either code path; every input goes to its model's
     device (one device here, so this also guards the calls themselves)."""
     from qlora_kit.after.evaluate import evaluate
-    from qlora_kit.after.generate import Sampling, generate
+    from qlora_kit.after.generate import Sampling, complete, generate, wrap_prompt
     from qlora_kit.after.merge import merge_adapter
 
     adapter = trained_run.output_dir
     trained = evaluate(adapter_dir=adapter, max_examples=16)
     base = evaluate(Recipe.from_yaml(adapter / "recipe.yaml"), None, max_examples=16)
     assert trained["loss"] < base["loss"]
-    answers = generate(str(adapter), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
-    assert len(answers) == 1 and isinstance(answers[0], str)
+    question = "What sound does a cow make?"
+    answers = generate(str(adapter), [question], Sampling(max_new_tokens=4))
+    # greedy: the adapter read from disk answers as the trained model in memory does
+    recipe = Recipe.from_yaml(adapter / "recipe.yaml")
+    prompt = wrap_prompt(question, recipe.data, trained_run.tokenizer)
+    expected = complete(trained_run.model, trained_run.tokenizer, prompt, Sampling(max_new_tokens=4))
+    assert answers == [expected], (answers, expected)
     # 30 steps leave near-flat distributions whose top-1 ties flip on rounding: KL is the measure here.
     result = merge_adapter(adapter, tmp_path / "merged", min_top1=0.9)
     assert result.drift.mean_kl < 1e-3, result.drift

@@ -182,7 +182,9 @@ def test_full_disk_is_refused_by_train_before_training(recipe, tmp_path, monkeyp
 
     monkeypatch.setattr(shutil, "disk_usage", nearly_full)
     out = tmp_path / "out"
-    monkeypatch.setattr(sys, "argv", ["qlora-kit", "train", str(recipe), "--output-dir", str(out)])
+    # one step: were the check skipped, the run would fail this test in seconds, not after 40 steps
+    argv = ["qlora-kit", "train", str(recipe), "--output-dir", str(out), "--set", "train.max_steps=1"]
+    monkeypatch.setattr(sys, "argv", argv)
     with pytest.raises(SystemExit) as exit_info:
         cli_main()
     err = capsys.readouterr().err
