@@ -111,6 +111,13 @@ MUTATIONS = [
         ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[full-1-tiny-llama]"],
     ),
     (
+        "the tracer runs the layer types but not the first layer apart",
+        "qlora_kit/memory/tracing.py",
+        "short_types = (types[0], *dict.fromkeys(types))",
+        "short_types = tuple(dict.fromkeys(types))",
+        ["tests/test_tracing.py::test_a_65b_plan_traces_two_layers_not_eighty"],
+    ),
+    (
         "train never asks the disk for room",
         "qlora_kit/pipeline.py",
         "check_writable(output_dir, _output_bytes(peft_model, recipe))",
