@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
+from qlora_kit.adapters import load_trained
 from qlora_kit.after.generate import Sampling, generate
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
@@ -86,10 +88,18 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     assert stderr.count("run manifest:") == 1, "logs come from the main process only"
     adapter = load_file(two / "adapter_model.safetensors")
     assert all(t.abs().sum() > 0 for name, t in adapter.items() if "lora_B" in name), "the adapter trained"
-    question = ["What sound does a cow make?"]
-    answers = generate(str(two), question, Sampling(max_new_tokens=4))
-    assert len(answers) == 1 and answers[0].strip(), answers
-    assert answers == generate(str(one), question, Sampling(max_new_tokens=4)), "greedy: the same adapter"
+    answers = generate(str(two), ["What sound does a cow make?"], Sampling(max_new_tokens=4))
+    assert len(answers) == 1 and isinstance(answers[0], str)  # (8 steps in, the answer may be empty)
+    # The adapter loads and acts: its logits are the one-process adapter's, far from the bare base's.
+    _, tokenizer, two_lm = load_trained(two)
+    one_lm = load_trained(one)[2]
+    ids = tokenizer("What sound does a cow make?", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        got, expected = two_lm(input_ids=ids).logits, one_lm(input_ids=ids).logits
+        with two_lm.disable_adapter():
+            base = two_lm(input_ids=ids).logits
+    moved = (got - base).abs().max()
+    assert moved > 0 and (got - expected).abs().max() < 0.05 * moved, (moved, (got - expected).abs().max())
 
 
 def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
