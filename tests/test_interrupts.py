@@ -11,7 +11,7 @@ import pytest
 from transformers import TrainerCallback
 
 from qlora_kit import train
-from qlora_kit.interrupts import Interrupted
+from qlora_kit.errors import Interrupted
 
 from .conftest import quick_recipe
 

@@ -10,9 +10,9 @@ import pytest
 from transformers import AutoConfig
 
 from qlora_kit import Recipe
-from qlora_kit.builtin import ensure_tiny_model
 from qlora_kit.memory.planner import activation_bytes
 from qlora_kit.memory.shapes import model_shape
+from qlora_kit.model.builtin import ensure_tiny_model
 
 BATCH, SEQ = 2, 32
 N = BATCH * SEQ  # tokens

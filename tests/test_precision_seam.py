@@ -8,7 +8,7 @@ choice turns them red. Building sets a run up without training it.
 import pytest
 import torch
 
-from qlora_kit.pipeline import build
+from qlora_kit.training.pipeline import build
 
 from .conftest import quick_recipe
 

@@ -47,14 +47,18 @@ def test_show_reads_back_what_the_run_logged(finished_run, tmp_path):
     text = console.export_text()
     assert "train.max_steps" in text and rows["loss, first -> last"] in text
 
-    # one tokens/s for one run: the train summary prints what `show` reads back from metrics.jsonl
-    speed = [value for name, value in rows.items() if name.startswith("tokens/s")]
+    picture = plot_run(record, tmp_path / "loss.png")
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
+
+
+@pytest.mark.slow  # trains
+def test_the_train_summary_and_show_give_one_tokens_per_s(trained_run):
+    """One tokens/s for one run: the train summary prints what `show` reads back from metrics.jsonl."""
+    shown = dict(summary_rows(read_run(trained_run.output_dir)))
+    speed = [value for name, value in shown.items() if name.startswith("tokens/s")]
     trained = [value for name, value in views_summary(trained_run) if name.startswith("tokens/s")]
     assert len(speed) == 1 and speed == trained
     assert f"{trained_run.memory['tokens_per_s']:,.0f}" in speed[0]
-
-    picture = plot_run(record, tmp_path / "loss.png")
-    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and picture.stat().st_size > 10_000
 
 
 def test_eval_rows_name_the_best_step(tmp_path):

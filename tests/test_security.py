@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from qlora_kit import Recipe, train
-from qlora_kit.model import builtin, loading as model
+from qlora_kit.model import builtin
+from qlora_kit.model import loading as model
 
 
 def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):

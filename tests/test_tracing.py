@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from qlora_kit import Recipe
-from qlora_kit.model import adapters, builtin, loading as model
 from qlora_kit.memory import checkpointing, tracing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.planner import activation_bytes, plan

@@ -15,8 +15,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit.adapters import load_trained
 from qlora_kit.after.generate import Sampling, generate
+from qlora_kit.model.adapters import load_trained
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
