@@ -34,7 +34,8 @@ NUMERIC_LIMITS = [
 ]
 # Impossible combinations, each with the field its one line must name first.
 NONSENSE = [
-    ({"quant": {"bits": 16, "double_quant": True}}, "quant.double_quant"),
+    # not double_quant: true, the default: a run's recipe.yaml holds it, and it must load back
+    ({"quant": {"bits": 16, "double_quant": False}}, "quant.double_quant"),
     ({"quant": {"bits": 16, "quant_type": "fp4"}}, "quant.quant_type"),
     ({"train": {"fsdp": True}}, "quant.quant_storage"),
     ({"data": {"path": "rows.jsonl"}, "train": {"eval_steps": 10}}, "train.eval_steps"),
@@ -42,6 +43,8 @@ NONSENSE = [
     ({"data": {"format": "chat", "fields": {"output": "answer"}}}, "data.fields"),
     ({"memory": {"checkpointing": "auto"}}, "memory.budget_gb"),
     ({"lora": {"dora": True, "init": "olora"}}, "lora.init"),
+    ({"data": {"path": "builtin:demo-facts", "sources": [{"path": "builtin:demo-facts"}]}}, "data.sources"),
+    ({"preference": {"beta": 0.5}}, "preference"),
 ]
 # Never a valid value of any recipe field: containers where scalars belong (and ints inside, where
 # strings belong), and words no number or boolean parser accepts.
