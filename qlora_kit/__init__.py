@@ -19,7 +19,7 @@ from qlora_kit.recipe.recipe import Recipe
 if TYPE_CHECKING:
     from qlora_kit.training.pipeline import TrainResult
 
-__all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "generate", "merge", "show", "train"]
+__all__ = ["Recipe", "RecipeError", "TrainResult", "evaluate", "export", "generate", "merge", "show", "train"]
 __version__ = "0.1.0"
 # The pipeline module is named pipeline, not train: a submodule named train would replace this
 # package's train() function as an attribute the moment it is imported.
@@ -63,6 +63,13 @@ def merge(adapter_dir: str, out_dir: str, **kwargs: Any):
     from qlora_kit.after.merge import merge_adapter
 
     return merge_adapter(adapter_dir, out_dir, **kwargs)
+
+
+def export(adapter_dir: str, to: str = "merged", **kwargs: Any):
+    """Export a run as a merged folder or a GGUF, parity-checked; see ``qlora_kit.after.export.export``."""
+    from qlora_kit.after.export import export as run_export
+
+    return run_export(adapter_dir, to, **kwargs)
 
 
 def show(run_dir: str | Path, plot: bool = True) -> Path | None:

@@ -30,6 +30,14 @@ class MergeDriftError(RuntimeError):
     """The merged model drifts from the adapter it came from; the export was left in a staging folder."""
 
 
+class ExportError(ValueError):
+    """An export cannot be made as asked (an architecture GGUF does not cover, a missing extra): one line."""
+
+
+class ExportParityError(RuntimeError):
+    """An export does not behave like the trained adapter: the figure past its threshold, the folder kept."""
+
+
 class Interrupted(RuntimeError):
     """The run stopped on a signal after writing a checkpoint; ``exit_code`` is 128 + the signal."""
 

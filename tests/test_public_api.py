@@ -14,6 +14,7 @@ def test_package_exports_and_signatures():
     # qlora_kit/evaluate.py would: submodules become package attributes on import).
     import qlora_kit.after.evaluate
     import qlora_kit.after.generate
+    import qlora_kit.after.export
     import qlora_kit.after.merge
     import qlora_kit.training.pipeline
 
@@ -22,6 +23,7 @@ def test_package_exports_and_signatures():
         "RecipeError",
         "TrainResult",
         "evaluate",
+        "export",
         "generate",
         "merge",
         "show",
@@ -36,6 +38,7 @@ def test_package_exports_and_signatures():
     assert list(inspect.signature(qlora_kit.evaluate).parameters) == ["recipe", "adapter_dir", "kwargs"]
     assert list(inspect.signature(qlora_kit.generate).parameters) == ["adapter_dir", "prompts", "kwargs"]
     assert list(inspect.signature(qlora_kit.merge).parameters) == ["adapter_dir", "out_dir", "kwargs"]
+    assert list(inspect.signature(qlora_kit.export).parameters) == ["adapter_dir", "to", "kwargs"]
     assert list(inspect.signature(qlora_kit.show).parameters) == ["run_dir", "plot"]
     assert qlora_kit.TrainResult.__name__ == "TrainResult"
 
@@ -47,6 +50,7 @@ def test_cli_commands_and_recipe_sections():
         "data",
         "doctor",
         "eval",
+        "export",
         "generate",
         "merge",
         "plan",

@@ -74,7 +74,7 @@ def merge_adapter(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
-        _export(recipe, adapter_dir, staging, base)
+        write_merged(recipe, adapter_dir, staging, base)
         drift = measure_drift(recipe, adapter_dir, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-made is left beside the destination
@@ -90,7 +90,9 @@ def merge_adapter(
     return MergeResult(out_dir, drift, base)
 
 
-def _export(recipe: Recipe, adapter_dir: Path, folder: Path, base: str) -> None:
+def write_merged(recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str) -> None:
+    """The adapter merged into the ``base`` weights (or, with ``adapter_dir`` None, the base alone),
+    saved with its tokenizer (chat template included) and generation config; export builds on it."""
 
     if base == "dequantized":
         quantized = model.load_base_model(recipe.model, recipe.quant)
@@ -104,14 +106,16 @@ def _export(recipe: Recipe, adapter_dir: Path, folder: Path, base: str) -> None:
         )
     else:
         raise ValueError(f"--base: must be dequantized or original (got {base!r})")
-    merged = adapters.load_adapter(sixteen_bit, adapter_dir).merge_and_unload()
+    merged = sixteen_bit
+    if adapter_dir is not None:
+        merged = adapters.load_adapter(sixteen_bit, adapter_dir).merge_and_unload()
     # A plain checkpoint: no quantization config left behind, the KV cache back on for inference.
     if hasattr(merged.config, "quantization_config"):
         del merged.config.quantization_config
     merged.hf_quantizer = None
     merged.config.use_cache = True
     merged.save_pretrained(folder)
-    tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir))
+    tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir) if adapter_dir else None)
     tokenizer.save_pretrained(folder)
 
 

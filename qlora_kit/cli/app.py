@@ -315,6 +315,60 @@ def merge(
 
 @app.command()
 @user_errors
+def export(
+    adapter: AdapterOpt,
+    to: Annotated[
+        str,
+        typer.Option("--to", help="merged (safetensors: transformers, vLLM) or gguf (llama.cpp, Ollama)."),
+    ],
+    out: Annotated[
+        Path | None, typer.Option("--out", help="New folder for the export (default: ADAPTER-TO).")
+    ] = None,
+    type_: Annotated[str, typer.Option("--type", help="GGUF tensor type: f16, bf16 or q8_0.")] = "f16",
+    lora_only: Annotated[
+        bool, typer.Option("--lora-only", help="GGUF: the adapter alone (llama.cpp --lora) beside its base.")
+    ] = False,
+    onto: Annotated[
+        str,
+        typer.Option(help="Merge into dequantized (what the adapter trained against) or original weights."),
+    ] = "dequantized",
+    prompts: Annotated[
+        Path | None, typer.Option("--prompts", help='Parity prompts: JSONL, one {"prompt": ...} per line.')
+    ] = None,
+    check: Annotated[
+        Path | None, typer.Option("--check", help="Re-run the parity report on an earlier export folder.")
+    ] = None,
+) -> None:
+    """Export the run for serving and prove it behaves like the trained adapter (export_report.json)."""
+    configure_logging(errors)
+    from qlora_kit.after import export as exporting
+    from qlora_kit.data.sources import read_prompts
+    from qlora_kit.errors import ExportError, ExportParityError
+
+    texts = read_prompts(str(prompts)) if prompts is not None else None
+    try:
+        if check is not None:
+            report = exporting.check_export(adapter, check, prompts=texts)
+            folder = check
+        else:
+            result = exporting.export(adapter, to, out, type_, lora_only, onto, prompts=texts)
+            report, folder = result.report, result.output_dir
+    except ExportError as exc:
+        errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(USER_ERROR) from None
+    except ExportParityError as exc:
+        errors.print(f"[bold red]refused:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(GUARD_STOP) from None
+    views.show_export(console, report)
+    if report["failures"]:
+        for line in report["failures"]:
+            errors.print(f"[bold red]parity:[/] {escape(line)}", highlight=False, soft_wrap=True)
+        raise typer.Exit(GUARD_STOP)
+    console.print(f"export written to [bold]{folder}[/]", highlight=False)
+
+
+@app.command()
+@user_errors
 def show(
     run_dir: Annotated[Path, typer.Argument(help="A run's output folder (train.output_dir).")],
     plot: Annotated[

@@ -270,3 +270,39 @@ def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) ->
         return None
     console.print(f"loss plot written to [bold]{written}[/]", highlight=False)
     return written
+
+
+def show_export(console: Console, report: dict) -> None:
+    """The parity report of ``qlora-kit export``: one row per reader and comparison."""
+    table = Table(title=f"parity: {report['prompts']} prompts, {report['tokens']} greedy tokens each")
+    for column in (
+        "export",
+        "reader",
+        "against",
+        "max |Δ logit|",
+        "mean |Δ logit|",
+        "greedy",
+        "prompt",
+        "template",
+    ):
+        table.add_column(column)
+    for c in report["comparisons"]:
+        marks = {True: "same", False: "DIFFERS", None: "-"}
+        table.add_row(
+            c["export"],
+            c["reader"],
+            c["against"],
+            f"{c['max_abs_logit']:.3g}",
+            f"{c['mean_abs_logit']:.3g}",
+            f"{c['greedy_agreement']:.1%}",
+            marks[c["prompt_ids_match"]],
+            marks[c["template_match"]],
+        )
+    console.print(table)
+    difference = report.get("base_difference")
+    if difference:
+        console.print(
+            f"merged onto {report['onto']} weights; the dequantized 4-bit base differs from the original "
+            f"16-bit one by {difference['mean_relative']:.2%} (mean relative, {difference['layers']} layers)",
+            highlight=False,
+        )
