@@ -73,11 +73,11 @@ def export(
     """Export the run in ``adapter_dir``; raise ExportParityError when an export is beyond its thresholds."""
     adapter_dir = Path(adapter_dir).expanduser().resolve()
     _check_choices(to, qtype, onto, lora_only)
-    recipe = adapters.recipe_of(adapter_dir)
     out_dir = Path(out or f"{adapter_dir}-{to}").expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputDirError(f"--out: {out_dir} already holds files; choose an empty or new folder")
+    recipe = adapters.recipe_of(adapter_dir)
     check_model_folder(model.resolve_model_path(recipe.model))
     if to == "gguf":
         gguf_writer.require_gguf()
@@ -218,6 +218,8 @@ def _readers(folder: Path, report: dict):
         return
     gguf, lora = folder / files["gguf"], folder / files.get("lora", "")
     if report["lora_only"]:
+        if not parity.llama_cpp_installed():
+            return  # transformers reads no LoRA GGUF: without llama.cpp there is no independent reader
         label = f"{files['gguf']} + {files['lora']}"
         yield label, lambda: _pair(parity.llama_cpp_reader(gguf, lora=lora)), "trained"
         return

@@ -178,24 +178,33 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
     """transformers' own loader for a merged folder or a GGUF file in it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    if gguf_file:
-        kwargs.update(_gguf_config_overrides(folder / gguf_file))
+    kwargs = {"gguf_file": gguf_file, "config": _gguf_config(folder, gguf_file)} if gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else None
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     return _TransformersModel(lm, tokenizer)
 
 
-def _gguf_config_overrides(path: Path) -> dict:
-    """transformers' GGUF loader reads no head size for qwen2/qwen3 and falls back to the config class's
-    default (128), right only when hidden_size / heads is 128; the file says it (attention.key_length)."""
+def _gguf_config(folder: Path, gguf_file: str):
+    """transformers' GGUF config, with the head size the file states (attention.key_length): its loader
+    reads none for qwen2/qwen3 and takes the config class's default (128), right only when
+    hidden_size / heads is 128."""
     import gguf
+    from transformers import AutoConfig
 
-    reader = gguf.GGUFReader(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
+    reader = gguf.GGUFReader(folder / gguf_file)
     arch = reader.fields["general.architecture"].contents()
     key = reader.fields.get(f"{arch}.attention.key_length")
-    return {"head_dim": int(key.contents())} if key is not None else {}
+    if key is not None:
+        config.head_dim = int(key.contents())
+    return config
+
+
+def llama_cpp_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
 
 
 def llama_cpp_reader(path: Path, lora: Path | None = None):

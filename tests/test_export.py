@@ -1,0 +1,226 @@
+"""qlora-kit export: merged and GGUF exports of a trained run, read back by independent readers (transformers'
+own loaders; llama.cpp where llama-cpp-python is installed) and held to the parity report."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT
+
+gguf = pytest.importorskip("gguf")
+
+FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+SMALL = {"prompt_count": 4, "tokens": 8}  # parity on 4 validation rows, 8 greedy tokens each
+
+
+def cli(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "export", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+
+
+# --- the writer, per family, without training: every builtin family GGUF knows round-trips ---
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gguf_reads_back_as_the_model_it_was_written_from(name, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qlora_kit.after import gguf_writer
+    from qlora_kit.after.parity import transformers_reader
+    from qlora_kit.model.builtin import ensure_tiny_model
+
+    folder = ensure_tiny_model(name)
+    gguf_writer.write_model_gguf(folder, tmp_path / "m.gguf", "f16", name)
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    reader = transformers_reader(tmp_path, "m.gguf")
+    ids = tokenizer("### Instruction:\nWhat color is the sky?\n\n### Response:\n")["input_ids"]
+    with torch.no_grad():
+        expected = source(input_ids=torch.tensor([ids])).logits[0]
+    got = reader.answer_logits(ids[:1], ids[1:])  # the logits after each prefix
+    # f16 storage of bf16 weights is exact: only the float order of the two forward passes differs
+    assert (got - expected[:-1]).abs().max() < 1e-3
+    # the GGUF's tokenizer: the same ids, the same chat template rendering, no BOS added on either side
+    assert reader.served_ids("What color is the sky?") == tokenizer("What color is the sky?")["input_ids"]
+    messages = [{"role": "user", "content": "hi"}]
+    assert reader.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    ) == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def test_q8_0_tensors_are_quantized_and_norms_stay_f32(tmp_path):
+    from qlora_kit.after import gguf_writer
+    from qlora_kit.model.builtin import ensure_tiny_model
+
+    gguf_writer.write_model_gguf(ensure_tiny_model("tiny-llama"), tmp_path / "m.gguf", "q8_0", "x")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.attn_q.weight"] == "Q8_0"
+    assert types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_an_architecture_gguf_does_not_cover_is_refused_by_name(tmp_path):
+    from qlora_kit.after import gguf_writer
+    from qlora_kit.errors import ExportError
+    from qlora_kit.model.builtin import ensure_tiny_model
+
+    with pytest.raises(ExportError, match="architecture 'gpt2' is not supported"):
+        gguf_writer.write_model_gguf(ensure_tiny_model("tiny-gpt2"), tmp_path / "m.gguf", "f16", "x")
+    assert not (tmp_path / "m.gguf").exists()
+
+
+# --- bad input: one line, exit code 2 ---
+
+
+def test_bad_input_gets_one_line(tmp_path):
+    not_a_run = tmp_path / "empty"
+    not_a_run.mkdir()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    cases = [
+        (
+            ["--adapter", not_a_run, "--to", "gguf", "--type", "q4_k"],
+            "--type: must be one of f16, bf16, q8_0",
+        ),
+        (["--adapter", not_a_run, "--to", "onnx"], "--to: must be one of merged, gguf"),
+        (["--adapter", not_a_run, "--to", "merged", "--out", tmp_path / "o"], "--adapter"),
+        (["--adapter", not_a_run, "--to", "merged", "--out", busy], "already holds files"),
+        (["--adapter", not_a_run, "--to", "merged", "--lora-only"], "--lora-only: only with --to gguf"),
+    ]
+    for args, expected in cases:
+        result = cli(*args)
+        assert result.returncode == 2, result.stderr
+        assert expected in result.stderr
+        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert (busy / "keep.txt").read_text() == "mine"
+
+
+# --- a trained run, exported three ways, each read back and held to the report ---
+
+
+# one precision of the session's shared run (tests/conftest.py) is enough here
+ONE_RUN = pytest.mark.parametrize("trained_run", ["no"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def exports(trained_run, tmp_path_factory):
+    """The session's trained Llama run exported merged (onto dequantized), as an f16 GGUF (onto
+    original) and as a q8_0 GGUF (onto dequantized)."""
+    from qlora_kit import export
+
+    adapter = trained_run.output_dir
+    folder = tmp_path_factory.mktemp("exports")
+    return adapter, {
+        "merged": export(adapter, "merged", out=folder / "merged", **SMALL),
+        "f16": export(adapter, "gguf", out=folder / "f16", qtype="f16", onto="original", **SMALL),
+        "q8_0": export(adapter, "gguf", out=folder / "q8_0", qtype="q8_0", **SMALL),
+    }
+
+
+@pytest.mark.slow
+@ONE_RUN
+@pytest.mark.parametrize("kind", ["merged", "f16", "q8_0"])
+def test_exports_answer_like_the_trained_adapter(exports, kind):
+    _, results = exports
+    report = results[kind].report
+    assert report["failures"] == []
+    trained = [
+        c for c in report["comparisons"] if c["against"] == "trained" and c["reader"] == "transformers"
+    ]
+    assert len(trained) == 1
+    # the same greedy answers on the run's validation prompts, the same prompt ids, the same template
+    assert trained[0]["greedy_agreement"] == 1.0
+    assert trained[0]["prompt_ids_match"] is True
+    assert trained[0]["template_match"] is True
+    written = json.loads((results[kind].output_dir / "export_report.json").read_text())
+    assert written["comparisons"] == report["comparisons"]
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_gguf_export_files_and_modelfile(exports):
+    _, results = exports
+    folder = results["q8_0"].output_dir
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "export_report.json", "model.gguf"]
+    modelfile = (folder / "Modelfile").read_text()
+    assert "FROM ./model.gguf" in modelfile
+    # the demo trains on alpaca prompts: that framing, not the tokenizer's ChatML, is what Ollama must send
+    assert 'TEMPLATE """### Instruction:\n{{ .Prompt }}\n\n### Response:\n"""' in modelfile
+    assert 'PARAMETER stop "</s>"' in modelfile and 'PARAMETER stop "<|im_end|>"' in modelfile
+    # quantization drift is reported against the dequantized merged model, apart from merge drift
+    against = {c["against"] for c in results["q8_0"].report["comparisons"]}
+    assert against >= {"trained", "merged"}
+    merged = sorted(p.name for p in results["merged"].output_dir.iterdir())
+    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json"):
+        assert name in merged
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_onto_original_and_dequantized_are_both_reported(exports):
+    _, results = exports
+    original, dequantized = results["f16"].report, results["merged"].report
+    assert (original["onto"], dequantized["onto"]) == ("original", "dequantized")
+    for report in (original, dequantized):
+        assert report["base_difference"]["layers"] == 28  # 7 linear layers x 4 blocks
+        assert report["base_difference"]["mean_relative"] > 0.01
+
+    def drift(report):
+        return next(c for c in report["comparisons"] if c["against"] == "trained")["mean_abs_logit"]
+
+    # merging onto the original weights adds the 4-bit rounding the adapter never saw
+    assert drift(original) > drift(dequantized)
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_a_corrupted_or_truncated_export_is_caught(exports, tmp_path):
+    from qlora_kit.after.export import check_export
+
+    adapter, results = exports
+    merged = shutil.copytree(results["merged"].output_dir, tmp_path / "merged")
+    weights = merged / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4096:] = bytes(4096)  # the last tensor's tail zeroed: a partial write or a bad copy
+    weights.write_bytes(bytes(data))
+    report = check_export(adapter, merged, **SMALL)
+    assert report["failures"] and "merged read by transformers" in report["failures"][0]
+
+    q8 = shutil.copytree(results["q8_0"].output_dir, tmp_path / "q8")
+    size = (q8 / "model.gguf").stat().st_size
+    with open(q8 / "model.gguf", "r+b") as file:
+        file.truncate(size // 2)
+    report = check_export(adapter, q8, **SMALL)
+    assert report["failures"] and "model.gguf cannot be read" in report["failures"][0]
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_lora_only_gguf_holds_every_adapter_matrix(exports, tmp_path):
+    from qlora_kit import export
+
+    adapter, _ = exports
+    result = export(adapter, "gguf", out=tmp_path / "lora", lora_only=True, **SMALL)
+    folder = result.output_dir
+    lora = gguf.GGUFReader(folder / "adapter.gguf")
+    assert lora.fields["general.type"].contents() == "adapter"
+    assert lora.fields["adapter.lora.alpha"].contents() == 32.0
+    names = {t.name: tuple(t.shape) for t in lora.tensors}
+    assert len(names) == 2 * 28
+    assert names["blk.0.attn_q.weight.lora_a"] == (128, 16)  # GGUF lists dimensions innermost first
+    assert "ADAPTER ./adapter.gguf" in (folder / "Modelfile").read_text()
+    llama_cpp = pytest.importorskip("llama_cpp")
+    assert llama_cpp  # with llama.cpp installed the report compared base + adapter through it
+    assert any(c["reader"] == "llama.cpp" for c in result.report["comparisons"])
