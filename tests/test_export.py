@@ -224,3 +224,21 @@ def test_lora_only_gguf_holds_every_adapter_matrix(exports, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     assert llama_cpp  # with llama.cpp installed the report compared base + adapter through it
     assert any(c["reader"] == "llama.cpp" for c in result.report["comparisons"])
+
+
+@pytest.mark.slow
+def test_the_dpo_demos_adapter_exports_and_passes(tmp_path):
+    from qlora_kit import Recipe, export, train
+
+    overrides = {
+        "train.output_dir": str(tmp_path / "dpo"),
+        "train.sample_prompts": 0,
+        "train.eval_steps": None,
+        "train.max_steps": 4,
+    }
+    run = train(Recipe.from_yaml(ROOT / "recipes" / "demo-dpo.yaml", overrides=overrides))
+    result = export(run.output_dir, "gguf", out=tmp_path / "gguf", qtype="f16", **SMALL)
+    assert result.report["failures"] == []
+    # preference rows: the prompt is asked with the chosen answer as the reference
+    assert result.report["prompts"] == 4
+    assert {c["against"] for c in result.report["comparisons"]} >= {"trained", "merged"}

@@ -13,8 +13,8 @@ def test_package_exports_and_signatures():
     # Importing the modules behind them must not replace the package's functions (a module named
     # qlora_kit/evaluate.py would: submodules become package attributes on import).
     import qlora_kit.after.evaluate
-    import qlora_kit.after.generate
     import qlora_kit.after.export
+    import qlora_kit.after.generate
     import qlora_kit.after.merge
     import qlora_kit.training.pipeline
 
