@@ -211,7 +211,7 @@ def test_a_corrupted_or_truncated_export_is_caught(exports, tmp_path):
 def test_lora_only_gguf_holds_every_adapter_matrix(exports, tmp_path):
     from qlora_kit import export
 
-    adapter, _ = exports
+    adapter, results = exports
     result = export(adapter, "gguf", out=tmp_path / "lora", lora_only=True, **SMALL)
     folder = result.output_dir
     lora = gguf.GGUFReader(folder / "adapter.gguf")
@@ -221,6 +221,16 @@ def test_lora_only_gguf_holds_every_adapter_matrix(exports, tmp_path):
     assert len(names) == 2 * 28
     assert names["blk.0.attn_q.weight.lora_a"] == (128, 16)  # GGUF lists dimensions innermost first
     assert "ADAPTER ./adapter.gguf" in (folder / "Modelfile").read_text()
+    # base + (alpha / r) * B @ A, as llama.cpp applies it, is the merged model's weight in llama.cpp's
+    # row order: B's rows carry the rope permutation, the scale is the adapter's
+    base = {t.name: t for t in gguf.GGUFReader(folder / "base.gguf").tensors}
+    tensors = {t.name: t.data for t in lora.tensors}
+    key = "blk.1.attn_k.weight"
+    applied = base[key].data.astype("float32") + (32.0 / 16) * (
+        tensors[key + ".lora_b"] @ tensors[key + ".lora_a"]
+    )
+    expected = _merged_weight(results["merged"].output_dir, "model.layers.1.self_attn.k_proj.weight")
+    assert abs(applied - expected).max() < 2e-3  # bf16 rounding of the merge; the update is ~3e-2
     llama_cpp = pytest.importorskip("llama_cpp")
     assert llama_cpp  # with llama.cpp installed the report compared base + adapter through it
     assert any(c["reader"] == "llama.cpp" for c in result.report["comparisons"])
@@ -242,3 +252,16 @@ def test_the_dpo_demos_adapter_exports_and_passes(tmp_path):
     # preference rows: the prompt is asked with the chosen answer as the reference
     assert result.report["prompts"] == 4
     assert {c["against"] for c in result.report["comparisons"]} >= {"trained", "merged"}
+
+
+def _merged_weight(folder, key):
+    """A merged export's weight in llama.cpp's row order (the writer's own permutation)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from qlora_kit.after import gguf_writer
+
+    config = AutoConfig.from_pretrained(folder)
+    with safe_open(folder / "model.safetensors", "pt") as tensors:
+        weight = tensors.get_tensor(key).float()
+    return gguf_writer._permuted(key, weight, config, gguf_writer.FAMILIES["llama"]).numpy()

@@ -158,10 +158,13 @@ def verify(
     """The parity figures of every reader of the export in ``folder``, and the failures among them (an
     export a reader cannot load, a truncated file say, is one)."""
     recipe = adapters.recipe_of(adapter_dir)
+    readers = list(_readers(folder, report))
+    if not readers:  # a LoRA GGUF without llama.cpp: nothing independent can read it
+        return {"prompts": 0, "tokens": tokens, "comparisons": [], "failures": []}
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
     comparisons, failures = [], []
     kind = report["type"] if report["to"] == "gguf" else "merged"
-    for label, open_reader, against in _readers(folder, report):
+    for label, open_reader, against in readers:
         try:
             reader = open_reader()
             if reader is None:
@@ -237,7 +240,8 @@ def _readers(folder: Path, report: dict):
             ),
             "merged",
         )
-    yield files["gguf"], lambda: _pair(parity.llama_cpp_reader(gguf)), "trained"
+    if parity.llama_cpp_installed():
+        yield files["gguf"], lambda: _pair(parity.llama_cpp_reader(gguf)), "trained"
 
 
 def _pair(reader):
