@@ -237,7 +237,8 @@ def test_lora_only_gguf_holds_every_adapter_matrix(exports, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_dpo_demos_adapter_exports_and_passes(tmp_path):
+@ONE_RUN
+def test_the_dpo_demos_adapter_exports_and_passes(trained_run, tmp_path):
     from qlora_kit import Recipe, export, train
 
     overrides = {
@@ -245,11 +246,12 @@ def test_the_dpo_demos_adapter_exports_and_passes(tmp_path):
         "train.sample_prompts": 0,
         "train.eval_steps": None,
         "train.max_steps": 4,
+        "model.adapter": str(trained_run.output_dir),  # SFT -> DPO, as the README runs the demo
     }
     run = train(Recipe.from_yaml(ROOT / "recipes" / "demo-dpo.yaml", overrides=overrides))
     result = export(run.output_dir, "gguf", out=tmp_path / "gguf", qtype="f16", **SMALL)
     assert result.report["failures"] == []
-    # preference rows: the prompt is asked with the chosen answer as the reference
+    # preference rows: each validation pair's prompt, with the chosen answer as the reference
     assert result.report["prompts"] == 4
     assert {c["against"] for c in result.report["comparisons"]} >= {"trained", "merged"}
 
