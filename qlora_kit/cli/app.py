@@ -364,7 +364,8 @@ def export(
         for line in report["failures"]:
             errors.print(f"[bold red]parity:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(GUARD_STOP)
-    console.print(f"export written to [bold]{folder}[/]", highlight=False)
+    done = "checked" if check is not None else "written to"
+    console.print(f"export {done} [bold]{folder}[/]", highlight=False)
 
 
 @app.command()
