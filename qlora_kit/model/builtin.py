@@ -34,7 +34,7 @@ DEMO_DATASETS = {
 }
 
 # Bump when the build below changes, so caches from an older build are not reused.
-BUILD_VERSION = 1
+BUILD_VERSION = 2  # 2: Qwen2's tokenizer class adds a token, which gets its embedding row
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 TOKENIZER_VOCAB = 640
 LM_HEAD_SCALE = 8.0
@@ -132,7 +132,7 @@ def _build(name: str, shape: dict, folder: Path) -> None:
     config_class, extra = TINY_ARCHITECTURES[name]
     shape = dict(shape)
     config = getattr(transformers, config_class)(
-        vocab_size=shape.pop("vocab_size", len(tokenizer)),  # benchmarks widen it; the tokenizer stays
+        vocab_size=shape.pop("vocab_size", _tokens_as_loaded(tokenizer, config_class)),  # benchmarks widen it
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -154,6 +154,17 @@ def _build(name: str, shape: dict, folder: Path) -> None:
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+def _tokens_as_loaded(tokenizer, config_class: str) -> int:
+    """How many tokens the saved tokenizer has once AutoTokenizer loads it for this architecture: Qwen2's
+    tokenizer class adds its own <|endoftext|>, which must have an embedding row too (the loader refuses
+    a tokenizer larger than the embeddings, model/loading.check_vocab_fits)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        config = getattr(transformers, config_class)()
+        config.save_pretrained(folder)
+        return max(len(tokenizer), len(transformers.AutoTokenizer.from_pretrained(folder)))
 
 
 def build_tokenizer():
