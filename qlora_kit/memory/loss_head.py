@@ -41,10 +41,28 @@ from qlora_kit.data.formats import IGNORE_INDEX
 UNSUPPORTED_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
 
 
-def supports_chunked_loss(causal_lm) -> bool:
-    config = causal_lm.config.get_text_config()
-    plain_head = all(getattr(config, name, None) in (None, 1, 1.0) for name in UNSUPPORTED_HEAD_FIELDS)
-    return plain_head and hasattr(causal_lm, "set_output_embeddings")
+def has_plain_head(config) -> bool:
+    """Whether the model's head is lm_head(hidden) alone (Gemma-2's logit soft-capping, for one, is not)."""
+    text = config.get_text_config()
+    return all(getattr(text, name, None) in (None, 1, 1.0) for name in UNSUPPORTED_HEAD_FIELDS)
+
+
+def uses_chunked_loss(recipe, config) -> bool:
+    """Whether a run of ``recipe`` on a model of ``config`` trains with the chunked head (objectives.py
+    decides the same way): asked for, not DPO (TRL's head keeps no whole logits already), and a plain head."""
+    return recipe.memory.chunked_loss and recipe.train.objective != "dpo" and has_plain_head(config)
+
+
+def final_hidden_states(model, model_inputs: dict[str, Any], causal_lm) -> torch.Tensor:
+    """The model's forward pass with an identity in place of its head: (B, T, H) final hidden states."""
+    head = causal_lm.get_output_embeddings()
+    # For the forward pass the head is an identity, so the model returns its final hidden states where
+    # it would return logits; the real head is then applied chunk by chunk.
+    causal_lm.set_output_embeddings(torch.nn.Identity())
+    try:
+        return model(**model_inputs, use_cache=False).logits
+    finally:
+        causal_lm.set_output_embeddings(head)
 
 
 def chunked_lm_loss(
@@ -65,13 +83,7 @@ def chunked_lm_loss(
     labels = inputs["labels"]
     model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
     head = causal_lm.get_output_embeddings()
-    # For the forward pass the head is an identity, so the model returns its final hidden states where
-    # it would return logits; the real head is then applied chunk by chunk below.
-    causal_lm.set_output_embeddings(torch.nn.Identity())
-    try:
-        hidden = model(**model_inputs, use_cache=False).logits  # (B, T, H)
-    finally:
-        causal_lm.set_output_embeddings(head)
+    hidden = final_hidden_states(model, model_inputs, causal_lm)  # (B, T, H)
     targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
     trained = targets != IGNORE_INDEX
     # (n, H): only positions whose next token is trained, in the head's dtype (a lossless cast back when

@@ -56,6 +56,7 @@ import torch
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
+from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries.optimizers import OPTIMIZERS
@@ -137,10 +138,9 @@ def activation_bytes(
                 per_layer[i] -= kept_layer_bytes(shape, recipe, n, "cpu", grad) - kept_layer_bytes(
                     shape, recipe, n, device, grad
                 )
-    if recipe.memory.chunked_loss:  # which positions it keeps depends on the labels' values: closed form
-        head = head_bytes(shape, recipe, batch, seq, trained_tokens)
-    else:
-        head = traced.head_checkpointed if any(flags) else traced.head
+    head = traced.head_checkpointed if any(flags) else traced.head
+    if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
+        head += selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
     return Activations(per_layer, head, source="traced")
 
 
@@ -176,19 +176,32 @@ def head_bytes(
     shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
 ) -> int:
     """What the final norm and the loss keep for backward; ``trained_tokens`` defaults to every position."""
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
     tokens = batch * seq
     norm = tokens * (4 * shape.hidden + 4)
-    if recipe.memory.chunked_loss:
-        trained = batch * (seq - 1) if trained_tokens is None else trained_tokens
-        # the trained positions' hidden states and labels, and the mask that selected them
-        return norm + trained * (shape.hidden * c + 8) + batch * (seq - 1)
+    if chunked_head(shape, recipe):
+        return norm + selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
     return norm + tokens * shape.vocab * 4 + tokens * 8 + 4
+
+
+def chunked_head(shape: ModelShape, recipe: Recipe) -> bool:
+    """Whether the run trains with the chunked loss head (a model whose config is unknown is assumed
+    to have a plain head)."""
+    return recipe.memory.chunked_loss if shape.config is None else uses_chunked_loss(recipe, shape.config)
+
+
+def selected_positions_bytes(
+    shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
+) -> int:
+    """What the chunked loss head keeps beyond the forward pass (``loss_head.chunked_lm_loss``): the
+    trained positions' final hidden states and labels, and the boolean mask that selected them."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    trained = batch * (seq - 1) if trained_tokens is None else trained_tokens
+    return trained * (shape.hidden * c + 8) + batch * (seq - 1)
 
 
 def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    rows = min(tokens, recipe.memory.loss_chunk_tokens) if recipe.memory.chunked_loss else tokens
+    rows = min(tokens, recipe.memory.loss_chunk_tokens) if chunked_head(shape, recipe) else tokens
     return rows * shape.vocab * (c + 4 + 4)
 
 

@@ -18,9 +18,12 @@ measures it (``accounting.SavedTensors``, ``saved_tensors_hooks``), on a model t
 Two traces, no checkpointing and every layer checkpointed, give the figures any policy is composed
 from: a kept layer of each type, a checkpointed layer of each type, and the first layer in each trace
 (which also holds what the layers share: the rotary tables, the attention mask). What tracing cannot
-see stays closed-form in the planner: 4-bit weight bytes, optimizer state, CUDA transients, the
-chunked loss head (its selection of trained positions depends on the labels' values), and on CUDA the
-dropout masks, which are 1 byte per value there against 4 on the CPU.
+see stays closed-form in the planner: 4-bit weight bytes, optimizer state, CUDA transients, and on CUDA
+the dropout masks, which are 1 byte per value there against 4 on the CPU. With the chunked loss head
+(``loss_head.py``) the trace runs the forward pass the run runs, through ``final_hidden_states``, so
+the final norm and whatever the embeddings keep are traced; which positions the head then keeps
+depends on the labels' values, which fake tensors do not have, so that selection is closed form (it
+is a tensor of known shape per trained position: the hidden state and its label).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from transformers import AutoModelForCausalLM, masking_utils
 
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
+from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.registries import attention
 
 if TYPE_CHECKING:
@@ -58,6 +62,8 @@ class TracedLayers:
     head: int  # the final norm and transformers' loss
     head_checkpointed: int  # the same under checkpointing, which makes the embeddings' output need a
     # gradient (so an embedding dropout, GPT-2's, keeps its mask)
+    chunked_head: bool = False  # the run uses the chunked loss head: ``head`` is its forward pass without
+    # the selection of trained positions (the planner adds that)
 
     def per_layer(self, flags: list[bool]) -> list[int]:
         """Bytes per layer for a policy's checkpointed flags (layer 0 is checkpointed under any policy
@@ -84,7 +90,7 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
     when this architecture's code cannot run on fake tensors."""
     key = (
         config.to_json_string(),
-        recipe.model_dump_json(include={"model", "quant", "lora", "data", "memory"}),
+        recipe.model_dump_json(include={"model": True, "quant": True, "lora": True, "data": True, "memory": True, "train": {"objective"}}),
     )
     key += (batch, seq, precision)
     if key not in _TRACED:
@@ -115,6 +121,7 @@ def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) ->
         checkpointed={short_types[i]: full[f"layer {i}"] for i in later},
         head=plain[OUTSIDE],
         head_checkpointed=full[OUTSIDE],
+        chunked_head=uses_chunked_loss(recipe, config),
     )
 
 
@@ -164,7 +171,10 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
         inputs = _batch(batch, seq, recipe.data.packs)
         counter = SavedTensors(peft_model)
         with counter.counting(), autocast, _no_packed_mask(not masked_rows):
-            peft_model(**inputs)
+            if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
+                final_hidden_states(peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model)
+            else:
+                peft_model(**inputs)
     per_layer = counter.result().per_layer
     return {
         name: per_layer.get(name, 0)

@@ -15,7 +15,7 @@ from transformers import EarlyStoppingCallback
 
 from qlora_kit.data import prepare
 from qlora_kit.memory import optimizers
-from qlora_kit.memory.loss_head import supports_chunked_loss
+from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.training.guards import TrainingGuard
@@ -54,7 +54,7 @@ def build_trainer(
     monitor = MemoryMonitor()
     throughput = Throughput(peft_model, peak_tflops(recipe.train.peak_tflops))
     # DPO: TRL's head computes the answers' log-probabilities without whole logits already
-    chunked = recipe.memory.chunked_loss and not dpo and supports_chunked_loss(peft_model.get_base_model())
+    chunked = uses_chunked_loss(recipe, peft_model.get_base_model().config)
     patience = recipe.train.early_stopping_patience
     stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
     collator = (
