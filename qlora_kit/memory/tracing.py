@@ -170,7 +170,7 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
         counter = SavedTensors(peft_model)
-        with counter.counting(), autocast, _no_packed_mask(not masked_rows), _padded(not recipe.data.packing):
+        with counter.counting(), autocast, _no_packed_mask(not masked_rows):
             if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
                 final_hidden_states(peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model)
             else:
@@ -199,23 +199,6 @@ def _no_packed_mask(active: bool):
         masking_utils.find_packed_sequence_indices = original
 
 
-@contextlib.contextmanager
-def _padded(active: bool):
-    """Unpacked rows of different lengths are padded, and transformers then builds a mask that attention
-    keeps; it skips it when no position is padded, which it finds by reading the mask's values
-    (``masking_utils._ignore_causal_mask_sdpa``). Fake tensors have none: plan the padded batch (the
-    larger, so the plan over-predicts a batch of rows of one length by the mask)."""
-    if not active:
-        yield
-        return
-    original = masking_utils._ignore_causal_mask_sdpa
-    masking_utils._ignore_causal_mask_sdpa = lambda *args, **kwargs: False
-    try:
-        yield
-    finally:
-        masking_utils._ignore_causal_mask_sdpa = original
-
-
 def _fake_on_cpu(model: torch.nn.Module, mode: FakeTensorMode) -> None:
     cpu = torch.device("cpu")
     for module in model.modules():
@@ -231,7 +214,11 @@ def _batch(batch: int, seq: int, packing: bool) -> dict[str, torch.Tensor]:
     packed rows carry restarting position ids (two examples a row) and no attention mask."""
     ids = torch.zeros(batch, seq, dtype=torch.long)
     inputs = {"input_ids": ids, "labels": ids}
-    if not packing:  # the padding collator's mask (a padded batch: see _padded)
+    if not packing:
+        # The padding collator's mask. Of a batch of rows of one length transformers builds no attention
+        # mask, of a padded batch one that attention keeps; it tells them apart by the mask's values,
+        # which fake tensors do not have, so it builds one (``masking_utils._ignore_causal_mask_sdpa``):
+        # the padded batch, the larger, is planned.
         inputs["attention_mask"] = torch.ones(batch, seq, dtype=torch.long)
     if packing:
         positions = torch.arange(seq).repeat(batch, 1)

@@ -1,0 +1,77 @@
+"""The planner off its own grid: a sample of benchmarks/planner_accuracy.py's rows, each a real run.
+
+Each case is a recipe a user could write (a data format, LoRA dropout, the chunked head, packing,
+autocast, a policy), set up by ``pipeline.build`` and trained one step by the real ``Trainer.train``;
+the bytes the run itself counted as saved for backward (its ``saved_mib``) are compared with
+``plan`` at the shape of the batch it trained on. The cases are the settings that once fooled it:
+Gemma-2's soft-capped head (which keeps transformers' loss, not the chunked one), a LayerNorm final
+norm under the chunked head (GPT-NeoX), padded unpacked rows (their attention mask), and LoRA
+dropout 0 under the Trainer's bf16 autocast.
+"""
+
+import json
+
+import pytest
+
+from qlora_kit import Recipe
+from qlora_kit.memory.planner import plan
+from qlora_kit.training.pipeline import build
+
+WORDS = "the cat sat on a mat while rain fell over hills and rivers under grey skies".split()
+
+# (family, policy, data format, packing, LoRA dropout, chunked head, autocast, words per example)
+CASES = [
+    ("tiny-gemma2", "full", "text", False, 0.0, True, "no", 120),
+    ("tiny-gptneox", "full", "completion", True, 0.0, True, "no", 60),
+    ("tiny-llama", "every_n", "text", False, 0.05, False, "no", 30),
+    ("tiny-qwen3", "none", "chat", True, 0.0, True, "bf16", 40),
+]
+
+
+def write_rows(path, fmt: str, words: int) -> None:
+    """Eight rows of different lengths (so unpacked batches are padded)."""
+    with path.open("w", encoding="utf-8") as out:
+        for index in range(8):
+            answer = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(words + 7 * index))
+            row = {
+                "text": {"text": answer},
+                "completion": {"prompt": "Continue:", "completion": answer},
+                "chat": {"messages": [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": answer}]},
+            }[fmt]
+            out.write(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize(
+    ("family", "policy", "fmt", "packing", "dropout", "chunked", "precision", "words"),
+    CASES,
+    ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES],
+)
+def test_plan_matches_what_the_run_saves(tmp_path, family, policy, fmt, packing, dropout, chunked, precision, words):
+    data = tmp_path / "rows.jsonl"
+    write_rows(data, fmt, words)
+    recipe = Recipe.from_dict(
+        {
+            "model": {"path": f"builtin:{family}"},
+            "memory": {"checkpointing": policy, "every_n": 2, "chunked_loss": chunked},
+            "lora": {"dropout": dropout},
+            "data": {"path": str(data), "format": fmt, "packing": packing, "max_seq_len": 256},
+            "train": {
+                "output_dir": str(tmp_path / "out"),
+                "micro_batch_size": 2,
+                "mixed_precision": precision,
+                "max_steps": 1,
+            },
+        }
+    )
+    setup = build(recipe)
+    shapes = []
+    setup.model.register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True
+    )
+    setup.trainer.train()  # train(), not training_step: only train() runs the forward under autocast
+    measured = setup.trainer.memory_monitor.largest
+    batch, seq = shapes[0]
+    the_plan = plan(recipe, batch=batch, seq=seq, device="cpu")
+    planned = the_plan.chosen(recipe).activations
+    # over-predicting a little is allowed (every position is assumed trained); under-predicting is not
+    assert -0.02 <= planned / measured.total - 1 <= 0.05, (planned, measured.per_layer)
