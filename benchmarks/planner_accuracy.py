@@ -11,8 +11,8 @@ The settings that move what is kept, varied across the rows: LoRA dropout (0, wh
 a dropout module, and 0.05), the chunked loss head (off, on with its default chunk, on with a 64-token
 chunk), the data format (alpaca, chat, completion, text), packing, the Trainer's autocast (none, bf16),
 the checkpointing policy (none, every 2nd layer, full) and the micro-batch x length (2 x 512, 4 x 256).
-Every setting is crossed with every family and policy once; the other settings rotate over the rows
-(a covering sample of the full product, which would take hours). Examples are about 45% of
+Each family x policy x shape is one row; the other settings rotate over the rows (``grid``: a covering
+sample of the full product, which would take hours). Examples are about 45% of
 ``max_seq_len``, so packed rows hold two and unpacked batches are padded to the longer example.
 
     python benchmarks/planner_accuracy.py
@@ -20,7 +20,6 @@ Every setting is crossed with every family and policy once; the other settings r
 
 from __future__ import annotations
 
-import itertools
 import json
 import random
 import tempfile
@@ -34,7 +33,24 @@ SHAPES = [(2, 512), (4, 256)]  # micro-batch x max_seq_len
 FORMATS = ["alpaca", "chat", "completion", "text"]
 HEADS = ["off", "on", "on, 64-token chunks"]  # memory.chunked_loss and memory.loss_chunk_tokens
 MIB = 2**20
-WORDS = "the cat sat on a mat while rain fell over hills and rivers under grey skies".split()
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "rain",
+    "fell",
+    "over",
+    "hills",
+    "and",
+    "rivers",
+    "under",
+    "grey",
+    "skies",
+]
 RECIPES = [
     "recipes/llama3-8b-alpaca-24gb.yaml",
     "recipes/mistral-7b-alpaca-24gb.yaml",
@@ -43,25 +59,27 @@ RECIPES = [
 
 
 def grid(families: list[str]) -> list[dict]:
-    """Each family x policy x shape once; the other settings rotate so each level meets each family."""
+    """Each family x policy x shape once. The other settings rotate with the family, the policy and the
+    shape, so that each family meets every format, each family x policy both packings and both
+    dropouts and two of the three heads, and each policy every head and both autocasts."""
     cases = []
-    for index, (family, (policy, every_n), (batch, seq)) in enumerate(
-        itertools.product(families, POLICIES, SHAPES)
-    ):
-        cases.append(
-            {
-                "family": family,
-                "policy": policy,
-                "every_n": every_n,
-                "batch": batch,
-                "seq": seq,
-                "format": FORMATS[index % 4],
-                "dropout": (0.0, 0.05)[(index // 2) % 2],
-                "head": HEADS[index % 3],
-                "packing": (index // 3) % 2 == 0,
-                "precision": ("no", "bf16")[(index // 4) % 2],
-            }
-        )
+    for f, family in enumerate(families):
+        for p, (policy, every_n) in enumerate(POLICIES):
+            for s, (batch, seq) in enumerate(SHAPES):
+                cases.append(
+                    {
+                        "family": family,
+                        "policy": policy,
+                        "every_n": every_n,
+                        "batch": batch,
+                        "seq": seq,
+                        "format": FORMATS[(f + 2 * p + s) % 4],
+                        "dropout": (0.0, 0.05)[(f + s) % 2],
+                        "head": HEADS[(f + p + 2 * s) % 3],
+                        "packing": (f + p + s) % 2 == 0,
+                        "precision": ("no", "bf16")[(f + p) % 2],
+                    }
+                )
     return cases
 
 
@@ -75,7 +93,12 @@ def write_data(folder: Path, fmt: str, seq: int) -> Path:
             answer = " ".join(rng.choice(WORDS) for _ in range(int(0.45 * seq / 2.8)))
             row = {
                 "alpaca": {"instruction": "Continue.", "input": "", "output": answer},
-                "chat": {"messages": [{"role": "user", "content": "Continue."}, {"role": "assistant", "content": answer}]},
+                "chat": {
+                    "messages": [
+                        {"role": "user", "content": "Continue."},
+                        {"role": "assistant", "content": answer},
+                    ]
+                },
                 "completion": {"prompt": "Continue:", "completion": answer},
                 "text": {"text": answer},
             }[fmt]

@@ -17,7 +17,24 @@ from qlora_kit import Recipe
 from qlora_kit.memory.planner import plan
 from qlora_kit.training.pipeline import build
 
-WORDS = "the cat sat on a mat while rain fell over hills and rivers under grey skies".split()
+WORDS = [
+    "the",
+    "cat",
+    "sat",
+    "on",
+    "a",
+    "mat",
+    "while",
+    "rain",
+    "fell",
+    "over",
+    "hills",
+    "and",
+    "rivers",
+    "under",
+    "grey",
+    "skies",
+]
 
 # (family, policy, data format, packing, LoRA dropout, chunked head, autocast, words per example)
 CASES = [
@@ -36,7 +53,12 @@ def write_rows(path, fmt: str, words: int) -> None:
             row = {
                 "text": {"text": answer},
                 "completion": {"prompt": "Continue:", "completion": answer},
-                "chat": {"messages": [{"role": "user", "content": "Go on."}, {"role": "assistant", "content": answer}]},
+                "chat": {
+                    "messages": [
+                        {"role": "user", "content": "Go on."},
+                        {"role": "assistant", "content": answer},
+                    ]
+                },
             }[fmt]
             out.write(json.dumps(row) + "\n")
 
@@ -46,7 +68,9 @@ def write_rows(path, fmt: str, words: int) -> None:
     CASES,
     ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES],
 )
-def test_plan_matches_what_the_run_saves(tmp_path, family, policy, fmt, packing, dropout, chunked, precision, words):
+def test_plan_matches_what_the_run_saves(
+    tmp_path, family, policy, fmt, packing, dropout, chunked, precision, words
+):
     data = tmp_path / "rows.jsonl"
     write_rows(data, fmt, words)
     recipe = Recipe.from_dict(

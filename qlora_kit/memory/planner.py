@@ -55,8 +55,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.loss_head import uses_chunked_loss
+from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries.optimizers import OPTIMIZERS

@@ -90,7 +90,16 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
     when this architecture's code cannot run on fake tensors."""
     key = (
         config.to_json_string(),
-        recipe.model_dump_json(include={"model": True, "quant": True, "lora": True, "data": True, "memory": True, "train": {"objective"}}),
+        recipe.model_dump_json(
+            include={
+                "model": True,
+                "quant": True,
+                "lora": True,
+                "data": True,
+                "memory": True,
+                "train": {"objective"},
+            }
+        ),
     )
     key += (batch, seq, precision)
     if key not in _TRACED:
