@@ -14,6 +14,7 @@ import json
 import pytest
 
 from qlora_kit import Recipe
+from qlora_kit.cli import views
 from qlora_kit.memory.planner import plan
 from qlora_kit.training.pipeline import build
 
@@ -99,3 +100,18 @@ def test_plan_matches_what_the_run_saves(
     planned = the_plan.chosen(recipe).activations
     # over-predicting a little is allowed (every position is assumed trained); under-predicting is not
     assert -0.02 <= planned / measured.total - 1 <= 0.05, (planned, measured.per_layer)
+
+
+@pytest.mark.parametrize(
+    ("family", "chunked", "head_from"),
+    [
+        ("tiny-llama", True, "traced, the trained positions closed form"),
+        ("tiny-gemma2", True, "traced"),  # soft-capped: the run keeps transformers' loss
+        ("tiny-llama", False, "traced"),
+    ],
+)
+def test_plan_says_which_head_figures_are_closed_form(family, chunked, head_from):
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{family}"}, "memory": {"chunked_loss": chunked}})
+    the_plan = plan(recipe, device="cpu")
+    assert the_plan.head_source == head_from
+    assert views.plan_as_dict(the_plan, recipe, None)["loss_head_from"] == head_from

@@ -142,6 +142,9 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
             "closed form",
         )
         table.add_row("per GPU while loading (the whole 4-bit model)", size(plan.load_peak), "closed form")
+    layers_from = "traced" if plan.activation_source == "traced" else "Llama-shaped formula"
+    table.add_row("activations of the decoder layers (per policy, below)", "", layers_from)
+    table.add_row("activations of the loss head (in the policies' figures)", "", plan.head_source)
     console.print(table)
     if plan.activation_source == "traced":
         how = f"traced from the model's code under {plan.precision} autocast"
@@ -178,6 +181,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "seq": plan.seq,
         "precision": plan.precision,
         "activations_from": plan.activation_source,
+        "loss_head_from": plan.head_source,
         "weights_quantized": weights.quantized,
         "weights_unquantized": weights.unquantized,
         "lora_parameters": weights.lora,

@@ -10,9 +10,14 @@ Weights (``shapes.py``): 4-bit linears with their quantization constants, unquan
   value (32-bit) or 2 + 8/256 (8-bit: two uint8 moments and an fp32 absmax per 256-block, plus two
   1 KiB quantization maps per tensor; tensors under 4,096 values stay 32-bit).
 
-Activations kept for backward: traced (``tracing.py``) under the autocast the Trainer will use. The
-chunked loss head stays closed form (below), and on CUDA dropout masks are corrected from the CPU's 4
-bytes a value to 1. When a model's code cannot run on fake tensors, the formula below, written for a
+Activations kept for backward: traced (``tracing.py``) under the autocast the Trainer will use, through
+the loss head the run will use (``loss_head.uses_chunked_loss``: Gemma-2's soft-capped head keeps
+transformers' loss). Closed form: which positions the chunked head keeps (every position is assumed
+trained; prompt tokens it skips make the plan over-predict), and on CUDA dropout masks, corrected from
+the CPU's 4 bytes a value to 1. Unpacked rows are planned as a padded batch (with the attention mask
+transformers builds for one) and packed rows as holding two examples each (with their block-diagonal
+mask): a batch of rows of one length, or of one example each, keeps no mask, and the plan over-predicts
+it by that mask. When a model's code cannot run on fake tensors, the formula below, written for a
 Llama-shaped layer, is used instead (and ``plan`` says so):
 - a checkpointed decoder layer keeps only its input: N x hidden x c;
 - a kept layer: its two RMSNorms keep their fp32 input and 1/rms (N x (4 hidden + 4) each; the first
@@ -75,6 +80,7 @@ class Activations:
     per_layer: list[int]
     head: int
     source: str = "formula"  # "traced": the layers' figures come from running the model's code (tracing.py)
+    head_source: str = "closed form"  # how the head's figure was found (plan's "from" column)
 
     @property
     def total(self) -> int:
@@ -139,9 +145,11 @@ def activation_bytes(
                     shape, recipe, n, device, grad
                 )
     head = traced.head_checkpointed if any(flags) else traced.head
+    head_source = "traced"
     if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
         head += selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
-    return Activations(per_layer, head, source="traced")
+        head_source = "traced, the trained positions closed form"
+    return Activations(per_layer, head, source="traced", head_source=head_source)
 
 
 def formula_activation_bytes(
@@ -224,6 +232,7 @@ class Plan:
     seq: int
     precision: str = "no"  # the Trainer's autocast the activations were traced under
     activation_source: str = "formula"  # or "traced"
+    head_source: str = "closed form"  # the loss head's: "traced", or traced with its selection closed form
     policies: list[PolicyPlan] = field(default_factory=list)
     shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
 
@@ -308,7 +317,7 @@ def plan(
     result.shards = processes if recipe.train.fsdp else 1
     # the largest layer's full activations: what backward rematerialises for a checkpointed layer
     uncheckpointed = activation_bytes(shape, recipe, "none", 0, batch, seq, device, precision=precision)
-    result.activation_source = uncheckpointed.source
+    result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
     if recipe.memory.checkpointing in ("none", "full"):
