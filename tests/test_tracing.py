@@ -34,9 +34,14 @@ def recipe_for(arch: str, policy: str, every_n: int, packing: bool) -> Recipe:
 
 
 def batch_of(packing: bool) -> dict[str, torch.Tensor]:
-    """As the collator builds it: packed rows carry restarting position ids and no attention mask."""
+    """As the collator builds it: packed rows carry restarting position ids and no attention mask;
+    unpacked rows are padded to the longest (the planner plans a padded batch: its mask is kept)."""
     ids = torch.randint(5, 600, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": ids, "labels": ids}
+    if not packing:
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[-1, -SEQ // 8 :] = 0  # the last row is shorter
+        batch["attention_mask"] = mask
     if packing:
         positions = torch.arange(SEQ).repeat(BATCH, 1)
         positions[:, SEQ // 2 :] -= SEQ // 2
