@@ -18,6 +18,7 @@ sample of the full product, which would take hours). Examples are about 45% of
 ``max_seq_len``, so packed rows hold two and unpacked batches are padded to the longer example.
 
     python benchmarks/planner_accuracy.py
+    python benchmarks/planner_accuracy.py --smoke --out /tmp/x   # every family, every_n=2, 2 x 64 tokens
 """
 
 from __future__ import annotations
@@ -28,10 +29,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, write_result
+from common import markdown_table, parser, write_result
 
 POLICIES = [("none", 1), ("every_n", 2), ("full", 1)]
 SHAPES = [(2, 512), (4, 256)]  # micro-batch x max_seq_len
+SMOKE = ([("every_n", 2)], [(2, 64)])  # policies, shapes: does it still run?
 FORMATS = ["alpaca", "chat", "completion", "text"]
 HEADS = ["off", "on", "on, 64-token chunks"]  # memory.chunked_loss and memory.loss_chunk_tokens
 MIB = 2**20
@@ -60,14 +62,14 @@ RECIPES = [
 ]
 
 
-def grid(families: list[str]) -> list[dict]:
+def grid(families: list[str], policies=POLICIES, shapes=SHAPES) -> list[dict]:
     """Each family x policy x shape once. The other settings rotate with the family, the policy and the
     shape, so that each family meets every format, each family x policy both packings and both
     dropouts and two of the three heads, and each policy every head and both autocasts."""
     cases = []
     for f, family in enumerate(families):
-        for p, (policy, every_n) in enumerate(POLICIES):
-            for s, (batch, seq) in enumerate(SHAPES):
+        for p, (policy, every_n) in enumerate(policies):
+            for s, (batch, seq) in enumerate(shapes):
                 cases.append(
                     {
                         "family": family,
@@ -191,9 +193,11 @@ def plan_seconds() -> list[list[str]]:
 def main() -> None:
     from qlora_kit.model import builtin
 
+    args = parser(__doc__).parse_args()
+    policies, shapes = SMOKE if args.smoke else (POLICIES, SHAPES)
     rows, errors, exact = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for case in grid(sorted(builtin.TINY_ARCHITECTURES)):
+        for case in grid(sorted(builtin.TINY_ARCHITECTURES), policies, shapes):
             measured, planned, untrained, (batch, seq) = measure(case, Path(tmp))
             errors.append(planned / measured - 1)
             exact.append((planned - untrained) / measured - 1)
@@ -235,6 +239,7 @@ def main() -> None:
         "memory.planner.plan at that batch's shape, device cpu, the recipe's policy; it assumes every "
         "position is trained, so the prompt and padding positions the chunked head skips make it over-predict: "
         "by hidden x 2 + 8 bytes each (the last column).",
+        args.out,
     )
 
 

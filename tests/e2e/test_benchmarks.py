@@ -25,13 +25,17 @@ SECONDS = N
 NOT_FINITE = re.compile(r"(?<![a-z])(nan|inf)(?=x\b|%|\b)", re.IGNORECASE)
 
 PLANNER_COLUMNS = [
-    (f"{kind} ({precision})" if kind.startswith("measured") else kind, pattern)
-    for precision in ("no autocast", "bf16 autocast")
-    for kind, pattern in (
-        ("measured MiB", N),
-        ("traced MiB (error)", WITH_ERROR),
-        ("formula MiB (error)", WITH_ERROR),
-    )
+    ("model", r"tiny-[\w-]+"),
+    ("policy", "none|every_n=2|full"),
+    ("batch x tokens", r"\d+ x \d+"),
+    ("format", "alpaca|chat|completion|text"),
+    ("packing", "on|off"),
+    ("LoRA dropout", N),
+    ("chunked head", "off|on|on, 64-token chunks"),
+    ("autocast", "no|bf16"),
+    ("measured MiB", N),
+    ("planned MiB (error)", WITH_ERROR),
+    ("of which untrained positions, MiB (error without them)", WITH_ERROR),
 ]
 # script -> (its result file, then per table: each column's name and the form of its cells, and the
 # number of rows at --smoke size)
@@ -68,7 +72,7 @@ TABLES = {
           ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs unchunked", rf"{N}x")], 2),
     ]),
     "planner_accuracy.py": ("planner-accuracy-cpu.md", [
-        ([("model", r"tiny-[\w-]+"), ("policy", "none|every_n=2|full"), ("packing", "on|off"), *PLANNER_COLUMNS], 18),
+        (PLANNER_COLUMNS, 9),
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
     ]),
     "vs_trl.py": ("vs-trl-cpu.md", [(
