@@ -64,6 +64,7 @@ def write_rows(path, fmt: str, words: int) -> None:
             out.write(json.dumps(row) + "\n")
 
 
+@pytest.mark.slow  # trains one step per case
 @pytest.mark.parametrize(
     ("family", "policy", "fmt", "packing", "dropout", "chunked", "precision", "words"),
     CASES,

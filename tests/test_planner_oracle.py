@@ -34,6 +34,9 @@ def hand_layer_bytes(cfg, dropout: bool, input_grad: bool) -> int:
     if dropout:
         lora += sum(N * d * 4 for name, d in d_ins.items() if input_grad or name not in "qkv")
     attention = N * head_dim * (2 * heads + 2 * kv_heads) * C + N * heads * 4  # q, k, v, out; fp32 lse
+    # rows padded to the longest (an attention mask, as every unpacked batch has): sdpa keeps the
+    # attention probabilities and the additive mask too
+    attention += BATCH * heads * SEQ * SEQ * C + BATCH * SEQ * SEQ * C
     mlp = 3 * N * inter * C  # gate, act(gate), up
     return norms + lora + attention + mlp
 
