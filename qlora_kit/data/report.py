@@ -44,7 +44,7 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     percentiles = {f"p{p}": round(cuts[p - 1]) for p in PERCENTILES} | {"max": max(lengths)}
     shares = prepare.pad_shares(prepared, unpacked, recipe.train.micro_batch_size, recipe.train.seed)
     # what data.packing: auto would choose (the view shows it beside the shares)
-    auto = layout.choose_layout(shares, layout.LAYOUTS[:1] if pairs else layout.LAYOUTS)
+    auto = layout.choose_layout(shares, ("padding",) if pairs else layout.AUTO)
     collator = None if pairs else prepare.build_collator(tokenizer, packing=False)
     checks = preflight.run_checks(prepared, recipe.data, tokenizer, collator)
     return DataView(examples, prepared.reports, percentiles, shares, checks, auto)

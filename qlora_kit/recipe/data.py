@@ -76,7 +76,7 @@ class DataSection(Section):
     train_on_inputs: bool = False
     """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
     packing: bool | Literal["auto"] = "auto"
-    """Pack examples into rows of up to max_seq_len tokens (restarting position ids: no cross-attention); auto: padding, group_by_length or packing, whichever pads least on this data (chosen and logged at the start of a run)."""
+    """Pack examples into rows of up to max_seq_len tokens (restarting position ids: no cross-attention); auto: padding or packing, whichever pads less on this data (chosen and logged at the start of a run; group_by_length, often less still, is asked for by name: a resume does not reproduce its order)."""
     group_by_length: bool = False
     """Batch examples of similar length (less padding without packing; the lighter alternative)."""
     preflight: PreflightSection = PreflightSection()

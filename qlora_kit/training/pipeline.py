@@ -194,9 +194,9 @@ def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Rec
     if recipe.train.objective == "dpo":
         allowed = ("padding",)  # TRL pads its pairs, which have no single length to group by
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
-        allowed = layout.LAYOUTS[:2]  # a kernel not known to keep packed examples apart
+        allowed = ("padding",)  # a kernel not known to keep packed examples apart
     else:
-        allowed = layout.LAYOUTS
+        allowed = layout.AUTO
     train = recipe.train
     data, prepared = layout.resolve_layout(prepared, recipe.data, train.micro_batch_size, train.seed, allowed)
     return recipe.model_copy(update={"data": data}), prepared
