@@ -36,9 +36,12 @@ def build_trainer(
     output_dir: Path,
     callbacks: list | None = None,
     guards: bool = True,
+    as_written: Recipe | None = None,
 ) -> GuardedTrainer:
     """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost).
-    ``train.objective: dpo`` builds TRL's DPOTrainer with the same additions (dpo.py)."""
+    ``train.objective: dpo`` builds TRL's DPOTrainer with the same additions (dpo.py). ``as_written``:
+    the recipe as the run writes it to recipe.yaml (``data.packing: auto`` unresolved), which the
+    trackers log; ``recipe`` is the one resolved for this run's data."""
     precision = resolve_mixed_precision(recipe)
     has_eval = val_set is not None
     dpo = recipe.train.objective == "dpo"
@@ -75,7 +78,7 @@ def build_trainer(
             throughput,
             metrics_log,
             *([guard] if guard is not None else []),
-            *tracker_callbacks(recipe, output_dir),
+            *tracker_callbacks(as_written or recipe, output_dir),
             *stopping,
             *(callbacks or []),
         ],

@@ -163,6 +163,7 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
         prepared = prepare.prepare_datasets(
             recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
         )
+    as_written = recipe  # what recipe.yaml holds and the trackers log
     recipe, prepared = _resolve_layout(recipe, prepared)
     if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
         collator = (
@@ -179,7 +180,7 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(
-        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards
+        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
     )
     if dpo:
         log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
