@@ -150,14 +150,19 @@ def tree_files() -> list[str]:
         capture_output=True,
         check=True,
     ).stdout.decode()
-    return [name for name in listed.split("\0") if name and (ROOT / name).is_file()]
+    # links too (qlora_kit/recipes -> ../recipes), copied as links
+    return [
+        name
+        for name in listed.split("\0")
+        if name and ((ROOT / name).is_file() or (ROOT / name).is_symlink())
+    ]
 
 
 def copy_tree(destination: Path, files: list[str]) -> None:
     for name in files:
         target = destination / name
         target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(ROOT / name, target)
+        shutil.copy2(ROOT / name, target, follow_symlinks=False)
 
 
 def check_snippets(mutations: list[Mutation]) -> list[str]:
@@ -221,6 +226,15 @@ def main() -> int:
         trees = [Path(scratch) / f"tree-{i}" for i in range(jobs)]
         for tree in trees:
             copy_tree(tree, files)
+        # The named tests must pass on the unmutated copy first: a copy they fail on (a file the copy
+        # lacks, a broken fixture) would have every mutation "caught" for nothing.
+        named = sorted({test for m in mutations for test in m.tests})
+        baseline = run_tests(trees[0], named)
+        if baseline.returncode != 0:
+            tail = (baseline.stdout + baseline.stderr)[-3000:]
+            print(f"error: the named tests fail on the unmutated copy:\n{tail}", file=sys.stderr)
+            return 1
+        print(f"baseline: the {len(named)} named tests pass on the unmutated copy", flush=True)
         queue = list(enumerate(mutations))
 
         def worker(tree: Path) -> list[tuple[int, str, float, str]]:

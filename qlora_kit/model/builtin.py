@@ -103,11 +103,16 @@ def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     folder = cache_root() / "models" / f"{name}-{key}"
     if (folder / "config.json").exists():
         return folder
+    return build_into(folder, lambda staging: _build(name, shape, staging))
+
+
+def build_into(folder: Path, build) -> Path:
+    """``build(staging)`` beside ``folder``, then renamed into place: a crash or a concurrent build never
+    leaves half a model in the cache (a concurrent build that won the rename is as good as ours)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
-    # Build beside the destination and rename: a crash or a concurrent build never leaves half a model.
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
-        _build(name, shape, staging)
+        build(staging)
         os.replace(staging, folder)
     except OSError:
         if not (folder / "config.json").exists():

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import builtin
 from qlora_kit.model.paths import first_line
-from qlora_kit.recipe.recipe import data_paths
+from qlora_kit.recipe.paths import data_paths
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import DataSection, ModelSection

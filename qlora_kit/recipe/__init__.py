@@ -3,8 +3,8 @@
 - ``base``: what every section shares (the pydantic base, local paths vs hub ids, one-line errors);
 - ``data``: the data section (one path or a mixture of sources, formats, lengths, layout, preflight);
 - ``preference``: the preference section (how ``train.objective: dpo`` scores pairs);
-- ``recipe``: the other sections, the cross-section rules, YAML loading, ``--set`` overrides and the
-  recipe's input paths;
+- ``paths``: the recipe's input paths, listed in one place (``Recipe.input_paths``);
+- ``recipe``: the other sections, the cross-section rules, YAML loading and ``--set`` overrides;
 - ``shipped``: the recipes shipped inside the package, found by name (``qlora-kit train demo``).
 
 Modules are imported by path (``from qlora_kit.recipe.recipe import Recipe``; the public API exports

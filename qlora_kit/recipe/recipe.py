@@ -20,8 +20,9 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.recipe.base import Section, describe_validation_error, looks_local, one_line
+from qlora_kit.recipe.base import Section, describe_validation_error, one_line
 from qlora_kit.recipe.data import DataSection
+from qlora_kit.recipe.paths import data_paths, is_local_path, path_fields, resolve_paths
 from qlora_kit.recipe.preference import PreferenceSection
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
@@ -286,7 +287,7 @@ class Recipe(Section):
             raise RecipeError(f"{path}: not valid YAML ({one_line(str(exc))})") from None
         if not isinstance(values, dict):
             raise RecipeError(f"{path}: a recipe must be a mapping of sections, got {type(values).__name__}")
-        _resolve_paths(values, path.parent)
+        resolve_paths(values, path.parent)
         return cls.from_dict(values, overrides)
 
     @classmethod
@@ -352,50 +353,6 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any
             raise RecipeError(f"{section}: must be a mapping (got {target!r})")
         target[field] = value
     return merged
-
-
-_PATH_FIELDS = [("model", "path"), ("model", "adapter"), ("data", "path"), ("data", "val_path")]
-
-
-def path_fields(values: dict[str, Any]) -> list[tuple[str, dict[str, Any], str]]:
-    """Every input path a recipe's values hold, as (field, the mapping holding it, its key): model.path,
-    model.adapter, the training data (data.path, or each of data.sources when there is a mixture) and
-    data.val_path. Read on raw values (resolving a recipe file's relative paths) and on a loaded recipe."""
-    data = values.get("data") if isinstance(values.get("data"), dict) else {}
-    sources = data.get("sources") if isinstance(data.get("sources"), list) else []
-    found = []
-    for section, key in _PATH_FIELDS:
-        if section == "data" and key == "path" and sources:
-            continue  # a mixture reads its sources, not data.path
-        found.append((f"{section}.{key}", values.get(section), key))
-    found += [(f"data.sources[{i}].path", source, "path") for i, source in enumerate(sources)]
-    return [
-        (field, block, key)
-        for field, block, key in found
-        if isinstance(block, dict) and isinstance(block.get(key), str)
-    ]
-
-
-def data_paths(data: DataSection) -> list[tuple[str, str]]:
-    """The data section's part of ``Recipe.input_paths``: the training sources and data.val_path (with
-    neither data.path nor data.sources, the demo data the run reads)."""
-    found = [(field, block[key]) for field, block, key in path_fields({"data": data.model_dump()})]
-    if data.path is None and not data.sources:
-        found.insert(0, ("data.path", data.source_list()[0].path))
-    return found
-
-
-def is_local_path(field: str, value: str) -> bool:
-    """A local file or folder, not a hub id or a builtin: name (an adapter is always a folder)."""
-    return field == "model.adapter" or looks_local(value)
-
-
-def _resolve_paths(values: dict[str, Any], base: Path) -> None:
-    """Make relative local paths absolute against the recipe's folder; hub ids and builtin: names stay."""
-    for field, block, key in path_fields(values):
-        value = block[key]
-        if is_local_path(field, value) and not Path(value).expanduser().is_absolute():
-            block[key] = str((base / value).resolve())
 
 
 def check_objective(recipe: Recipe) -> None:

@@ -21,7 +21,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.model import builtin
-from qlora_kit.recipe.recipe import data_paths
+from qlora_kit.recipe.paths import data_paths
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
