@@ -68,7 +68,8 @@ def check(kernel: str, compute_dtype: str, count: int) -> float:
     with torch.no_grad():  # a non-zero adapter, so the LoRA path is part of what is compared
         for name, param in peft_model.named_parameters():
             if "lora_B" in name:
-                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+                # the generator on the weight's device: a CPU generator cannot fill a CUDA tensor (the H200 run failed)
+                param.normal_(0, 0.05, generator=torch.Generator(device=param.device).manual_seed(1))
     peft_model.eval()
     tokenizer = builtin.build_tokenizer()
     rows = examples(tokenizer, count)
