@@ -176,3 +176,22 @@ def demo_run(tmp_path_factory, worker_id):
 
     folder, done = once_per_session(tmp_path_factory, worker_id, "demo", run_demo)
     return folder / "out", subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
+
+
+def run_cli_output(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """``qlora-kit ARGV`` in this process (the real typer app): its exit code, stdout and stderr."""
+    import sys
+
+    from qlora_kit.cli import app as cli
+
+    monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main()
+    captured = capsys.readouterr()
+    return exit_info.value.code, captured.out, captured.err
+
+
+def run_cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
+    """``qlora-kit ARGV`` in this process: its exit code and stderr (where its one-line errors go)."""
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    return code, err

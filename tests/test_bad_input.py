@@ -1,7 +1,6 @@
 """Bad input, generated: every wrong recipe or command line gives one clear line and exit code 2."""
 
 import shutil
-import sys
 from pathlib import Path
 from typing import get_args
 
@@ -11,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from qlora_kit import Recipe
-from qlora_kit.cli import app as cli
+
+from .conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -94,14 +94,6 @@ def bad_recipes(draw):
         return {"data": {"path": f"./{name}.jsonl", "val_fraction": 0.1}}, "data.path"
     values, field = draw(st.sampled_from(NONSENSE))
     return values, f"error: {field}: "
-
-
-def run_cli(argv, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.err
 
 
 @settings(

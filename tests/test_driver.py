@@ -3,14 +3,14 @@ stand-in nvidia-smi (a real script, run as nvidia-smi is), torch's CUDA from QLO
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from qlora_kit.cli import app as cli
 from qlora_kit.cli.doctor import _driver
 from qlora_kit.model import driver
+
+from .conftest import run_cli
 
 NEW_ENOUGH = "580.95.05"  # an R580 driver: runs CUDA 13.x
 TOO_OLD = "535.104.05"  # an R535 driver, common on cloud images: runs CUDA 12.x only
@@ -100,14 +100,6 @@ def test_a_cpu_build_of_torch_on_a_gpu_machine_says_which_build_to_install(machi
     assert "is a CPU build and cannot use the NVIDIA GPU" in check.detail
     assert "--index-url https://download.pytorch.org/whl/cu130" in check.detail
     assert driver.unusable_gpu() is None  # train refuses only a driver too old for torch's CUDA
-
-
-def run_cli(argv, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.err
 
 
 def test_train_stops_before_any_work_on_a_too_old_driver(machine, tmp_path, monkeypatch, capsys):

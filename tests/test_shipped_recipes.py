@@ -4,25 +4,17 @@ the planner's memory, shown, copied out without overwriting, and the same wherev
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from qlora_kit.cli import app as cli
 from qlora_kit.recipe import shipped
 from qlora_kit.recipe.recipe import Recipe
 
+from .conftest import run_cli_output as run_cli
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = sorted((ROOT / "recipes").glob("*.yaml"))
-
-
-def run_cli(argv, monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main()
-    captured = capsys.readouterr()
-    return exit_info.value.code, captured.out, captured.err
 
 
 def test_the_package_ships_the_repository_recipes_folder_itself():
