@@ -28,7 +28,30 @@ def parser(doc: str, out: Path = RESULTS) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out", type=Path, default=out, help="folder the results are written to (default: %(default)s)"
     )
+    parser.add_argument(
+        "--real-model",
+        action="store_true",
+        help=f"the real pretrained builtin:{REAL_MODEL} (the real-model extra) instead of the random tiny "
+        "model, at sizes that finish in minutes on 2 cores; writes NAME-real-DEVICE.md",
+    )
     return parser
+
+
+REAL_MODEL = "smollm2-135m-instruct"  # SmolLM2-135M-Instruct: 30 layers, hidden 576, vocabulary 49,152
+
+
+def device_name() -> str:
+    """``gpu`` or ``cpu``: the suffix of a result's file name."""
+    import torch
+
+    return "gpu" if torch.cuda.is_available() else "cpu"
+
+
+def real_model_dir() -> Path:
+    """The converted real model's folder (converted once into the builtin cache: model/pretrained.py)."""
+    from qlora_kit.model import builtin, pretrained
+
+    return pretrained.ensure_pretrained(REAL_MODEL, builtin.cache_root())
 
 
 def machine() -> str:

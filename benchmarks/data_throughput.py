@@ -5,6 +5,7 @@ the Trainer's own training step, interleaved round by round (A B C A B C ...) af
 drift of the machine hits all three alike. "Real tokens" are the non-padding tokens a step processes.
 
     python benchmarks/data_throughput.py [--rounds 4] [--steps 6]
+    python benchmarks/data_throughput.py --real-model   # SmolLM2-135M-Instruct and its tokenizer, 128 tokens
     python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of 2 steps, micro-batch 2
 """
 
@@ -17,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, parser, write_result
+from common import REAL_MODEL, device_name, markdown_table, parser, write_result
 
 MODES = {
     "padding": {"data.packing": False},
@@ -40,7 +41,7 @@ def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     return path
 
 
-def build(mode: str, data_path: Path, out: Path, batch: int):
+def build(mode: str, data_path: Path, out: Path, batch: int, model_path: str | None, max_len: int):
     """The mode's run set up by pipeline.build, as `qlora-kit train` sets it up."""
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import build as build_run
@@ -48,7 +49,8 @@ def build(mode: str, data_path: Path, out: Path, batch: int):
     overrides = {
         "data.path": str(data_path),
         "data.format": "text",
-        "data.max_seq_len": 256,
+        "data.max_seq_len": max_len,
+        **({"model.path": model_path} if model_path else {}),
         "train.micro_batch_size": batch,
         "train.output_dir": str(out / mode),
         "train.max_steps": 10_000,
@@ -88,17 +90,22 @@ def run_steps(trainer, batches, steps: int) -> tuple[float, int, int]:
 
 def main() -> None:
     options = parser(__doc__)
-    options.add_argument("--rounds", type=int, default=4)
-    options.add_argument("--steps", type=int, default=6, help="optimizer steps per mode per round")
+    options.add_argument("--rounds", type=int, default=None, help="default: 4, or 2 with --real-model")
+    options.add_argument("--steps", type=int, default=None, help="optimizer steps per mode per round (6; 3)")
     options.add_argument("--batch", type=int, default=8)
     args = options.parse_args()
+    args.rounds = args.rounds or (2 if args.real_model else 4)
+    args.steps = args.steps or (3 if args.real_model else 6)
     if args.smoke:
         args.rounds, args.steps, args.batch = 1, 2, 2
+    # The real model's tokenizer makes about 1.3 tokens of a corpus word (the tiny one's about 2): rows of
+    # 16-160 tokens, cut at 128.
+    model_path, max_len = (f"builtin:{REAL_MODEL}", 128) if args.real_model else (None, 256)
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data_path = make_dataset(folder, rows=64 if args.smoke else 512)
-        runs = {mode: build(mode, data_path, folder, args.batch) for mode in MODES}
+        runs = {mode: build(mode, data_path, folder, args.batch, model_path, max_len) for mode in MODES}
         totals = {mode: [0.0, 0, 0] for mode in MODES}
         step_times = {mode: [] for mode in MODES}
         for round_index in range(args.rounds + 1):  # round 0 warms up and is not counted
@@ -125,12 +132,21 @@ def main() -> None:
             ]
         )
     table = markdown_table(["mode", "pad share", "median step (s)", "real tokens/s", "vs padding"], rows)
+    model = (
+        f"SmolLM2-135M-Instruct (builtin:{REAL_MODEL}, pretrained, its tokenizer)"
+        if args.real_model
+        else "Tiny Llama (4 layers, hidden 128)"
+    )
     notes = (
-        f"Tiny Llama (4 layers, hidden 128), NF4 + double quant, LoRA r=16 all-linear, full checkpointing, "
+        f"{model}, max_seq_len {max_len}, NF4 + double quant, LoRA r=16 all-linear, full checkpointing, "
         f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 24-240 tokens; {args.rounds} interleaved "
         f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding."
     )
-    write_result("data-throughput-cpu", "Padding vs packing vs group_by_length (CPU)", table, notes, args.out)
+    real = "-real" if args.real_model else ""
+    title = (
+        f"Padding vs packing vs group_by_length{' on a real model' if real else ''} ({device_name().upper()})"
+    )
+    write_result(f"data-throughput{real}-{device_name()}", title, table, notes, args.out)
 
 
 if __name__ == "__main__":

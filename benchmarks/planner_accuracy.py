@@ -18,6 +18,7 @@ sample of the full product, which would take hours). Examples are about 45% of
 ``max_seq_len``, so packed rows hold two and unpacked batches are padded to the longer example.
 
     python benchmarks/planner_accuracy.py
+    python benchmarks/planner_accuracy.py --real-model   # SmolLM2-135M-Instruct, every policy x shape
     python benchmarks/planner_accuracy.py --smoke --out /tmp/x   # every family, every_n=2, 2 x 64 tokens
 """
 
@@ -29,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, parser, write_result
+from common import REAL_MODEL, device_name, markdown_table, parser, write_result
 
 POLICIES = [("none", 1), ("every_n", 2), ("full", 1)]
 SHAPES = [(2, 512), (4, 256)]  # micro-batch x max_seq_len
@@ -195,9 +196,10 @@ def main() -> None:
 
     args = parser(__doc__).parse_args()
     policies, shapes = SMOKE if args.smoke else (POLICIES, SHAPES)
+    families = [REAL_MODEL] if args.real_model else sorted(builtin.TINY_ARCHITECTURES)
     rows, errors, exact = [], [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for case in grid(sorted(builtin.TINY_ARCHITECTURES), policies, shapes):
+        for case in grid(families, policies, shapes):
             measured, planned, untrained, (batch, seq) = measure(case, Path(tmp))
             errors.append(planned / measured - 1)
             exact.append((planned - untrained) / measured - 1)
@@ -227,13 +229,31 @@ def main() -> None:
         "(target: every row within +-5%, none under -2%). Without the positions the chunked head skips "
         f"(the plan counts every position as trained): from {min(exact):+.2%} to {max(exact):+.2%}."
     )
-    timing = markdown_table(["recipe", "layers", "activations", "plan seconds"], plan_seconds())
+    if args.real_model:
+        timing, models = (
+            "",
+            f"the model is the pretrained SmolLM2-135M-Instruct (builtin:{REAL_MODEL}: 30 layers, hidden 576)",
+        )
+        name, title = (
+            f"planner-accuracy-real-{device_name()}",
+            "Planner on a real model: predicted vs measured saved-for-backward bytes",
+        )
+    else:
+        timing = markdown_table(["recipe", "layers", "activations", "plan seconds"], plan_seconds())
+        timing, models = (
+            f"\n\n## Planning time, offline\n\n{timing}",
+            "models are the builtin tiny configs (hidden 128, 4 layers)",
+        )
+        name = f"planner-accuracy-{device_name()}"
+        title = (
+            "Planner: predicted vs measured saved-for-backward bytes, over the settings that move them (CPU)"
+        )
     write_result(
-        "planner-accuracy-cpu",
-        "Planner: predicted vs measured saved-for-backward bytes, over the settings that move them (CPU)",
-        f"{table}\n\n{summary}\n\n## Planning time, offline\n\n{timing}",
+        name,
+        title,
+        f"{table}\n\n{summary}{timing}",
         "NF4 + double quant, LoRA r=16 all-linear; each architecture's default attention implementation; "
-        "models are the builtin tiny configs (hidden 128, 4 layers). Measured: the run's own count "
+        f"{models}. Measured: the run's own count "
         "(accounting.SavedTensors in GuardedTrainer.compute_loss, the saved_mib it logs) in one "
         "step of Trainer.train of a run set up by pipeline.build. Planned: "
         "memory.planner.plan at that batch's shape, device cpu, the recipe's policy; it assumes every "

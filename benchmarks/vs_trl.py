@@ -18,6 +18,7 @@ qlora_kit's trained tokens per step come from the ``trained_tokens`` totals the 
 metrics.jsonl (logged every step), TRL's are counted by wrapping the script's own ``trainer.data_collator``.
 
     python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
+    python benchmarks/vs_trl.py --real-model [--rounds 1] [--steps 5]   # SmolLM2-135M-Instruct, 4 x 96
     python benchmarks/vs_trl.py --smoke --out /tmp/x   # one round of 3 steps on a smaller model
 """
 
@@ -210,11 +211,11 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    from common import markdown_table, parser, write_result
+    from common import REAL_MODEL, device_name, markdown_table, parser, real_model_dir, write_result
 
     options = parser(__doc__)
-    options.add_argument("--rounds", type=int, default=3)
-    options.add_argument("--steps", type=int, default=24)
+    options.add_argument("--rounds", type=int, default=None, help="default: 3, or 1 with --real-model")
+    options.add_argument("--steps", type=int, default=None, help="default: 24, or 5 with --real-model")
     options.add_argument("--child", help=argparse.SUPPRESS)
     args = options.parse_args()
     if args.child:
@@ -227,15 +228,24 @@ def main() -> None:
     shape, batch, max_len, examples = (
         (SMOKE_SHAPE, 2, 64, 64) if args.smoke else (SHAPE, BATCH, MAX_LEN, ROWS)
     )
-    rounds, steps = (1, 3) if args.smoke else (args.rounds, args.steps)
-    model_dir = str(builtin.ensure_tiny_model("tiny-llama", **shape))
+    rounds, steps = (1, 3) if args.smoke else (args.rounds or 3, args.steps or 24)
+    if args.real_model:  # 30 layers of hidden 576: shorter rows, fewer steps
+        batch, max_len, examples = (2, 64, 64) if args.smoke else (4, 96, 256)
+        rounds, steps = (1, 3) if args.smoke else (args.rounds or 1, args.steps or 5)
+        model_dir, model_text = (
+            str(real_model_dir()),
+            f"SmolLM2-135M-Instruct (builtin:{REAL_MODEL}, pretrained)",
+        )
+    else:
+        model_dir, model_text = str(builtin.ensure_tiny_model("tiny-llama", **shape)), f"Tiny Llama {shape}"
     folder = Path(tempfile.mkdtemp())
     data = str(make_dataset(folder, examples))
     setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
     comparisons = {"equal settings (padded batches)": False, "defaults (qlora_kit packs)": True}
     rows, verdicts = [], []
     for name, packing in comparisons.items():
-        if not args.smoke:
+        warm_up = not (args.smoke or args.real_model)  # the real model's rows: each run's first step only
+        if warm_up:
             spawn("qlora_kit", setup, 4, packing)  # warm-up pair: caches, page cache
             spawn("trl", setup, 4, packing)
         ours, theirs = [], []
@@ -262,18 +272,16 @@ def main() -> None:
     )
     notes = (
         "; ".join(verdicts)
-        + f". Tiny Llama {shape}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
+        + f". {model_text}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, lr {LR} constant, "
         f"micro-batch {batch}, max length {max_len}, completion-only loss on {examples:,} prompt/completion rows of "
         f"20-220 tokens; {rounds} interleaved rounds of {steps} steps per system"
-        f"{'' if args.smoke else ' after a warm-up pair'}; "
+        f"{' after a warm-up pair' if warm_up else ''}; "
         "every run its own process, round r with seed r (LoRA init, dropout and data order). Targets: equal settings >= 1.0x throughput and <= 1.0x memory with the same "
         "loss; defaults >= 1.5x trained tokens/s."
     )
-    import torch
-
-    device = "gpu" if torch.cuda.is_available() else "cpu"
-    title = f"qlora_kit vs a TRL + PEFT script ({device.upper()})"
-    write_result(f"vs-trl-{device}", title, table, notes, args.out)
+    device, real = device_name(), "-real" if args.real_model else ""
+    title = f"qlora_kit vs a TRL + PEFT script{' on a real model' if real else ''} ({device.upper()})"
+    write_result(f"vs-trl{real}-{device}", title, table, notes, args.out)
 
 
 if __name__ == "__main__":
