@@ -14,7 +14,19 @@ from tests.conftest import ROOT
 
 gguf = pytest.importorskip("gguf")
 
-FAMILIES = ["tiny-llama", "tiny-mistral", "tiny-qwen2", "tiny-qwen3"]
+# every builtin family llama.cpp and transformers' GGUF loader both know, with the build overrides that
+# give it a GGUF form: llama.cpp's Gemma-2 ties its head to the embeddings and scales attention by
+# 1/sqrt(head size), which the builtin tiny-gemma2 (untied, query_pre_attn_scalar 256) does not
+GEMMA2_GGUF = {"tie_word_embeddings": True, "query_pre_attn_scalar": 32}
+FAMILIES = {
+    "tiny-llama": {},
+    "tiny-mistral": {},
+    "tiny-qwen2": {},
+    "tiny-qwen3": {},
+    "tiny-phi3": {},
+    "tiny-gpt2": {},
+    "tiny-gemma2": GEMMA2_GGUF,
+}
 SMALL = {"prompt_count": 4, "tokens": 8}  # parity on 4 validation rows, 8 greedy tokens each
 
 
@@ -40,7 +52,7 @@ def test_gguf_reads_back_as_the_model_it_was_written_from(name, tmp_path):
     from qlora_kit.after.parity import transformers_reader
     from qlora_kit.model.builtin import ensure_tiny_model
 
-    folder = ensure_tiny_model(name)
+    folder = ensure_tiny_model(name, **FAMILIES[name])
     gguf_writer.write_model_gguf(folder, tmp_path / "m.gguf", "f16", name)
     source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -70,13 +82,29 @@ def test_q8_0_tensors_are_quantized_and_norms_stay_f32(tmp_path):
     assert types["blk.0.attn_norm.weight"] == "F32"
 
 
-def test_an_architecture_gguf_does_not_cover_is_refused_by_name(tmp_path):
+@pytest.mark.parametrize(
+    ("name", "overrides", "line"),
+    [
+        # llama.cpp knows these, transformers' GGUF loader does not: no independent reader for the report
+        pytest.param(
+            "tiny-gptneox", {}, "'gpt_neox' is not supported: transformers' GGUF loader", id="gptneox"
+        ),
+        pytest.param("tiny-olmo2", {}, "'olmo2' is not supported: transformers' GGUF loader", id="olmo2"),
+        # a Gemma-2 llama.cpp would compute differently than transformers
+        pytest.param("tiny-gemma2", {}, "lm_head is a separate matrix", id="gemma2-untied"),
+        pytest.param(
+            "tiny-gemma2", {"tie_word_embeddings": True}, "query_pre_attn_scalar is 256", id="gemma2-scale"
+        ),
+    ],
+)
+def test_a_model_without_a_checked_gguf_form_is_refused_by_name(name, overrides, line, tmp_path):
     from qlora_kit.after import gguf_writer
     from qlora_kit.errors import ExportError
     from qlora_kit.model.builtin import ensure_tiny_model
 
-    with pytest.raises(ExportError, match="architecture 'gpt2' is not supported"):
-        gguf_writer.write_model_gguf(ensure_tiny_model("tiny-gpt2"), tmp_path / "m.gguf", "f16", "x")
+    with pytest.raises(ExportError, match=line) as refusal:
+        gguf_writer.write_model_gguf(ensure_tiny_model(name, **overrides), tmp_path / "m.gguf", "f16", "x")
+    assert len(str(refusal.value).splitlines()) == 1
     assert not (tmp_path / "m.gguf").exists()
 
 
@@ -261,9 +289,9 @@ def _merged_weight(folder, key):
     from safetensors import safe_open
     from transformers import AutoConfig
 
-    from qlora_kit.after import gguf_writer
+    from qlora_kit.after import gguf_families
 
     config = AutoConfig.from_pretrained(folder)
     with safe_open(folder / "model.safetensors", "pt") as tensors:
         weight = tensors.get_tensor(key).float()
-    return gguf_writer._permuted(key, weight, config, gguf_writer.FAMILIES["llama"]).numpy()
+    return gguf_families.stored(key, weight, config, gguf_families.family_of(config)).numpy()

@@ -81,7 +81,7 @@ def export(
     check_model_folder(model.resolve_model_path(recipe.model))
     if to == "gguf":
         gguf_writer.require_gguf()
-        gguf_writer.family_of(_base_config(recipe).model_type)
+        gguf_writer.family_of(_base_config(recipe))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.exporting-", dir=out_dir.parent))
     try:

@@ -185,19 +185,37 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
     return _TransformersModel(lm, tokenizer)
 
 
+# Keys the GGUF states that transformers' GGUF loader (integrations/ggml.py) does not map to the config, or
+# maps to an attribute the config class no longer reads: without them it takes the config class's
+# defaults, right only when the model happens to use those. (key suffix, config attribute) per arch.
+UNMAPPED_KEYS = {
+    "*": [("attention.key_length", "head_dim")],  # qwen2/qwen3 read none: 128 unless stated
+    "gpt2": [("context_length", "n_positions"), ("feed_forward_length", "n_inner")],  # mapped to n_ctx
+    "gemma2": [
+        ("attn_logit_softcapping", "attn_logit_softcapping"),
+        ("final_logit_softcapping", "final_logit_softcapping"),
+    ],
+}
+
+
 def _gguf_config(folder: Path, gguf_file: str):
-    """transformers' GGUF config, with the head size the file states (attention.key_length): its loader
-    reads none for qwen2/qwen3 and takes the config class's default (128), right only when
-    hidden_size / heads is 128."""
+    """transformers' GGUF config, with the values the file states that its loader does not read."""
     import gguf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     reader = gguf.GGUFReader(folder / gguf_file)
     arch = reader.fields["general.architecture"].contents()
-    key = reader.fields.get(f"{arch}.attention.key_length")
-    if key is not None:
-        config.head_dim = int(key.contents())
+    for suffix, attribute in UNMAPPED_KEYS["*"] + UNMAPPED_KEYS.get(arch, []):
+        value = reader.fields.get(f"{arch}.{suffix}")
+        if value is not None:
+            setattr(config, attribute, value.contents())
+    if arch == "gemma2":
+        # no key holds Gemma-2's attention scale: llama.cpp derives it (1/sqrt(head size), or of
+        # hidden/heads at 46 layers), where transformers' loader keeps the config class's 256
+        heads = config.num_attention_heads
+        wide = config.num_hidden_layers == 46
+        config.query_pre_attn_scalar = config.hidden_size // heads if wide else config.head_dim
     return config
 
 
