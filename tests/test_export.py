@@ -176,6 +176,29 @@ def test_exports_answer_like_the_trained_adapter(exports, kind):
     assert written["comparisons"] == report["comparisons"]
 
 
+# every other family: a short run of its own, exported as f16 and q8_0 GGUF (one reference for both)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "tiny-llama"])
+def test_every_family_exports_gguf_that_answers_like_the_trained_adapter(name, tmp_path):
+    from qlora_kit import export, train
+    from qlora_kit.model.builtin import ensure_tiny_model
+    from tests.conftest import quick_recipe
+
+    path = ensure_tiny_model(name, **FAMILIES[name])
+    # a higher learning rate than the demo's, so 8 steps leave answers clear of near-ties q8_0 could flip
+    overrides = {"model.path": str(path), "train.max_steps": 8, "optimizer.lr": 5e-3}
+    run = train(quick_recipe(tmp_path / "run", **overrides))
+    for qtype in ("f16", "q8_0"):
+        report = export(
+            run.output_dir, "gguf", out=tmp_path / qtype, qtype=qtype, prompt_count=2, tokens=8
+        ).report
+        assert report["failures"] == [], (qtype, report["failures"])
+        trained = next(c for c in report["comparisons"] if c["against"] == "trained")
+        assert trained["greedy_agreement"] == 1.0, qtype
+        # the GGUF's own tokenizer and chat template: the training prompt's ids, the same rendered text
+        assert trained["prompt_ids_match"] is True and trained["template_match"] is True
+
+
 @pytest.mark.slow
 @ONE_RUN
 def test_gguf_export_files_and_modelfile(exports):

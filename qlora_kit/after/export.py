@@ -295,6 +295,8 @@ def base_difference(recipe) -> dict | None:
         with safe_open(where[f"{name}.weight"], "pt") as tensors:
             original = tensors.get_tensor(f"{name}.weight").float()
         dequantized = dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+        if original.shape != dequantized.shape:  # GPT-2's Conv1D: (in, out) on disk, (out, in) in 4-bit
+            original = original.T
         difference = original - dequantized
         relative.append(float(difference.norm() / original.norm()))
         largest = max(largest, float(difference.abs().max()))

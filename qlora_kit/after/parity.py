@@ -57,8 +57,26 @@ class Comparison:
         return asdict(self)
 
 
+# The last reference computed, by what it was computed from: the 4-bit model's greedy tokens are most of
+# an export's time on a CPU, and exporting one run several ways (f16, q8_0, merged) asks for the same ones.
+_LAST_REFERENCE: dict[tuple, Reference] = {}
+
+
 def reference_of(adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int) -> Reference:
     """The trained model's figures on ``prompts`` (wrapped as training saw them) or the validation rows."""
+    files = sorted(
+        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in adapter_dir.iterdir() if p.is_file()
+    )
+    key = (str(adapter_dir), tuple(files), tuple(prompts or ()), count, tokens)
+    if key not in _LAST_REFERENCE:
+        _LAST_REFERENCE.clear()
+        _LAST_REFERENCE[key] = _compute_reference(adapter_dir, recipe, prompts, count, tokens)
+    return _LAST_REFERENCE[key]
+
+
+def _compute_reference(
+    adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int
+) -> Reference:
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
     if prompts:
         pairs = [(wrap_prompt(text, recipe.data, tokenizer), None) for text in prompts[:count]]
