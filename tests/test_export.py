@@ -117,6 +117,8 @@ def test_bad_input_gets_one_line(tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
+    no_prompt = tmp_path / "prompts.jsonl"
+    no_prompt.write_text('{"question": "What color is the sky?"}\n')
     cases = [
         (
             ["--adapter", not_a_run, "--to", "gguf", "--type", "q4_k"],
@@ -126,6 +128,9 @@ def test_bad_input_gets_one_line(tmp_path):
         (["--adapter", not_a_run, "--to", "merged", "--out", tmp_path / "o"], "--adapter"),
         (["--adapter", not_a_run, "--to", "merged", "--out", busy], "already holds files"),
         (["--adapter", not_a_run, "--to", "merged", "--lora-only"], "--lora-only: only with --to gguf"),
+        (["--adapter", not_a_run, "--to", "merged", "--onto", "halfway"], "--onto: must be one of"),
+        (["--adapter", not_a_run, "--to", "gguf", "--prompts", no_prompt], "row 1: missing field 'prompt'"),
+        (["--adapter", not_a_run, "--to", "gguf", "--check", busy], "has no export_report.json"),
     ]
     for args, expected in cases:
         result = cli(*args)
@@ -133,6 +138,22 @@ def test_bad_input_gets_one_line(tmp_path):
         assert expected in result.stderr
         assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert (busy / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow
+def test_a_run_on_an_architecture_without_gguf_is_refused_in_one_line(finished_run, tmp_path):
+    from tests.conftest import copy_run
+
+    run = copy_run(finished_run, tmp_path)
+    recipe = run / "recipe.yaml"
+    text = recipe.read_text()
+    assert "builtin:tiny-llama" in text
+    recipe.write_text(text.replace("builtin:tiny-llama", "builtin:tiny-olmo2"))  # refused before loading
+    result = cli("--adapter", run, "--to", "gguf", "--out", tmp_path / "out")
+    assert result.returncode == 2, result.stderr
+    assert "architecture 'olmo2' is not supported: transformers' GGUF loader cannot read" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
 
 
 # --- a trained run, exported three ways, each read back and held to the report ---
@@ -176,9 +197,15 @@ def test_exports_answer_like_the_trained_adapter(exports, kind):
     assert written["comparisons"] == report["comparisons"]
 
 
-# every other family: a short run of its own, exported as f16 and q8_0 GGUF (one reference for both)
+# The families whose GGUF form or merge differs from the Llama run's (fused projections, Conv1D, Gemma's
+# norms and tied head): a short run of each, exported as f16 and q8_0 GGUF (one reference for both).
+# Mistral, Qwen2 and Qwen3 are plain decoders like Llama (their writer round trip is above); they pass
+# this test too, at about 2 minutes each on 2 shared cores, so they are left out of the suite.
+TRAINED_FAMILIES = ["tiny-phi3", "tiny-gpt2", "tiny-gemma2"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in FAMILIES if name != "tiny-llama"])
+@pytest.mark.parametrize("name", TRAINED_FAMILIES)
 def test_every_family_exports_gguf_that_answers_like_the_trained_adapter(name, tmp_path):
     from qlora_kit import export, train
     from qlora_kit.model.builtin import ensure_tiny_model
