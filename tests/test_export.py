@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, run_cli
 
 gguf = pytest.importorskip("gguf")
 
@@ -28,16 +26,6 @@ FAMILIES = {
     "tiny-gemma2": GEMMA2_GGUF,
 }
 SMALL = {"prompt_count": 4, "tokens": 8}  # parity on 4 validation rows, 8 greedy tokens each
-
-
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "export", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
 
 
 # --- the writer, per family, without training: every builtin family GGUF knows round-trips ---
@@ -111,7 +99,7 @@ def test_a_model_without_a_checked_gguf_form_is_refused_by_name(name, overrides,
 # --- bad input: one line, exit code 2 ---
 
 
-def test_bad_input_gets_one_line(tmp_path):
+def test_bad_input_gets_one_line(tmp_path, monkeypatch, capsys):
     not_a_run = tmp_path / "empty"
     not_a_run.mkdir()
     busy = tmp_path / "busy"
@@ -133,15 +121,17 @@ def test_bad_input_gets_one_line(tmp_path):
         (["--adapter", not_a_run, "--to", "gguf", "--check", busy], "has no export_report.json"),
     ]
     for args, expected in cases:
-        result = cli(*args)
-        assert result.returncode == 2, result.stderr
-        assert expected in result.stderr
-        assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+        code, stderr = run_cli(["export", *map(str, args)], monkeypatch, capsys)
+        assert code == 2, stderr
+        assert expected in stderr
+        assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert (busy / "keep.txt").read_text() == "mine"
 
 
 @pytest.mark.slow
-def test_a_run_on_an_architecture_without_gguf_is_refused_in_one_line(finished_run, tmp_path):
+def test_a_run_on_an_architecture_without_gguf_is_refused_in_one_line(
+    finished_run, tmp_path, monkeypatch, capsys
+):
     from tests.conftest import copy_run
 
     run = copy_run(finished_run, tmp_path)
@@ -149,10 +139,12 @@ def test_a_run_on_an_architecture_without_gguf_is_refused_in_one_line(finished_r
     text = recipe.read_text()
     assert "builtin:tiny-llama" in text
     recipe.write_text(text.replace("builtin:tiny-llama", "builtin:tiny-olmo2"))  # refused before loading
-    result = cli("--adapter", run, "--to", "gguf", "--out", tmp_path / "out")
-    assert result.returncode == 2, result.stderr
-    assert "architecture 'olmo2' is not supported: transformers' GGUF loader cannot read" in result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    code, stderr = run_cli(
+        ["export", "--adapter", str(run), "--to", "gguf", "--out", str(tmp_path / "out")], monkeypatch, capsys
+    )
+    assert code == 2, stderr
+    assert "architecture 'olmo2' is not supported: transformers' GGUF loader cannot read" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
 
 
@@ -200,7 +192,7 @@ def test_exports_answer_like_the_trained_adapter(exports, kind):
 # The families whose GGUF form or merge differs from the Llama run's (fused projections, Conv1D, Gemma's
 # norms and tied head): a short run of each, exported as f16 and q8_0 GGUF (one reference for both).
 # Mistral, Qwen2 and Qwen3 are plain decoders like Llama (their writer round trip is above); they pass
-# this test too, at about 2 minutes each on 2 shared cores, so they are left out of the suite.
+# this test too (2-3 minutes each on 2 shared cores), so they are left out of the suite.
 TRAINED_FAMILIES = ["tiny-phi3", "tiny-gpt2", "tiny-gemma2"]
 
 
