@@ -216,6 +216,16 @@ def test_every_family_exports_gguf_that_answers_like_the_trained_adapter(name, t
         assert trained["greedy_agreement"] == 1.0, qtype
         # the GGUF's own tokenizer and chat template: the training prompt's ids, the same rendered text
         assert trained["prompt_ids_match"] is True and trained["template_match"] is True
+    # the LoRA GGUF applied as llama.cpp applies it (base + alpha / r * B @ A) is the merged f16 GGUF's
+    # weight: the fused qkv of Phi-3 and GPT-2 (whose Conv1D B @ A is already in GGUF's (out, in) order)
+    lora = export(run.output_dir, "gguf", out=tmp_path / "lora", lora_only=True, prompt_count=2, tokens=8)
+    adapter = {t.name: t.data for t in gguf.GGUFReader(lora.output_dir / "adapter.gguf").tensors}
+    base = {t.name: t.data for t in gguf.GGUFReader(lora.output_dir / "base.gguf").tensors}
+    merged = {t.name: t.data for t in gguf.GGUFReader(tmp_path / "f16" / "model.gguf").tensors}
+    key = "blk.1.attn_k.weight" if name == "tiny-gemma2" else "blk.1.attn_qkv.weight"
+    update = (32.0 / 16) * (adapter[key + ".lora_b"] @ adapter[key + ".lora_a"])
+    assert abs(update).max() > 1e-3  # the adapter moved this weight
+    assert abs(base[key].astype("float32") + update - merged[key].astype("float32")).max() < 2e-3
 
 
 @pytest.mark.slow
