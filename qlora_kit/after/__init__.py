@@ -3,7 +3,8 @@
 - ``evaluate``: loss, perplexity and exact match on held-out rows; ``preference_eval``: the same for pairs;
 - ``generate``: answers to prompts wrapped as training saw them;
 - ``merge``: the adapter merged into a 16-bit model, with a drift check;
-- ``export``: a merged folder or a GGUF (``gguf_writer``, ``modelfile``), checked by ``parity``.
+- ``export``: a merged folder or a GGUF (``gguf_writer``, each architecture's form in ``gguf_families``,
+  ``modelfile``), checked by ``parity``.
 
 A sub-package, not top-level modules: a module ``qlora_kit/evaluate.py`` would replace the package's
 ``qlora_kit.evaluate()`` function as an attribute the moment it is imported (the same holds for generate

@@ -81,7 +81,7 @@ def export(
     check_model_folder(model.resolve_model_path(recipe.model))
     if to == "gguf":
         gguf_writer.require_gguf()
-        gguf_writer.family_of(_base_config(recipe).model_type)
+        gguf_writer.family_of(_base_config(recipe))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.exporting-", dir=out_dir.parent))
     try:
@@ -295,6 +295,8 @@ def base_difference(recipe) -> dict | None:
         with safe_open(where[f"{name}.weight"], "pt") as tensors:
             original = tensors.get_tensor(f"{name}.weight").float()
         dequantized = dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+        if original.shape != dequantized.shape:  # GPT-2's Conv1D: (in, out) on disk, (out, in) in 4-bit
+            original = original.T
         difference = original - dequantized
         relative.append(float(difference.norm() / original.norm()))
         largest = max(largest, float(difference.abs().max()))

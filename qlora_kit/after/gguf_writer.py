@@ -2,11 +2,11 @@
 
 llama.cpp's own converter (``convert_hf_to_gguf.py``) is not in the ``gguf`` wheel, and building llama.cpp
 to convert is what breaks for users, so this module does the converter's part for the families the
-pipeline trains whose GGUF layout is the plain decoder one: Llama (and Mistral, which llama.cpp converts
-as ``llama``), Qwen2 and Qwen3. The tensor names come from gguf's ``TensorNameMap``, the metadata keys from
-``GGUFWriter``'s own ``add_*`` methods, merges/special ids/chat template from ``gguf.SpecialVocab``; only
-what the converter computes itself is repeated here (the Q/K row permutation of llama.cpp's ``llama``
-rope, the token types, the pre-tokenizer name). ``write_lora_gguf`` writes the adapter alone, as
+pipeline trains that both llama.cpp and transformers' GGUF loader know (``gguf_families``: Llama and
+Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2). The tensor names come from gguf's ``TensorNameMap``, the
+metadata keys from ``GGUFWriter``'s own ``add_*`` methods, merges/special ids/chat template from
+``gguf.SpecialVocab``; only what the converter computes itself is repeated (each family's keys and tensor
+transforms, the token types, the pre-tokenizer name). ``write_lora_gguf`` writes the adapter alone, as
 ``convert_lora_to_gguf.py`` does, for ``llama-cli --lora`` and Ollama's ``ADAPTER``.
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from qlora_kit.after.gguf_families import family_of, permuted, stored
 from qlora_kit.errors import ExportError
 
 try:  # the optional extra: qlora-kit[export]
@@ -31,35 +31,9 @@ TYPES = ("f16", "bf16", "q8_0")
 LOSSLESS = ("f16", "bf16")
 
 
-@dataclass(frozen=True)
-class Family:
-    arch: str  # gguf's MODEL_ARCH member name
-    permute_qk: (
-        bool  # llama.cpp's "llama" rope expects Q/K rows interleaved (convert_hf_to_gguf LlamaModel.permute)
-    )
-
-
-# transformers' model_type -> its GGUF layout. Others are refused by name (see family_of).
-FAMILIES = {
-    "llama": Family("LLAMA", permute_qk=True),
-    "mistral": Family("LLAMA", permute_qk=True),
-    "qwen2": Family("QWEN2", permute_qk=False),
-    "qwen3": Family("QWEN3", permute_qk=False),
-}
-
-
 def require_gguf() -> None:
     if gguf is None:
         raise ExportError("export: the gguf package is not installed; pip install 'qlora-kit[export]'")
-
-
-def family_of(model_type: str) -> Family:
-    if model_type not in FAMILIES:
-        raise ExportError(
-            f"export --to gguf: architecture {model_type!r} is not supported "
-            f"(supported: {', '.join(sorted(FAMILIES))}); --to merged works for every architecture"
-        )
-    return FAMILIES[model_type]
 
 
 def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
@@ -69,20 +43,21 @@ def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
 
     require_gguf()
     config = AutoConfig.from_pretrained(folder)
-    family = family_of(config.model_type)
+    family = family_of(config)
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
-    _add_hyperparameters(writer, config, family)
+    family.hyperparameters(writer, config)
     writer.add_file_type(_file_types()[qtype])
     _add_vocabulary(writer, folder, AutoTokenizer.from_pretrained(folder), config.vocab_size)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, "pt") as tensors:
             for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
-                tensor = _permuted(key, tensors.get_tensor(key).float(), config, family)
-                _add_tensor(writer, _gguf_name(names, key), tensor, qtype)
+                tensor = stored(key, tensors.get_tensor(key).float(), config, family)
+                if tensor is not None:
+                    _add_tensor(writer, _gguf_name(names, key), tensor, qtype)
     _write(writer)
 
 
@@ -91,7 +66,7 @@ def write_lora_gguf(adapter_dir: Path, base_config, out: Path) -> None:
     from safetensors.torch import load_file
 
     require_gguf()
-    family = family_of(base_config.model_type)
+    family = family_of(base_config)
     settings = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
     if settings.get("use_dora"):
         raise ExportError("export --lora-only: a DoRA adapter has no llama.cpp LoRA form; export it merged")
@@ -112,8 +87,9 @@ def write_lora_gguf(adapter_dir: Path, base_config, out: Path) -> None:
         base_key = key.replace("base_model.model.", "", 1).replace(".lora_A.weight", ".weight")
         lora_a = state[key].float()
         lora_b = state[key.replace(".lora_A.", ".lora_B.")].float()
-        # Only B's rows are the weight's output rows: the rope permutation applies to B alone.
-        lora_b = _permuted(base_key, lora_b, base_config, family)
+        # Only B's rows are the weight's output rows: the rope permutation applies to B alone. B @ A is
+        # already (out, in), the order llama.cpp stores every weight in (GPT-2's Conv1D ones transposed).
+        lora_b = permuted(base_key, lora_b, base_config, family)
         target = _gguf_name(names, base_key)
         _add_tensor(writer, target + ".lora_a", lora_a, "f32")
         _add_tensor(writer, target + ".lora_b", lora_b, "f32")
@@ -126,28 +102,6 @@ def _file_types() -> dict:
         "bf16": gguf.LlamaFileType.MOSTLY_BF16,
         "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
     }
-
-
-def _add_hyperparameters(writer, config, family: Family) -> None:
-    """The keys convert_hf_to_gguf.py's TextModel.set_gguf_parameters writes for these families."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ExportError(f"export --to gguf: rope scaling {rope.get('rope_type')!r} is not supported")
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_context_length(config.max_position_embeddings)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(getattr(config, "num_key_value_heads", None) or heads)
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_key_length(head_dim)
-    writer.add_value_length(head_dim)
-    writer.add_vocab_size(config.vocab_size)
-    if family.arch == "LLAMA":
-        writer.add_rope_dimension_count(head_dim)
 
 
 def _add_vocabulary(writer, folder: Path, tokenizer, vocab_size: int) -> None:
@@ -207,20 +161,6 @@ def _pre_tokenizer(spec: dict | None) -> str:
     raise ExportError(
         "export --to gguf: the tokenizer's pre-tokenizer matches none llama.cpp knows by name; "
         "--to merged works for it"
-    )
-
-
-def _permuted(key: str, tensor: torch.Tensor, config, family: Family) -> torch.Tensor:
-    """Q/K rows reordered for llama.cpp's ``llama`` rope (convert_hf_to_gguf.py's LlamaModel.permute)."""
-    if not family.permute_qk or not key.endswith(("q_proj.weight", "k_proj.weight")):
-        return tensor
-    heads = config.num_attention_heads
-    if key.endswith("k_proj.weight"):
-        heads = getattr(config, "num_key_value_heads", None) or heads
-    return (
-        tensor.reshape(heads, 2, tensor.shape[0] // heads // 2, *tensor.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(tensor.shape)
     )
 
 

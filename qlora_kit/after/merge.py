@@ -109,6 +109,7 @@ def write_merged(recipe: Recipe, adapter_dir: Path | None, folder: Path, base: s
     merged = sixteen_bit
     if adapter_dir is not None:
         merged = adapters.load_adapter(sixteen_bit, adapter_dir).merge_and_unload()
+    _restore_conv1d(merged, recipe.model.trust_remote_code)
     # A plain checkpoint: no quantization config left behind, the KV cache back on for inference.
     if hasattr(merged.config, "quantization_config"):
         del merged.config.quantization_config
@@ -117,6 +118,30 @@ def write_merged(recipe: Recipe, adapter_dir: Path | None, folder: Path, base: s
     merged.save_pretrained(folder)
     tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir) if adapter_dir else None)
     tokenizer.save_pretrained(folder)
+
+
+def _restore_conv1d(lm, trust_remote_code: bool) -> None:
+    """GPT-2's projections are transformers ``Conv1D`` layers, weights stored (in, out); loading in 4-bit
+    made them ``Linear4bit`` and ``dequantize()`` plain ``nn.Linear`` (out, in). Saved so, the checkpoint
+    no longer loads (a (3h, h) c_attn where (h, 3h) is expected), or a square one loads transposed."""
+    from transformers import AutoModelForCausalLM
+    from transformers.pytorch_utils import Conv1D
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(lm.config, trust_remote_code=trust_remote_code)
+    for name, module in skeleton.named_modules():
+        current = lm.get_submodule(name) if name else lm
+        if not isinstance(module, Conv1D) or not isinstance(current, torch.nn.Linear):
+            continue
+        restored = Conv1D(current.out_features, current.in_features).to(current.weight.dtype)
+        with torch.no_grad():
+            restored.weight.copy_(current.weight.T)
+            if current.bias is not None:
+                restored.bias.copy_(current.bias)
+            else:
+                restored.bias.zero_()
+        parent, _, child = name.rpartition(".")
+        setattr(lm.get_submodule(parent), child, restored)
 
 
 def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: int = DRIFT_PROMPTS) -> Drift:

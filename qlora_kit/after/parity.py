@@ -57,8 +57,26 @@ class Comparison:
         return asdict(self)
 
 
+# The last reference computed, by what it was computed from: the 4-bit model's greedy tokens are most of
+# an export's time on a CPU, and exporting one run several ways (f16, q8_0, merged) asks for the same ones.
+_LAST_REFERENCE: dict[tuple, Reference] = {}
+
+
 def reference_of(adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int) -> Reference:
     """The trained model's figures on ``prompts`` (wrapped as training saw them) or the validation rows."""
+    files = sorted(
+        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in adapter_dir.iterdir() if p.is_file()
+    )
+    key = (str(adapter_dir), tuple(files), tuple(prompts or ()), count, tokens)
+    if key not in _LAST_REFERENCE:
+        _LAST_REFERENCE.clear()
+        _LAST_REFERENCE[key] = _compute_reference(adapter_dir, recipe, prompts, count, tokens)
+    return _LAST_REFERENCE[key]
+
+
+def _compute_reference(
+    adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int
+) -> Reference:
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
     if prompts:
         pairs = [(wrap_prompt(text, recipe.data, tokenizer), None) for text in prompts[:count]]
@@ -185,19 +203,37 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
     return _TransformersModel(lm, tokenizer)
 
 
+# Keys the GGUF states that transformers' GGUF loader (integrations/ggml.py) does not map to the config, or
+# maps to an attribute the config class no longer reads: without them it takes the config class's
+# defaults, right only when the model happens to use those. (key suffix, config attribute) per arch.
+UNMAPPED_KEYS = {
+    "*": [("attention.key_length", "head_dim")],  # qwen2/qwen3 read none: 128 unless stated
+    "gpt2": [("context_length", "n_positions"), ("feed_forward_length", "n_inner")],  # mapped to n_ctx
+    "gemma2": [
+        ("attn_logit_softcapping", "attn_logit_softcapping"),
+        ("final_logit_softcapping", "final_logit_softcapping"),
+    ],
+}
+
+
 def _gguf_config(folder: Path, gguf_file: str):
-    """transformers' GGUF config, with the head size the file states (attention.key_length): its loader
-    reads none for qwen2/qwen3 and takes the config class's default (128), right only when
-    hidden_size / heads is 128."""
+    """transformers' GGUF config, with the values the file states that its loader does not read."""
     import gguf
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     reader = gguf.GGUFReader(folder / gguf_file)
     arch = reader.fields["general.architecture"].contents()
-    key = reader.fields.get(f"{arch}.attention.key_length")
-    if key is not None:
-        config.head_dim = int(key.contents())
+    for suffix, attribute in UNMAPPED_KEYS["*"] + UNMAPPED_KEYS.get(arch, []):
+        value = reader.fields.get(f"{arch}.{suffix}")
+        if value is not None:
+            setattr(config, attribute, value.contents())
+    if arch == "gemma2":
+        # no key holds Gemma-2's attention scale: llama.cpp derives it (1/sqrt(head size), or of
+        # hidden/heads at 46 layers), where transformers' loader keeps the config class's 256
+        heads = config.num_attention_heads
+        wide = config.num_hidden_layers == 46
+        config.query_pre_attn_scalar = config.hidden_size // heads if wide else config.head_dim
     return config
 
 
