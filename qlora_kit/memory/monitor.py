@@ -120,7 +120,11 @@ class MetricsLog(TrainerCallback):
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[name] = float(value)
         objective_keys = [*keys.PREFERENCE_KEYS, *keys.GRPO_KEYS]
-        for key in [*objective_keys, *(f"eval_{k}" for k in objective_keys), *filter(keys.is_reward_key, logs)]:
+        for key in [
+            *objective_keys,
+            *(f"eval_{k}" for k in objective_keys),
+            *filter(keys.is_reward_key, logs),
+        ]:
             value = logs.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[key] = float(value)

@@ -73,7 +73,9 @@ def check_reward(reward: RewardSection, where: str) -> None:
         if not module or not function:
             raise ValueError(f"{where}.name: expected module:function (got {reward.name!r})")
         if given:
-            raise ValueError(f"{where}.{given[0]}: only for builtin rewards; {reward.name} gets every data column")
+            raise ValueError(
+                f"{where}.{given[0]}: only for builtin rewards; {reward.name} gets every data column"
+            )
         return
     spec = REWARDS.get(reward.name)
     if spec is None:
@@ -107,7 +109,9 @@ def check_grpo(recipe) -> None:
             raise ValueError("grpo: only applies to train.objective: grpo")
         return
     if not recipe.grpo.rewards:
-        raise ValueError("grpo.rewards: train.objective grpo needs at least one reward, e.g. [{name: exact_match}]")
+        raise ValueError(
+            "grpo.rewards: train.objective grpo needs at least one reward, e.g. [{name: exact_match}]"
+        )
     wrong = sorted(recipe.data.formats_used() - set(PROMPT_FORMATS))
     if wrong:
         raise ValueError(

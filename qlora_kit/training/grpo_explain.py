@@ -30,7 +30,9 @@ def loss_explanation(beta: float, num_iterations: int) -> str:
     if num_iterations == 1:
         term = "the KL penalty alone" if beta else "0 (grpo.beta is 0: no KL term)"
         return (
-            "grpo: the loss will read about " + term + ": with grpo.num_iterations 1 the policy ratio is 1 and "
+            "grpo: the loss will read about "
+            + term
+            + ": with grpo.num_iterations 1 the policy ratio is 1 and "
             "each prompt's advantages sum to 0, so the loss's value says nothing while its gradient still "
             "trains; watch the reward curves instead"
         )

@@ -55,7 +55,10 @@ def build_trainer(
     elif objective == "grpo":
         from qlora_kit.training import grpo  # TRL loads for GRPO runs only
 
-        trainer_class, args = grpo.GuardedGRPOTrainer, grpo.grpo_arguments(recipe, output_dir, has_eval, precision)
+        trainer_class, args = (
+            grpo.GuardedGRPOTrainer,
+            grpo.grpo_arguments(recipe, output_dir, has_eval, precision),
+        )
         guard_class, extra = grpo.RewardGuard, grpo.trainer_extras(recipe)
     else:
         trainer_class, args = GuardedTrainer, training_arguments(recipe, output_dir, has_eval, precision)

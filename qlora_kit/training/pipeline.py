@@ -55,8 +55,8 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
-from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.rewards import check_importable
+from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
 
