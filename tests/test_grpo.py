@@ -240,3 +240,18 @@ def test_the_explainer_warns_once_and_only_above_half():
     for share, warned in [(0.5, False), (0.51, True), (0.9, True)]:
         explainer.on_log(None, State(), None, logs={keys.REWARD: 0.2, keys.FRAC_REWARD_ZERO_STD: share})
         assert explainer.warned is warned
+
+
+def test_the_plan_counts_the_rollouts_kv_cache_and_logits():
+    from qlora_kit.memory.planner import plan
+
+    recipe = grpo_recipe("out", grad_accum=256)  # 2,048 sequences sampled per step: the rollouts dominate
+    the_plan = plan(recipe)
+    shape = the_plan.shape
+    sequences, tokens, c = 8 * 256, 64, 2  # micro_batch_size x grad_accum, data.max_seq_len, bf16
+    expected = 2 * shape.layers * shape.kv_heads * shape.head_dim * tokens * sequences * c
+    expected += sequences * shape.vocab * 8
+    assert the_plan.rollout == expected
+    assert all(p.peak == the_plan.static + expected for p in the_plan.policies)
+    sft = plan(Recipe.from_dict({"data": {"max_seq_len": 64}, "train": {"grad_accum": 256}}))
+    assert sft.rollout == 0 and all(p.peak < the_plan.static + expected for p in sft.policies)
