@@ -136,16 +136,25 @@ def test_builtin_rewards_score_each_completion_as_the_registry_says():
                 {"name": "exact_match", "field": "alias"},
                 {"name": "regex", "pattern": "^[0-9]+$"},
                 {"name": "length", "min_chars": 2, "max_chars": 3},
+                {"name": "number_match"},
             ],
         )
     ).grpo.rewards
-    exact, exact_alias, regex, length = reward_functions(entries)
+    exact, exact_alias, regex, length, number = reward_functions(entries)
     completions = [" 12 ", "12x", "7", [{"role": "assistant", "content": "12"}]]
     columns = {"prompts": ["p"] * 4, "reference": ["12", "12", "7", "12"], "alias": ["12x"] * 4}
     assert exact(completions=completions, **columns) == [1.0, 0.0, 1.0, 1.0]
     assert exact_alias(completions=completions, **columns) == [0.0, 1.0, 0.0, 0.0]
     assert regex(completions=completions, **columns) == [0.0, 0.0, 1.0, 1.0]  # " 12 " is not all digits
     assert length(completions=completions, **columns) == [1.0, 1.0, 0.0, 1.0]
+    assert number(
+        completions=["so 1,200.", "it is 12 or 7", "7.0", "none"], reference=["#### 1200"] + ["7"] * 3
+    ) == [
+        1.0,
+        1.0,
+        1.0,
+        0.0,
+    ]  # the last number counts: gsm8k's "#### 1200"
     assert exact.__name__ == "exact_match"  # TRL logs rewards/<function name>/mean
 
 

@@ -144,7 +144,9 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
         table.add_row("per GPU while loading (the whole 4-bit model)", size(plan.load_peak), "closed form")
     layers_from = "traced" if plan.activation_source == "traced" else "Llama-shaped formula"
     if plan.rollout:  # train.objective grpo: sampling, when nothing is kept for backward
-        table.add_row("GRPO rollouts: KV cache and logits of a generation batch", size(plan.rollout), "closed form")
+        table.add_row(
+            "GRPO rollouts: KV cache and logits of a generation batch", size(plan.rollout), "closed form"
+        )
     table.add_row("activations of the decoder layers (per policy, below)", "", layers_from)
     table.add_row("activations of the loss head (in the policies' figures)", "", plan.head_source)
     console.print(table)

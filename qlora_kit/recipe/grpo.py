@@ -23,11 +23,11 @@ class RewardSection(Section):
     """One reward function of ``grpo.rewards``."""
 
     name: str
-    """A builtin (exact_match, regex, length) or a Python function as module:function (TRL's reward signature)."""
+    """A builtin (exact_match, number_match, regex, length) or a Python function as module:function (TRL's reward signature)."""
     weight: float = 1.0
     """Its weight in the summed reward the advantages are computed from."""
     field: str | None = None
-    """exact_match: the data column to compare with (default: the row's reference answer, the format's output)."""
+    """exact_match, number_match: the data column to compare with (default: the row's reference answer, the format's output)."""
     pattern: str | None = None
     """regex: the regular expression a completion must contain (re.search; anchor it with ^...$ for a whole match)."""
     min_chars: int | None = Field(None, ge=0)
@@ -56,7 +56,7 @@ class GrpoSection(Section):
     epsilon: float = Field(0.2, gt=0, lt=1)
     """Clipping of the policy ratio to [1 - epsilon, 1 + epsilon]."""
     rewards: list[RewardSection] = Field(default_factory=list)
-    """The reward functions, summed by weight: builtins by name (exact_match, regex, length) or module:function."""
+    """The reward functions, summed by weight: builtins by name (exact_match, number_match, regex, length) or module:function."""
 
     @model_validator(mode="after")
     def _check_rewards(self) -> GrpoSection:

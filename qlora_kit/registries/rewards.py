@@ -35,6 +35,13 @@ REWARDS: dict[str, RewardSpec] = {
             "1 when the completion, stripped, equals the row's reference answer (or the column `field`), else 0",
         ),
         RewardSpec(
+            "number_match",
+            (),
+            ("field",),
+            "1 when the last number in the completion equals the last number in the reference (or the column "
+            "`field`; gsm8k's '#### 72'), else 0",
+        ),
+        RewardSpec(
             "regex",
             ("pattern",),
             (),

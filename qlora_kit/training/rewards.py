@@ -68,6 +68,8 @@ def _reward(entry: RewardSection, where: str) -> Reward:
         return import_reward(entry.name, f"{where}.name")
     if entry.name == "exact_match":
         return _exact_match(entry.field or "reference")
+    if entry.name == "number_match":
+        return _number_match(entry.field or "reference")
     if entry.name == "regex":
         return _regex(re.compile(entry.pattern))
     if entry.name == "length":
@@ -77,18 +79,46 @@ def _reward(entry: RewardSection, where: str) -> Reward:
 
 def _exact_match(column: str) -> Reward:
     def exact_match(completions: list, **columns: Any) -> list[float]:
-        if column not in columns:
-            raise RecipeError(
-                f"grpo.rewards: exact_match compares with column {column!r}, which the data has not "
-                f"(it has {', '.join(sorted(k for k in columns if not k.startswith(('trainer_', 'log_'))))})"
-            )
-        references = columns[column]
+        references = _column(columns, column, "exact_match")
         return [
             float(completion_text(c).strip() == str(r).strip())
             for c, r in zip(completions, references, strict=True)
         ]
 
     return exact_match
+
+
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def last_number(text: str) -> float | None:
+    """The last number written in ``text`` (thousands commas allowed: 1,200), or None."""
+    found = NUMBER.findall(text)
+    try:
+        return float(found[-1].replace(",", "")) if found else None
+    except ValueError:
+        return None
+
+
+def _number_match(column: str) -> Reward:
+    def number_match(completions: list, **columns: Any) -> list[float]:
+        references = _column(columns, column, "number_match")
+        scores = []
+        for completion, reference in zip(completions, references, strict=True):
+            got, wanted = last_number(completion_text(completion)), last_number(str(reference))
+            scores.append(float(got is not None and got == wanted))
+        return scores
+
+    return number_match
+
+
+def _column(columns: dict[str, Any], column: str, reward: str) -> list:
+    if column not in columns:
+        shown = ", ".join(sorted(k for k in columns if not k.startswith(("trainer_", "log_"))))
+        raise RecipeError(
+            f"grpo.rewards: {reward} compares with column {column!r}, which the data has not (it has {shown})"
+        )
+    return columns[column]
 
 
 def _regex(pattern: re.Pattern) -> Reward:
