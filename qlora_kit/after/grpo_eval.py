@@ -58,10 +58,10 @@ def _scores(lm, tokenizer, rows, functions, samples: int, recipe: Recipe) -> tor
     )
     scores = []
     for start in range(0, len(rows), BATCH):
-        batch = rows.select(range(start, min(start + BATCH, len(rows))))
+        batch = rows.select(range(start, min(start + BATCH, len(rows)))).to_dict()  # columns as lists
         completions = _answers(lm, tokenizer, batch[PROMPT], grpo.max_completion_length, sampling)
         columns = {
-            k: [v for v in batch[k] for _ in range(samples)] for k in batch.column_names if k != PROMPT
+            k: [v for v in values for _ in range(samples)] for k, values in batch.items() if k != PROMPT
         }
         prompts = [p for p in batch[PROMPT] for _ in range(samples)]
         values = [f(prompts=prompts, completions=completions, **columns) for f in functions]
