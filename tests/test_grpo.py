@@ -264,3 +264,24 @@ def test_the_plan_counts_the_rollouts_kv_cache_and_logits():
     assert all(p.peak == the_plan.static + expected for p in the_plan.policies)
     sft = plan(Recipe.from_dict({"data": {"max_seq_len": 64}, "train": {"grad_accum": 256}}))
     assert sft.rollout == 0 and all(p.peak < the_plan.static + expected for p in sft.policies)
+
+
+def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
+    from qlora_kit.errors import TrainingGuardError
+    from qlora_kit.training.grpo import RewardGuard
+    from qlora_kit.training.guards import TrainingGuard
+
+    from .conftest import lora_model
+
+    peft_model = lora_model()  # B drawn non-zero: every LoRA tensor is due at the first step
+    lora = [p for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" in n]
+    for parameter in lora:  # a step whose groups all scored alike (beta 0): every gradient exactly zero
+        parameter.grad = torch.zeros_like(parameter)
+    with pytest.raises(TrainingGuardError, match="got no gradient"):
+        TrainingGuard(peft_model)._check_dead(1)  # SFT's guard: dead gradients
+    guard = RewardGuard(peft_model)
+    guard._check_dead(1)  # no signal: nothing is judged, every tensor still waits
+    assert guard.unchecked == set(guard.lora)
+    lora[0].grad = torch.ones_like(lora[0])  # a signal that reaches one tensor only: the rest are dead
+    with pytest.raises(TrainingGuardError, match="got no gradient"):
+        guard._check_dead(2)
