@@ -58,7 +58,7 @@ def test_cli_commands_and_recipe_sections():
         "train",
         "validate",
     ]
-    sections = ["model", "quant", "lora", "memory", "optimizer", "data", "train", "preference"]
+    sections = ["model", "quant", "lora", "memory", "optimizer", "data", "train", "preference", "grpo"]
     assert list(Recipe.model_fields) == sections
 
 

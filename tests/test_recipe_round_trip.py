@@ -73,6 +73,19 @@ SPECIAL = {
         max_size=3,
         unique=True,
     ),
+    "grpo.rewards": st.lists(
+        st.sampled_from(
+            [
+                {"name": "exact_match"},
+                {"name": "number_match", "weight": 0.5},
+                {"name": "regex", "pattern": "^[0-9]+$"},
+                {"name": "length", "min_chars": 1, "max_chars": 9},
+                {"name": "my_rewards:score", "weight": 2.0},
+            ]
+        ),
+        min_size=1,
+        max_size=3,
+    ),
     "source.path": DATA_PATHS,
     "source.config_name": st.none() | st.just("default"),
     "source.fields": st.dictionaries(st.sampled_from(FIELD_NAMES), WORDS, max_size=2),
@@ -152,8 +165,10 @@ def drop(values: dict, message: str) -> bool:
 def user_recipes(draw) -> tuple[dict, Recipe]:
     """A recipe file's values across every section, and the recipe they load as. Values that break a
     cross-field rule are taken out again, one named field at a time, so the valid recipes stay varied."""
-    objective = draw(st.sampled_from(["sft", "dpo"]))
+    objective = draw(st.sampled_from(["sft", "dpo", "grpo"]))
     formats = PAIR_FORMATS if objective == "dpo" else ROW_FORMATS
+    if objective == "grpo":  # a prompt and a reference: not text
+        formats = [f for f in ROW_FORMATS if f != "text"]
     values = {}
     for name, field in Recipe.model_fields.items():
         section = draw(section_values(field.annotation, name, formats))
@@ -163,6 +178,10 @@ def user_recipes(draw) -> tuple[dict, Recipe]:
     data = values.setdefault("data", {})
     if objective == "dpo":
         data.setdefault("format", formats[0])
+    if objective == "grpo":  # a reward at least, and room for the prompt beside the completion
+        grpo = values.setdefault("grpo", {})
+        grpo.setdefault("rewards", [{"name": "exact_match"}])
+        data["max_seq_len"] = grpo.get("max_completion_length", 256) + data.get("max_seq_len", 64)
     # the shapes this issue is about, often enough: every builtin model, mixtures, 16-bit bases, the auto
     # checkpointing policy
     if draw(st.booleans()):

@@ -1,6 +1,7 @@
 """After training: what a trained adapter is used for.
 
 - ``evaluate``: loss, perplexity and exact match on held-out rows; ``preference_eval``: the same for pairs;
+  ``grpo_eval``: a GRPO run's rewards on held-out prompts, greedy and sampled;
 - ``generate``: answers to prompts wrapped as training saw them;
 - ``merge``: the adapter merged into a 16-bit model, with a drift check;
 - ``export``: a merged folder or a GGUF (``gguf_writer``, each architecture's form in ``gguf_families``,

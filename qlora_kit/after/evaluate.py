@@ -8,6 +8,7 @@
 
 Preference pairs (train.objective dpo) report preference accuracy and reward margin against the
 reference policy, and likelihood accuracy, instead of the loss of whole sequences (preference_eval.py).
+A GRPO run also reports its rewards on the validation prompts, greedy and sampled (grpo_eval.py).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qlora_kit.after.generate import complete
+from qlora_kit.after.grpo_eval import reward_metrics
 from qlora_kit.after.preference_eval import preference_metrics
 from qlora_kit.data import prepare
 from qlora_kit.data.formats import IGNORE_INDEX
@@ -68,6 +70,8 @@ def evaluate(
         )
         hits = [_matches(lm, tokenizer, ex) for ex in examples]
         results |= {"exact_match": sum(hits) / len(hits), "exact_match_examples": len(hits)}
+    if recipe.train.objective == "grpo":  # the rewards on held-out prompts, greedy and sampled
+        results |= reward_metrics(lm, tokenizer, recipe, max_examples)
     if output is not None:
         Path(output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results

@@ -143,6 +143,10 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
         )
         table.add_row("per GPU while loading (the whole 4-bit model)", size(plan.load_peak), "closed form")
     layers_from = "traced" if plan.activation_source == "traced" else "Llama-shaped formula"
+    if plan.rollout:  # train.objective grpo: sampling, when nothing is kept for backward
+        table.add_row(
+            "GRPO rollouts: KV cache and logits of a generation batch", size(plan.rollout), "closed form"
+        )
     table.add_row("activations of the decoder layers (per policy, below)", "", layers_from)
     table.add_row("activations of the loss head (in the policies' figures)", "", plan.head_source)
     console.print(table)
@@ -191,6 +195,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "fsdp_processes": plan.shards,
         "static_per_gpu": plan.static,
         "load_peak_per_gpu": plan.load_peak,
+        "rollout": plan.rollout,
         "policies": [
             {
                 "policy": row.policy,
@@ -230,6 +235,8 @@ def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
     table.add_column("value", justify="right")
     keys = ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples")
     keys += ("preference_accuracy", "reward_margin", "likelihood_accuracy", "pairs", "reference")
+    keys += ("reward_greedy", "reward_sampled", *sorted(k for k in results if k.startswith("rewards_")))
+    keys += ("reward_prompts",)
     for key in keys:
         if key in results:
             value = results[key]

@@ -3,7 +3,7 @@
 - ``formats``: each format's rendering (trained segments), its prompt for generation, tokenizing with
   labels (which formats exist is ``registries/formats``);
 - ``chat``: chat-template rendering and where the trained assistant spans are; ``segments``: the pieces;
-- ``preference``: preference pairs rendered and checked;
+- ``preference``: preference pairs rendered and checked; ``prompts``: prompts and references for GRPO;
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators;
 - ``preflight``: the checks that stop a run whose data trains on nothing;

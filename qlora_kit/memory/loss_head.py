@@ -49,8 +49,9 @@ def has_plain_head(config) -> bool:
 
 def uses_chunked_loss(recipe, config) -> bool:
     """Whether a run of ``recipe`` on a model of ``config`` trains with the chunked head (objectives.py
-    decides the same way): asked for, not DPO (TRL's head keeps no whole logits already), and a plain head."""
-    return recipe.memory.chunked_loss and recipe.train.objective != "dpo" and has_plain_head(config)
+    decides the same way): asked for, SFT (TRL's DPO and GRPO heads keep no whole logits already), and a
+    plain head."""
+    return recipe.memory.chunked_loss and recipe.train.objective == "sft" and has_plain_head(config)
 
 
 def final_hidden_states(model, model_inputs: dict[str, Any], causal_lm) -> torch.Tensor:

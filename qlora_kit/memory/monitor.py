@@ -119,11 +119,15 @@ class MetricsLog(TrainerCallback):
             value = logs.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[name] = float(value)
-        for key in keys.PREFERENCE_KEYS:
-            for name in (key, f"eval_{key}"):
-                value = logs.get(name)
-                if isinstance(value, (int, float)) and math.isfinite(value):
-                    row[name] = float(value)
+        objective_keys = [*keys.PREFERENCE_KEYS, *keys.GRPO_KEYS]
+        for key in [
+            *objective_keys,
+            *(f"eval_{k}" for k in objective_keys),
+            *filter(keys.is_reward_key, logs),
+        ]:
+            value = logs.get(key)
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                row[key] = float(value)
         if len(row) == 1:
             return  # end-of-training summaries carry none of the per-step keys
         row["epoch"] = round(float(state.epoch or 0.0), 4)

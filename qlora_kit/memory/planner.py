@@ -39,6 +39,13 @@ backward pass's recompute spike: one decoder layer's full activations, remateria
 gradients and two N x hidden x c hidden-state gradients in flight.
 
 peak = weights + LoRA parameters + optimizer state + kept activations + max(transients).
+
+GRPO (``train.objective: grpo``) trains on micro-batches of prompt + completion sequences as above, and
+before each optimizer step samples its rollouts without gradients, when nothing is kept for backward:
+``rollout_bytes``, the KV cache of one generation batch (micro_batch_size x grad_accum sequences of up
+to data.max_seq_len tokens: 2 x layers x kv_heads x head_dim x c per token) plus each sequence's
+next-token logits in fp32 and their sampling probabilities (sequences x V x 8). The peak is the larger of
+training's and the weights + optimizer state + rollouts.
 The GPU's CUDA context and allocator fragmentation come on top and are not predicted.
 
 Under FSDP (``train.fsdp``) over P processes, per GPU: 1/P of the 4-bit weights, of the LoRA parameters
@@ -235,6 +242,7 @@ class Plan:
     head_source: str = "closed form"  # the loss head's: "traced", or traced with its selection closed form
     policies: list[PolicyPlan] = field(default_factory=list)
     shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
+    rollout: int = 0  # train.objective grpo: the rollouts' KV cache and logits (rollout_bytes)
 
     @property
     def layer_weights(self) -> int:
@@ -315,6 +323,7 @@ def plan(
     precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
     result = Plan(shape, weights, state, pageable, batch, seq, precision)
     result.shards = processes if recipe.train.fsdp else 1
+    result.rollout = rollout_bytes(shape, recipe) if recipe.train.objective == "grpo" else 0
     # the largest layer's full activations: what backward rematerialises for a checkpointed layer
     uncheckpointed = activation_bytes(shape, recipe, "none", 0, batch, seq, device, precision=precision)
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
@@ -350,8 +359,16 @@ def _policy_plan(
     if any(flags):
         backward += layer_bytes
     spike = max(loss_spike(shape, recipe, n), backward)
-    peak = max(the_plan.static + acts.total + spike, the_plan.load_peak)
+    peak = max(the_plan.static + acts.total + spike, the_plan.static + the_plan.rollout, the_plan.load_peak)
     return PolicyPlan(policy_name(policy, every_n), acts.total, spike, peak, sum(flags))
+
+
+def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:
+    """GRPO's sampling: the KV cache of one generation batch and its last logits (module docstring)."""
+    sequences = recipe.train.micro_batch_size * recipe.train.grad_accum
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * recipe.data.max_seq_len * sequences * c
+    return cache + sequences * shape.vocab * 8
 
 
 def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None) -> tuple[str, int, str]:

@@ -22,6 +22,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.base import Section, describe_validation_error, one_line
 from qlora_kit.recipe.data import DataSection
+from qlora_kit.recipe.grpo import GrpoSection, check_grpo
 from qlora_kit.recipe.paths import data_paths, is_local_path, path_fields, resolve_paths
 from qlora_kit.recipe.preference import PreferenceSection
 
@@ -163,8 +164,8 @@ class TrainSection(Section):
     """Seed for initialisation, dropout and data order."""
     sample_prompts: int = Field(0, ge=0)
     """After training, print this many validation prompts answered before and after fine-tuning."""
-    objective: Literal["sft", "dpo"] = "sft"
-    """sft: supervised fine-tuning on responses; dpo: preference tuning on chosen/rejected pairs (the preference section, TRL's DPOTrainer)."""
+    objective: Literal["sft", "dpo", "grpo"] = "sft"
+    """sft: supervised fine-tuning on responses; dpo: preference tuning on chosen/rejected pairs (the preference section, TRL's DPOTrainer); grpo: reinforcement learning from rewards a program checks (the grpo section, TRL's GRPOTrainer)."""
     fsdp: bool = False
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
@@ -198,6 +199,7 @@ class Recipe(Section):
     data: DataSection = DataSection()
     train: TrainSection = TrainSection()
     preference: PreferenceSection = PreferenceSection()
+    grpo: GrpoSection = GrpoSection()
 
     @model_validator(mode="after")
     def _check_combinations(self) -> Recipe:
@@ -374,6 +376,7 @@ def check_objective(recipe: Recipe) -> None:
         raise ValueError("preference: only applies to train.objective: dpo")
     if dpo:
         _check_dpo(recipe)
+    check_grpo(recipe)  # recipe/grpo.py
 
 
 def _check_dpo(recipe: Recipe) -> None:

@@ -3,6 +3,7 @@
 - ``formats``: one ``FormatSpec`` per ``data.format``, the Alpaca template and the plain system prefix;
 - ``optimizers``: one ``OptimizerSpec`` per ``optimizer.name`` (class, paged, 8-bit, state bytes);
 - ``attention``: the attention kernels a recipe may name, what each needs, how packed rows reach it;
+- ``rewards``: one ``RewardSpec`` per builtin reward of ``grpo.rewards`` (its arguments, what it scores);
 - ``metric_keys``: the names of the figures a run writes to ``metrics.jsonl`` and reads back.
 
 Adding a format, an optimizer or a kernel is one entry here plus its tests. Modules are imported by path;

@@ -39,3 +39,24 @@ PREFERENCE_KEYS = (
     "logps/rejected",
 )
 EVAL_PREFERENCE_ACCURACY = "eval_rewards/accuracies"  # held-out preference accuracy
+# train.objective grpo: TRL's figures of each batch of rollouts, kept under their own names (eval_ too)
+REWARD = "reward"  # the weighted sum of the rewards, mean over the completions
+REWARD_STD = "reward_std"
+FRAC_REWARD_ZERO_STD = "frac_reward_zero_std"  # share of prompts whose completions all got the same reward
+COMPLETION_LENGTH = "completions/mean_length"  # tokens
+COMPLETION_CLIPPED = "completions/clipped_ratio"  # share cut at grpo.max_completion_length
+KL = "kl"  # to the reference policy (logged with grpo.beta > 0)
+GRPO_KEYS = (REWARD, REWARD_STD, FRAC_REWARD_ZERO_STD, COMPLETION_LENGTH, COMPLETION_CLIPPED, KL, "entropy")
+REWARDS = "rewards/"  # + a reward function's name + MEAN or STD: TRL's per-function figures
+MEAN, STD = "/mean", "/std"
+
+
+def reward_key(name: str, statistic: str = MEAN) -> str:
+    """TRL's key of one reward function's figure: ``rewards/exact_match/mean``."""
+    return f"{REWARDS}{name}{statistic}"
+
+
+def is_reward_key(key: str) -> bool:
+    """A per-function reward figure (``rewards/<name>/mean|std``), with or without ``eval_``."""
+    key = key.removeprefix("eval_")
+    return key.startswith(REWARDS) and key.endswith((MEAN, STD))

@@ -3,6 +3,7 @@
 - ``pipeline``: ``build(recipe)`` sets a run up stage by stage, ``run(recipe)`` trains and saves;
 - ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
 - ``trainer``: ``GuardedTrainer`` and the Trainer's arguments; ``dpo``: TRL's DPOTrainer with the same;
+  ``grpo``: TRL's GRPOTrainer with the same, ``rewards`` its reward functions, ``grpo_explain`` what it says;
 - ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
 - ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
 - ``distributed``: what one process of several does differently (DDP, FSDP2);

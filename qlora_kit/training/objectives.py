@@ -1,7 +1,8 @@
 """Training stage: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks.
 
 SFT runs on ``GuardedTrainer`` (trainer.py), DPO on ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer
-under the same additions). Both get the same callbacks, in the order that lets the memory and throughput
+under the same additions), GRPO on ``GuardedGRPOTrainer`` (grpo.py, TRL's GRPOTrainer, with the reward
+functions of rewards.py and the explanations of grpo_explain.py). Both get the same callbacks, in the order that lets the memory and throughput
 figures reach every log: the memory monitor, throughput, the metrics file, the guards, the trackers,
 early stopping, then the caller's.
 """
@@ -44,15 +45,25 @@ def build_trainer(
     trackers log; ``recipe`` is the one resolved for this run's data."""
     precision = resolve_mixed_precision(recipe)
     has_eval = val_set is not None
-    dpo = recipe.train.objective == "dpo"
+    objective = recipe.train.objective
+    dpo = objective == "dpo"
+    guard_class, extra = TrainingGuard, {}
     if dpo:
         from qlora_kit.training.dpo import GuardedDPOTrainer, dpo_arguments  # TRL loads for DPO runs only
 
         trainer_class, args = GuardedDPOTrainer, dpo_arguments(recipe, output_dir, has_eval, precision)
+    elif objective == "grpo":
+        from qlora_kit.training import grpo  # TRL loads for GRPO runs only
+
+        trainer_class, args = (
+            grpo.GuardedGRPOTrainer,
+            grpo.grpo_arguments(recipe, output_dir, has_eval, precision),
+        )
+        guard_class, extra = grpo.RewardGuard, grpo.trainer_extras(recipe)
     else:
         trainer_class, args = GuardedTrainer, training_arguments(recipe, output_dir, has_eval, precision)
     pin_to_one_device(args)
-    guard = TrainingGuard(peft_model) if guards else None
+    guard = guard_class(peft_model) if guards else None
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
     monitor = MemoryMonitor()
     throughput = Throughput(peft_model, peak_tflops(recipe.train.peak_tflops))
@@ -60,17 +71,18 @@ def build_trainer(
     chunked = uses_chunked_loss(recipe, peft_model.get_base_model().config)
     patience = recipe.train.early_stopping_patience
     stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
-    collator = (
-        None  # TRL's DataCollatorForPreference pads the pairs
-        if dpo
-        else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
-    )
+    if objective == "sft":
+        extra["data_collator"] = prepare.build_collator(
+            tokenizer, recipe.data.packs, recipe.model.attn_implementation
+        )
+    elif dpo:
+        extra["data_collator"] = None  # TRL's DataCollatorForPreference pads the pairs
     return trainer_class(
         model=peft_model,
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        data_collator=collator,
+        **extra,  # grpo: the reward functions and the explaining callback (TRL collates nothing)
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=[

@@ -20,7 +20,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit.data import layout, preflight, prepare
+from qlora_kit.data import layout, preflight, prepare, prompts
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import checkpointing, planner
 from qlora_kit.model import adapters, builtin, hub
@@ -55,6 +55,7 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
+from qlora_kit.training.rewards import check_importable
 from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
@@ -117,11 +118,12 @@ def check_runnable(recipe: Recipe) -> None:
     if recipe.model.adapter is not None:
         folder = Path(recipe.model.adapter).expanduser()
         bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")
-        if recipe.train.objective == "dpo" and bias != "none":
+        if recipe.train.objective != "sft" and bias != "none":
             raise RecipeError(
-                f"model.adapter: {folder} trains biases (bias: {bias}); DPO's reference is a second adapter, "
+                f"model.adapter: {folder} trains biases (bias: {bias}); {recipe.train.objective}'s reference is a second adapter, "
                 "and peft allows trained biases in one adapter only"
             )
+    check_importable(recipe.grpo.rewards)  # a grpo reward module:function that cannot be imported
     launch = launched_fsdp_settings()
     if recipe.train.fsdp and launch is None:
         raise RecipeError(
@@ -158,14 +160,20 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    dpo = recipe.train.objective == "dpo"
+    dpo, grpo = recipe.train.objective == "dpo", recipe.train.objective == "grpo"
     with Ranks().main_first():
-        prepared = prepare.prepare_datasets(
-            recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
-        )
+        if grpo:  # prompts and references as text: TRL samples and tokenizes the completions
+            prepared = prompts.prepare_prompts(
+                recipe.data, tokenizer, recipe.train.seed, recipe.grpo.max_completion_length
+            )
+        else:
+            prepared = prepare.prepare_datasets(
+                recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
+            )
     as_written = recipe  # what recipe.yaml holds and the trackers log
     recipe, prepared = _resolve_layout(recipe, prepared)
-    if recipe.data.preflight.enabled:  # a run that would train on nothing stops here, before the weights
+    # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
+    if recipe.data.preflight.enabled and not grpo:
         collator = (
             None  # pairs: TRL's collator marks the answers by a mask, never by the pad id
             if dpo
@@ -182,6 +190,8 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     trainer = build_trainer(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
     )
+    if grpo:
+        log.info("grpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
     if dpo:
         log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
         # TRL's disable_dropout: policy and reference score the same answer alike before training
@@ -192,8 +202,8 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
 def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Recipe, prepare.PreparedData]:
     """``data.packing: auto`` -> the layout with the least padding on this data (data/layout.py); the
     rest of the run reads the resolved recipe."""
-    if recipe.train.objective == "dpo":
-        allowed = ("padding",)  # TRL pads its pairs, which have no single length to group by
+    if recipe.train.objective != "sft":
+        allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
         allowed = ("padding",)  # a kernel not known to keep packed examples apart
     else:

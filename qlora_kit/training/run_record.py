@@ -144,6 +144,9 @@ def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
         rows.append(
             ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")
         )
+    rewards = [row[keys.REWARD] for row in metrics if keys.REWARD in row]  # train.objective grpo
+    if rewards:
+        rows.append(("reward, first -> last", f"{rewards[0]:.3f} -> {rewards[-1]:.3f}"))
     return rows
 
 
@@ -165,7 +168,13 @@ def plot_run(record: RunRecord, path: str | Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     path = Path(path) if path is not None else record.folder / "loss.png"
-    fig, loss_axis = plt.subplots(figsize=(7, 4))
+    reward_rows = record.rows_with(keys.REWARD)  # train.objective grpo: the reward curves below the loss
+    reward_axis = None
+    if reward_rows:
+        fig, (loss_axis, reward_axis) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+        _plot_rewards(reward_axis, reward_rows)
+    else:
+        fig, loss_axis = plt.subplots(figsize=(7, 4))
     train_rows, eval_rows = record.rows_with("loss"), record.rows_with("eval_loss")
     loss_axis.plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="training loss")
     loss_axis.plot(
@@ -183,13 +192,28 @@ def plot_run(record: RunRecord, path: str | Path | None = None) -> Path:
         )
         lr_axis.set_ylabel("learning rate")
         lr_axis.set_ylim(bottom=0)
-    handles = [line for axis in fig.axes for line in axis.get_lines()]
+    handles = [line for axis in fig.axes for line in axis.get_lines() if axis is not reward_axis]
     loss_axis.legend(handles, [line.get_label() for line in handles], loc="upper right")
     loss_axis.set_title(record.folder.name)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+def _plot_rewards(axis, rows: list[dict[str, Any]]) -> None:
+    """GRPO's figures per logging step: the summed reward, each reward function's mean, and the share of
+    prompts whose completions all scored alike (which teach nothing)."""
+    steps = [r["step"] for r in rows]
+    names = sorted({k for r in rows for k in r if keys.is_reward_key(k) and k.endswith(keys.MEAN)})
+    axis.plot(steps, [r[keys.REWARD] for r in rows], label="reward (weighted sum)")
+    for name in (n for n in names if not n.startswith("eval_")):
+        axis.plot(steps, [r.get(name) for r in rows], "--", label=name.removeprefix(keys.REWARDS))
+    same = [r.get(keys.FRAC_REWARD_ZERO_STD) for r in rows]
+    axis.plot(steps, same, ":", color="gray", label="prompts with one reward for all")
+    axis.set_xlabel("optimizer step")
+    axis.set_ylabel("reward")
+    axis.legend(loc="upper left")
 
 
 def _flatten(values: dict[str, Any], prefix: str = "") -> dict[str, Any]:

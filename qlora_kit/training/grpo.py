@@ -1,0 +1,135 @@
+"""``train.objective: grpo``: TRL's GRPOTrainer with everything ``GuardedTrainer`` adds to a run.
+
+``GuardedGRPOTrainer`` is ``GuardedTrainer`` on top of TRL's ``GRPOTrainer`` (one class each, nothing
+copied): the guards, the memory and throughput accounting, atomic checkpoints, the adapter-only save and
+a resumed paged optimizer come from GuardedTrainer; the rollouts, the rewards, the group advantages, the
+clipped policy loss, the KL penalty and their metrics from TRL.
+
+Rollouts are transformers' ``generate`` on the training model itself (TRL's path without vLLM), with a
+KV cache: transformers' checkpointed layers keep their cache when no gradient is taken (generation runs
+under ``torch.no_grad``), and the forward runs under the Trainer's autocast as training does. The
+reference policy (``grpo.beta`` > 0) is never a second copy of the 4-bit base: TRL copies the trained
+adapter into a frozen second adapter named "ref" on the same base (with ``model.adapter`` that is the SFT
+adapter; without it the fresh adapter, B = 0, i.e. the base itself).
+
+What this module changes in TRL's behaviour, and why:
+- TRL casts a quantized model's trainable parameters to bf16; QLoRA keeps LoRA weights and the
+  optimizer in fp32 (bf16 weights lose small updates to rounding), so the policy gets its fp32 values
+  back (the same tensors, bit-exact).
+- TRL turns checkpointing off and on around each generation with transformers' defaults, which would
+  replace the recipe's policy (every_n) by "every layer"; without gradients checkpointing saves nothing
+  and keeps the KV cache, so it is left alone.
+- The dead-gradient guard waits for a step with a reward signal: when every group's completions got the
+  same reward and beta is 0, every gradient is exactly zero in a healthy run (``RewardGuard``).
+- TRL's telemetry ping at construction is not sent.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from accelerate import PartialState
+from trl import GRPOConfig, GRPOTrainer
+
+from qlora_kit.errors import RecipeError
+from qlora_kit.training.grpo_explain import GrpoExplainer
+from qlora_kit.training.guards import TrainingGuard, _all_zero
+from qlora_kit.training.rewards import reward_functions
+from qlora_kit.training.trainer import GuardedTrainer, training_settings
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+REFERENCE = "ref"  # TRL's name of the frozen copy of the adapter (GRPOTrainer.__init__)
+
+
+def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> GRPOConfig:
+    """TRL's GRPOConfig: the Trainer's arguments from the recipe plus the grpo section."""
+    grpo, train = recipe.grpo, recipe.train
+    check_batch(recipe, PartialState().num_processes)
+    return GRPOConfig(
+        **training_settings(recipe, output_dir, has_eval, precision),
+        num_generations=grpo.num_generations,
+        max_completion_length=grpo.max_completion_length,
+        temperature=grpo.temperature,
+        beta=grpo.beta,
+        loss_type=grpo.loss_type,
+        scale_rewards=grpo.scale_rewards,
+        num_iterations=grpo.num_iterations,
+        epsilon=grpo.epsilon,
+        reward_weights=[reward.weight for reward in grpo.rewards],
+        # micro_batch_size counts completions; one generation batch per optimizer step (TRL's default)
+        steps_per_generation=train.grad_accum,
+        # the recipe's checkpointing policy is applied to the base before peft wraps it (checkpointing.py)
+        activation_checkpointing=False,
+        log_completions=False,
+    )
+
+
+def trainer_extras(recipe: Recipe) -> dict:
+    """What GRPOTrainer takes besides the Trainer's arguments: the reward functions, in recipe order."""
+    return {"reward_funcs": reward_functions(recipe.grpo.rewards)}
+
+
+def check_batch(recipe: Recipe, processes: int) -> None:
+    """TRL samples num_generations completions of each prompt within one optimizer step's batch."""
+    train, generations = recipe.train, recipe.grpo.num_generations
+    completions = train.micro_batch_size * train.grad_accum * processes
+    if completions % generations:
+        raise RecipeError(
+            f"train.micro_batch_size: the completions of one optimizer step (micro_batch_size {train.micro_batch_size} "
+            f"x grad_accum {train.grad_accum} x {processes} processes = {completions}) must be a multiple of "
+            f"grpo.num_generations ({generations}): each prompt's group is sampled within one step"
+        )
+    if train.eval_steps and (train.micro_batch_size * processes) % generations:
+        raise RecipeError(
+            f"train.micro_batch_size: evaluation samples grpo.num_generations ({generations}) completions of a "
+            f"prompt per batch; micro_batch_size x processes ({train.micro_batch_size * processes}) must be a multiple"
+        )
+
+
+class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
+    """GRPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
+
+    def __init__(self, *args, model, **kwargs) -> None:
+        fp32 = {name: p.data for name, p in model.named_parameters() if p.requires_grad}
+        super().__init__(*args, model=model, **kwargs)
+        self.policy_restored = 0
+        for name, parameter in self.model.named_parameters():
+            if name in fp32 and parameter.dtype != fp32[name].dtype:
+                parameter.data = fp32[name]
+                self.policy_restored += 1
+        # TRL's generation toggles checkpointing when this says True (see the module docstring)
+        self.model.is_gradient_checkpointing = False
+        args = self.args
+        self.add_callback(
+            GrpoExplainer(self.reward_func_names, args.beta, args.num_iterations, args.num_generations)
+        )
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The throughput counts input positions from input_ids; a rollout's are its prompt and completion.
+        counted = {**inputs, "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)}
+        return super().compute_loss(model, counted, return_outputs, num_items_in_batch)
+
+    def _send_telemetry(self) -> None:
+        pass
+
+    def reference_description(self, adapter: str | None) -> str:
+        if self.beta == 0:
+            return "not used (grpo.beta is 0: no KL penalty, no reference forward)"
+        if adapter is None:
+            return "the base model (the reference adapter is the new adapter's start, B = 0)"
+        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+
+
+class RewardGuard(TrainingGuard):
+    """The training guard for GRPO: a step whose LoRA gradients are all exactly zero had no reward signal
+    (every group's completions scored alike, beta 0), which says nothing about gradients reaching the
+    adapter; the dead-gradient check waits for a step that has one."""
+
+    def _check_dead(self, step: int) -> None:
+        if all(_all_zero({name: p.grad for name, p in self.lora.items()}).values()):
+            return
+        super()._check_dead(step)
