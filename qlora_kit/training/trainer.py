@@ -20,7 +20,8 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
 
 Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
 ``_save_checkpoint`` and ``_get_output_dir`` (atomic checkpoints), ``_load_optimizer_and_scheduler``
-(a resumed paged optimizer pages again); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
+(a resumed paged optimizer pages again, the micro-batch split is read back), ``_run_epoch`` (the
+worst-batch probe, oom_recovery.py); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model import adapters
 from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.oom_recovery import OomPolicy, SplitOnOom
 from qlora_kit.training.outputs import move_into_place, staging_dir
 from qlora_kit.training.throughput import Throughput
 
@@ -125,12 +127,13 @@ def pin_to_one_device(args) -> None:
         args._n_gpu = 1
 
 
-class GuardedTrainer(Trainer):
+class GuardedTrainer(SplitOnOom, Trainer):
     """The Trainer with qlora_kit's loss head, guards and memory accounting (see the module docstring).
 
     ``chunk_tokens``: tokens per chunk of the chunked loss head, or None for transformers' own loss;
     ``guard``: the training guard (None to measure a run without it); ``memory_monitor`` and
-    ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``.
+    ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``; ``oom_policy``
+    and ``probe``: what an out-of-memory error does, and whether the worst batch runs first (oom_recovery.py).
     """
 
     def __init__(
@@ -142,9 +145,12 @@ class GuardedTrainer(Trainer):
         guard: TrainingGuard | None = None,
         chunk_tokens: int | None = None,
         optimizer_cls_and_kwargs: tuple | None = None,
+        oom_policy: OomPolicy | None = None,
+        probe: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.setup_oom(oom_policy or OomPolicy(), probe)
         # Set here, not passed up: TRL's trainers do not take it (the Trainer only stores it)
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.memory_monitor = memory_monitor
@@ -158,10 +164,11 @@ class GuardedTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
             return self._loss(model, inputs, return_outputs, num_items_in_batch)
-        counter = SavedTensors(model)
+        counter = SavedTensors(model, inject_faults=True)
         self.memory_monitor.phase_started()
         self.memory_monitor.forward_started()
-        self.throughput.count(inputs)
+        if not self.probing:
+            self.throughput.count(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
@@ -195,6 +202,8 @@ class GuardedTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             staged, self._staging = self._staging, None
+        if self.args.should_save:  # the micro-batch split a --resume continues with
+            self.save_split(staged / f"checkpoint-{self.state.global_step}")
         self._record_best_where_it_will_be(staged, output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -241,6 +250,7 @@ class GuardedTrainer(Trainer):
         # pages again: loading its state makes ordinary CUDA tensors of it (optimizers.repage_optimizer_state).
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
+            self.load_split(Path(checkpoint))
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):

@@ -1,0 +1,436 @@
+"""Out-of-memory inside a step: split the micro-batch, keep the global batch (``train.on_oom``).
+
+transformers' ``auto_find_batch_size`` halves the batch and restarts the loop from step 0 with the same
+accumulation, so the global batch halves. Here the dataloader, the sampler, the accumulation and the
+scheduler stay as the recipe set them; what changes is how a micro-batch is computed. Once split in
+``parts``, every micro-batch the Trainer hands to ``training_step`` runs as ``parts`` sequential chunks
+of its rows, each forward and backward, with the step's ``num_items_in_batch`` unchanged (transformers 5
+passes the step's trained-token count to the loss), so the gradient is the same sum over the same
+tokens: a micro-batch of 8 split in two is what micro-batch 4 with twice the accumulation computes, and
+its chunks are cut to their own longest row, as that run's batches are padded. On a multi-process run
+only the last chunk of the step's last micro-batch synchronises the gradients (DDP's all-reduce in
+its backward), as without a split.
+
+When a micro-batch raises ``torch.OutOfMemoryError`` (in forward, or in backward and a checkpointed
+layer's recompute), the exception and its frames are dropped (they hold the failed attempt's
+activations), the cached blocks are released, the gradients of the step in progress are set to None
+and the random state is put back to where the step began; then the step's micro-batches so far are
+redone in twice the parts. The logged loss is corrected by what the redo recomputed. The number of
+parts is written into every checkpoint (``micro_batch_split.json``) and a ``--resume`` reads it back:
+the resumed run is the one that was never interrupted. A micro-batch that cannot be split further
+(one row per part) stops the run with one line: the batch's tokens, the planner's prediction, the
+recipe's levers, and the checkpoint kept.
+
+Evaluation splits its own batch the same way (``eval_parts``); training's is untouched. The worst-batch
+probe (``train.probe_worst_batch``) runs the longest micro-batch before step 1 through the same path.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from qlora_kit.errors import TrainingGuardError
+from qlora_kit.registries import metric_keys as keys
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILE = "micro_batch_split.json"  # in each checkpoint: the parts a resumed run continues with
+
+
+@dataclass
+class OomPolicy:
+    """``on_oom``: split or stop; ``levers``: the recipe's memory fields as the stop message names them;
+    ``predict``: (rows, sequence) -> the planner's peak for such a batch, as text (None: not known)."""
+
+    on_oom: str = "split"
+    levers: str = ""
+    predict: Callable[[int, int], str | None] | None = None
+
+
+def oom_policy(recipe: Recipe) -> OomPolicy:
+    """The recipe's ``train.on_oom``, its memory levers as a stop names them, and the planner's prediction."""
+    memory, data = recipe.memory, recipe.data
+    levers = (
+        f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
+        f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
+    )
+
+    def predict(rows: int, seq: int) -> str | None:
+        from qlora_kit.memory import planner
+
+        try:  # a stop's message must not fail on the prediction
+            the_plan = planner.plan(
+                recipe, batch=rows, seq=seq, device="cuda" if torch.cuda.is_available() else "cpu"
+            )
+            policy = the_plan.chosen(recipe) if memory.checkpointing != "auto" else the_plan.policies[-1]
+        except Exception as error:
+            log.debug("no plan for the failing batch: %s", error)
+            return None
+        return f"{policy.peak / 1024**3:.2f} GiB peak under checkpointing {policy.policy}"
+
+    return OomPolicy(recipe.train.on_oom, levers, predict)
+
+
+def probes_worst_batch(recipe: Recipe) -> bool:
+    """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
+    probe = recipe.train.probe_worst_batch
+    return torch.cuda.is_available() if probe == "auto" else bool(probe)
+
+
+@dataclass
+class Failure:
+    """What is kept of an out-of-memory error once it and its frames are gone: text only."""
+
+    message: str
+    figures: str
+
+
+def rows_of(inputs: dict[str, Any]) -> int:
+    return int(inputs["input_ids"].shape[0])
+
+
+def split_rows(inputs: dict[str, Any], parts: int, trim: bool) -> list[dict[str, Any]]:
+    """The micro-batch as ``parts`` chunks of consecutive rows (as equal as can be). ``trim``: cut each
+    chunk's right padding (columns no row of it attends to), as a batch of those rows alone is padded."""
+    if parts == 1:
+        return [inputs]
+    rows = rows_of(inputs)
+    chunks: list[dict[str, Any]] = [{} for _ in range(min(parts, rows))]
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            for chunk, piece in zip(chunks, torch.tensor_split(value, len(chunks)), strict=True):
+                chunk[name] = piece
+        else:
+            for chunk in chunks:
+                chunk[name] = value
+    return [_trimmed(c) for c in chunks] if trim else chunks
+
+
+def _trimmed(chunk: dict[str, Any]) -> dict[str, Any]:
+    mask = chunk.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return chunk
+    length = mask.shape[1]
+    attended = mask.any(dim=0).nonzero()
+    if len(attended) == 0:
+        return chunk
+    end = int(attended.max()) + 1  # right padding ends where no row attends any more
+    if end == length:
+        return chunk
+    return {
+        k: v[:, :end] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == length else v
+        for k, v in chunk.items()
+    }
+
+
+def tokens_of(inputs: dict[str, Any]) -> int:
+    """The positions of a batch that are not padding."""
+    mask = inputs.get("attention_mask")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) else int(inputs["input_ids"].numel())
+
+
+def release_memory() -> None:
+    """Give back what the failed attempt held: the collector breaks reference cycles through the
+    dropped frames, then the caching allocator returns its free blocks to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def memory_figures() -> str:
+    """The device's memory at the failure, as the log line shows it (CUDA only)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    gib = 1024**3
+    free, total = torch.cuda.mem_get_info()
+    return (
+        f"allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, peak {torch.cuda.max_memory_allocated() / gib:.2f}"
+        f" GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB, free {free / gib:.2f} of {total / gib:.2f} GiB"
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random state a step draws from (dropout: torch's; the probe also restores Python's, NumPy's)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_split(folder: Path, parts: int, eval_parts: int) -> None:
+    (folder / SPLIT_FILE).write_text(json.dumps({"parts": parts, "eval_parts": eval_parts}) + "\n")
+
+
+def read_split(folder: Path) -> tuple[int, int]:
+    """(parts, eval parts) a checkpoint was written with; (1, 1) when it has no file (never split)."""
+    path = folder / SPLIT_FILE
+    if not path.is_file():
+        return 1, 1
+    saved = json.loads(path.read_text())
+    return int(saved["parts"]), int(saved["eval_parts"])
+
+
+def split_record(step: int, phase: str, rows: int, parts: int, failure: Failure) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a split: where, the micro-batch before and after, the error."""
+    return {
+        "step": step,
+        keys.OOM_SPLIT: {
+            "phase": phase,
+            keys.MICRO_BATCH_BEFORE: -(-rows // (parts // 2)),
+            keys.MICRO_BATCH: -(-rows // parts),
+            keys.MICRO_BATCH_PARTS: parts,
+            "error": failure.message,
+            "memory": failure.figures,
+        },
+    }
+
+
+def stop_message(
+    step: int, where: str, inputs: dict[str, Any], policy: OomPolicy, failure: Failure, kept: str
+) -> str:
+    """One line for a micro-batch that cannot be split further, or for ``on_oom: stop``."""
+    rows, seq = rows_of(inputs), int(inputs["input_ids"].shape[-1])
+    predicted = policy.predict(rows, seq) if policy.predict is not None else None
+    plan = f"; the planner predicts {predicted} for it" if predicted else ""
+    return (
+        f"step {step}: out of memory in {where} ({failure.message}; {failure.figures}): a micro-batch of "
+        f"{rows} row{'s' if rows != 1 else ''}, {tokens_of(inputs)} tokens ({rows} x {seq}){plan}. "
+        f"To fit it: {policy.levers}; {kept}"
+    )
+
+
+class SplitOnOom:
+    """What ``GuardedTrainer`` adds to the Trainer for out-of-memory (placed before it in the MRO):
+    ``get_batch_samples`` keeps the step's micro-batches and random state, ``training_step`` runs a
+    micro-batch in ``parts`` and recovers, ``prediction_step`` splits evaluation's batch, ``_run_epoch``
+    probes the worst batch first. ``setup_oom`` is called from the subclass's ``__init__``."""
+
+    def setup_oom(self, policy: OomPolicy, probe: bool) -> None:
+        self.oom_policy = policy
+        self.parts = 1  # chunks each training micro-batch runs in
+        self.eval_parts = 1  # chunks each evaluation batch runs in
+        self.probe_pending = probe
+        self.probing = False  # the probe's tokens are not training's (throughput)
+        self._step_batches: list[dict[str, Any]] = []
+        self._step_losses: list[torch.Tensor] = []  # what each micro-batch added to the Trainer's loss
+        self._step_rng: dict[str, Any] | None = None
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_batches, self._step_losses = batches, []
+        self._step_rng = rng_state() if self.oom_policy.on_oom == "split" else None
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss, failure = self._attempt(model, [inputs], num_items_in_batch)
+        if failure is None:
+            self._step_losses.append(loss)
+            return loss
+        index = next((i for i, batch in enumerate(self._step_batches) if batch is inputs), None)
+        if index is None:  # the probe: no step in progress
+            index, batches = 0, [inputs]
+            self._step_losses = []
+        else:
+            batches = self._step_batches[: index + 1]
+        while failure is not None:
+            self._split_or_stop(model, inputs, num_items_in_batch, failure, index)
+            loss, failure = self._attempt(model, batches, num_items_in_batch)
+        # The Trainer has already added the first attempt's losses of the earlier micro-batches
+        loss = loss - sum(self._step_losses[:index]) if index else loss
+        self._step_losses = [*self._step_losses[:index], loss]
+        return loss
+
+    def _attempt(self, model, batches, num_items_in_batch):
+        """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
+        try:
+            total = None
+            for batch in batches:
+                loss = self._run_in_parts(model, batch, num_items_in_batch)
+                total = loss if total is None else total + loss
+            return total, None
+        except torch.OutOfMemoryError as error:
+            # Text only: the error's traceback holds the frames, and they the activations; Python drops
+            # ``error`` at the end of this clause, and with it all of them.
+            failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+        release_memory()
+        return None, failure
+
+    def _run_in_parts(self, model, inputs, num_items_in_batch):
+        chunks = split_rows(inputs, self.parts, trim=True)
+        # DDP all-reduces in the backward of a synchronising call: only in its last chunk's
+        syncing = self.accelerator.sync_gradients and len(chunks) > 1
+        total = None
+        for i, chunk in enumerate(chunks):
+            if syncing and i < len(chunks) - 1:
+                with self.accelerator.no_sync(model):
+                    loss = super().training_step(model, chunk, num_items_in_batch)
+            else:
+                loss = super().training_step(model, chunk, num_items_in_batch)
+            total = loss if total is None else total + loss
+        return total
+
+    def _split_or_stop(self, model, inputs, num_items_in_batch, failure: Failure, index: int) -> None:
+        """Split the step's micro-batches in twice the parts and clear the step, or stop with one line."""
+        from qlora_kit.training.guards import kept
+
+        step = self.state.global_step + 1
+        where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
+        if self.oom_policy.on_oom == "stop" or self.parts >= rows_of(inputs) or num_items_in_batch is None:
+            raise TrainingGuardError(
+                stop_message(step, where, inputs, self.oom_policy, failure, kept(self.args.output_dir))
+            )
+        self.parts *= 2
+        model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far
+        if self._step_rng is not None:  # dropout draws as the split run's would from here
+            set_rng_state(self._step_rng)
+        size = self.args.per_device_train_batch_size
+        record = split_record(step, "train", size, self.parts, failure)
+        self._announce(step, where, record, failure)
+
+    def _announce(self, step: int, where: str, record: dict[str, Any], failure: Failure) -> None:
+        split = record[keys.OOM_SPLIT]
+        log.warning(
+            "step %d: out of memory in %s (%s; %s): %s micro-batch %d -> %d (%d parts, accumulation x%d), "
+            "the same examples and global batch; %s",
+            step,
+            where,
+            failure.message,
+            failure.figures,
+            "evaluation" if split["phase"] == "eval" else "training",
+            split[keys.MICRO_BATCH_BEFORE],
+            split[keys.MICRO_BATCH],
+            split[keys.MICRO_BATCH_PARTS],
+            self.args.gradient_accumulation_steps * split[keys.MICRO_BATCH_PARTS],
+            "evaluation's batch only" if split["phase"] == "eval" else "the step is redone",
+        )
+        if self.state.is_world_process_zero:
+            self.metrics_log.record(record)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        from qlora_kit.training.guards import kept
+
+        while True:
+            result, failure = self._predict_attempt(model, inputs, prediction_loss_only, ignore_keys)
+            if failure is None:
+                return result
+            step = self.state.global_step
+            if self.oom_policy.on_oom == "stop" or self.eval_parts >= rows_of(inputs):
+                message = stop_message(
+                    step, "evaluation", inputs, self.oom_policy, failure, kept(self.args.output_dir)
+                )
+                raise TrainingGuardError(message)
+            self.eval_parts *= 2
+            size = self.args.per_device_eval_batch_size
+            self._announce(
+                step, "evaluation", split_record(step, "eval", size, self.eval_parts, failure), failure
+            )
+
+    def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys):
+        try:
+            if self.eval_parts == 1:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys), None
+            return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys), None
+        except torch.OutOfMemoryError as error:
+            failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+        release_memory()
+        return None, failure
+
+    def _predict_in_parts(self, model, inputs, prediction_loss_only, ignore_keys):
+        """The batch's loss as one pass gives it: each part's mean over its labelled tokens, weighted by
+        them; logits and labels put back together in row order."""
+        results, weights = [], []
+        for chunk in split_rows(inputs, self.eval_parts, trim=False):
+            results.append(super().prediction_step(model, chunk, prediction_loss_only, ignore_keys))
+            weights.append((chunk["labels"][..., 1:] != -100).sum().float())
+        losses = [r[0] for r in results]
+        loss = None
+        if all(x is not None for x in losses):
+            w = torch.stack(weights).to(losses[0].device)
+            loss = (torch.stack(losses) * w).sum() / w.sum().clamp(min=1)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, _concat([r[1] for r in results]), _concat([r[2] for r in results])
+
+    def _run_epoch(self, model, epoch, *args, **kwargs):
+        # Private (transformers is pinned <6): the first point where the model is prepared (DDP, FSDP,
+        # autocast) and the optimizer built, before step 1's batches are drawn.
+        if self.probe_pending and self.state.global_step == 0:
+            self.probe_worst_batch(model)
+        self.probe_pending = False
+        return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    def probe_worst_batch(self, model) -> None:
+        """Forward and backward on the micro-batch with the most tokens, and the largest evaluation batch
+        under no-grad, then discard the gradients and put back every random state: training afterwards
+        is bit-identical to a run without the probe, and an out-of-memory error comes in the first minute
+        (and is met as in training: split, or stop)."""
+        state = rng_state()
+        self.probing = True
+        sync = self.accelerator.sync_gradients
+        try:
+            batch = self._worst_batch(self.train_dataset, self.args.per_device_train_batch_size, "probe")
+            num_items = self._get_num_items_in_batch([batch], self.args.device)
+            self.accelerator.gradient_state._set_sync_gradients(False)
+            with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                self.training_step(model, batch, num_items)
+            model.zero_grad(set_to_none=True)
+            if self.eval_dataset is not None and self.args.eval_strategy != "no":
+                batch = self._worst_batch(self.eval_dataset, self.args.per_device_eval_batch_size, "probe")
+                model.eval()
+                self.prediction_step(model, self._prepare_inputs(batch), prediction_loss_only=True)
+                model.train()
+        finally:
+            self.accelerator.gradient_state._set_sync_gradients(sync)
+            self.probing = False
+            set_rng_state(state)
+        log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.parts)
+
+    def _worst_batch(self, dataset, size: int, description: str) -> dict[str, Any]:
+        lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+        longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
+        rows = self._remove_unused_columns(dataset.select(longest), description=description)
+        return self.data_collator([rows[i] for i in range(len(rows))])
+
+    def save_split(self, checkpoint: Path) -> None:
+        if self.parts > 1 or self.eval_parts > 1:
+            write_split(checkpoint, self.parts, self.eval_parts)
+
+    def load_split(self, checkpoint: Path) -> None:
+        self.parts, self.eval_parts = read_split(checkpoint)
+        if self.parts > 1 or self.eval_parts > 1:
+            log.info(
+                "resumed with the micro-batch split of %s: training in %d part(s), evaluation in %d",
+                checkpoint.name,
+                self.parts,
+                self.eval_parts,
+            )
+
+
+def _concat(values: list[Any]) -> Any:
+    if values[0] is None:
+        return None
+    if isinstance(values[0], (tuple, list)):
+        return type(values[0])(_concat(list(group)) for group in zip(*values, strict=True))
+    return torch.cat(values, dim=0)
