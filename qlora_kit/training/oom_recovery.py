@@ -298,8 +298,9 @@ class SplitOnOom:
         step = self.state.global_step + 1
         where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
         if self.oom_policy.on_oom == "stop" or self.parts >= rows_of(inputs) or num_items_in_batch is None:
+            part = max(split_rows(inputs, self.parts, trim=True), key=tokens_of)  # the one that failed
             raise TrainingGuardError(
-                stop_message(step, where, inputs, self.oom_policy, failure, kept(self.args.output_dir))
+                stop_message(step, where, part, self.oom_policy, failure, kept(self.args.output_dir))
             )
         self.parts *= 2
         model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far

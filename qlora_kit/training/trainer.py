@@ -4,9 +4,10 @@ transformers' Trainer runs the loop (accumulation, clipping, scheduling, evaluat
 checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not, and one
 optimizer step runs in this order (``Trainer._inner_training_loop``, transformers 5.24):
 
-1. per micro-batch: ``compute_loss`` — the forward pass (under accelerate's autocast) with transformers'
-   loss or the chunked loss head (memory/loss_head.py), while ``SavedTensors`` counts the bytes saved
-   for backward and the monitor counts tokens;
+1. per micro-batch: ``training_step`` counts its tokens (throughput), then per part of it (one, unless
+   an out-of-memory error split it: oom_recovery.py) ``compute_loss`` — the forward pass (under
+   accelerate's autocast) with transformers' loss or the chunked loss head (memory/loss_head.py),
+   while ``SavedTensors`` counts the bytes saved for backward;
 2. ``training_step`` — backward; then the micro-batch's loss is folded into the guard's device flag
    (no host read; under train.objective dpo TRL's loss reads its reward metrics on the host each
    micro-batch) and the monitor closes the backward phase;
@@ -167,8 +168,6 @@ class GuardedTrainer(SplitOnOom, Trainer):
         counter = SavedTensors(model, inject_faults=True)
         self.memory_monitor.phase_started()
         self.memory_monitor.forward_started()
-        if not self.probing:
-            self.throughput.count(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
@@ -254,6 +253,8 @@ class GuardedTrainer(SplitOnOom, Trainer):
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.probing:  # once per micro-batch, however many parts or redone attempts it takes
+            self.throughput.count(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.memory_monitor.backward_done()
         if self.guard is not None:

@@ -1,0 +1,172 @@
+"""Out-of-memory inside a step (training/oom_recovery.py), made on the CPU by the fault injector
+(memory/oom_faults.py, ``QLORA_KIT_OOM_CAP_BYTES``): every run here goes through the Trainer under
+bf16 autocast, as on a GPU, and everything after the injected error is the real code path.
+
+The data are short rows and one long one, so only the micro-batch holding the long row needs more than
+the cap: the run splits at that step and not before.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit import Recipe, train
+from qlora_kit.memory import oom_faults
+from qlora_kit.registries import metric_keys as keys
+
+pytestmark = pytest.mark.slow  # each test trains a few short runs
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 7  # 40 rows in 5 micro-batches of 8: the long row is in step 5 of the first epoch
+
+
+def rows() -> list[dict]:
+    short = [{"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(39)]
+    long = {"instruction": "Repeat: " + " ".join(f"w{i}" for i in range(40)), "input": "", "output": "ok"}
+    return short[:20] + [long] + short[20:]
+
+
+def recipe_values(folder: Path, **overrides) -> dict:
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    values = {
+        "data": {"path": str(data), "packing": False, "max_seq_len": 128},
+        "lora": {"dropout": 0.1},  # dropout draws: the redone step must draw as the split run does
+        "memory": {"checkpointing": "none"},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {
+            "max_steps": STEPS, "logging_steps": 1, "micro_batch_size": 8, "mixed_precision": "bf16",
+            "output_dir": str(folder / "out"), "report_to": [], "eval_steps": None, "sample_prompts": 0,
+        },
+    }  # fmt: skip
+    for dotted, value in overrides.items():
+        section, field = dotted.split(".")
+        values[section][field] = value
+    return values
+
+
+def run(folder: Path, monkeypatch, cap: int | None = None, **overrides):
+    monkeypatch.setenv(oom_faults.ENV, "" if cap is None else str(cap))
+    recipe = Recipe.from_dict(recipe_values(folder, **overrides))
+    oom_faults.INJECTOR.peaks.clear()
+    return train(recipe)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def splits(out: Path) -> list[dict]:
+    return [row for row in metrics(out) if keys.OOM_SPLIT in row]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Micro-batch 4 with twice the accumulation, never capped; and the cap that only a micro-batch of
+    8 holding the long row passes (1.5 times the largest forward pass of 4 rows)."""
+    monkeypatch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("reference")
+    result = run(folder, monkeypatch, cap=10**15, **{"train.micro_batch_size": 4, "train.grad_accum": 2})
+    cap = int(1.5 * max(oom_faults.INJECTOR.peaks))
+    monkeypatch.undo()
+    return result, cap
+
+
+@pytest.fixture(scope="module")
+def capped(reference, tmp_path_factory):
+    monkeypatch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("capped")
+    result = run(folder, monkeypatch, cap=reference[1], **{"train.save_steps": 1})
+    monkeypatch.undo()
+    return result, folder
+
+
+def test_the_split_keeps_steps_examples_and_losses(reference, capped):
+    (ref, _), (result, folder) = reference, capped
+    out = folder / "out"
+    [split] = splits(out)
+    k = split["step"]
+    assert 1 < k < STEPS, "only the micro-batch with the long row passes the cap"
+    assert (
+        split[keys.OOM_SPLIT][keys.MICRO_BATCH_BEFORE] == 8 and split[keys.OOM_SPLIT][keys.MICRO_BATCH] == 4
+    )
+    assert result.steps == ref.steps == STEPS
+    # the same examples in every step: the trained tokens counted at each step are the reference's
+    tokens = [r[keys.TRAINED_TOKENS] for r in metrics(out) if keys.TRAINED_TOKENS in r]
+    assert tokens == [r[keys.TRAINED_TOKENS] for r in metrics(ref.output_dir) if keys.TRAINED_TOKENS in r]
+    # from step k on, micro-batch 8 in two parts computes what micro-batch 4 with accumulation 2 does
+    # (bf16 autocast: the same rows padded to the same length, summed in another order; before step k
+    # the two runs already differed by bf16 rounding, micro-batch 8 against 4)
+    assert result.train_losses[k - 1 :] == pytest.approx(ref.train_losses[k - 1 :], rel=1e-2)
+    assert (out / f"checkpoint-{k}" / "micro_batch_split.json").is_file()
+    assert not (out / f"checkpoint-{k - 1}" / "micro_batch_split.json").exists()
+
+
+def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
+    (_, cap), (_, folder) = reference, capped
+    k = splits(folder / "out")[0]["step"]
+    recipe_file = tmp_path / "recipe.yaml"
+    values = recipe_values(tmp_path, **{"train.save_steps": 1})
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    env = {**os.environ, oom_faults.ENV: str(cap)}
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), f"step:{k + 1}"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out), "--resume"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed with the micro-batch split" in resumed.stderr
+    assert len(splits(out)) == 1, "the resumed run starts split: no second out-of-memory error"
+    got, want = (
+        load_file(out / "adapter_model.safetensors"),
+        load_file(folder / "out" / "adapter_model.safetensors"),
+    )
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path):
+    values = recipe_values(
+        tmp_path, **{"train.save_steps": 1, "train.max_steps": 4, "train.micro_batch_size": 2}
+    )
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), "step:3"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    before = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    command = [
+        sys.executable,
+        "-m",
+        "qlora_kit",
+        "train",
+        str(recipe_file),
+        "--output-dir",
+        str(out),
+        "--resume",
+    ]
+    env = {**os.environ, oom_faults.ENV: "1000"}  # no row fits
+    stopped = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
+    line = next(x for x in stopped.stderr.splitlines() if "training stopped:" in x)
+    assert "step 3: out of memory" in line and "a micro-batch of 1 row" in line
+    assert (
+        "data.max_seq_len" in line and "memory.checkpointing" in line and "memory.loss_chunk_tokens" in line
+    )
+    assert "the planner predicts" in line
+    assert "checkpoint-2" in line and "Traceback" not in stopped.stderr
+    after = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    assert all(torch.equal(before[n], after[n]) for n in before)
