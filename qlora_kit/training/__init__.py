@@ -4,6 +4,7 @@
 - ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
 - ``trainer``: ``GuardedTrainer`` and the Trainer's arguments; ``dpo``: TRL's DPOTrainer with the same;
 - ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
+- ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
 - ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
 - ``distributed``: what one process of several does differently (DDP, FSDP2);
 - ``outputs``: the output folder's policy and atomic checkpoints; ``manifest``: what produced an adapter;

@@ -29,7 +29,7 @@ STEPS = 7  # 40 rows in 5 micro-batches of 8: the long row is in step 5 of the f
 def rows() -> list[dict]:
     short = [{"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(39)]
     long = {"instruction": "Repeat: " + " ".join(f"w{i}" for i in range(40)), "input": "", "output": "ok"}
-    return short[:20] + [long] + short[20:]
+    return [*short[:20], long, *short[20:]]
 
 
 def recipe_values(folder: Path, **overrides) -> dict:
