@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
     """Apply the checkpointing policy to the decoder layers; returns the indices of checkpointed layers."""
     injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
+    if injector.cap is not None or injector.eval_cap is not None:
+        injector.watch(model)
     if memory.checkpointing == "none":
         return []
     if memory.checkpointing == "auto":
@@ -41,7 +43,6 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
         log.info("memory.offload_activations: no accelerator here, activations already live in host memory")
     kwargs: dict = {"use_reentrant": False}
     if injector.cap is not None:  # tests only: out-of-memory in the recompute too (oom_faults.py)
-        injector.watch(model)
         kwargs["context_fn"] = lambda: (contextlib.nullcontext(), injector.recompute_context())
     model.activation_checkpointing_enable(kwargs, every_n_layers=every_n, offload=offload)
     return checkpointed_layers(model)

@@ -14,6 +14,9 @@ allocation would fail on a GPU; everything after the raise is the real code path
   pass N. Some LoRA
   gradients of the micro-batch have then been accumulated already, as on a GPU.
 
+- in evaluation (no grad: nothing is saved), when the live bytes of the forward pass's activations,
+  counted the same way, pass ``QLORA_KIT_OOM_EVAL_CAP_BYTES`` (default: N).
+
 Unset (the default), nothing is installed: no hook, no dispatch mode, no cost.
 """
 
@@ -28,18 +31,21 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 ENV = "QLORA_KIT_OOM_CAP_BYTES"
+EVAL_ENV = "QLORA_KIT_OOM_EVAL_CAP_BYTES"  # evaluation's own cap (default: the training cap)
 MIB = 1024**2
 
 
 class FaultInjector:
     """The cap and the forward pass's running count (one forward pass at a time per process)."""
 
-    def __init__(self, cap: int | None) -> None:
+    def __init__(self, cap: int | None, eval_cap: int | None = None) -> None:
         self.cap = cap
+        self.eval_cap = eval_cap
         self.forward_bytes = 0  # bytes saved for backward by the latest training forward pass
         self.raised = 0  # errors raised so far, for tests and benchmarks
         self.weights: set[int] = set()  # data pointers of the model's parameters and buffers
         self.peaks: list[int] = []  # per training micro-batch (or part): its forward and backward's peak
+        self.eval_peaks: list[int] = []  # per evaluation batch (or part): its live bytes' peak
 
     def watch(self, model: torch.nn.Module) -> None:
         """Know the model's weights (the recompute's count leaves out what is made from them alone)."""
@@ -68,24 +74,36 @@ class FaultInjector:
 
     def recompute_context(self) -> contextlib.AbstractContextManager:
         """What torch's checkpoint enters around a layer's recompute (``context_fn``'s second half)."""
-        return _CountRecompute(self) if self.cap is not None else contextlib.nullcontext()
+        if self.cap is None:
+            return contextlib.nullcontext()
+        return _CountLive(self, self.cap, "backward: recomputing a checkpointed layer", self.peaks)
 
-    def _raise(self, where: str) -> None:
+    def evaluation(self) -> contextlib.AbstractContextManager:
+        """Around an evaluation forward pass (no grad, nothing saved): its live bytes against the eval cap."""
+        if self.eval_cap is None:
+            return contextlib.nullcontext()
+        self.forward_bytes = 0
+        self.eval_peaks.append(0)
+        return _CountLive(self, self.eval_cap, "evaluation", self.eval_peaks)
+
+    def _raise(self, where: str, cap: int | None = None) -> None:
         self.raised += 1
+        cap = self.cap if cap is None else cap
         raise torch.OutOfMemoryError(
-            f"qlora_kit fault injector ({ENV}={self.cap}): {where}, over the cap of {self.cap / MIB:.2f} MiB"
+            f"qlora_kit fault injector (cap {cap} bytes): {where}, over the cap of {cap / MIB:.2f} MiB"
         )
 
 
-class _CountRecompute(TorchDispatchMode):
-    """The live bytes of the activations a checkpointed layer's recompute allocates: each operation's
+class _CountLive(TorchDispatchMode):
+    """The live bytes of the activations a checkpointed layer's recompute (or an evaluation forward
+    pass) allocates: each operation's
     outputs count from their creation until the tensor is collected, unless every tensor it read is
     a weight or made from weights only (a dequantized 4-bit weight, an autocast copy: the same for
     any batch, and on a GPU transient)."""
 
-    def __init__(self, injector: FaultInjector) -> None:
+    def __init__(self, injector: FaultInjector, cap: int, where: str, peaks: list[int]) -> None:
         super().__init__()
-        self.injector = injector
+        self.injector, self.cap, self.where, self.peaks = injector, cap, where, peaks
         self.live = 0
         self.weight_made: set[int] = set()  # data pointers of tensors made from weights alone
 
@@ -105,11 +123,13 @@ class _CountRecompute(TorchDispatchMode):
                 self.live += nbytes
                 weakref.finalize(leaf, self._freed, nbytes)
         total = self.injector.forward_bytes + self.live
-        self.injector._seen(total)
-        if self.injector.cap is not None and total > self.injector.cap:
+        if self.peaks:
+            self.peaks[-1] = max(self.peaks[-1], total)
+        if total > self.cap:
             self.injector._raise(
-                f"backward: recomputing a checkpointed layer, {total / MIB:.2f} MiB "
-                f"({self.injector.forward_bytes / MIB:.2f} saved by the forward pass)"
+                f"{self.where}, {total / MIB:.2f} MiB ({self.injector.forward_bytes / MIB:.2f} saved by the "
+                "forward pass)",
+                self.cap,
             )
         return out
 
@@ -120,16 +140,17 @@ class _CountRecompute(TorchDispatchMode):
         self.live -= nbytes
 
 
-def cap_from_env() -> int | None:
-    """The cap in bytes from ``QLORA_KIT_OOM_CAP_BYTES``, or None when unset or empty."""
-    value = os.environ.get(ENV, "").strip()
+def cap_from_env(name: str = ENV) -> int | None:
+    """The cap in bytes from the environment variable, or None when unset or empty."""
+    value = os.environ.get(name, "").strip()
     return int(value) if value else None
 
 
-INJECTOR = FaultInjector(cap_from_env())
+INJECTOR = FaultInjector(cap_from_env(), cap_from_env(EVAL_ENV) or cap_from_env())
 
 
 def reload_cap() -> FaultInjector:
     """Read the environment again (a test sets the cap after import); returns the injector."""
     INJECTOR.cap = cap_from_env()
+    INJECTOR.eval_cap = cap_from_env(EVAL_ENV) or INJECTOR.cap
     return INJECTOR

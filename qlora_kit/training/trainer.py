@@ -36,7 +36,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import optimizers
+from qlora_kit.memory import oom_faults, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
@@ -164,7 +164,8 @@ class GuardedTrainer(SplitOnOom, Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
-            return self._loss(model, inputs, return_outputs, num_items_in_batch)
+            with oom_faults.INJECTOR.evaluation():  # a no-op unless a test caps evaluation's memory
+                return self._loss(model, inputs, return_outputs, num_items_in_batch)
         counter = SavedTensors(model, inject_faults=True)
         self.memory_monitor.phase_started()
         self.memory_monitor.forward_started()

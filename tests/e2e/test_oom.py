@@ -33,6 +33,7 @@ def rows() -> list[dict]:
 
 
 def recipe_values(folder: Path, **overrides) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
     data = folder / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     values = {
@@ -170,3 +171,50 @@ def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path
     assert "checkpoint-2" in line and "Traceback" not in stopped.stderr
     after = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, monkeypatch):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows()[16:24]))  # the long row among them
+    settings = {"data.val_path": str(val), "train.eval_steps": 2, "train.max_steps": 2}
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(10**15))  # armed, never reached: measures
+    oom_faults.INJECTOR.eval_peaks.clear()
+    free = run(tmp_path / "free", monkeypatch, **settings)
+    cap = int(0.75 * max(oom_faults.INJECTOR.eval_peaks))
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(cap))
+    capped = run(tmp_path / "capped", monkeypatch, **settings)
+    events = [row[keys.OOM_SPLIT] for row in splits(capped.output_dir)]
+    assert events and all(e["phase"] == "eval" for e in events), "training's micro-batch is never split"
+    assert capped.train_losses == free.train_losses  # training untouched, bit for bit
+    assert capped.eval_losses == pytest.approx(free.eval_losses, rel=1e-4)  # the same rows, in parts
+
+
+def test_out_of_memory_in_the_recompute_leaves_no_partial_gradient(tmp_path, monkeypatch):
+    settings = {"memory.checkpointing": "full", "train.max_steps": 2}
+    split = {"train.micro_batch_size": 4, "train.grad_accum": 2}
+    reference = run(tmp_path / "reference", monkeypatch, cap=10**15, **settings, **split)
+    cap = int(1.2 * max(oom_faults.INJECTOR.peaks))  # a forward pass of 8 fits, its recompute does not
+    capped = run(tmp_path / "capped", monkeypatch, cap=cap, **settings)
+    [event] = [row[keys.OOM_SPLIT] for row in splits(capped.output_dir)]
+    assert "recomputing a checkpointed layer" in event["error"]
+    grad_norms = [
+        [r["grad_norm"] for r in metrics(x.output_dir) if "grad_norm" in r] for x in (capped, reference)
+    ]
+    # gradients the failed backward had accumulated would add to the redone step's
+    assert grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-2)
+    assert capped.train_losses == pytest.approx(reference.train_losses, rel=1e-2)
+
+
+def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(reference, tmp_path, monkeypatch):
+    settings = {"train.max_steps": 3}
+    without = run(tmp_path / "without", monkeypatch, **settings, **{"train.probe_worst_batch": False})
+    probed = run(tmp_path / "probed", monkeypatch, **settings, **{"train.probe_worst_batch": True})
+    a, b = (load_file(r.output_dir / "adapter_model.safetensors") for r in (without, probed))
+    assert all(torch.equal(a[n], b[n]) for n in a), "the probe leaves training bit-identical"
+    assert probed.train_losses == without.train_losses
+    capped = run(
+        tmp_path / "capped", monkeypatch, cap=reference[1], **settings, **{"train.probe_worst_batch": True}
+    )
+    [row] = splits(capped.output_dir)
+    assert row["step"] == 1 and row[keys.OOM_SPLIT][keys.MICRO_BATCH_PARTS] == 2
+    assert capped.steps == 3
