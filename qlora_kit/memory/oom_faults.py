@@ -46,6 +46,7 @@ class FaultInjector:
         self.weights: set[int] = set()  # data pointers of the model's parameters and buffers
         self.peaks: list[int] = []  # per training micro-batch (or part): its forward and backward's peak
         self.eval_peaks: list[int] = []  # per evaluation batch (or part): its live bytes' peak
+        self.forwards: list[int] = []  # per training micro-batch (or part): bytes its forward pass saved
 
     def watch(self, model: torch.nn.Module) -> None:
         """Know the model's weights (the recompute's count leaves out what is made from them alone)."""
@@ -60,6 +61,7 @@ class FaultInjector:
     def forward_started(self) -> None:
         self.forward_bytes = 0
         self.peaks.append(0)
+        self.forwards.append(0)
 
     def _seen(self, total: int) -> None:
         if self.peaks:
@@ -68,6 +70,7 @@ class FaultInjector:
     def saved(self, total: int) -> None:
         """Called by ``SavedTensors`` with its running count after each newly saved storage."""
         self.forward_bytes = total
+        self.forwards[-1] = total
         self._seen(total)
         if self.cap is not None and total > self.cap:
             self._raise(f"forward: {total / MIB:.2f} MiB saved for backward")

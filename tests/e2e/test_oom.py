@@ -190,17 +190,23 @@ def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, mon
 
 
 def test_out_of_memory_in_the_recompute_leaves_no_partial_gradient(tmp_path, monkeypatch):
-    settings = {"memory.checkpointing": "full", "train.max_steps": 2}
+    # Layers 0 and 2 of 4 checkpointed: backward computes layer 3's LoRA gradients, then fails in
+    # layer 2's recompute; those gradients must not stay in the redone step.
+    settings = {"memory.checkpointing": "every_n", "memory.every_n": 2, "train.max_steps": 2}
     split = {"train.micro_batch_size": 4, "train.grad_accum": 2}
+    oom_faults.INJECTOR.forwards.clear()
     reference = run(tmp_path / "reference", monkeypatch, cap=10**15, **settings, **split)
-    cap = int(1.2 * max(oom_faults.INJECTOR.peaks))  # a forward pass of 8 fits, its recompute does not
+    forward, peak = max(oom_faults.INJECTOR.forwards), max(oom_faults.INJECTOR.peaks)
+    cap = 2 * forward + (peak - forward)  # micro-batch 8: its forward pass fits, its recompute does not
     capped = run(tmp_path / "capped", monkeypatch, cap=cap, **settings)
     [event] = [row[keys.OOM_SPLIT] for row in splits(capped.output_dir)]
-    assert "recomputing a checkpointed layer" in event["error"]
+    assert (
+        event["error"].startswith("qlora_kit fault injector")
+        and "recomputing a checkpointed layer" in event["error"]
+    )
     grad_norms = [
         [r["grad_norm"] for r in metrics(x.output_dir) if "grad_norm" in r] for x in (capped, reference)
     ]
-    # gradients the failed backward had accumulated would add to the redone step's
     assert grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-2)
     assert capped.train_losses == pytest.approx(reference.train_losses, rel=1e-2)
 
@@ -218,3 +224,30 @@ def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(refer
     [row] = splits(capped.output_dir)
     assert row["step"] == 1 and row[keys.OOM_SPLIT][keys.MICRO_BATCH_PARTS] == 2
     assert capped.steps == 3
+
+
+def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tmp_path):
+    """DDP over gloo, micro-batch 4 per process: only the process whose micro-batch holds the long row
+    passes the cap. Both agree at the flag after that forward pass, before any backward (whose last
+    one all-reduces the gradients), split and redo the step together: no process waits forever."""
+    values = recipe_values(tmp_path, **{"train.micro_batch_size": 4, "train.max_steps": 5})
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port.getsockname()[1])]
+    port.close()
+    cap = int(0.75 * reference[1] / 1.5)  # under a forward pass of 4 rows with the long one, over 2
+    env = {**os.environ, "OMP_NUM_THREADS": "1", oom_faults.ENV: str(cap)}
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*torchrun, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [event] = [row[keys.OOM_SPLIT] for row in splits(out)]
+    assert event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
+    assert "another process" in result.stderr or "fault injector" in result.stderr
+    steps = [row["step"] for row in metrics(out) if "loss" in row]
+    assert steps == list(range(1, 6))
