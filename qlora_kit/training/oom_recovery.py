@@ -31,15 +31,18 @@ import gc
 import json
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.distributed import over_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -91,12 +94,17 @@ def probes_worst_batch(recipe: Recipe) -> bool:
     return torch.cuda.is_available() if probe == "auto" else bool(probe)
 
 
+class PeerOutOfMemory(RuntimeError):
+    """Another process of the run ran out of memory: this one drops its attempt too, at the same point."""
+
+
 @dataclass
 class Failure:
     """What is kept of an out-of-memory error once it and its frames are gone: text only."""
 
     message: str
     figures: str
+    lost_s: float = 0.0  # from the failed attempt's start to the error
 
 
 def rows_of(inputs: dict[str, Any]) -> int:
@@ -203,6 +211,7 @@ def split_record(step: int, phase: str, rows: int, parts: int, failure: Failure)
             keys.MICRO_BATCH_PARTS: parts,
             "error": failure.message,
             "memory": failure.figures,
+            keys.LOST_SECONDS: round(failure.lost_s, 3),
         },
     }
 
@@ -236,6 +245,7 @@ class SplitOnOom:
         self._step_batches: list[dict[str, Any]] = []
         self._step_losses: list[torch.Tensor] = []  # what each micro-batch added to the Trainer's loss
         self._step_rng: dict[str, Any] | None = None
+        self._phase: str | None = None  # forward or backward of the part in progress (multi-process flags)
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
@@ -244,6 +254,7 @@ class SplitOnOom:
         return batches, num_items
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        started = time.perf_counter()
         loss, failure = self._attempt(model, [inputs], num_items_in_batch)
         if failure is None:
             self._step_losses.append(loss)
@@ -255,7 +266,9 @@ class SplitOnOom:
         else:
             batches = self._step_batches[: index + 1]
         while failure is not None:
+            failure.lost_s = time.perf_counter() - started
             self._split_or_stop(model, inputs, num_items_in_batch, failure, index)
+            started = time.perf_counter()
             loss, failure = self._attempt(model, batches, num_items_in_batch)
         # The Trainer has already added the first attempt's losses of the earlier micro-batches
         loss = loss - sum(self._step_losses[:index]) if index else loss
@@ -270,26 +283,69 @@ class SplitOnOom:
                 loss = self._run_in_parts(model, batch, num_items_in_batch)
                 total = loss if total is None else total + loss
             return total, None
-        except torch.OutOfMemoryError as error:
+        except (torch.OutOfMemoryError, PeerOutOfMemory) as error:
             # Text only: the error's traceback holds the frames, and they the activations; Python drops
             # ``error`` at the end of this clause, and with it all of them.
             failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+            own = isinstance(error, torch.OutOfMemoryError)
         release_memory()
+        if own and self._phase is not None:
+            self._agree(failed=True)  # the other processes wait at this point's flag: tell them
+        self._phase = None
         return None, failure
 
     def _run_in_parts(self, model, inputs, num_items_in_batch):
         chunks = split_rows(inputs, self.parts, trim=True)
         # DDP all-reduces in the backward of a synchronising call: only in its last chunk's
         syncing = self.accelerator.sync_gradients and len(chunks) > 1
+        self._watch_model_forward(model)
         total = None
         for i, chunk in enumerate(chunks):
+            self._phase = "forward"
             if syncing and i < len(chunks) - 1:
                 with self.accelerator.no_sync(model):
                     loss = super().training_step(model, chunk, num_items_in_batch)
             else:
                 loss = super().training_step(model, chunk, num_items_in_batch)
+            self._phase = "backward"
+            self._check_peers()  # every process finished this part's backward
+            self._phase = None
             total = loss if total is None else total + loss
         return total
+
+    def _watch_model_forward(self, model) -> None:
+        # Under DDP the flag after the model's forward must come before DDP's own end of forward: that
+        # prepares the gradient all-reduce, and a process that ran out of memory inside the model never
+        # reaches it; every process must have prepared, or none. A hook on the wrapped module runs there.
+        inner = getattr(model, "module", None)
+        if self.args.world_size > 1 and inner is not None and not getattr(self, "_watching", False):
+            inner.register_forward_hook(lambda *_: self._model_forward_done())
+            self._watching = True
+
+    def _model_forward_done(self) -> None:
+        if self._phase == "forward" and torch.is_grad_enabled():
+            self._check_peers()
+            self._phase = "loss"
+
+    def forward_done(self) -> None:
+        """Called by ``compute_loss`` after a training forward pass and loss: every process finished
+        them, before any starts a backward pass (whose last one all-reduces the gradients under DDP)."""
+        if self._phase in ("forward", "loss"):
+            self._check_peers()
+            self._phase = "backward"
+
+    def _check_peers(self) -> None:
+        if self._agree(failed=False):
+            raise PeerOutOfMemory("another process of the run ran out of memory")
+
+    def _agree(self, failed: bool) -> bool:
+        """Whether any process failed at this point: one all-reduce of a flag (none in a single process).
+        Every process passes the same points (each part's forward and backward) in the same order, so
+        a process that fails joins the flag its peers wait at, and none is left blocked in a collective."""
+        if self.args.world_size <= 1:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.uint8, device=self.args.device)
+        return bool(over_ranks(flag, dist.ReduceOp.MAX).item())
 
     def _split_or_stop(self, model, inputs, num_items_in_batch, failure: Failure, index: int) -> None:
         """Split the step's micro-batches in twice the parts and clear the step, or stop with one line."""

@@ -172,6 +172,7 @@ class GuardedTrainer(SplitOnOom, Trainer):
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
+        self.forward_done()  # out-of-memory in another process stops this one here too (oom_recovery.py)
         return result
 
     def _loss(self, model, inputs, return_outputs, num_items_in_batch):

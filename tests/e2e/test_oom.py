@@ -238,7 +238,7 @@ def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tm
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port.getsockname()[1])]
     port.close()
-    cap = int(0.75 * reference[1] / 1.5)  # under a forward pass of 4 rows with the long one, over 2
+    cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
     env = {**os.environ, "OMP_NUM_THREADS": "1", oom_faults.ENV: str(cap)}
     out = tmp_path / "out"
     result = subprocess.run(
