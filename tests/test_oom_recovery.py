@@ -8,7 +8,7 @@ import torch
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.oom_recovery import read_split, split_rows, tokens_of, write_split
+from qlora_kit.training.micro_batches import read_split, split_rows, tokens_of, write_split
 from qlora_kit.training.run_record import oom_rows
 
 

@@ -19,7 +19,7 @@ from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.oom_recovery import oom_policy, probes_worst_batch
+from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 from qlora_kit.training.throughput import Throughput, peak_tflops
 from qlora_kit.training.trackers import tracker_callbacks
 from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device, training_arguments

@@ -42,7 +42,8 @@ from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model import adapters
 from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.oom_recovery import OomPolicy, SplitOnOom
+from qlora_kit.training.micro_batches import OomPolicy
+from qlora_kit.training.oom_recovery import SplitOnOom
 from qlora_kit.training.outputs import move_into_place, staging_dir
 from qlora_kit.training.throughput import Throughput
 
