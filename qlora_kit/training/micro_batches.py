@@ -64,6 +64,8 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
 
 def probes_worst_batch(recipe: Recipe) -> bool:
     """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
+    if recipe.train.objective == "dpo":  # pairs: TRL's rows have no one input_ids to find the longest by
+        return False
     probe = recipe.train.probe_worst_batch
     return torch.cuda.is_available() if probe == "auto" else bool(probe)
 

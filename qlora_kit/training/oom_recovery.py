@@ -305,6 +305,7 @@ class SplitOnOom:
         log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.parts)
 
     def _worst_batch(self, dataset, size: int, description: str) -> dict[str, Any]:
+        # the tokenized datasets prepare.py builds (a datasets.Dataset with input_ids)
         lengths = np.array([len(ids) for ids in dataset["input_ids"]])
         longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
         rows = self._remove_unused_columns(dataset.select(longest), description=description)
