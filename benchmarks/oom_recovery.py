@@ -107,8 +107,8 @@ def main() -> None:
         "bytes saved for backward. From the split on the capped run computes what micro-batch 4 x 2 does (its "
         "difference there is the bf16 rounding the two runs accumulated before the split, as the uncapped "
         "micro-batch 8 run's is); its steps and the trained tokens of each step are the uncapped run's. The "
-        "time lost is the failed attempt, from its start to the error; the train seconds of runs sharing 2 "
-        "cores with other work are noisy."
+        "time lost is the failed attempt, from its start to the error and the release of its memory (a "
+        "garbage collection); train seconds run from the first forward pass to the last backward pass."
     )
     import torch
 
