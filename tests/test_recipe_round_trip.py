@@ -53,6 +53,7 @@ SPECIAL = {
     "data.config_name": st.none() | st.just("default"),
     "data.val_path": st.none() | st.just("/data/val.jsonl"),
     "data.packing": st.sampled_from([True, False, "auto"]),
+    "train.probe_worst_batch": st.sampled_from([True, False, "auto"]),
     "data.fields": st.dictionaries(st.sampled_from(FIELD_NAMES), WORDS, max_size=2),
     "data.roles": st.dictionaries(
         st.sampled_from(["bot", "human2", "narrator"]), st.sampled_from(["assistant", "user"]), max_size=2

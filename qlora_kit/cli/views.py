@@ -14,6 +14,7 @@ from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_record import (
     memory_rows,
     metric_rows,
+    oom_rows,
     plot_run,
     read_run,
     recipe_changes,
@@ -63,6 +64,7 @@ def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
         rows.append(("training time", f"{usage[keys.TRAIN_SECONDS]:.1f} s"))
     rows += speed_rows(result.metrics)
     rows += metric_rows(result.metrics)
+    rows += oom_rows(result.metrics)
     saved = [usage[keys.SAVED_MIB]] if keys.SAVED_MIB in usage else []
     rows += memory_rows([usage[key] for key in keys.PEAK_KEYS if key in usage], saved)
     rows.append(("written to", str(result.output_dir)))

@@ -8,8 +8,9 @@
 - ``monitor``: the Trainer callbacks that record them (and ``metrics.jsonl``);
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
-- ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it.
+- ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it;
+- ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: planner -> tracing -> checkpointing -> accounting; monitor -> accounting. Modules are imported by
+Arrows: planner -> tracing -> checkpointing -> accounting; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

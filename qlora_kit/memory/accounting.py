@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
+from qlora_kit.memory import oom_faults
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.registries import metric_keys as keys
 
@@ -44,11 +45,16 @@ class SavedBytes:
 class SavedTensors:
     """Counts bytes saved for backward while active; use one instance per forward pass."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, inject_faults: bool = False) -> None:
         self.model = model
         self.excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         self.seen: dict[int, tuple[int, str]] = {}
+        self.total = 0
         self.where = OUTSIDE
+        # ``inject_faults``: a training forward pass asks the fault injector (oom_faults.py) after each
+        # new storage, when a cap is set (tests); the planner's traces never do
+        armed = inject_faults and oom_faults.INJECTOR.cap is not None
+        self.injector = oom_faults.INJECTOR if armed else None
 
     @contextlib.contextmanager
     def counting(self):
@@ -57,6 +63,8 @@ class SavedTensors:
             handles.append(layer.register_forward_pre_hook(self._enter(f"layer {index}")))
             handles.append(layer.register_forward_hook(self._leave))
         try:
+            if self.injector is not None:
+                self.injector.forward_started()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved):
                 yield self
         finally:
@@ -81,7 +89,11 @@ class SavedTensors:
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = _storage_key(tensor)
         if key not in self.excluded and key not in self.seen:
-            self.seen[key] = (tensor.untyped_storage().nbytes(), self.where)
+            nbytes = tensor.untyped_storage().nbytes()
+            self.seen[key] = (nbytes, self.where)
+            self.total += nbytes
+            if self.injector is not None:
+                self.injector.saved(self.total)
         return tensor
 
 

@@ -9,11 +9,13 @@ layers. ``checkpointing: auto`` is resolved first by the planner (``planner.reso
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
+from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import decoder_layers
 
 if TYPE_CHECKING:
@@ -26,6 +28,9 @@ log = logging.getLogger(__name__)
 
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
     """Apply the checkpointing policy to the decoder layers; returns the indices of checkpointed layers."""
+    injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
+    if injector.cap is not None or injector.eval_cap is not None:
+        injector.watch(model)
     if memory.checkpointing == "none":
         return []
     if memory.checkpointing == "auto":
@@ -36,7 +41,10 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     offload = memory.offload_activations and torch.accelerator.is_available()
     if memory.offload_activations and not offload:
         log.info("memory.offload_activations: no accelerator here, activations already live in host memory")
-    model.activation_checkpointing_enable({"use_reentrant": False}, every_n_layers=every_n, offload=offload)
+    kwargs: dict = {"use_reentrant": False}
+    if injector.cap is not None:  # tests only: out-of-memory in the recompute too (oom_faults.py)
+        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), injector.recompute_context())
+    model.activation_checkpointing_enable(kwargs, every_n_layers=every_n, offload=offload)
     return checkpointed_layers(model)
 
 

@@ -111,6 +111,12 @@ class MetricsLog(TrainerCallback):
         self.path = path
         self.rows: list[dict[str, Any]] = []
 
+    def record(self, row: dict[str, Any]) -> None:
+        """An event of its own (an out-of-memory split: training/oom_recovery.py), not a log's figures."""
+        self.rows.append(row)
+        with self.path.open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row) + "\n")
+
     def on_log(self, args, state, control, logs: dict[str, Any] | None = None, **kwargs) -> None:
         if not state.is_world_process_zero or not logs:
             return

@@ -23,6 +23,12 @@ PEAK_KEYS = (PEAK_FORWARD, PEAK_BACKWARD, PEAK_OPTIMIZER)
 DEVICE_USED = "device_used_gib"  # CUDA: the device's own used memory (paged optimizer state included)
 TRAIN_SECONDS = "train_seconds"  # first forward to last backward
 
+OOM_SPLIT = "oom_split"  # a metrics.jsonl row of its own: an out-of-memory error split the micro-batch
+MICRO_BATCH_BEFORE = "micro_batch_before"  # in it: rows per forward pass until then
+MICRO_BATCH = "micro_batch_after"  # in it: rows per forward pass from then on
+MICRO_BATCH_PARTS = "parts"  # in it: the chunks each of the recipe's micro-batches now runs in
+LOST_SECONDS = "lost_s"  # in it: seconds from the failed attempt's start to the error
+
 TOKENS_PER_S = "tokens_per_s"  # input positions per second over all processes, one logging window
 TRAINED_TOKENS = "trained_tokens"  # trained (labelled) tokens so far, over all processes
 MFU = "mfu"  # model FLOPs utilisation per device

@@ -5,6 +5,8 @@
 - ``trainer``: ``GuardedTrainer`` and the Trainer's arguments; ``dpo``: TRL's DPOTrainer with the same;
   ``grpo``: TRL's GRPOTrainer with the same, ``rewards`` its reward functions, ``grpo_explain`` what it says;
 - ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
+- ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
+  ``micro_batches``: its parts that need no Trainer (a micro-batch cut in parts, the split file, messages);
 - ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
 - ``distributed``: what one process of several does differently (DDP, FSDP2);
 - ``outputs``: the output folder's policy and atomic checkpoints; ``manifest``: what produced an adapter;

@@ -20,6 +20,7 @@ from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 from qlora_kit.training.throughput import Throughput, peak_tflops
 from qlora_kit.training.trackers import tracker_callbacks
 from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device, training_arguments
@@ -99,4 +100,6 @@ def build_trainer(
         throughput=throughput,
         guard=guard,
         chunk_tokens=recipe.memory.loss_chunk_tokens if chunked else None,
+        oom_policy=oom_policy(recipe),
+        probe=probes_worst_batch(recipe),
     )

@@ -93,6 +93,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
             )
         )
     rows += speed_rows(record.metrics)
+    rows += oom_rows(record.metrics)
     peaks = [row[key] for row in record.metrics for key in keys.PEAK_KEYS if key in row]
     rows += memory_rows(peaks, [row[keys.SAVED_MIB] for row in record.rows_with(keys.SAVED_MIB)])
     versions = manifest.get("versions", {})
@@ -100,6 +101,23 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
     if manifest.get("git_commit"):
         rows.append(("git commit", str(manifest["git_commit"])))
+    return rows
+
+
+def oom_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """One row per out-of-memory split (training/oom_recovery.py): where, and the micro-batch before and after."""
+    rows = []
+    for row in metrics:
+        split = row.get(keys.OOM_SPLIT)
+        if split:
+            what = "evaluation batch" if split["phase"] == "eval" else "micro-batch"
+            rows.append(
+                (
+                    "out of memory",
+                    f"step {row['step']}: {what} {split[keys.MICRO_BATCH_BEFORE]} -> "
+                    f"{split[keys.MICRO_BATCH]} ({split[keys.MICRO_BATCH_PARTS]} parts), the same global batch",
+                )
+            )
     return rows
 
 

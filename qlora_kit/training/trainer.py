@@ -4,9 +4,10 @@ transformers' Trainer runs the loop (accumulation, clipping, scheduling, evaluat
 checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not, and one
 optimizer step runs in this order (``Trainer._inner_training_loop``, transformers 5.24):
 
-1. per micro-batch: ``compute_loss`` — the forward pass (under accelerate's autocast) with transformers'
-   loss or the chunked loss head (memory/loss_head.py), while ``SavedTensors`` counts the bytes saved
-   for backward and the monitor counts tokens;
+1. per micro-batch: ``training_step`` counts its tokens (throughput), then per part of it (one, unless
+   an out-of-memory error split it: oom_recovery.py) ``compute_loss`` — the forward pass (under
+   accelerate's autocast) with transformers' loss or the chunked loss head (memory/loss_head.py),
+   while ``SavedTensors`` counts the bytes saved for backward;
 2. ``training_step`` — backward; then the micro-batch's loss is folded into the guard's device flag
    (no host read; under train.objective dpo TRL's loss reads its reward metrics on the host each
    micro-batch) and the monitor closes the backward phase;
@@ -20,7 +21,8 @@ optimizer step runs in this order (``Trainer._inner_training_loop``, transformer
 
 Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
 ``_save_checkpoint`` and ``_get_output_dir`` (atomic checkpoints), ``_load_optimizer_and_scheduler``
-(a resumed paged optimizer pages again); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
+(a resumed paged optimizer pages again, the micro-batch split is read back), ``_run_epoch`` (the
+worst-batch probe, oom_recovery.py); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
 """
 
 from __future__ import annotations
@@ -34,12 +36,14 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import optimizers
+from qlora_kit.memory import oom_faults, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model import adapters
 from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.micro_batches import OomPolicy
+from qlora_kit.training.oom_recovery import SplitOnOom
 from qlora_kit.training.outputs import move_into_place, staging_dir
 from qlora_kit.training.throughput import Throughput
 
@@ -125,12 +129,13 @@ def pin_to_one_device(args) -> None:
         args._n_gpu = 1
 
 
-class GuardedTrainer(Trainer):
+class GuardedTrainer(SplitOnOom, Trainer):
     """The Trainer with qlora_kit's loss head, guards and memory accounting (see the module docstring).
 
     ``chunk_tokens``: tokens per chunk of the chunked loss head, or None for transformers' own loss;
     ``guard``: the training guard (None to measure a run without it); ``memory_monitor`` and
-    ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``.
+    ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``; ``oom_policy``
+    and ``probe``: what an out-of-memory error does, and whether the worst batch runs first (oom_recovery.py).
     """
 
     def __init__(
@@ -142,9 +147,12 @@ class GuardedTrainer(Trainer):
         guard: TrainingGuard | None = None,
         chunk_tokens: int | None = None,
         optimizer_cls_and_kwargs: tuple | None = None,
+        oom_policy: OomPolicy | None = None,
+        probe: bool = False,
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
+        self.setup_oom(oom_policy or OomPolicy(), probe)
         # Set here, not passed up: TRL's trainers do not take it (the Trainer only stores it)
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.memory_monitor = memory_monitor
@@ -157,14 +165,15 @@ class GuardedTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if not model.training:
-            return self._loss(model, inputs, return_outputs, num_items_in_batch)
-        counter = SavedTensors(model)
+            with oom_faults.INJECTOR.evaluation():  # a no-op unless a test caps evaluation's memory
+                return self._loss(model, inputs, return_outputs, num_items_in_batch)
+        counter = SavedTensors(model, inject_faults=True)
         self.memory_monitor.phase_started()
         self.memory_monitor.forward_started()
-        self.throughput.count(inputs)
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
+        self.forward_done()  # out-of-memory in another process stops this one here too (oom_recovery.py)
         return result
 
     def _loss(self, model, inputs, return_outputs, num_items_in_batch):
@@ -195,6 +204,8 @@ class GuardedTrainer(Trainer):
             super()._save_checkpoint(model, trial)
         finally:
             staged, self._staging = self._staging, None
+        if self.args.should_save:  # the micro-batch split a --resume continues with
+            self.save_split(staged / f"checkpoint-{self.state.global_step}")
         self._record_best_where_it_will_be(staged, output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -241,9 +252,12 @@ class GuardedTrainer(Trainer):
         # pages again: loading its state makes ordinary CUDA tensors of it (optimizers.repage_optimizer_state).
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
+            self.load_split(Path(checkpoint))
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
+        if not self.probing:  # once per micro-batch, however many parts or redone attempts it takes
+            self.throughput.count(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.memory_monitor.backward_done()
         if self.guard is not None:

@@ -71,6 +71,12 @@ TABLES = {
         ([("setting", "full, transformers loss|full, chunked loss"), ("saved for backward (MiB)", N),
           ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs unchunked", rf"{N}x")], 2),
     ]),
+    "oom_recovery.py": ("oom-recovery-cpu.md", [(
+        [("run", r"micro-batch 4 x accumulation 2|micro-batch 8, uncapped|micro-batch 8, capped \(splits\)"),
+         ("optimizer steps", r"\d+"), ("rows per step", r"\d+"), ("trained tokens of each step as uncapped", "yes"),
+         ("split at step", r"\d+|-"), ("max loss difference to micro-batch 4 x 2 from the split on", N), ("train s", N),
+         ("s lost to failed attempts", N)], 3,
+    )]),
     "planner_accuracy.py": ("planner-accuracy-cpu.md", [
         (PLANNER_COLUMNS, 9),
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),

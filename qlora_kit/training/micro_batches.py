@@ -1,0 +1,210 @@
+"""The pieces of out-of-memory recovery (oom_recovery.py) that need no Trainer: a micro-batch cut into
+parts, the random states a redone step restores, the split file in a checkpoint, the memory figures and
+the messages of a split or a stop, and the recipe's policy (``train.on_oom``, ``train.probe_worst_batch``).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from qlora_kit.registries import metric_keys as keys
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILE = "micro_batch_split.json"  # in each checkpoint: the parts a resumed run continues with
+
+
+@dataclass
+class OomPolicy:
+    """``on_oom``: split or stop; ``levers``: the recipe's memory fields as the stop message names them;
+    ``predict``: (rows, sequence) -> the planner's peak for such a batch, as text (None: not known)."""
+
+    on_oom: str = "split"
+    levers: str = ""
+    predict: Callable[[int, int], str | None] | None = None
+
+
+def oom_policy(recipe: Recipe) -> OomPolicy:
+    """The recipe's ``train.on_oom``, its memory levers as a stop names them, and the planner's prediction."""
+    memory, data = recipe.memory, recipe.data
+    levers = (
+        f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
+        f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
+    )
+
+    def predict(rows: int, seq: int) -> str | None:
+        from qlora_kit.memory import planner
+
+        try:  # a stop's message must not fail on the prediction
+            the_plan = planner.plan(
+                recipe, batch=rows, seq=seq, device="cuda" if torch.cuda.is_available() else "cpu"
+            )
+            policy = the_plan.chosen(recipe) if memory.checkpointing != "auto" else the_plan.policies[-1]
+        except Exception as error:
+            log.debug("no plan for the failing batch: %s", error)
+            return None
+        return f"{policy.peak / 1024**3:.2f} GiB peak under checkpointing {policy.policy}"
+
+    return OomPolicy(recipe.train.on_oom, levers, predict)
+
+
+def probes_worst_batch(recipe: Recipe) -> bool:
+    """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
+    if recipe.train.objective == "dpo":  # pairs: TRL's rows have no one input_ids to find the longest by
+        return False
+    probe = recipe.train.probe_worst_batch
+    return torch.cuda.is_available() if probe == "auto" else bool(probe)
+
+
+@dataclass
+class Failure:
+    """What is kept of an out-of-memory error once it and its frames are gone: text only."""
+
+    message: str
+    figures: str
+    lost_s: float = 0.0  # from the failed attempt's start to the error
+
+
+def rows_of(inputs: dict[str, Any]) -> int:
+    return int(inputs["input_ids"].shape[0])
+
+
+def split_rows(inputs: dict[str, Any], parts: int, trim: bool) -> list[dict[str, Any]]:
+    """The micro-batch as ``parts`` chunks of consecutive rows (as equal as can be). ``trim``: cut each
+    chunk's right padding (columns no row of it attends to), as a batch of those rows alone is padded."""
+    if parts == 1:
+        return [inputs]
+    rows = rows_of(inputs)
+    chunks: list[dict[str, Any]] = [{} for _ in range(min(parts, rows))]
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows:
+            for chunk, piece in zip(chunks, torch.tensor_split(value, len(chunks)), strict=True):
+                chunk[name] = piece
+        else:
+            for chunk in chunks:
+                chunk[name] = value
+    return [_trimmed(c) for c in chunks] if trim else chunks
+
+
+def _trimmed(chunk: dict[str, Any]) -> dict[str, Any]:
+    mask = chunk.get("attention_mask")
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return chunk
+    length = mask.shape[1]
+    attended = mask.any(dim=0).nonzero()
+    if len(attended) == 0:
+        return chunk
+    end = int(attended.max()) + 1  # right padding ends where no row attends any more
+    if end == length:
+        return chunk
+    return {
+        k: v[:, :end] if isinstance(v, torch.Tensor) and v.dim() == 2 and v.shape[1] == length else v
+        for k, v in chunk.items()
+    }
+
+
+def tokens_of(inputs: dict[str, Any]) -> int:
+    """The positions of a batch that are not padding."""
+    mask = inputs.get("attention_mask")
+    return int(mask.sum()) if isinstance(mask, torch.Tensor) else int(inputs["input_ids"].numel())
+
+
+def release_memory() -> None:
+    """Give back what the failed attempt held: the collector breaks reference cycles through the
+    dropped frames, then the caching allocator returns its free blocks to the device."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def memory_figures() -> str:
+    """The device's memory at the failure, as the log line shows it (CUDA only)."""
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    gib = 1024**3
+    free, total = torch.cuda.mem_get_info()
+    return (
+        f"allocated {torch.cuda.memory_allocated() / gib:.2f} GiB, peak {torch.cuda.max_memory_allocated() / gib:.2f}"
+        f" GiB, reserved {torch.cuda.memory_reserved() / gib:.2f} GiB, free {free / gib:.2f} of {total / gib:.2f} GiB"
+    )
+
+
+def rng_state() -> dict[str, Any]:
+    """Every random state a step draws from (dropout: torch's; the probe also restores Python's, NumPy's)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_split(folder: Path, parts: int, eval_parts: int) -> None:
+    (folder / SPLIT_FILE).write_text(json.dumps({"parts": parts, "eval_parts": eval_parts}) + "\n")
+
+
+def read_split(folder: Path) -> tuple[int, int]:
+    """(parts, eval parts) a checkpoint was written with; (1, 1) when it has no file (never split)."""
+    path = folder / SPLIT_FILE
+    if not path.is_file():
+        return 1, 1
+    saved = json.loads(path.read_text())
+    return int(saved["parts"]), int(saved["eval_parts"])
+
+
+def split_record(step: int, phase: str, rows: int, parts: int, failure: Failure) -> dict[str, Any]:
+    """The ``metrics.jsonl`` row of a split: where, the micro-batch before and after, the error."""
+    return {
+        "step": step,
+        keys.OOM_SPLIT: {
+            "phase": phase,
+            keys.MICRO_BATCH_BEFORE: -(-rows // (parts // 2)),
+            keys.MICRO_BATCH: -(-rows // parts),
+            keys.MICRO_BATCH_PARTS: parts,
+            "error": failure.message,
+            "memory": failure.figures,
+            keys.LOST_SECONDS: round(failure.lost_s, 3),
+        },
+    }
+
+
+def stop_message(
+    step: int, where: str, inputs: dict[str, Any], policy: OomPolicy, failure: Failure, kept: str
+) -> str:
+    """One line for a micro-batch that cannot be split further, or for ``on_oom: stop``."""
+    rows, seq = rows_of(inputs), int(inputs["input_ids"].shape[-1])
+    predicted = policy.predict(rows, seq) if policy.predict is not None else None
+    plan = f"; the planner predicts {predicted} for it" if predicted else ""
+    return (
+        f"step {step}: out of memory in {where} ({failure.message}; {failure.figures}): a micro-batch of "
+        f"{rows} row{'s' if rows != 1 else ''}, {tokens_of(inputs)} tokens ({rows} x {seq}){plan}. "
+        f"To fit it: {policy.levers}; {kept}"
+    )
+
+
+def concat(values: list[Any]) -> Any:
+    if values[0] is None:
+        return None
+    if isinstance(values[0], (tuple, list)):
+        return type(values[0])(concat(list(group)) for group in zip(*values, strict=True))
+    return torch.cat(values, dim=0)

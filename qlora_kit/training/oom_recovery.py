@@ -1,0 +1,326 @@
+"""Out-of-memory inside a step: split the micro-batch, keep the global batch (``train.on_oom``).
+
+transformers' ``auto_find_batch_size`` halves the batch and restarts the loop from step 0 with the same
+accumulation, so the global batch halves. Here the dataloader, the sampler, the accumulation and the
+scheduler stay as the recipe set them; what changes is how a micro-batch is computed. Once split in
+``parts``, every micro-batch the Trainer hands to ``training_step`` runs as ``parts`` sequential chunks
+of its rows, each forward and backward, with the step's ``num_items_in_batch`` unchanged (transformers 5
+passes the step's trained-token count to the loss), so the gradient is the same sum over the same
+tokens: a micro-batch of 8 split in two is what micro-batch 4 with twice the accumulation computes, and
+its chunks are cut to their own longest row, as that run's batches are padded. On a multi-process run
+only the last chunk of the step's last micro-batch synchronises the gradients (DDP's all-reduce in
+its backward), as without a split.
+
+When a micro-batch raises ``torch.OutOfMemoryError`` (in forward, or in backward and a checkpointed
+layer's recompute), the exception and its frames are dropped (they hold the failed attempt's
+activations), the cached blocks are released, the gradients of the step in progress are set to None
+and the random state is put back to where the step began; then the step's micro-batches so far are
+redone in twice the parts. The logged loss is corrected by what the redo recomputed. The number of
+parts is written into every checkpoint (``micro_batch_split.json``) and a ``--resume`` reads it back:
+the resumed run is the one that was never interrupted. A micro-batch that cannot be split further
+(one row per part) stops the run with one line: the batch's tokens, the planner's prediction, the
+recipe's levers, and the checkpoint kept.
+
+Several processes (DDP): an out-of-memory error on one must not leave the others in a collective. Every
+process passes the same points of each part in the same order — the end of the model's forward pass
+(a hook inside DDP's forward, before DDP prepares the gradient all-reduce), the end of the loss, the
+end of the backward pass — and all-reduces a one-byte flag at each; a process that fails joins the
+flag of the point it failed at. So all of them drop the attempt at the same point and split together
+(tests/e2e/test_oom.py, two processes over gloo). Not covered: an error inside the backward pass that
+all-reduces the gradients (the step's last part), where the collectives have begun; and FSDP, whose
+gathers inside the forward pass this does not guard.
+
+Evaluation splits its own batch the same way (``eval_parts``); training's is untouched. The worst-batch
+probe (``train.probe_worst_batch``) runs the longest micro-batch before step 1 through the same path.
+"""
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from qlora_kit.errors import TrainingGuardError
+from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.distributed import over_ranks
+from qlora_kit.training.micro_batches import (
+    Failure,
+    OomPolicy,
+    concat,
+    memory_figures,
+    read_split,
+    release_memory,
+    rng_state,
+    rows_of,
+    set_rng_state,
+    split_record,
+    split_rows,
+    stop_message,
+    tokens_of,
+    write_split,
+)
+
+log = logging.getLogger(__name__)
+
+
+class PeerOutOfMemory(RuntimeError):
+    """Another process of the run ran out of memory: this one drops its attempt too, at the same point."""
+
+
+class SplitOnOom:
+    """What ``GuardedTrainer`` adds to the Trainer for out-of-memory (placed before it in the MRO):
+    ``get_batch_samples`` keeps the step's micro-batches and random state, ``training_step`` runs a
+    micro-batch in ``parts`` and recovers, ``prediction_step`` splits evaluation's batch, ``_run_epoch``
+    probes the worst batch first. ``setup_oom`` is called from the subclass's ``__init__``."""
+
+    def setup_oom(self, policy: OomPolicy, probe: bool) -> None:
+        self.oom_policy = policy
+        self.parts = 1  # chunks each training micro-batch runs in
+        self.eval_parts = 1  # chunks each evaluation batch runs in
+        self.probe_pending = probe
+        self.probing = False  # the probe's tokens are not training's (throughput)
+        self._step_batches: list[dict[str, Any]] = []
+        self._step_losses: list[torch.Tensor] = []  # what each micro-batch added to the Trainer's loss
+        self._step_rng: dict[str, Any] | None = None
+        self._phase: str | None = None  # forward or backward of the part in progress (multi-process flags)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_batches, self._step_losses = batches, []
+        self._step_rng = rng_state() if self.oom_policy.on_oom == "split" else None
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        started = time.perf_counter()
+        loss, failure = self._attempt(model, [inputs], num_items_in_batch)
+        if failure is None:
+            self._step_losses.append(loss)
+            return loss
+        index = next((i for i, batch in enumerate(self._step_batches) if batch is inputs), None)
+        if index is None:  # the probe: no step in progress
+            index, batches = 0, [inputs]
+            self._step_losses = []
+        else:
+            batches = self._step_batches[: index + 1]
+        while failure is not None:
+            failure.lost_s = time.perf_counter() - started
+            self._split_or_stop(model, inputs, num_items_in_batch, failure, index)
+            started = time.perf_counter()
+            loss, failure = self._attempt(model, batches, num_items_in_batch)
+        # The Trainer has already added the first attempt's losses of the earlier micro-batches
+        loss = loss - sum(self._step_losses[:index]) if index else loss
+        self._step_losses = [*self._step_losses[:index], loss]
+        return loss
+
+    def _attempt(self, model, batches, num_items_in_batch):
+        """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
+        try:
+            total = None
+            for batch in batches:
+                loss = self._run_in_parts(model, batch, num_items_in_batch)
+                total = loss if total is None else total + loss
+            return total, None
+        except (torch.OutOfMemoryError, PeerOutOfMemory) as error:
+            # Text only: the error's traceback holds the frames, and they the activations; Python drops
+            # ``error`` at the end of this clause, and with it all of them.
+            failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+            own = isinstance(error, torch.OutOfMemoryError)
+        release_memory()
+        if own and self._phase is not None:
+            self._agree(failed=True)  # the other processes wait at this point's flag: tell them
+        self._phase = None
+        return None, failure
+
+    def _run_in_parts(self, model, inputs, num_items_in_batch):
+        chunks = split_rows(inputs, self.parts, trim=True)
+        # DDP all-reduces in the backward of a synchronising call: only in its last chunk's
+        syncing = self.accelerator.sync_gradients and len(chunks) > 1
+        self._watch_model_forward(model)
+        total = None
+        for i, chunk in enumerate(chunks):
+            self._phase = "forward"
+            if syncing and i < len(chunks) - 1:
+                with self.accelerator.no_sync(model):
+                    loss = super().training_step(model, chunk, num_items_in_batch)
+            else:
+                loss = super().training_step(model, chunk, num_items_in_batch)
+            self._phase = "backward"
+            self._check_peers()  # every process finished this part's backward
+            self._phase = None
+            total = loss if total is None else total + loss
+        return total
+
+    def _watch_model_forward(self, model) -> None:
+        # Under DDP the flag after the model's forward must come before DDP's own end of forward: that
+        # prepares the gradient all-reduce, and a process that ran out of memory inside the model never
+        # reaches it; every process must have prepared, or none. A hook on the wrapped module runs there.
+        inner = getattr(model, "module", None)
+        if self.args.world_size > 1 and inner is not None and not getattr(self, "_watching", False):
+            inner.register_forward_hook(lambda *_: self._model_forward_done())
+            self._watching = True
+
+    def _model_forward_done(self) -> None:
+        if self._phase == "forward" and torch.is_grad_enabled():
+            self._check_peers()
+            self._phase = "loss"
+
+    def forward_done(self) -> None:
+        """Called by ``compute_loss`` after a training forward pass and loss: every process finished
+        them, before any starts a backward pass (whose last one all-reduces the gradients under DDP)."""
+        if self._phase in ("forward", "loss"):
+            self._check_peers()
+            self._phase = "backward"
+
+    def _check_peers(self) -> None:
+        if self._agree(failed=False):
+            raise PeerOutOfMemory("another process of the run ran out of memory")
+
+    def _agree(self, failed: bool) -> bool:
+        """Whether any process failed at this point: one all-reduce of a flag (none in a single process).
+        Every process passes the same points (each part's forward and backward) in the same order, so
+        a process that fails joins the flag its peers wait at, and none is left blocked in a collective."""
+        if self.args.world_size <= 1:
+            return failed
+        flag = torch.tensor([int(failed)], dtype=torch.uint8, device=self.args.device)
+        return bool(over_ranks(flag, dist.ReduceOp.MAX).item())
+
+    def _split_or_stop(self, model, inputs, num_items_in_batch, failure: Failure, index: int) -> None:
+        """Split the step's micro-batches in twice the parts and clear the step, or stop with one line."""
+        from qlora_kit.training.guards import kept
+
+        step = self.state.global_step + 1
+        where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
+        if self.oom_policy.on_oom == "stop" or self.parts >= rows_of(inputs) or num_items_in_batch is None:
+            part = max(split_rows(inputs, self.parts, trim=True), key=tokens_of)  # the one that failed
+            raise TrainingGuardError(
+                stop_message(step, where, part, self.oom_policy, failure, kept(self.args.output_dir))
+            )
+        self.parts *= 2
+        model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far
+        if self._step_rng is not None:  # dropout draws as the split run's would from here
+            set_rng_state(self._step_rng)
+        size = self.args.per_device_train_batch_size
+        record = split_record(step, "train", size, self.parts, failure)
+        self._announce(step, where, record, failure)
+
+    def _announce(self, step: int, where: str, record: dict[str, Any], failure: Failure) -> None:
+        split = record[keys.OOM_SPLIT]
+        log.warning(
+            "step %d: out of memory in %s (%s; %s): %s micro-batch %d -> %d (%d parts, accumulation x%d), "
+            "the same examples and global batch; %s",
+            step,
+            where,
+            failure.message,
+            failure.figures,
+            "evaluation" if split["phase"] == "eval" else "training",
+            split[keys.MICRO_BATCH_BEFORE],
+            split[keys.MICRO_BATCH],
+            split[keys.MICRO_BATCH_PARTS],
+            self.args.gradient_accumulation_steps * split[keys.MICRO_BATCH_PARTS],
+            "evaluation's batch only" if split["phase"] == "eval" else "the step is redone",
+        )
+        if self.state.is_world_process_zero:
+            self.metrics_log.record(record)
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        from qlora_kit.training.guards import kept
+
+        while True:
+            result, failure = self._predict_attempt(model, inputs, prediction_loss_only, ignore_keys)
+            if failure is None:
+                return result
+            step = self.state.global_step
+            if self.oom_policy.on_oom == "stop" or self.eval_parts >= rows_of(inputs):
+                message = stop_message(
+                    step, "evaluation", inputs, self.oom_policy, failure, kept(self.args.output_dir)
+                )
+                raise TrainingGuardError(message)
+            self.eval_parts *= 2
+            size = self.args.per_device_eval_batch_size
+            self._announce(
+                step, "evaluation", split_record(step, "eval", size, self.eval_parts, failure), failure
+            )
+
+    def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys):
+        try:
+            if self.eval_parts == 1:
+                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys), None
+            return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys), None
+        except torch.OutOfMemoryError as error:
+            failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+        release_memory()
+        return None, failure
+
+    def _predict_in_parts(self, model, inputs, prediction_loss_only, ignore_keys):
+        """The batch's loss as one pass gives it: each part's mean over its labelled tokens, weighted by
+        them; logits and labels put back together in row order."""
+        results, weights = [], []
+        for chunk in split_rows(inputs, self.eval_parts, trim=False):
+            results.append(super().prediction_step(model, chunk, prediction_loss_only, ignore_keys))
+            weights.append((chunk["labels"][..., 1:] != -100).sum().float())
+        losses = [r[0] for r in results]
+        loss = None
+        if all(x is not None for x in losses):
+            w = torch.stack(weights).to(losses[0].device)
+            loss = (torch.stack(losses) * w).sum() / w.sum().clamp(min=1)
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, concat([r[1] for r in results]), concat([r[2] for r in results])
+
+    def _run_epoch(self, model, epoch, *args, **kwargs):
+        # Private (transformers is pinned <6): the first point where the model is prepared (DDP, FSDP,
+        # autocast) and the optimizer built, before step 1's batches are drawn.
+        if self.probe_pending and self.state.global_step == 0:
+            self.probe_worst_batch(model)
+        self.probe_pending = False
+        return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    def probe_worst_batch(self, model) -> None:
+        """Forward and backward on the micro-batch with the most tokens, and the largest evaluation batch
+        under no-grad, then discard the gradients and put back every random state: training afterwards
+        is bit-identical to a run without the probe, and an out-of-memory error comes in the first minute
+        (and is met as in training: split, or stop)."""
+        state = rng_state()
+        self.probing = True
+        sync = self.accelerator.sync_gradients
+        try:
+            batch = self._worst_batch(self.train_dataset, self.args.per_device_train_batch_size, "probe")
+            num_items = self._get_num_items_in_batch([batch], self.args.device)
+            self.accelerator.gradient_state._set_sync_gradients(False)
+            with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                self.training_step(model, batch, num_items)
+            model.zero_grad(set_to_none=True)
+            if self.eval_dataset is not None and self.args.eval_strategy != "no":
+                batch = self._worst_batch(self.eval_dataset, self.args.per_device_eval_batch_size, "probe")
+                model.eval()
+                self.prediction_step(model, self._prepare_inputs(batch), prediction_loss_only=True)
+                model.train()
+        finally:
+            self.accelerator.gradient_state._set_sync_gradients(sync)
+            self.probing = False
+            set_rng_state(state)
+        log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.parts)
+
+    def _worst_batch(self, dataset, size: int, description: str) -> dict[str, Any]:
+        # the tokenized datasets prepare.py builds (a datasets.Dataset with input_ids)
+        lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+        longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
+        rows = self._remove_unused_columns(dataset.select(longest), description=description)
+        return self.data_collator([rows[i] for i in range(len(rows))])
+
+    def save_split(self, checkpoint: Path) -> None:
+        if self.parts > 1 or self.eval_parts > 1:
+            write_split(checkpoint, self.parts, self.eval_parts)
+
+    def load_split(self, checkpoint: Path) -> None:
+        self.parts, self.eval_parts = read_split(checkpoint)
+        if self.parts > 1 or self.eval_parts > 1:
+            log.info(
+                "resumed with the micro-batch split of %s: training in %d part(s), evaluation in %d",
+                checkpoint.name,
+                self.parts,
+                self.eval_parts,
+            )

@@ -1,0 +1,253 @@
+"""Out-of-memory inside a step (training/oom_recovery.py), made on the CPU by the fault injector
+(memory/oom_faults.py, ``QLORA_KIT_OOM_CAP_BYTES``): every run here goes through the Trainer under
+bf16 autocast, as on a GPU, and everything after the injected error is the real code path.
+
+The data are short rows and one long one, so only the micro-batch holding the long row needs more than
+the cap: the run splits at that step and not before.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit import Recipe, train
+from qlora_kit.memory import oom_faults
+from qlora_kit.registries import metric_keys as keys
+
+pytestmark = pytest.mark.slow  # each test trains a few short runs
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 7  # 40 rows in 5 micro-batches of 8: the long row is in step 5 of the first epoch
+
+
+def rows() -> list[dict]:
+    short = [{"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(39)]
+    long = {"instruction": "Repeat: " + " ".join(f"w{i}" for i in range(40)), "input": "", "output": "ok"}
+    return [*short[:20], long, *short[20:]]
+
+
+def recipe_values(folder: Path, **overrides) -> dict:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = folder / "train.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    values = {
+        "data": {"path": str(data), "packing": False, "max_seq_len": 128},
+        "lora": {"dropout": 0.1},  # dropout draws: the redone step must draw as the split run does
+        "memory": {"checkpointing": "none"},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {
+            "max_steps": STEPS, "logging_steps": 1, "micro_batch_size": 8, "mixed_precision": "bf16",
+            "output_dir": str(folder / "out"), "report_to": [], "eval_steps": None, "sample_prompts": 0,
+        },
+    }  # fmt: skip
+    for dotted, value in overrides.items():
+        section, field = dotted.split(".")
+        values[section][field] = value
+    return values
+
+
+def run(folder: Path, monkeypatch, cap: int | None = None, **overrides):
+    monkeypatch.setenv(oom_faults.ENV, "" if cap is None else str(cap))
+    recipe = Recipe.from_dict(recipe_values(folder, **overrides))
+    oom_faults.INJECTOR.peaks.clear()
+    return train(recipe)
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def splits(out: Path) -> list[dict]:
+    return [row for row in metrics(out) if keys.OOM_SPLIT in row]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Micro-batch 4 with twice the accumulation, never capped; and the cap that only a micro-batch of
+    8 holding the long row passes (1.5 times the largest forward pass of 4 rows)."""
+    monkeypatch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("reference")
+    result = run(folder, monkeypatch, cap=10**15, **{"train.micro_batch_size": 4, "train.grad_accum": 2})
+    cap = int(1.5 * max(oom_faults.INJECTOR.peaks))
+    monkeypatch.undo()
+    return result, cap
+
+
+@pytest.fixture(scope="module")
+def capped(reference, tmp_path_factory):
+    monkeypatch = pytest.MonkeyPatch()
+    folder = tmp_path_factory.mktemp("capped")
+    result = run(folder, monkeypatch, cap=reference[1], **{"train.save_steps": 1})
+    monkeypatch.undo()
+    return result, folder
+
+
+def test_the_split_keeps_steps_examples_and_losses(reference, capped):
+    (ref, _), (result, folder) = reference, capped
+    out = folder / "out"
+    [split] = splits(out)
+    k = split["step"]
+    assert 1 < k < STEPS, "only the micro-batch with the long row passes the cap"
+    assert (
+        split[keys.OOM_SPLIT][keys.MICRO_BATCH_BEFORE] == 8 and split[keys.OOM_SPLIT][keys.MICRO_BATCH] == 4
+    )
+    assert result.steps == ref.steps == STEPS
+    # the same examples in every step: the trained tokens counted at each step are the reference's
+    tokens = [r[keys.TRAINED_TOKENS] for r in metrics(out) if keys.TRAINED_TOKENS in r]
+    assert tokens == [r[keys.TRAINED_TOKENS] for r in metrics(ref.output_dir) if keys.TRAINED_TOKENS in r]
+    # from step k on, micro-batch 8 in two parts computes what micro-batch 4 with accumulation 2 does
+    # (bf16 autocast: the same rows padded to the same length, summed in another order; before step k
+    # the two runs already differed by bf16 rounding, micro-batch 8 against 4)
+    assert result.train_losses[k - 1 :] == pytest.approx(ref.train_losses[k - 1 :], rel=1e-2)
+    assert (out / f"checkpoint-{k}" / "micro_batch_split.json").is_file()
+    assert not (out / f"checkpoint-{k - 1}" / "micro_batch_split.json").exists()
+
+
+def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
+    (_, cap), (_, folder) = reference, capped
+    k = splits(folder / "out")[0]["step"]
+    recipe_file = tmp_path / "recipe.yaml"
+    values = recipe_values(tmp_path, **{"train.save_steps": 1})
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    env = {**os.environ, oom_faults.ENV: str(cap)}
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), f"step:{k + 1}"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out), "--resume"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resumed with the micro-batch split" in resumed.stderr
+    assert len(splits(out)) == 1, "the resumed run starts split: no second out-of-memory error"
+    got, want = (
+        load_file(out / "adapter_model.safetensors"),
+        load_file(folder / "out" / "adapter_model.safetensors"),
+    )
+    assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path):
+    values = recipe_values(
+        tmp_path, **{"train.save_steps": 1, "train.max_steps": 4, "train.micro_batch_size": 2}
+    )
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    killed = subprocess.run(
+        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), "step:3"],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    before = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    command = [
+        sys.executable,
+        "-m",
+        "qlora_kit",
+        "train",
+        str(recipe_file),
+        "--output-dir",
+        str(out),
+        "--resume",
+    ]
+    env = {**os.environ, oom_faults.ENV: "1000"}  # no row fits
+    stopped = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
+    line = next(x for x in stopped.stderr.splitlines() if "training stopped:" in x)
+    assert "step 3: out of memory" in line and "a micro-batch of 1 row" in line
+    assert (
+        "data.max_seq_len" in line and "memory.checkpointing" in line and "memory.loss_chunk_tokens" in line
+    )
+    assert "the planner predicts" in line
+    assert "checkpoint-2" in line and "Traceback" not in stopped.stderr
+    after = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, monkeypatch):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows()[16:24]))  # the long row among them
+    settings = {"data.val_path": str(val), "train.eval_steps": 2, "train.max_steps": 2}
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(10**15))  # armed, never reached: measures
+    oom_faults.INJECTOR.eval_peaks.clear()
+    free = run(tmp_path / "free", monkeypatch, **settings)
+    cap = int(0.75 * max(oom_faults.INJECTOR.eval_peaks))
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(cap))
+    capped = run(tmp_path / "capped", monkeypatch, **settings)
+    events = [row[keys.OOM_SPLIT] for row in splits(capped.output_dir)]
+    assert events and all(e["phase"] == "eval" for e in events), "training's micro-batch is never split"
+    assert capped.train_losses == free.train_losses  # training untouched, bit for bit
+    assert capped.eval_losses == pytest.approx(free.eval_losses, rel=1e-4)  # the same rows, in parts
+
+
+def test_out_of_memory_in_the_recompute_leaves_no_partial_gradient(tmp_path, monkeypatch):
+    # Layers 0 and 2 of 4 checkpointed: backward computes layer 3's LoRA gradients, then fails in
+    # layer 2's recompute; those gradients must not stay in the redone step.
+    settings = {"memory.checkpointing": "every_n", "memory.every_n": 2, "train.max_steps": 2}
+    split = {"train.micro_batch_size": 4, "train.grad_accum": 2}
+    oom_faults.INJECTOR.forwards.clear()
+    reference = run(tmp_path / "reference", monkeypatch, cap=10**15, **settings, **split)
+    forward, peak = max(oom_faults.INJECTOR.forwards), max(oom_faults.INJECTOR.peaks)
+    cap = 2 * forward + (peak - forward)  # micro-batch 8: its forward pass fits, its recompute does not
+    capped = run(tmp_path / "capped", monkeypatch, cap=cap, **settings)
+    [event] = [row[keys.OOM_SPLIT] for row in splits(capped.output_dir)]
+    assert (
+        event["error"].startswith("qlora_kit fault injector")
+        and "recomputing a checkpointed layer" in event["error"]
+    )
+    grad_norms = [
+        [r["grad_norm"] for r in metrics(x.output_dir) if "grad_norm" in r] for x in (capped, reference)
+    ]
+    assert grad_norms[0] == pytest.approx(grad_norms[1], rel=1e-2)
+    assert capped.train_losses == pytest.approx(reference.train_losses, rel=1e-2)
+
+
+def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(reference, tmp_path, monkeypatch):
+    settings = {"train.max_steps": 3}
+    without = run(tmp_path / "without", monkeypatch, **settings, **{"train.probe_worst_batch": False})
+    probed = run(tmp_path / "probed", monkeypatch, **settings, **{"train.probe_worst_batch": True})
+    a, b = (load_file(r.output_dir / "adapter_model.safetensors") for r in (without, probed))
+    assert all(torch.equal(a[n], b[n]) for n in a), "the probe leaves training bit-identical"
+    assert probed.train_losses == without.train_losses
+    capped = run(
+        tmp_path / "capped", monkeypatch, cap=reference[1], **settings, **{"train.probe_worst_batch": True}
+    )
+    [row] = splits(capped.output_dir)
+    assert row["step"] == 1 and row[keys.OOM_SPLIT][keys.MICRO_BATCH_PARTS] == 2
+    assert capped.steps == 3
+
+
+def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tmp_path):
+    """DDP over gloo, micro-batch 4 per process: only the process whose micro-batch holds the long row
+    passes the cap. Both agree at the flag after that forward pass, before any backward (whose last
+    one all-reduces the gradients), split and redo the step together: no process waits forever."""
+    values = recipe_values(tmp_path, **{"train.micro_batch_size": 4, "train.max_steps": 5})
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    port = __import__("socket").socket()
+    port.bind(("127.0.0.1", 0))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port.getsockname()[1])]
+    port.close()
+    cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
+    env = {**os.environ, "OMP_NUM_THREADS": "1", oom_faults.ENV: str(cap)}
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [*torchrun, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    [event] = [row[keys.OOM_SPLIT] for row in splits(out)]
+    assert event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
+    assert "another process" in result.stderr or "fault injector" in result.stderr
+    steps = [row["step"] for row in metrics(out) if "loss" in row]
+    assert steps == list(range(1, 6))

@@ -1,0 +1,71 @@
+"""The parts of out-of-memory recovery that need no training: splitting a micro-batch, the fault
+injector's real error, the checkpoint's split file and how ``qlora-kit show`` reports a split
+(tests/e2e/test_oom.py trains)."""
+
+import pytest
+import torch
+
+from qlora_kit.memory import oom_faults
+from qlora_kit.memory.accounting import SavedTensors
+from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.micro_batches import read_split, split_rows, tokens_of, write_split
+from qlora_kit.training.run_record import oom_rows
+
+
+def padded_batch() -> dict:
+    lengths = [3, 5, 2, 7, 4, 4, 6, 1]
+    mask = torch.tensor([[1] * n + [0] * (7 - n) for n in lengths])
+    ids = torch.arange(8 * 7).reshape(8, 7) * mask
+    labels = ids.masked_fill(mask == 0, -100)
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels, "return_loss": True}
+
+
+def test_a_split_keeps_every_row_in_order_and_cuts_each_part_to_its_longest_row():
+    batch = padded_batch()
+    first, second = split_rows(batch, 2, trim=True)
+    assert first["input_ids"].shape == (4, 7) and second["input_ids"].shape == (4, 6)
+    assert torch.equal(second["labels"], batch["labels"][4:, :6])
+    assert first["return_loss"] is True  # what is not per row goes to every part
+    assert sum(tokens_of(p) for p in (first, second)) == tokens_of(batch)
+    untrimmed = split_rows(batch, 4, trim=False)
+    assert torch.equal(torch.cat([p["input_ids"] for p in untrimmed]), batch["input_ids"])
+    assert len(split_rows(batch, 16, trim=False)) == 8  # never an empty part
+
+
+def test_the_fault_injector_raises_a_real_out_of_memory_error_past_its_cap(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+    monkeypatch.setenv(oom_faults.ENV, str(10**12))
+    oom_faults.reload_cap()
+    counter = SavedTensors(model, inject_faults=True)
+    with counter.counting():
+        model(x).sum()
+    saved = counter.result().total
+    monkeypatch.setenv(oom_faults.ENV, str(saved - 1))
+    oom_faults.reload_cap()
+    with (
+        pytest.raises(torch.OutOfMemoryError, match="forward"),
+        SavedTensors(model, inject_faults=True).counting(),
+    ):
+        model(x).sum()
+    with SavedTensors(model).counting():  # the planner's and measurements' counts never raise
+        model(x).sum()
+    monkeypatch.delenv(oom_faults.ENV)
+    oom_faults.reload_cap()
+
+
+def test_the_split_is_written_into_a_checkpoint_and_read_back(tmp_path):
+    assert read_split(tmp_path) == (1, 1)  # a checkpoint of a run never split has no file
+    write_split(tmp_path, 4, 2)
+    assert read_split(tmp_path) == (4, 2)
+
+
+def test_show_says_where_the_micro_batch_was_split():
+    metrics = [
+        {"step": 3, "loss": 1.0},
+        {"step": 4, keys.OOM_SPLIT: {"phase": "train", keys.MICRO_BATCH_BEFORE: 8, keys.MICRO_BATCH: 4,
+                                    keys.MICRO_BATCH_PARTS: 2}},
+    ]  # fmt: skip
+    assert oom_rows(metrics) == [
+        ("out of memory", "step 4: micro-batch 8 -> 4 (2 parts), the same global batch")
+    ]
