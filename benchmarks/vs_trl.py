@@ -189,7 +189,7 @@ def child(job: dict) -> None:
 def spawn(system: str, setup: dict, steps: int, packing: bool, seed: int = SEED) -> dict:
     job = {**setup, "system": system, "steps": steps, "packing": packing, "seed": seed}
     done = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=900
+        [sys.executable, __file__, "--child", json.dumps(job)], capture_output=True, text=True, timeout=3600
     )
     line = next((ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")), None)
     if line is None:
