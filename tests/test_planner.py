@@ -115,7 +115,11 @@ def test_auto_picks_the_least_recompute_that_fits():
     assert peaks["none"] > peaks["every_n=2"] > peaks["selective"] > peaks["full"]
     assert choose_policy(recipe, peaks["none"] + 1, the_plan)[:2] == ("none", 2)
     mixed = 0
-    for budget in [peaks["every_n=2"] + 0.01, (peaks["every_n=2"] + peaks["selective"]) / 2, peaks["selective"]]:
+    for budget in [
+        peaks["every_n=2"] + 0.01,
+        (peaks["every_n=2"] + peaks["selective"]) / 2,
+        peaks["selective"],
+    ]:
         row, why = choose_layers(recipe, budget, the_plan)
         assert row.peak <= budget * GIB and len(row.layers) == 32 and "recomputed" in why
         fitting = [p for p in the_plan.policies if p.peak <= budget * GIB]
