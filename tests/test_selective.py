@@ -2,8 +2,16 @@
 autocast, LoRA dropout, packed and padded rows) on every builtin family, the bytes the planner traced for
 them, and auto's per-layer choice applied layer by layer."""
 
+import itertools
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import yaml
+from safetensors.torch import load_file
 
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
@@ -142,8 +150,6 @@ def test_auto_resolves_to_a_per_layer_plan_that_fits():
 
 def test_cheapest_fit_is_the_optimum_of_a_small_case():
     """Three layers, every choice enumerated: the search returns the cheapest that fits."""
-    import itertools
-
     options = [
         {"none": (100, 0.0), "selective": (40, 0.5), "full": (5, 1.0)},
         {"none": (90, 0.0), "selective": (35, 0.7), "full": (5, 1.0)},
@@ -159,3 +165,48 @@ def test_cheapest_fit_is_the_optimum_of_a_small_case():
         assert sum(o[p][1] for o, p in zip(options, got, strict=True)) == pytest.approx(best[0]), budget
         assert sum(o[p][0] for o, p in zip(options, got, strict=True)) <= budget
     assert layer_choice.cheapest_fit(options, 14) is None
+
+
+@pytest.mark.slow
+def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path):
+    """auto at a budget between selective's and every_n's peaks resolves to a per-layer mix; six steps
+    straight and three steps then a resume from checkpoint-3 end with the same adapter, bit for bit
+    (LoRA dropout on: the recompute replays the RNG the checkpoint restored)."""
+    fields = {
+        "data": {"max_seq_len": 64, "packing": False},
+        "lora": {"dropout": 0.1},
+        "train": {
+            "max_steps": 6,
+            "save_steps": 3,
+            "micro_batch_size": 4,
+            "eval_steps": None,
+            "sample_prompts": 0,
+        },
+    }
+    the_plan = plan(Recipe.from_dict(fields), device="cpu")
+    peaks = {row.policy: row.peak for row in the_plan.policies}
+    fields["memory"] = {
+        "checkpointing": "auto",
+        "budget_gb": (peaks["selective"] + peaks["every_n=3"]) / 2 / GIB,
+    }
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(fields))
+    root = Path(__file__).resolve().parents[1]
+
+    def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(out), *extra]
+        return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+
+    straight = train(tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert "memory.checkpointing auto: per_layer" in straight.stderr
+    resumed_dir = tmp_path / "resumed"
+    resumed_dir.mkdir()
+    shutil.copytree(tmp_path / "straight" / "checkpoint-3", resumed_dir / "checkpoint-3")
+    resumed = train(resumed_dir, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from" in resumed.stderr and "checkpoint-3" in resumed.stderr
+    expected = load_file(tmp_path / "straight" / "adapter_model.safetensors")
+    got = load_file(resumed_dir / "adapter_model.safetensors")
+    assert got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in expected)
