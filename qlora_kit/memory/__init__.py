@@ -11,9 +11,10 @@
 - ``monitor``: the Trainer callbacks that record them (and ``metrics.jsonl``);
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
+- ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget).
 
-Arrows: planner -> layer_choice; planner -> tracing -> checkpointing -> selective -> accounting; monitor -> accounting. Modules are imported by
+Arrows: planner -> layer_choice; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting; monitor -> accounting. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """
