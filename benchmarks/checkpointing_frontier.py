@@ -11,7 +11,7 @@ budget with the fewest recomputed layers (what auto chose before it mixed polici
 run is set up by pipeline.build; the settings interleave round by round, the median of the rounds after
 a warm-up round is reported, with the planner's figure for what each run keeps.
 
-    python benchmarks/checkpointing_frontier.py [--rounds 3]
+    python benchmarks/checkpointing_frontier.py [--rounds 2]
     python benchmarks/checkpointing_frontier.py --smoke --out /tmp/x   # the builtin model, one budget, one round
 """
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -26,7 +27,7 @@ from common import markdown_table, parser, timed_step, write_result
 
 MIB = 2**20
 MODELS = {
-    "builtin": ({}, 4, 256),  # shape overrides, batch, sequence
+    "builtin": ({}, 2, 64),  # shape overrides, batch, sequence
     "realistic": (
         {
             "hidden_size": 576,
@@ -36,7 +37,7 @@ MODELS = {
             "num_key_value_heads": 3,
             "vocab_size": 32000,
         },
-        2,
+        1,
         128,
     ),
 }
@@ -106,12 +107,20 @@ def measure(
         ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
         runs[name] = (recipe, trainer, {"input_ids": ids, "labels": ids.clone()})
     times = {name: [] for name in runs}
+    cpu_times = {name: [] for name in runs}
     for round_index in range(rounds + 1):  # round 0 warms up and is not counted
         for name, (_, trainer, batch_ids) in runs.items():
+            # CPU seconds of this process (all its threads) besides wall seconds: on a machine other
+            # jobs share, the wall clock measures them too, the process's CPU time only this step's work
+            cpu = time.process_time()
             seconds = timed_step(trainer, batch_ids)[1]
+            cpu = time.process_time() - cpu
+            print(f"{model} round {round_index} {name}: {seconds:.2f} s, {cpu:.2f} CPU s", flush=True)
             if round_index:
                 times[name].append(seconds)
+                cpu_times[name].append(cpu)
     base_time = statistics.median(times["none"])
+    base_cpu = statistics.median(cpu_times["none"])
     base_saved = runs["none"][1].memory_monitor.largest.total
     precision = plan(runs["none"][0], device="cpu").precision
     rows = []
@@ -121,19 +130,20 @@ def measure(
         predicted = activation_bytes(
             model_shape(recipe), recipe, layers, 1, batch, seq, "cpu", precision=precision
         ).total
-        step = statistics.median(times[name])
+        step, cpu = statistics.median(times[name]), statistics.median(cpu_times[name])
         mix = "/".join(str(layers.count(p)) for p in ("none", "selective", "full"))
         budget = f"{budgets[name] * 1024:.1f}" if name in budgets else "-"
         rows.append([
             model, name, budget, mix, f"{saved / MIB:.1f}", f"{saved / base_saved:.3f}",
             f"{predicted / MIB:.1f} ({predicted / saved - 1:+.1%})", f"{step:.2f}", f"{step / base_time:.3f}x",
+            f"{cpu:.2f}", f"{cpu / base_cpu:.3f}x",
         ])  # fmt: skip
     return rows
 
 
 def main() -> None:
     options = parser(__doc__)
-    options.add_argument("--rounds", type=int, default=3)
+    options.add_argument("--rounds", type=int, default=2)
     args = options.parse_args()
     models, rounds = (SMOKE, 1) if args.smoke else (MODELS, args.rounds)
     fractions = SMOKE_FRACTIONS if args.smoke else FRACTIONS
@@ -141,9 +151,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model, (shape, batch, seq) in models.items():
             rows += measure(model, shape, batch, seq, rounds, Path(tmp), fractions)
+            print(markdown_table(["model", "setting", "..."], rows), flush=True)  # partial, as it goes
     header = [
         "model", "setting", "budget (MiB)", "layers none/selective/full", "saved for backward (MiB)",
-        "vs none", "planner (MiB)", "median step (s)", "time vs none",
+        "vs none", "planner (MiB)", "median step (s)", "time vs none", "CPU s / step", "CPU time vs none",
     ]  # fmt: skip
     sizes = "; ".join(f"{m}: {s or 'the builtin shape'}, batch {b} x {t}" for m, (s, b, t) in models.items())
     write_result(
@@ -153,7 +164,8 @@ def main() -> None:
         f"Models: {sizes}. NF4 + double quant, LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit, the "
         f"chunked loss head; {rounds} interleaved rounds after a warm-up. auto @ f: budget f of the way from "
         "full's planned peak to none's; the every_n row beside it is the planner's uniform choice for the same "
-        "budget. Step time includes the optimizer step.",
+        "budget. Step time includes the optimizer step; CPU time is this process's (all threads), the figure "
+        "to read on a machine shared with other jobs, whose load the wall clock measures too.",
         args.out,
     )
 
