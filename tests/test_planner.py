@@ -7,7 +7,7 @@ import torch
 from qlora_kit import Recipe
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
-from qlora_kit.memory.planner import GIB, activation_bytes, choose_policy, plan
+from qlora_kit.memory.planner import GIB, activation_bytes, choose_layers, choose_policy, plan
 from qlora_kit.memory.shapes import model_shape, weight_bytes
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
@@ -107,15 +107,25 @@ def test_lora_parameter_count_matches_peft():
 
 
 def test_auto_picks_the_least_recompute_that_fits():
+    """auto mixes none / selective / full per layer: within the budget, never costlier (in the planner's
+    recompute cost) than any uniform or every_n policy that fits the same budget."""
     recipe = Recipe.from_dict({"model": {"path": "meta-llama/Meta-Llama-3-8B"}, "lora": {"rank": 64}})
     the_plan = plan(recipe, batch=4, seq=1024)
     peaks = {p.policy: p.peak / GIB for p in the_plan.policies}
-    assert peaks["none"] > peaks["every_n=2"] > peaks["full"]
+    assert peaks["none"] > peaks["every_n=2"] > peaks["selective"] > peaks["full"]
     assert choose_policy(recipe, peaks["none"] + 1, the_plan)[:2] == ("none", 2)
-    policy, every_n, why = choose_policy(recipe, (peaks["every_n=2"] + peaks["full"]) / 2, the_plan)
-    assert (policy, every_n) == ("full", 2) and "recomputed" in why
-    policy, every_n, _ = choose_policy(recipe, peaks["every_n=2"] + 0.01, the_plan)
-    assert (policy, every_n) == ("every_n", 2)
+    mixed = 0
+    for budget in [
+        peaks["every_n=2"] + 0.01,
+        (peaks["every_n=2"] + peaks["selective"]) / 2,
+        peaks["selective"],
+    ]:
+        row, why = choose_layers(recipe, budget, the_plan)
+        assert row.peak <= budget * GIB and len(row.layers) == 32 and "recomputed" in why
+        fitting = [p for p in the_plan.policies if p.peak <= budget * GIB]
+        assert row.recompute_cost <= min(p.recompute_cost for p in fitting) + 1e-9
+        mixed += row.policy == "per_layer"
+    assert mixed, "some budget between the uniform policies is met by a mix"
     policy, _, why = choose_policy(recipe, 1.0, the_plan)
     assert policy == "full" and "nothing fits" in why
 

@@ -67,6 +67,8 @@ SPECIAL = {
     "train.report_to": st.lists(
         st.sampled_from(["tensorboard", "wandb", "mlflow", "trackio"]), unique=True, max_size=2
     ),
+    "memory.layer_policies": st.none()
+    | st.lists(st.sampled_from(["none", "selective", "full"]), min_size=1, max_size=4),
     "lora.target_modules": st.just("all-linear")
     | st.lists(
         st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]),

@@ -113,7 +113,7 @@ def test_plan_runs_on_every_architecture_the_pipeline_trains(arch):
 
 def test_a_65b_plan_traces_two_layers_not_eighty(monkeypatch):
     """Counted, not timed: every model the tracer runs has two decoder layers, and a plan of every
-    policy runs it twice (without and with checkpointing)."""
+    policy runs it three times (without checkpointing, with full and with selective checkpointing)."""
     traced_layers = []
     real_trace = tracing._trace
 
@@ -126,7 +126,7 @@ def test_a_65b_plan_traces_two_layers_not_eighty(monkeypatch):
     recipe = Recipe.from_dict({"model": {"path": "huggyllama/llama-65b"}, "train": {"micro_batch_size": 1}})
     the_plan = plan(recipe, seq=2048)
     assert the_plan.activation_source == "traced" and the_plan.shape.layers == 80
-    assert traced_layers == [2, 2], traced_layers
+    assert traced_layers == [2, 2, 2], traced_layers
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])  # the kernels that train on a CPU

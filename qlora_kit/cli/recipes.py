@@ -70,7 +70,7 @@ def list_recipes(context: typer.Context) -> None:
 
 def planned_memory(recipe: Recipe) -> str:
     """The planner's peak per GPU for the checkpointing policy the recipe trains with."""
-    from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+    from qlora_kit.memory.planner import GIB, choose_layers, plan, policy_name
 
     processes = fsdp_processes() if recipe.train.fsdp else 1
     try:
@@ -82,10 +82,11 @@ def planned_memory(recipe: Recipe) -> str:
         return f"cannot plan ({exc.__class__.__name__}: {one_line(str(exc))[:160]})"
     memory = recipe.memory
     if memory.checkpointing == "auto":
-        name = policy_name(*choose_policy(recipe, memory.budget_gb, the_plan)[:2])
+        row = choose_layers(recipe, memory.budget_gb, the_plan)[0]
+        name, peak = row.policy, row.peak
     else:
         name = policy_name(memory.checkpointing, memory.every_n)
-    peak = next(p.peak for p in the_plan.policies if p.policy == name)
+        peak = next(p.peak for p in the_plan.policies if p.policy == name)
     per_gpu = f" per GPU on {processes}" if processes > 1 else ""
     return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}, bs {the_plan.batch} x {the_plan.seq})"
 

@@ -157,14 +157,22 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     else:
         how = "from the Llama-shaped formula (this model's code could not be traced)"
     policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens; activations {how}")
-    for column in ("policy", "recomputed layers", "activations kept", "largest transient", "peak"):
+    columns = (
+        "policy",
+        "recomputed layers",
+        "recompute (full layers)",
+        "activations kept",
+        "largest transient",
+        "peak",
+    )
+    for column in columns:
         policies.add_column(column, justify="right")
     if budget_gb is not None:
         policies.add_column(f"fits {budget_gb:g} GiB", justify="center")
     for row in plan.policies:
         sizes = [size(nbytes) for nbytes in (row.activations, row.spike, row.peak)]
         fits = [("yes" if row.peak <= budget_gb * GIB else "no")] if budget_gb is not None else []
-        policies.add_row(row.policy, str(row.recompute_layers), *sizes, *fits)
+        policies.add_row(row.policy, str(row.recompute_layers), f"{row.recompute_cost:.2f}", *sizes, *fits)
     console.print(policies)
     console.print(
         "largest transient: the loss head's logits or backward's recompute spike (closed form); "
@@ -202,6 +210,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
             {
                 "policy": row.policy,
                 "recomputed_layers": row.recompute_layers,
+                "recompute_cost": row.recompute_cost,  # in full layers' recomputes
                 "activations": row.activations,
                 "largest_transient": row.spike,
                 "peak": row.peak,
@@ -212,16 +221,16 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
     }
     if budget_gb is not None:
         result["budget_gib"] = budget_gb
-        result["auto"] = _auto_choice(plan, recipe, budget_gb)[0]
+        result["auto"], _, result["auto_layers"] = _auto_choice(plan, recipe, budget_gb)
     return result
 
 
-def _auto_choice(plan: Plan, recipe: Recipe, budget_gb: float) -> tuple[str, str]:
-    from qlora_kit.memory.planner import choose_policy  # the CLI boundary: torch loads only here
+def _auto_choice(plan: Plan, recipe: Recipe, budget_gb: float) -> tuple[str, str, list[str]]:
+    """auto's choice: (its name, the name and why, each layer's policy)."""
+    from qlora_kit.memory.planner import choose_layers  # the CLI boundary: torch loads only here
 
-    policy, every_n, why = choose_policy(recipe, budget_gb, plan)
-    name = f"every_n={every_n}" if policy == "every_n" else policy
-    return name, f"{name}: {why}"
+    row, why = choose_layers(recipe, budget_gb, plan)
+    return row.policy, f"{row.policy}: {why}", row.layers
 
 
 def size(nbytes: int) -> str:

@@ -1,6 +1,9 @@
 """The memory family: what a run keeps on the device and how qlora_kit decides and measures it.
 
-- ``checkpointing``: the activation-checkpointing policy applied to the decoder layers;
+- ``checkpointing``: the activation-checkpointing policy applied to the decoder layers (none, selective,
+  full, or one per layer);
+- ``selective``: the selective policy's op-level choice: keep the 4-bit matmuls' and attention's outputs,
+  recompute the cheap ops;
 - ``optimizers``: building the recipe's optimizer, its state report, re-paging after a resume (which
   optimizers exist is ``registries/optimizers``);
 - ``loss_head``: the chunked, recomputed output head and loss;
@@ -8,9 +11,12 @@
 - ``monitor``: the Trainer callbacks that record them (and ``metrics.jsonl``);
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
+- ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it;
+- ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: planner -> tracing -> checkpointing -> accounting; monitor -> accounting -> oom_faults. Modules are imported by
+Arrows: planner -> layer_choice; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+checkpointing -> oom_faults; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

@@ -5,7 +5,9 @@
   saved tensors counts once, and each byte is attributed to the decoder layer that saved it (or to
   the embedding/head outside the layers). With checkpointing, a checkpointed layer saves only its
   inputs (torch's non-reentrant checkpoint keeps them through a no-op autograd function), so this is
-  the honest measure of what checkpointing saves, on any device.
+  the honest measure of what checkpointing saves, on any device. Selective checkpointing keeps some
+  ops' outputs in torch's own cache rather than through those hooks; its policy reports each one to
+  ``note_saved``, which counts it the same way.
 - On CUDA, ``PhasePeaks`` records ``torch.cuda.max_memory_allocated`` for forward, backward (with the
   recompute) and the optimizer step, resetting the peak between phases, plus the device's used memory
   from ``torch.cuda.mem_get_info``: paged optimizer state lives in CUDA managed memory, which the
@@ -58,6 +60,7 @@ class SavedTensors:
 
     @contextlib.contextmanager
     def counting(self):
+        _COUNTING.append(self)
         handles = []
         for index, layer in enumerate(decoder_layers(self.model)):
             handles.append(layer.register_forward_pre_hook(self._enter(f"layer {index}")))
@@ -68,6 +71,7 @@ class SavedTensors:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved):
                 yield self
         finally:
+            _COUNTING.remove(self)
             for handle in handles:
                 handle.remove()
 
@@ -95,6 +99,16 @@ class SavedTensors:
             if self.injector is not None:
                 self.injector.saved(self.total)
         return tensor
+
+
+_COUNTING: list[SavedTensors] = []  # the counters active now (``note_saved`` reports to them)
+
+
+def note_saved(tensor: torch.Tensor) -> None:
+    """Count a tensor kept for backward outside autograd's saved-tensor hooks (selective checkpointing's
+    cache of the ops it keeps) in every active ``SavedTensors``."""
+    for counter in _COUNTING:
+        counter._pack(tensor)
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

@@ -1,21 +1,31 @@
 """Memory stage: the activation-checkpointing policy of the decoder layers.
 
 Checkpointing (``memory.checkpointing``) is one call to transformers'
-``activation_checkpointing_enable`` on the 4-bit base before peft wraps it: the forward pass keeps
-only each checkpointed decoder layer's input and backward recomputes the layer. It is non-reentrant,
-and input-embedding outputs require grad so LoRA receives gradients through frozen, checkpointed
-layers. ``checkpointing: auto`` is resolved first by the planner (``planner.resolve_checkpointing``).
+``activation_checkpointing_enable`` on the 4-bit base before peft wraps it. Each decoder layer then
+follows one of three policies:
+- ``none``: it keeps what autograd saves for backward;
+- ``full``: the forward pass keeps only its input and backward recomputes the whole layer;
+- ``selective``: it keeps its input and the outputs of its expensive ops (4-bit matmuls, attention) and
+  backward recomputes only the cheap ops (``selective.py``), through torch's ``context_fn``, which
+  transformers passes on to ``torch.utils.checkpoint.checkpoint`` with the other checkpointing kwargs.
+``every_n`` is ``full`` on layers 0, n, 2n, ... and ``none`` on the rest; ``per_layer`` names each
+layer's policy (``memory.layer_policies``: what ``auto`` resolves to, ``planner.resolve_checkpointing``).
+Checkpointing is non-reentrant, and input-embedding outputs require grad so LoRA receives gradients
+through frozen, checkpointed layers. Under the test fault injector (``oom_faults``) every checkpointed
+layer's recompute is also counted against its cap, composed into the same ``context_fn``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
-from qlora_kit.memory import oom_faults
+from qlora_kit.errors import RecipeError
+from qlora_kit.memory import oom_faults, selective
 from qlora_kit.memory.accounting import decoder_layers
 
 if TYPE_CHECKING:
@@ -25,29 +35,105 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+LAYER_POLICIES = ("none", "selective", "full")
+
+
+def layer_policies(memory: MemorySection, layers: int) -> list[str]:
+    """Each decoder layer's policy (none, selective or full) under ``memory.checkpointing``."""
+    policy = memory.checkpointing
+    if policy == "auto":
+        raise ValueError(
+            "memory.checkpointing: resolve auto with planner.resolve_checkpointing(recipe) first"
+        )
+    if policy == "per_layer":
+        chosen = list(memory.layer_policies or [])
+        if len(chosen) != layers:
+            raise RecipeError(
+                f"memory.layer_policies: one policy per decoder layer, {layers} for this model (got {len(chosen)})"
+            )
+        return chosen
+    if policy == "every_n":
+        return ["full" if i % memory.every_n == 0 else "none" for i in range(layers)]
+    return [policy] * layers
+
 
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
-    """Apply the checkpointing policy to the decoder layers; returns the indices of checkpointed layers."""
+    """Apply the checkpointing policy to the decoder layers; returns the indices of the layers that
+    recompute in backward (selective or full)."""
     injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
     if injector.cap is not None or injector.eval_cap is not None:
         injector.watch(model)
     if memory.checkpointing == "none":
         return []
-    if memory.checkpointing == "auto":
-        raise ValueError(
-            "memory.checkpointing: resolve auto with planner.resolve_checkpointing(recipe) first"
-        )
-    every_n = memory.every_n if memory.checkpointing == "every_n" else 1
+    layers = decoder_layers(model)
+    policies = layer_policies(memory, len(layers))
+    if set(policies) == {"none"}:
+        return []
     offload = memory.offload_activations and torch.accelerator.is_available()
     if memory.offload_activations and not offload:
         log.info("memory.offload_activations: no accelerator here, activations already live in host memory")
     kwargs: dict = {"use_reentrant": False}
-    if injector.cap is not None:  # tests only: out-of-memory in the recompute too (oom_faults.py)
-        kwargs["context_fn"] = lambda: (contextlib.nullcontext(), injector.recompute_context())
+    context_fn = _context_fn("selective" in policies, injector)
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    every_n = memory.every_n if memory.checkpointing == "every_n" else 1
     model.activation_checkpointing_enable(kwargs, every_n_layers=every_n, offload=offload)
+    if memory.checkpointing in ("per_layer",):
+        _mix(layers, policies, _context_fn(False, injector))
     return checkpointed_layers(model)
+
+
+def _context_fn(selective_layers: bool, injector: oom_faults.FaultInjector):
+    """torch checkpoint's ``context_fn``: selective's op policy, and under the test fault injector its
+    recompute count too (out-of-memory in backward's recompute); None when neither applies."""
+    policy = selective.context_fn if selective_layers else None
+    if injector.cap is None:
+        return policy
+
+    def contexts():
+        forward, recompute = policy() if policy else (contextlib.nullcontext(), contextlib.nullcontext())
+        return forward, _together(recompute, injector.recompute_context())
+
+    contexts.selective = policy is not None  # read back by applied_policies
+    return contexts
+
+
+@contextlib.contextmanager
+def _together(first, second):
+    with first, second:
+        yield
+
+
+def _mix(layers: list[torch.nn.Module], policies: list[str], full_context_fn) -> None:
+    """Per-layer policies on top of transformers' setup (every layer checkpointed, selectively if any layer
+    is): a full layer gets the same checkpoint function without the selective context (transformers'
+    own function, offload included; ``full_context_fn``: the fault injector's alone, in tests), a none
+    layer is not checkpointed."""
+    for layer, policy in zip(layers, policies, strict=True):
+        func = layer._gradient_checkpointing_func
+        if policy == "full" and "context_fn" in func.keywords:
+            keywords = {k: v for k, v in func.keywords.items() if k != "context_fn"}
+            if full_context_fn is not None:
+                keywords["context_fn"] = full_context_fn
+            layer._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
+        layer.gradient_checkpointing = policy != "none"
 
 
 def checkpointed_layers(model: PreTrainedModel) -> list[int]:
     """Indices of decoder layers that recompute in backward."""
     return [i for i, layer in enumerate(decoder_layers(model)) if layer.gradient_checkpointing]
+
+
+def applied_policies(model: PreTrainedModel) -> list[str]:
+    """Each decoder layer's policy as applied (none, selective or full), read back from the layers."""
+    found = []
+    for layer in decoder_layers(model):
+        if not layer.gradient_checkpointing:
+            found.append("none")
+            continue
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        keywords = getattr(func, "keywords", {}) or {}
+        context_fn = keywords.get("context_fn")
+        chosen = context_fn is selective.context_fn or getattr(context_fn, "selective", False)
+        found.append("selective" if chosen else "full")
+    return found

@@ -67,7 +67,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory.loss_head import uses_chunked_loss
+from qlora_kit.memory.formula import (
+    Activations,
+    chunked_head,
+    formula_activation_bytes,
+    kept_layer_bytes,
+    selected_positions_bytes,
+)
+from qlora_kit.memory.layer_choice import cheapest_fit
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model.precision import Device, resolve_mixed_precision
@@ -79,48 +86,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # the linears reading a layer's first norm
 
 
-@dataclass
-class Activations:
-    per_layer: list[int]
-    head: int
-    source: str = "formula"  # "traced": the layers' figures come from running the model's code (tracing.py)
-    head_source: str = "closed form"  # how the head's figure was found (plan's "from" column)
-
-    @property
-    def total(self) -> int:
-        return sum(self.per_layer) + self.head
-
-
-def kept_layer_bytes(
-    shape: ModelShape, recipe: Recipe, tokens: int, device: str, input_grad: bool = True
-) -> int:
-    """What one decoder layer that is not checkpointed keeps for backward (bf16/fp16 compute)."""
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    n, r = tokens, recipe.lora.rank
-    norm = n * (4 * shape.hidden + 4)
-    mask = 4 if device == "cpu" else 1
-    lora = sum(n * li.d_in * 4 + n * r * 4 for li in targets(shape, recipe))
-    if recipe.lora.dropout > 0:
-        # Dropout keeps its mask only where its input needs a gradient: not for the attention input
-        # projections of a first layer whose input needs none.
-        lora += sum(
-            n * li.d_in * mask
-            for li in targets(shape, recipe)
-            if input_grad or li.name.split(".")[-1] not in ATTENTION_INPUTS
-        )
-    attention = n * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) * c + n * shape.heads * 4
-    mlp = 3 * n * shape.intermediate * c
-    return (2 if input_grad else 1) * norm + lora + attention + mlp
-
-
-def checkpointed(policy: str, every_n: int, layers: int) -> list[bool]:
-    if policy == "none":
-        return [False] * layers
-    step = 1 if policy == "full" else every_n
-    return [i % step == 0 for i in range(layers)]
+def layer_plan(policy: str | list[str], every_n: int, layers: int, recipe: Recipe | None = None) -> list[str]:
+    """Each layer's policy (none, selective or full) under a checkpointing policy, or the given list;
+    ``per_layer`` reads the recipe's ``memory.layer_policies``."""
+    if isinstance(policy, list):
+        return policy
+    if policy == "per_layer":
+        return list(recipe.memory.layer_policies)
+    if policy == "every_n":
+        return ["full" if i % every_n == 0 else "none" for i in range(layers)]
+    return [policy] * layers
 
 
 def activation_bytes(
@@ -137,81 +114,29 @@ def activation_bytes(
     """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy and the Trainer's
     autocast ``precision``: traced from the model's own code where it runs on fake tensors, else from
     the Llama-shaped formula (which assumes no autocast)."""
-    flags = checkpointed(policy, every_n, shape.layers)
+    policies = layer_plan(policy, every_n, shape.layers, recipe)
+    recomputing = any(p != "none" for p in policies)
     traced = trace_layers(shape.config, recipe, batch, seq, precision) if shape.config is not None else None
     if traced is None:
-        return formula_activation_bytes(shape, recipe, policy, every_n, batch, seq, device, trained_tokens)
-    per_layer = traced.per_layer(flags)
+        return formula_activation_bytes(shape, recipe, policies, batch, seq, device, trained_tokens)
+    per_layer = traced.per_layer(policies)
     if device != "cpu" and recipe.lora.dropout > 0:
-        # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1.
+        # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1 (a selective
+        # layer keeps no mask: dropout is recomputed).
         n = batch * seq
-        for i, is_checkpointed in enumerate(flags):
-            if not is_checkpointed:
-                grad = policy != "none" or i > 0
+        for i, layer_policy in enumerate(policies):
+            if layer_policy == "none":
+                grad = recomputing or i > 0
                 per_layer[i] -= kept_layer_bytes(shape, recipe, n, "cpu", grad) - kept_layer_bytes(
                     shape, recipe, n, device, grad
                 )
-    head = traced.head_checkpointed if any(flags) else traced.head
+    head = traced.head_checkpointed if recomputing else traced.head
     head_source = "traced"
     if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
         head += selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
         head_source = "traced, the trained positions closed form"
-    return Activations(per_layer, head, source="traced", head_source=head_source)
-
-
-def formula_activation_bytes(
-    shape: ModelShape,
-    recipe: Recipe,
-    policy: str,
-    every_n: int,
-    batch: int,
-    seq: int,
-    device: str = "cpu",
-    trained_tokens: int | None = None,
-) -> Activations:
-    """The closed form, for a Llama-shaped layer (the module docstring's terms)."""
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    n = batch * seq
-    flags = checkpointed(policy, every_n, shape.layers)
-    rope_rows = batch if recipe.data.packs else 1  # packed rows carry their own position ids
-    per_layer, rope_counted = [], False
-    for i, is_checkpointed in enumerate(flags):
-        if is_checkpointed:
-            per_layer.append(n * shape.hidden * c)
-            continue
-        kept = kept_layer_bytes(shape, recipe, n, device, input_grad=policy != "none" or i > 0)
-        if not rope_counted:
-            kept += 2 * rope_rows * seq * shape.head_dim * c
-            rope_counted = True
-        per_layer.append(kept)
-    return Activations(per_layer, head_bytes(shape, recipe, batch, seq, trained_tokens))
-
-
-def head_bytes(
-    shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
-) -> int:
-    """What the final norm and the loss keep for backward; ``trained_tokens`` defaults to every position."""
-    tokens = batch * seq
-    norm = tokens * (4 * shape.hidden + 4)
-    if chunked_head(shape, recipe):
-        return norm + selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
-    return norm + tokens * shape.vocab * 4 + tokens * 8 + 4
-
-
-def chunked_head(shape: ModelShape, recipe: Recipe) -> bool:
-    """Whether the run trains with the chunked loss head (a model whose config is unknown is assumed
-    to have a plain head)."""
-    return recipe.memory.chunked_loss if shape.config is None else uses_chunked_loss(recipe, shape.config)
-
-
-def selected_positions_bytes(
-    shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
-) -> int:
-    """What the chunked loss head keeps beyond the forward pass (``loss_head.chunked_lm_loss``): the
-    trained positions' final hidden states and labels, and the boolean mask that selected them."""
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    trained = batch * (seq - 1) if trained_tokens is None else trained_tokens
-    return trained * (shape.hidden * c + 8) + batch * (seq - 1)
+    cost = traced.recompute_cost(policies)
+    return Activations(per_layer, head, source="traced", head_source=head_source, recompute_cost=cost)
 
 
 def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
@@ -222,11 +147,13 @@ def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
 
 @dataclass
 class PolicyPlan:
-    policy: str  # "none", "full", "every_n=2", ...
+    policy: str  # "none", "full", "selective", "every_n=2", "per_layer"
     activations: int
     spike: int
     peak: int
     recompute_layers: int
+    layers: list[str] = field(default_factory=list)  # each layer's policy: none, selective or full
+    recompute_cost: float = 0.0  # what backward recomputes, in full layers' worth (tracing.RecomputeCost)
 
 
 @dataclass
@@ -243,6 +170,8 @@ class Plan:
     policies: list[PolicyPlan] = field(default_factory=list)
     shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
     rollout: int = 0  # train.objective grpo: the rollouts' KV cache and logits (rollout_bytes)
+    device: str = "cuda"  # the device planned for
+    recipe: Recipe | None = None  # the recipe planned
 
     @property
     def layer_weights(self) -> int:
@@ -281,13 +210,45 @@ class Plan:
     def fitting(self, budget_gb: float) -> list[PolicyPlan]:
         return [p for p in self.policies if p.peak <= budget_gb * GIB]
 
+    def activations(self, policy: str | list[str], every_n: int = 1) -> Activations:
+        return activation_bytes(
+            self.shape,
+            self.recipe,
+            policy,
+            every_n,
+            self.batch,
+            self.seq,
+            self.device,
+            precision=self.precision,
+        )
 
-def policy_name(policy: str, every_n: int) -> str:
+    def policy_plan(self, layers: list[str], label: str) -> PolicyPlan:
+        """The row of one plan of per-layer policies: what is kept, backward's largest transient, the peak."""
+        recipe, shape = self.recipe, self.shape
+        acts = self.activations(layers)
+        # Backward holds the LoRA gradients and two hidden-state gradients in flight, plus, when a layer
+        # was checkpointed (fully or selectively), that layer's activations rematerialised.
+        backward = (
+            self.lora_grads
+            + 2 * self.batch * self.seq * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
+        )
+        recomputed = sum(p != "none" for p in layers)
+        if recomputed:
+            backward += max(self.activations("none").per_layer)
+        spike = max(loss_spike(shape, recipe, self.batch * self.seq), backward)
+        peak = max(self.static + acts.total + spike, self.static + self.rollout, self.load_peak)
+        full_layer = max(self.activations("full").recompute_cost) or 1.0
+        cost = sum(acts.recompute_cost) / full_layer
+        return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost)
+
+
+def policy_name(policy: str, every_n: int = 1) -> str:
     return f"every_n={every_n}" if policy == "every_n" else policy
 
 
 def candidate_policies(layers: int) -> list[tuple[str, int]]:
-    """From the least recompute to the most: none, every L-th layer ... every 2nd, full."""
+    """Uniform policies, from the most memory to the least: none, every L-th layer ... every 2nd,
+    selective, full."""
     spaced = sorted({n for n in range(2, layers + 1)}, reverse=True)
     # Keep the every_n values that checkpoint a different number of layers.
     seen, every = set(), []
@@ -296,7 +257,7 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
         if count not in seen:
             seen.add(count)
             every.append(("every_n", n))
-    return [("none", 0), *every, ("full", 1)]
+    return [("none", 0), *every, ("selective", 1), ("full", 1)]
 
 
 def plan(
@@ -321,46 +282,54 @@ def plan(
     pageable = sum(optimizer.state_bytes(v) for v in per_tensor if optimizer.pageable(v))
     # what the Trainer's autocast will be on that device (a GPU: quant.compute_dtype's, by default)
     precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
-    result = Plan(shape, weights, state, pageable, batch, seq, precision)
+    result = Plan(shape, weights, state, pageable, batch, seq, precision, device=device, recipe=recipe)
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if recipe.train.objective == "grpo" else 0
-    # the largest layer's full activations: what backward rematerialises for a checkpointed layer
-    uncheckpointed = activation_bytes(shape, recipe, "none", 0, batch, seq, device, precision=precision)
+    uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
-    if recipe.memory.checkpointing in ("none", "full"):
+    if recipe.memory.checkpointing in ("none", "full", "selective"):
         own = (recipe.memory.checkpointing, 0 if own[0] == "none" else 1)
     if own[0] != "auto" and policy_name(*own) not in {policy_name(*w) for w in wanted}:
-        wanted.append(own)  # the recipe's own every_n, when another n checkpoints as many layers
+        wanted.append(own)  # the recipe's own every_n (another n checkpoints as many layers), or per_layer
     for policy, every_n in wanted:
-        result.policies.append(
-            _policy_plan(shape, recipe, result, policy, every_n, device, max(uncheckpointed.per_layer))
-        )
+        label = policy_name(policy, every_n)
+        result.policies.append(result.policy_plan(layer_plan(policy, every_n, shape.layers, recipe), label))
     return result
 
 
-def _policy_plan(
-    shape: ModelShape,
-    recipe: Recipe,
-    the_plan: Plan,
-    policy: str,
-    every_n: int,
-    device: str,
-    layer_bytes: int,
-) -> PolicyPlan:
-    batch, seq = the_plan.batch, the_plan.seq
-    n = batch * seq
-    acts = activation_bytes(shape, recipe, policy, every_n, batch, seq, device, precision=the_plan.precision)
-    flags = checkpointed(policy, every_n, shape.layers)
-    # Backward holds the LoRA gradients and two hidden-state gradients in flight, plus, when a layer
-    # was checkpointed, that layer's activations rematerialised.
-    backward = the_plan.lora_grads + 2 * n * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
-    if any(flags):
-        backward += layer_bytes
-    spike = max(loss_spike(shape, recipe, n), backward)
-    peak = max(the_plan.static + acts.total + spike, the_plan.static + the_plan.rollout, the_plan.load_peak)
-    return PolicyPlan(policy_name(policy, every_n), acts.total, spike, peak, sum(flags))
+def choose_layers(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None) -> tuple[PolicyPlan, str]:
+    """``memory.checkpointing: auto``: each layer none, selective or full, so that the predicted peak fits
+    ``budget_gb`` at the least recompute cost (``layer_choice.cheapest_fit``); (the plan's row, why).
+    Layer 0 is checkpointed whenever any layer is (its figures are traced so, as every_n's are)."""
+    the_plan = the_plan or plan(recipe)
+    layers, budget = the_plan.shape.layers, budget_gb * GIB
+    if the_plan.policies[0].peak <= budget:
+        row = the_plan.policies[0]
+        return row, f"predicted peak {row.peak / GIB:.2f} GiB <= budget {budget_gb:g} GiB with no recompute"
+    uniform = {p: the_plan.activations(p) for p in ("none", "selective", "full")}
+    full = the_plan.policy_plan(["full"] * layers, "full")
+    fixed = full.peak - sum(uniform["full"].per_layer)  # weights, state, head, backward's spike
+    options = [
+        {p: (uniform[p].per_layer[i], uniform[p].recompute_cost[i]) for p in uniform if i or p != "none"}
+        for i in range(layers)
+    ]
+    chosen = cheapest_fit(options, int(budget - fixed)) if the_plan.load_peak <= budget else None
+    if chosen is None:
+        why = (
+            f"nothing fits {budget_gb:g} GiB (full checkpointing needs {full.peak / GIB:.2f} GiB); using full"
+        )
+        return full, why
+    name = chosen[0] if len(set(chosen)) == 1 else "per_layer"
+    row = the_plan.policy_plan(chosen, name)
+    mix = ", ".join(f"{chosen.count(p)} {p}" for p in ("none", "selective", "full") if p in chosen)
+    why = (
+        f"predicted peak {row.peak / GIB:.2f} GiB <= budget {budget_gb:g} GiB with layers {mix} "
+        f"(recompute {row.recompute_cost:.2f} layers' worth; {row.recompute_layers} of {layers} layers recomputed)"
+        f"; none would need {the_plan.policies[0].peak / GIB:.2f} GiB"
+    )
+    return row, why
 
 
 def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:
@@ -372,28 +341,15 @@ def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:
 
 
 def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None) -> tuple[str, int, str]:
-    """(policy, every_n, why) for ``memory.checkpointing: auto``: the least recompute that fits the budget."""
-    the_plan = the_plan or plan(recipe)
-    fits = the_plan.fitting(budget_gb)
-    if not fits:
-        tightest = the_plan.policies[-1]
-        return (
-            "full",
-            1,
-            (
-                f"nothing fits {budget_gb:g} GiB (full checkpointing needs {tightest.peak / GIB:.2f} GiB); using full"
-            ),
-        )
-    best = fits[0]
-    policy, _, n = best.policy.partition("=")
-    why = f"predicted peak {best.peak / GIB:.2f} GiB <= budget {budget_gb:g} GiB with {best.recompute_layers} of {the_plan.shape.layers} layers recomputed"
-    if best is not the_plan.policies[0]:
-        why += f"; none would need {the_plan.policies[0].peak / GIB:.2f} GiB"
-    return policy, int(n) if n else 2, why
+    """(policy, every_n, why) for ``memory.checkpointing: auto`` (``choose_layers``): a uniform policy's
+    name, or per_layer for a mix."""
+    row, why = choose_layers(recipe, budget_gb, the_plan)
+    return row.policy, recipe.memory.every_n, why
 
 
 def resolve_checkpointing(recipe: Recipe) -> MemorySection:
-    """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why)."""
+    """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why):
+    a uniform policy, or per_layer with ``layer_policies``."""
     memory = recipe.memory
     if memory.checkpointing != "auto":
         return memory
@@ -408,7 +364,10 @@ def resolve_checkpointing(recipe: Recipe) -> MemorySection:
             f"({recipe.train.micro_batch_size}), data.max_seq_len ({recipe.data.max_seq_len}) or lora.rank "
             f"({recipe.lora.rank}), or set memory.over_budget: true to train anyway"
         )
-    policy, every_n, why = choose_policy(recipe, memory.budget_gb, the_plan)
-    chosen = memory.model_copy(update={"checkpointing": policy, "every_n": every_n})
-    log.info("memory.checkpointing auto: %s (%s)", policy_name(policy, every_n), why)
-    return chosen
+    row, why = choose_layers(recipe, memory.budget_gb, the_plan)
+    update = {
+        "checkpointing": row.policy,
+        "layer_policies": row.layers if row.policy == "per_layer" else None,
+    }
+    log.info("memory.checkpointing auto: %s (%s)", row.policy, why)
+    return memory.model_copy(update=update)

@@ -15,9 +15,14 @@ measures it (``accounting.SavedTensors``, ``saved_tensors_hooks``), on a model t
    device (sdpa's fused kernel, not the meta device's math fallback), and one forward pass at the
    real batch x sequence records each layer's saved bytes, in well under a second for a 70B model.
 
-Two traces, no checkpointing and every layer checkpointed, give the figures any policy is composed
-from: a kept layer of each type, a checkpointed layer of each type, and the first layer in each trace
-(which also holds what the layers share: the rotary tables, the attention mask). What tracing cannot
+Three traces, no checkpointing, every layer checkpointed and every layer selectively checkpointed, give
+the figures any policy, and any mix of policies per layer, is composed from: a kept, a checkpointed and a
+selective layer of each type, and the first layer in each trace (which also holds what the layers share:
+the rotary tables, the attention mask). The selective trace also counts what a recompute costs
+(``recompute_cost``): each op of a layer costs its FLOPs (torch's ``flop_counter`` formulas) or
+``BALANCE`` FLOPs per byte it writes, whichever is larger (an element-wise op is bound by memory
+traffic, a matmul by arithmetic), and a 4-bit linear's op also writes its dequantized weight. A full
+layer's recompute costs all of its ops, a selective layer's the ops the policy does not keep. What tracing cannot
 see stays closed-form in the planner: 4-bit weight bytes, optimizer state, CUDA transients, and on CUDA
 the dropout masks, which are 1 byte per value there against 4 on the CPU. With the chunked loss head
 (``loss_head.py``) the trace runs the forward pass the run runs, through ``final_hidden_states``, so
@@ -31,13 +36,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-from dataclasses import dataclass
+from collections import defaultdict
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils.flop_counter import flop_registry
 from transformers import AutoModelForCausalLM, masking_utils
 
+from qlora_kit.memory import selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.registries import attention
@@ -47,12 +56,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# FLOPs per byte at which an op's memory traffic costs as much as its arithmetic: the machine balance,
+# ~300 on an H100 (990 dense bf16 TFLOP/s over 3.35 TB/s), ~20-60 on CPUs. Only the ratio between a
+# selective and a full recompute depends on it; 64 ranks them as the CPU measurements here do
+# (benchmarks/memory.py's frontier).
+BALANCE = 64
+
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True)
 class TracedLayers:
-    """Saved bytes per layer, from the two traces; any policy's figures are composed from these."""
+    """Saved bytes per layer, from the three traces; any policy's figures are composed from these."""
 
     layer_types: tuple[str, ...]  # the full model's, one per layer
     first_kept: int  # layer 0 without checkpointing: its input needs no gradient, it holds the shared tensors
@@ -62,19 +77,47 @@ class TracedLayers:
     head: int  # the final norm and transformers' loss
     head_checkpointed: int  # the same under checkpointing, which makes the embeddings' output need a
     # gradient (so an embedding dropout, GPT-2's, keeps its mask)
+    first_selective: int = (
+        0  # layer 0 selectively checkpointed: its input, the kept ops' outputs, shared tensors
+    )
+    selective: dict[str, int] = field(default_factory=dict)  # a later layer of each type, selective
+    # recompute cost (FLOP-equivalents, see BALANCE) of layer 0 and of a later layer of each type:
+    # (full, selective)
+    first_cost: tuple[float, float] = (0.0, 0.0)
+    cost: dict[str, tuple[float, float]] = field(default_factory=dict)
     chunked_head: bool = False  # the run uses the chunked loss head: ``head`` is its forward pass without
     # the selection of trained positions (the planner adds that)
 
-    def per_layer(self, flags: list[bool]) -> list[int]:
-        """Bytes per layer for a policy's checkpointed flags (layer 0 is checkpointed under any policy
-        that checkpoints at all, as transformers' every_n_layers counts from it)."""
+    def per_layer(self, policies: list[str] | list[bool]) -> list[int]:
+        """Bytes per layer for each layer's policy (none, selective or full; or checkpointed flags). Layer 0
+        is checkpointed under any policy that checkpoints at all (transformers' every_n_layers counts from
+        it; ``auto`` keeps it so); a plan written by hand that leaves it alone while checkpointing others
+        is planned as if its input needed no gradient."""
         figures = []
-        for index, (kind, is_checkpointed) in enumerate(zip(self.layer_types, flags, strict=True)):
+        for index, (kind, policy) in enumerate(zip(self.layer_types, policies, strict=True)):
+            policy = {True: "full", False: "none"}.get(policy, policy)
             if index == 0:
-                figures.append(self.first_checkpointed if is_checkpointed else self.first_kept)
+                figures.append(
+                    {
+                        "none": self.first_kept,
+                        "full": self.first_checkpointed,
+                        "selective": self.first_selective,
+                    }[policy]
+                )
             else:
-                figures.append((self.checkpointed if is_checkpointed else self.kept)[kind])
+                figures.append(
+                    {"none": self.kept, "full": self.checkpointed, "selective": self.selective}[policy][kind]
+                )
         return figures
+
+    def recompute_cost(self, policies: list[str]) -> list[float]:
+        """What each layer's backward recomputes, in FLOP-equivalents (0 for a layer that keeps its ops)."""
+        column = {"none": None, "full": 0, "selective": 1}
+        costs = []
+        for index, (kind, policy) in enumerate(zip(self.layer_types, policies, strict=True)):
+            pair = self.first_cost if index == 0 else self.cost[kind]
+            costs.append(0.0 if column[policy] is None else pair[column[policy]])
+        return costs
 
 
 def layer_types(config) -> tuple[str, ...]:
@@ -111,7 +154,7 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
     return _TRACED[key]
 
 
-_TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: two traces serve them all
+_TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: three traces serve them all
 
 
 def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) -> TracedLayers:
@@ -119,8 +162,9 @@ def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) ->
     # the first layer, then one layer of every type (in the order they first appear)
     short_types = (types[0], *dict.fromkeys(types))
     short = _cut(config, short_types)
-    plain = _trace(short, recipe, "none", batch, seq, precision)
-    full = _trace(short, recipe, "full", batch, seq, precision)
+    plain, _ = _trace(short, recipe, "none", batch, seq, precision)
+    full, _ = _trace(short, recipe, "full", batch, seq, precision)
+    chosen, costs = _trace(short, recipe, "selective", batch, seq, precision)
     later = range(1, len(short_types))
     return TracedLayers(
         layer_types=types,
@@ -130,6 +174,10 @@ def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) ->
         checkpointed={short_types[i]: full[f"layer {i}"] for i in later},
         head=plain[OUTSIDE],
         head_checkpointed=full[OUTSIDE],
+        first_selective=chosen["layer 0"],
+        selective={short_types[i]: chosen[f"layer {i}"] for i in later},
+        first_cost=costs["layer 0"],
+        cost={short_types[i]: costs[f"layer {i}"] for i in later},
         chunked_head=uses_chunked_loss(recipe, config),
     )
 
@@ -144,7 +192,11 @@ def _cut(config, types: tuple[str, ...]):
     return short
 
 
-def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str) -> dict[str, int]:
+def _trace(
+    config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str
+) -> tuple[dict[str, int], dict[str, tuple[float, float]]]:
+    """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
+    (full, selective)."""
     from qlora_kit.memory import checkpointing
     from qlora_kit.model import adapters
 
@@ -179,16 +231,52 @@ def _trace(config, recipe: Recipe, policy: str, batch: int, seq: int, precision:
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
         counter = SavedTensors(peft_model)
-        with counter.counting(), autocast, _no_packed_mask(not masked_rows):
+        costs = RecomputeCost(counter)
+        with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
             if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
                 final_hidden_states(peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model)
             else:
                 peft_model(**inputs)
     per_layer = counter.result().per_layer
-    return {
-        name: per_layer.get(name, 0)
-        for name in [OUTSIDE, *(f"layer {i}" for i in range(len(decoder_layers(model))))]
-    }
+    names = [f"layer {i}" for i in range(len(decoder_layers(model)))]
+    saved = {name: per_layer.get(name, 0) for name in [OUTSIDE, *names]}
+    return saved, {name: costs.of(name) for name in names}
+
+
+class RecomputeCost:
+    """Counts, per layer, the cost of the ops selective checkpointing keeps and of those it recomputes, as
+    the selective policy sees them in the forward pass (``selective.OBSERVERS``)."""
+
+    def __init__(self, counter: SavedTensors) -> None:
+        self.counter = counter  # its ``where`` names the layer running now
+        self.kept: dict[str, float] = defaultdict(float)
+        self.recomputed: dict[str, float] = defaultdict(float)
+
+    @contextlib.contextmanager
+    def observing(self):
+        selective.OBSERVERS.append(self._observe)
+        try:
+            yield self
+        finally:
+            selective.OBSERVERS.remove(self._observe)
+
+    def of(self, layer: str) -> tuple[float, float]:
+        """(full, selective) recompute cost of a layer."""
+        return self.kept[layer] + self.recomputed[layer], self.recomputed[layer]
+
+    def _observe(self, func, args, kwargs, out, kept: bool) -> None:
+        written = sum(
+            t.numel() * t.element_size() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)
+        )
+        packet = func._overloadpacket if hasattr(func, "_overloadpacket") else None
+        flops = flop_registry[packet](*args, **kwargs, out_val=out) if packet in flop_registry else 0
+        if (
+            kept
+            and func in selective.MATMULS
+            and min(out.shape[-1], args[-1].shape[0]) >= selective.MIN_CONTRACTION
+        ):
+            written += args[-1].numel() * out.element_size()  # a 4-bit linear dequantizes its weight first
+        (self.kept if kept else self.recomputed)[self.counter.where] += max(flops, BALANCE * written)
 
 
 @contextlib.contextmanager

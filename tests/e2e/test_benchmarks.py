@@ -65,6 +65,12 @@ TABLES = {
          ("prepare s", SECONDS), ("peak anonymous", rf"{N} MiB"), ("peak RSS (with mapped files)", rf"{N} MiB"),
          ("arrow cache", rf"{N} GiB"), ("checks", "pass")], 1,
     )]),
+    "checkpointing_frontier.py": ("checkpointing-frontier-cpu.md", [(
+        [("model", "builtin|realistic"), ("setting", r"none|every_n=\d+|selective|full|(auto|none|every_n=\d+|full) @ [\d.]+"),
+         ("budget (MiB)", rf"{N}|-"), ("layers none/selective/full", r"\d+/\d+/\d+"), ("saved for backward (MiB)", N),
+         ("vs none", N), ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs none", rf"{N}x"), ("CPU s / step", SECONDS),
+         ("CPU time vs none", rf"{N}x")], 6,
+    )]),
     "memory.py": ("memory-cpu.md", [
         ([("policy", r"none|every_2|full|full \+ offload"), ("saved for backward (MiB)", N), ("vs none", N),
           ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs none", rf"{N}x")], 4),

@@ -136,3 +136,14 @@ def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path):
     )
     assert stderr.count("the reference policy is") == 1
     assert "mixed precision: bf16" in stderr
+
+
+def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
+    """memory.checkpointing: selective with two processes: the same loss curve as one process (its
+    recompute runs inside DDP's backward, whose gradient hooks fire as without checkpointing)."""
+    one, two, stderr = one_and_two_processes(tmp_path, "--set", "memory.checkpointing=selective")
+    expected, got = losses(one), losses(two)
+    assert len(expected) == len(got) == 8
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
+    assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr

@@ -112,3 +112,38 @@ def test_fsdp_trains_like_one_process_saves_one_adapter_and_resumes_bit_identica
     again = load_file(killed / "adapter_model.safetensors")
     assert all(torch.equal(again[name], adapter[name]) for name in adapter)
     assert resumed.stdout.count("Answers before and after fine-tuning") == 1, resumed.stdout[-2000:]
+
+
+def test_fsdp_with_a_mixed_per_layer_plan_trains_like_one_process_and_resumes_bit_identically(tmp_path):
+    """Selective, full and no checkpointing on different layers under FSDP2 (the layers' forward is
+    checkpointed inside FSDP's hooks): one process's losses, and a kill + resume gives the same adapter."""
+    mixed = [
+        "--set",
+        "memory.checkpointing=per_layer",
+        "--set",
+        "memory.layer_policies=[selective, full, none, selective]",
+    ]
+    one, whole, killed = tmp_path / "one", tmp_path / "whole", tmp_path / "killed"
+    single = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", "recipes/demo.yaml", *SETTINGS, *mixed,
+         "--set", "train.micro_batch_size=8", "--output-dir", str(one)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert single.returncode == 0, single.stderr[-2000:]
+    config = cpu_config(tmp_path)
+    run = fsdp_train(config, whole, *mixed)
+    assert run.returncode == 0, run.stderr[-3000:]
+    expected, got = losses(one), losses(whole)
+    assert len(expected) == len(got) == 6
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b) <= 2e-2 * abs(a), (expected, got)
+    dead = fsdp_train(config, killed, *mixed, kill_after=4)
+    assert dead.returncode != 0
+    resumed = fsdp_train(config, killed, *mixed, "--resume")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(killed) == got
+    adapter, again = (
+        load_file(whole / "adapter_model.safetensors"),
+        load_file(killed / "adapter_model.safetensors"),
+    )
+    assert all(torch.equal(again[name], adapter[name]) for name in adapter)

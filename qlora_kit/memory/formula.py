@@ -1,0 +1,117 @@
+"""The planner's closed forms: the Llama-shaped formula a model whose code cannot run on fake tensors is
+planned with (``planner``'s docstring lists its terms), and the loss head's terms that tracing cannot see
+(which positions the chunked head keeps depends on the labels' values).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from qlora_kit.memory.loss_head import uses_chunked_loss
+from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, targets
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+# What a selective layer's recompute costs against a full one's where the model cannot be traced (the
+# CPU frontier measured by benchmarks/memory.py: the element-wise ops a selective layer replays are most
+# of a QLoRA layer's forward time there)
+SELECTIVE_SHARE = 0.8
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # the linears reading a layer's first norm
+
+
+@dataclass
+class Activations:
+    per_layer: list[int]
+    head: int
+    source: str = "formula"  # "traced": the layers' figures come from running the model's code (tracing.py)
+    head_source: str = "closed form"  # how the head's figure was found (plan's "from" column)
+    recompute_cost: list[float] = field(default_factory=list)  # per layer, what backward recomputes
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer) + self.head
+
+
+def kept_layer_bytes(
+    shape: ModelShape, recipe: Recipe, tokens: int, device: str, input_grad: bool = True
+) -> int:
+    """What one decoder layer that is not checkpointed keeps for backward (bf16/fp16 compute)."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    n, r = tokens, recipe.lora.rank
+    norm = n * (4 * shape.hidden + 4)
+    mask = 4 if device == "cpu" else 1
+    lora = sum(n * li.d_in * 4 + n * r * 4 for li in targets(shape, recipe))
+    if recipe.lora.dropout > 0:
+        # Dropout keeps its mask only where its input needs a gradient: not for the attention input
+        # projections of a first layer whose input needs none.
+        lora += sum(
+            n * li.d_in * mask
+            for li in targets(shape, recipe)
+            if input_grad or li.name.split(".")[-1] not in ATTENTION_INPUTS
+        )
+    attention = n * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) * c + n * shape.heads * 4
+    mlp = 3 * n * shape.intermediate * c
+    return (2 if input_grad else 1) * norm + lora + attention + mlp
+
+
+def formula_activation_bytes(
+    shape: ModelShape,
+    recipe: Recipe,
+    policies: list[str],
+    batch: int,
+    seq: int,
+    device: str = "cpu",
+    trained_tokens: int | None = None,
+) -> Activations:
+    """The closed form, for a Llama-shaped layer (the module docstring's terms)."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    n = batch * seq
+    recomputing = any(p != "none" for p in policies)
+    rope_rows = batch if recipe.data.packs else 1  # packed rows carry their own position ids
+    per_layer, rope_counted = [], False
+    for i, layer_policy in enumerate(policies):
+        if layer_policy != "none":
+            # its input; selective adds the 4-bit linears' outputs, attention's output and log-sum-exp
+            # and LoRA's A outputs
+            q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+            kept = n * c * (2 * q + 2 * kv + 2 * shape.hidden + 2 * shape.intermediate) + n * shape.heads * 4
+            kept += sum(n * recipe.lora.rank * c for _ in targets(shape, recipe))
+            per_layer.append(n * shape.hidden * c + (kept if layer_policy == "selective" else 0))
+            continue
+        kept = kept_layer_bytes(shape, recipe, n, device, input_grad=recomputing or i > 0)
+        if not rope_counted:
+            kept += 2 * rope_rows * seq * shape.head_dim * c
+            rope_counted = True
+        per_layer.append(kept)
+    # recompute cost untraced: a full layer 1, a selective one SELECTIVE_SHARE of it
+    cost = [{"none": 0.0, "selective": SELECTIVE_SHARE, "full": 1.0}[p] for p in policies]
+    return Activations(per_layer, head_bytes(shape, recipe, batch, seq, trained_tokens), recompute_cost=cost)
+
+
+def head_bytes(
+    shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
+) -> int:
+    """What the final norm and the loss keep for backward; ``trained_tokens`` defaults to every position."""
+    tokens = batch * seq
+    norm = tokens * (4 * shape.hidden + 4)
+    if chunked_head(shape, recipe):
+        return norm + selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
+    return norm + tokens * shape.vocab * 4 + tokens * 8 + 4
+
+
+def chunked_head(shape: ModelShape, recipe: Recipe) -> bool:
+    """Whether the run trains with the chunked loss head (a model whose config is unknown is assumed
+    to have a plain head)."""
+    return recipe.memory.chunked_loss if shape.config is None else uses_chunked_loss(recipe, shape.config)
+
+
+def selected_positions_bytes(
+    shape: ModelShape, recipe: Recipe, batch: int, seq: int, trained_tokens: int | None = None
+) -> int:
+    """What the chunked loss head keeps beyond the forward pass (``loss_head.chunked_lm_loss``): the
+    trained positions' final hidden states and labels, and the boolean mask that selected them."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    trained = batch * (seq - 1) if trained_tokens is None else trained_tokens
+    return trained * (shape.hidden * c + 8) + batch * (seq - 1)
