@@ -106,8 +106,8 @@ MUTATIONS = [
     (
         "the planner counts one layer fewer",
         "qlora_kit/memory/planner.py",
-        "    return [i % step == 0 for i in range(layers)]\n",
-        "    return [i % step == 0 for i in range(layers - 1)]\n",
+        "    return [policy] * layers\n",
+        "    return [policy] * (layers - 1)\n",
         ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[full-1-tiny-llama]"],
     ),
     (
