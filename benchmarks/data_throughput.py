@@ -139,7 +139,7 @@ def main() -> None:
     )
     notes = (
         f"{model}, max_seq_len {max_len}, NF4 + double quant, LoRA r=16 all-linear, full checkpointing, "
-        f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 24-240 tokens; {args.rounds} interleaved "
+        f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 12-120 corpus words (24-240 tokens with the tiny tokenizer, cut at max_seq_len); {args.rounds} interleaved "
         f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding."
     )
     real = "-real" if args.real_model else ""
