@@ -285,3 +285,15 @@ def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
     lora[0].grad = torch.ones_like(lora[0])  # a signal that reaches one tensor only: the rest are dead
     with pytest.raises(TrainingGuardError, match="got no gradient"):
         guard._check_dead(2)
+
+
+def test_grpo_neither_probes_nor_splits_its_micro_batches(tmp_path):
+    # GRPO's training_step is handed prompt rows and samples inside TRL: no input_ids to probe by and
+    # nothing to split there, so a GPU run (probe auto = on) must not try either.
+    from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
+
+    recipe = grpo_recipe(tmp_path / "out", probe_worst_batch=True)
+    assert not probes_worst_batch(recipe)
+    assert oom_policy(recipe).on_oom == "stop"
+    sft = Recipe.from_dict({"train": {"probe_worst_batch": True}})
+    assert probes_worst_batch(sft) and oom_policy(sft).on_oom == "split"

@@ -108,9 +108,15 @@ class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
             GrpoExplainer(self.reward_func_names, args.beta, args.num_iterations, args.num_generations)
         )
 
+    # GRPOTrainer.training_step receives prompt rows and samples the rollouts inside it: the throughput
+    # counts the rollout the loss is computed on, here, not the rows the step was handed.
+    counts_in_step = False
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The throughput counts input positions from input_ids; a rollout's are its prompt and completion.
         counted = {**inputs, "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)}
+        if model.training:
+            self.throughput.count(counted)
         return super().compute_loss(model, counted, return_outputs, num_items_in_batch)
 
     def _send_telemetry(self) -> None:

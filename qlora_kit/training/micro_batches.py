@@ -59,12 +59,16 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
             return None
         return f"{policy.peak / 1024**3:.2f} GiB peak under checkpointing {policy.policy}"
 
-    return OomPolicy(recipe.train.on_oom, levers, predict)
+    # GRPO's training_step is handed prompt rows and samples a whole generation batch inside TRL: its
+    # micro-batches cannot be split and redone from here, so an out-of-memory error stops with the line.
+    on_oom = recipe.train.on_oom if recipe.train.objective != "grpo" else "stop"
+    return OomPolicy(on_oom, levers, predict)
 
 
 def probes_worst_batch(recipe: Recipe) -> bool:
     """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
-    if recipe.train.objective == "dpo":  # pairs: TRL's rows have no one input_ids to find the longest by
+    # DPO's pairs and GRPO's prompt rows have no one input_ids to find the longest by
+    if recipe.train.objective != "sft":
         return False
     probe = recipe.train.probe_worst_batch
     return torch.cuda.is_available() if probe == "auto" else bool(probe)

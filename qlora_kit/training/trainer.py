@@ -138,6 +138,8 @@ class GuardedTrainer(SplitOnOom, Trainer):
     and ``probe``: what an out-of-memory error does, and whether the worst batch runs first (oom_recovery.py).
     """
 
+    counts_in_step = True  # training_step counts its micro-batch's tokens (GRPO counts its rollouts instead)
+
     def __init__(
         self,
         *args,
@@ -256,7 +258,7 @@ class GuardedTrainer(SplitOnOom, Trainer):
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.probing:  # once per micro-batch, however many parts or redone attempts it takes
+        if not self.probing and self.counts_in_step:  # once per micro-batch, however many parts or attempts
             self.throughput.count(inputs)
         loss = super().training_step(model, inputs, num_items_in_batch)
         self.memory_monitor.backward_done()
