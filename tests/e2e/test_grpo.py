@@ -146,7 +146,7 @@ def test_a_killed_grpo_run_resumes_to_the_same_adapter_bit_for_bit(tmp_path, spr
     assert [rows["split", s] for s in (3, 4)] == [rows["whole", s] for s in (3, 4)]
 
 
-# The demo's bar (docs/readme-32.md): GRPO from the SFT demo stopped early raises held-out exact match
+# The demo's bar (README, the GRPO section): GRPO from the SFT demo stopped early raises held-out exact match
 # by at least this much (measured: see the README's GRPO section).
 DEMO_MARGIN = 0.05
 
@@ -154,7 +154,7 @@ DEMO_MARGIN = 0.05
 @pytest.mark.skip(
     reason="the bar is not met yet: measured (2 busy CPU cores, 27 min) the training reward rises 0.15 -> 0.24 "
     "in 30 steps, but held-out exact match falls 0.411 -> 0.339 (lr 2e-4, temperature 0.7; 0.357 at lr 5e-4, "
-    "temperature 1): the demo task needs redesigning (docs/readme-32.md)"
+    "temperature 1): the demo task needs redesigning (README, the GRPO section)"
 )
 def test_the_demo_raises_held_out_exact_match_from_the_shell(tmp_path):
     def cli(*args: str) -> subprocess.CompletedProcess:
