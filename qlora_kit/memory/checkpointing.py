@@ -31,7 +31,7 @@ from qlora_kit.memory.accounting import decoder_layers
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-    from qlora_kit.recipe.recipe import MemorySection
+    from qlora_kit.recipe.memory import MemorySection
 
 log = logging.getLogger(__name__)
 

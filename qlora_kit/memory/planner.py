@@ -81,7 +81,8 @@ from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe.recipe import MemorySection, Recipe
+    from qlora_kit.recipe.memory import MemorySection
+    from qlora_kit.recipe.recipe import Recipe
 
 log = logging.getLogger(__name__)
 

@@ -3,6 +3,7 @@
 - ``base``: what every section shares (the pydantic base, local paths vs hub ids, one-line errors);
 - ``data``: the data section (one path or a mixture of sources, formats, lengths, layout, preflight);
 - ``preference``: the preference section (how ``train.objective: dpo`` scores pairs);
+- ``memory``: the memory section (checkpointing per layer, offload, the chunked loss head);
 - ``grpo``: the grpo section (how ``train.objective: grpo`` samples, scores and learns) and its rules;
 - ``paths``: the recipe's input paths, listed in one place (``Recipe.input_paths``);
 - ``recipe``: the other sections, the cross-section rules, YAML loading and ``--set`` overrides;

@@ -23,6 +23,7 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.base import Section, describe_validation_error, one_line
 from qlora_kit.recipe.data import DataSection
 from qlora_kit.recipe.grpo import GrpoSection, check_grpo
+from qlora_kit.recipe.memory import MemorySection
 from qlora_kit.recipe.paths import data_paths, is_local_path, path_fields, resolve_paths
 from qlora_kit.recipe.preference import PreferenceSection
 
@@ -32,7 +33,7 @@ from qlora_kit.registries import attention
 from qlora_kit.registries.formats import FORMATS
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
-__all__ = ["DataSection", "Recipe", "RecipeError", "Section"]
+__all__ = ["DataSection", "MemorySection", "Recipe", "RecipeError", "Section"]
 
 OptimizerName = Literal[tuple(OPTIMIZERS)]  # type: ignore[valid-type]
 
@@ -103,36 +104,6 @@ class LoraSection(Section):
     """Weight-decomposed LoRA (Liu et al. 2024): trains a magnitude vector too; slower."""
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"
     """Adapter initialisation passed to peft (default: A Kaiming-uniform, B zero)."""
-
-
-class MemorySection(Section):
-    checkpointing: Literal["none", "full", "selective", "every_n", "per_layer", "auto"] = "full"
-    """Activation checkpointing of decoder layers: none, full (keep a layer's input, recompute it all), selective
-    (keep the 4-bit matmuls' and attention's outputs, recompute the cheap ops), every n-th layer full, per_layer
-    (layer_policies), or auto (see budget_gb)."""
-    every_n: int = Field(2, ge=1)
-    """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
-    layer_policies: list[Literal["none", "selective", "full"]] | None = None
-    """With checkpointing: per_layer, each decoder layer's policy in order (what auto chooses, shown by qlora-kit plan)."""
-    budget_gb: float | None = Field(None, gt=0)
-    """With checkpointing: auto, the GPU memory (GiB) to fit: each layer gets none, selective or full so that the
-    predicted peak fits at the least recompute cost."""
-    over_budget: bool = False
-    """With checkpointing: auto, train with full checkpointing even when no policy is predicted to fit budget_gb."""
-    offload_activations: bool = False
-    """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
-    chunked_loss: bool = True
-    """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept."""
-    loss_chunk_tokens: int = Field(1024, gt=0)
-    """Tokens per chunk of the chunked loss (each chunk materialises chunk x vocab logits)."""
-
-    @model_validator(mode="after")
-    def _check_budget(self) -> MemorySection:
-        if self.checkpointing == "auto" and self.budget_gb is None:
-            raise ValueError("memory.budget_gb: required with memory.checkpointing: auto")
-        if self.checkpointing == "per_layer" and not self.layer_policies:
-            raise ValueError("memory.layer_policies: required with memory.checkpointing: per_layer")
-        return self
 
 
 class OptimizerSection(Section):

@@ -1,0 +1,43 @@
+"""The memory section: how a run keeps what backward needs (checkpointing per layer, the loss head).
+
+Read by ``memory/checkpointing.py`` (the policy applied to the decoder layers), ``memory/planner.py``
+(``auto`` resolved against ``budget_gb``) and the loss head; part of ``recipe.Recipe``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from qlora_kit.recipe.base import Section
+
+
+class MemorySection(Section):
+    checkpointing: Literal["none", "full", "selective", "every_n", "per_layer", "auto"] = "full"
+    """Activation checkpointing of decoder layers: none, full (keep a layer's input, recompute it all), selective
+    (keep the 4-bit matmuls' and attention's outputs, recompute the cheap ops), every n-th layer full, per_layer
+    (layer_policies), or auto (see budget_gb)."""
+    every_n: int = Field(2, ge=1)
+    """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
+    layer_policies: list[Literal["none", "selective", "full"]] | None = None
+    """With checkpointing: per_layer, each decoder layer's policy in order (what auto chooses, shown by qlora-kit plan)."""
+    budget_gb: float | None = Field(None, gt=0)
+    """With checkpointing: auto, the GPU memory (GiB) to fit: each layer gets none, selective or full so that the
+    predicted peak fits at the least recompute cost."""
+    over_budget: bool = False
+    """With checkpointing: auto, train with full checkpointing even when no policy is predicted to fit budget_gb."""
+    offload_activations: bool = False
+    """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
+    chunked_loss: bool = True
+    """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept."""
+    loss_chunk_tokens: int = Field(1024, gt=0)
+    """Tokens per chunk of the chunked loss (each chunk materialises chunk x vocab logits)."""
+
+    @model_validator(mode="after")
+    def _check_budget(self) -> MemorySection:
+        if self.checkpointing == "auto" and self.budget_gb is None:
+            raise ValueError("memory.budget_gb: required with memory.checkpointing: auto")
+        if self.checkpointing == "per_layer" and not self.layer_policies:
+            raise ValueError("memory.layer_policies: required with memory.checkpointing: per_layer")
+        return self
