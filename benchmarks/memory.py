@@ -128,23 +128,27 @@ def measured_cells(r: dict, base_time: float, ratio_digits: int) -> list[str]:
     ]
 
 
-def checkpointing_table(results: dict, size: Size) -> tuple[str, str]:
-    from qlora_kit.memory.accounting import OUTSIDE
-
+def policy_table(results: dict, first_column: str) -> str:
+    """Each setting's saved bytes (and against none's), the planner's figure and the step time."""
     base_time, base_saved = results["none"]["time"], results["none"]["saved"].total
     rows = []
     for name, r in results.items():
         saved, planned, step, ratio = measured_cells(r, base_time, ratio_digits=2)
         rows.append([name, saved, f"{r['saved'].total / base_saved:.3f}", planned, step, ratio])
+    header = [first_column, "saved for backward (MiB)", "vs none", "planner (MiB)", "median step (s)"]
+    return markdown_table([*header, "time vs none"], rows)
+
+
+def checkpointing_table(results: dict, size: Size) -> tuple[str, str]:
+    from qlora_kit.memory.accounting import OUTSIDE
+
+    base_time = results["none"]["time"]
     full = results["full"]["saved"]
     c = 2  # bf16
     layers, hidden = size.shape["num_hidden_layers"], size.shape["hidden_size"]
     batch, seq = size.batch, size.seq
     floor = layers * batch * seq * hidden * c + full.per_layer[OUTSIDE]
-    table = markdown_table(
-        ["policy", "saved for backward (MiB)", "vs none", "planner (MiB)", "median step (s)", "time vs none"],
-        rows,
-    )
+    table = policy_table(results, "policy")
     notes = (
         f"Floor for full checkpointing = the decoder layers' inputs ({layers} x {batch}x{seq}x{hidden} bf16 = "
         f"{layers * batch * seq * hidden * c / MIB:.1f} MiB) + what the final norm and the loss keep "
@@ -174,25 +178,6 @@ def loss_head_table(results: dict, vocab: int, size: Size) -> tuple[str, str]:
         f"{chunked['time'] / plain['time']:.3f}x the unchunked step (target <= 1.05x)."
     )
     return table, notes
-
-
-def real_model_table(results: dict) -> str:
-    base_time, base_saved = results["none"]["time"], results["none"]["saved"].total
-    rows = []
-    for name, r in results.items():
-        saved, planned, step, ratio = measured_cells(r, base_time, ratio_digits=2)
-        rows.append([name, saved, f"{r['saved'].total / base_saved:.3f}", planned, step, ratio])
-    return markdown_table(
-        [
-            "setting",
-            "saved for backward (MiB)",
-            "vs none",
-            "planner (MiB)",
-            "median step (s)",
-            "time vs none",
-        ],
-        rows,
-    )
 
 
 def main_real_model(args) -> None:
@@ -229,7 +214,7 @@ def main_real_model(args) -> None:
     write_result(
         f"memory-real-{device_name()}",
         "Memory on a real model: checkpointing policies and the loss head",
-        real_model_table(results),
+        policy_table(results, "setting"),
         notes,
         args.out,
     )
