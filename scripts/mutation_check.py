@@ -105,7 +105,7 @@ MUTATIONS = [
     ),
     (
         "the planner counts one layer fewer",
-        "qlora_kit/memory/planner.py",
+        "qlora_kit/memory/checkpointing.py",
         "    return [policy] * layers\n",
         "    return [policy] * (layers - 1)\n",
         ["tests/test_planner_oracle.py::test_traced_activations_equal_the_hand_count[full-1-tiny-llama]"],

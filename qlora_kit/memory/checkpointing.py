@@ -52,8 +52,16 @@ def layer_policies(memory: MemorySection, layers: int) -> list[str]:
                 f"memory.layer_policies: one policy per decoder layer, {layers} for this model (got {len(chosen)})"
             )
         return chosen
+    return expand_policy(policy, memory.every_n, layers)
+
+
+def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] | None = None) -> list[str]:
+    """A policy name as one policy per layer: every_n is full on layers 0, n, 2n, ... and none between;
+    per_layer is ``per_layer`` as given (the run checks its length: ``layer_policies``; the planner too)."""
+    if policy == "per_layer":
+        return list(per_layer or [])
     if policy == "every_n":
-        return ["full" if i % memory.every_n == 0 else "none" for i in range(layers)]
+        return ["full" if i % every_n == 0 else "none" for i in range(layers)]
     return [policy] * layers
 
 

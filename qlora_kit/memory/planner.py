@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.memory import checkpointing
 from qlora_kit.memory.formula import (
     Activations,
     chunked_head,
@@ -94,11 +95,8 @@ def layer_plan(policy: str | list[str], every_n: int, layers: int, recipe: Recip
     ``per_layer`` reads the recipe's ``memory.layer_policies``."""
     if isinstance(policy, list):
         return policy
-    if policy == "per_layer":
-        return list(recipe.memory.layer_policies)
-    if policy == "every_n":
-        return ["full" if i % every_n == 0 else "none" for i in range(layers)]
-    return [policy] * layers
+    per_layer = recipe.memory.layer_policies if recipe is not None else None
+    return checkpointing.expand_policy(policy, every_n, layers, per_layer)
 
 
 def activation_bytes(
