@@ -125,6 +125,22 @@ def test_completion_text_and_renamed_fields(tokenizer, tmp_path):
     assert text["labels"] == text["input_ids"]
 
 
+@pytest.mark.parametrize("packing", [False, True])
+def test_largest_trained_share_bounds_every_row(tokenizer, tmp_path, packing):
+    """The planner counts this share of a micro-batch's positions as what the chunked head keeps: it
+    must be the largest example's, so that no row, packed or padded, trains more."""
+    rows = [{"prompt": "word " * 40, "completion": "yes"}, {"prompt": "Say:", "completion": " no" * 30}]
+    rows += [{"prompt": "word " * n, "completion": " ok" * (20 - n)} for n in range(2, 18, 3)]
+    data = prepared_data(
+        tokenizer, path=str(write(tmp_path / "r.jsonl", rows)), format="completion", packing=packing
+    )
+    shares = [sum(t != IGNORE_INDEX for t in labels) / len(labels) for labels in data.train["labels"]]
+    assert data.largest_trained_share() >= max(shares)
+    if not packing:  # one example a row: the bound is the largest one, not a looser figure
+        assert data.largest_trained_share() == pytest.approx(max(shares))
+        assert min(shares) < 0.2 < 0.8 < max(shares)
+
+
 def test_truncate_and_drop_are_counted(tokenizer, tmp_path):
     rows = [*ROWS, {"instruction": "word " * 80, "input": "", "output": "long"}]
     path = str(write(tmp_path / "r.jsonl", rows))

@@ -53,7 +53,8 @@ def write_rows(path, fmt: str, words: int) -> None:
             answer = " ".join(WORDS[(index + i) % len(WORDS)] for i in range(words + 7 * index))
             row = {
                 "text": {"text": answer},
-                "completion": {"prompt": "Continue:", "completion": answer},
+                # a long prompt: the positions the chunked head skips, that a plan without the data counts
+                "completion": {"prompt": " ".join(WORDS * 2), "completion": answer},
                 "chat": {
                     "messages": [
                         {"role": "user", "content": "Go on."},
@@ -97,9 +98,13 @@ def test_plan_matches_what_the_run_saves(
     setup.trainer.train()  # train(), not training_step: only train() runs the forward under autocast
     measured = setup.trainer.memory_monitor.largest
     batch, seq = shapes[0]
-    the_plan = plan(recipe, batch=batch, seq=seq, device="cpu")
+    # as the run plans: with its data's largest trained share (the prompt positions the head skips)
+    the_plan = plan(
+        recipe, batch=batch, seq=seq, device="cpu", trained_share=setup.data.largest_trained_share()
+    )
     planned = the_plan.chosen(recipe).activations
-    # over-predicting a little is allowed (every position is assumed trained); under-predicting is not
+    # over-predicting a little is allowed (the share is an upper bound); under-predicting is not
+    print(f"planned {planned}, measured {measured.total}: {planned / measured.total - 1:+.2%}")
     assert -0.02 <= planned / measured.total - 1 <= 0.05, (planned, measured.per_layer)
 
 

@@ -82,6 +82,16 @@ class PreparedData:
     def train_reports(self) -> list[LengthReport]:
         return self.reports[: self.sources]
 
+    def largest_trained_share(self) -> float:
+        """The largest share of one training example's tokens that are trained: no micro-batch, packed or
+        padded, trains more than this share of its positions (the planner's bound for what the chunked
+        loss head keeps). For single examples (a pair's facts count its answers, not its positions)."""
+        if self.checks is None or "length" not in self.checks.column_names:
+            return 1.0
+        facts = self.checks.select_columns(["trained_tokens", "length"])
+        shares = [t / n for t, n in zip(facts["trained_tokens"], facts["length"], strict=True) if n]
+        return max(shares, default=1.0)
+
 
 ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a train/validation split
 # Columns the tokenizer writes besides input_ids and labels: facts the reports and the preflight read

@@ -12,8 +12,10 @@ Weights (``shapes.py``): 4-bit linears with their quantization constants, unquan
 
 Activations kept for backward: traced (``tracing.py``) under the autocast the Trainer will use, through
 the loss head the run will use (``loss_head.uses_chunked_loss``: Gemma-2's soft-capped head keeps
-transformers' loss). Closed form: which positions the chunked head keeps (every position is assumed
-trained; prompt tokens it skips make the plan over-predict), and on CUDA dropout masks, corrected from
+transformers' loss). Closed form: which positions the chunked head keeps (from config alone every
+position is assumed trained, and prompt tokens it skips make the plan over-predict; a run plans from
+its data: at most its examples' largest trained share of a micro-batch's positions, an upper bound
+for packed and padded rows alike), and on CUDA dropout masks, corrected from
 the CPU's 4 bytes a value to 1. Unpacked rows are planned as a padded batch (with the attention mask
 transformers builds for one) and packed rows as holding two examples each (with their block-diagonal
 mask): a batch of rows of one length, or of one example each, keeps no mask, and the plan over-predicts
@@ -30,8 +32,7 @@ Llama-shaped layer, is used instead (and ``plan`` says so):
 - the head: the final norm (N x (4 hidden + 4)) and the loss: fp32 log-probabilities N x V x 4 plus the
   shifted labels (N x 8); with the chunked loss instead the trained positions' final hidden states
   (n_trained x hidden x c), their labels (n_trained x 8) and the boolean mask that selected them
-  (batch x (seq - 1)), logits never kept. The planner assumes every position is trained (the worst
-  case: text data or train_on_inputs); completion-only data keeps less.
+  (batch x (seq - 1)), logits never kept; n_trained as above (every position without the data).
 
 Transients on top of what is kept, whichever is larger: the loss head's logits (N x V x (c + 4 + 4):
 16-bit logits, their fp32 copy, log-probabilities; one chunk of tokens with the chunked loss), or the
@@ -134,6 +135,8 @@ def activation_bytes(
     if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
         head += selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
         head_source = "traced, the trained positions closed form"
+        if trained_tokens is not None:
+            head_source += f" (at most {trained_tokens} of {batch * (seq - 1)}, from the data)"
     cost = traced.recompute_cost(policies)
     return Activations(per_layer, head, source="traced", head_source=head_source, recompute_cost=cost)
 
@@ -171,6 +174,16 @@ class Plan:
     rollout: int = 0  # train.objective grpo: the rollouts' KV cache and logits (rollout_bytes)
     device: str = "cuda"  # the device planned for
     recipe: Recipe | None = None  # the recipe planned
+    # The largest share of an example's tokens that are trained (PreparedData.largest_trained_share):
+    # 1.0, every position, when the data is not seen (qlora-kit plan); a run plans from its data.
+    trained_share: float = 1.0
+
+    @property
+    def trained_positions(self) -> int | None:
+        """At most how many positions of a micro-batch the chunked head keeps (None: every one)."""
+        if self.trained_share >= 1.0:
+            return None
+        return min(self.batch * (self.seq - 1), math.ceil(self.trained_share * self.batch * self.seq))
 
     @property
     def layer_weights(self) -> int:
@@ -218,7 +231,8 @@ class Plan:
             self.batch,
             self.seq,
             self.device,
-            precision=self.precision,
+            self.trained_positions,
+            self.precision,
         )
 
     def policy_plan(self, layers: list[str], label: str) -> PolicyPlan:
@@ -265,10 +279,12 @@ def plan(
     seq: int | None = None,
     device: str = "cuda",
     processes: int = 1,
+    trained_share: float = 1.0,
 ) -> Plan:
     """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence
     (a DPO batch of n pairs is 2n sequences; its reference forward runs without grad and keeps
-    nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without)."""
+    nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without);
+    ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``)."""
     shape = model_shape(recipe)
     # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
     batch = batch or recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1)
@@ -282,6 +298,7 @@ def plan(
     # what the Trainer's autocast will be on that device (a GPU: quant.compute_dtype's, by default)
     precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
     result = Plan(shape, weights, state, pageable, batch, seq, precision, device=device, recipe=recipe)
+    result.trained_share = trained_share
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if recipe.train.objective == "grpo" else 0
     uncheckpointed = result.activations("none")
@@ -346,15 +363,16 @@ def choose_policy(recipe: Recipe, budget_gb: float, the_plan: Plan | None = None
     return row.policy, recipe.memory.every_n, why
 
 
-def resolve_checkpointing(recipe: Recipe) -> MemorySection:
+def resolve_checkpointing(recipe: Recipe, trained_share: float = 1.0) -> MemorySection:
     """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why):
-    a uniform policy, or per_layer with ``layer_policies``."""
+    a uniform policy, or per_layer with ``layer_policies``; planned with the data's ``trained_share``."""
     memory = recipe.memory
     if memory.checkpointing != "auto":
         return memory
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
-    the_plan = plan(recipe, device=device, processes=int(os.environ.get("WORLD_SIZE", "1")))
+    processes = int(os.environ.get("WORLD_SIZE", "1"))
+    the_plan = plan(recipe, device=device, processes=processes, trained_share=trained_share)
     if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
         smallest = min(the_plan.policies, key=lambda p: p.peak)
         raise RecipeError(

@@ -155,8 +155,6 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     # first, in a few requests, before the data is tokenized or the weights are fetched.
     hub.check_model(recipe.model)
     hub.check_dataset(recipe.data)
-    # checkpointing auto: planned from the config alone, refused here if no policy fits
-    memory = planner.resolve_checkpointing(recipe)
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
@@ -172,6 +170,10 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
             )
     as_written = recipe  # what recipe.yaml holds and the trackers log
     recipe, prepared = _resolve_layout(recipe, prepared)
+    # checkpointing auto: planned from the config and the data's trained share (before the weights load),
+    # refused here if no policy fits
+    share = prepared.largest_trained_share() if not (dpo or grpo) else 1.0
+    memory = planner.resolve_checkpointing(recipe, share)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
     if recipe.data.preflight.enabled and not grpo:
         collator = (
