@@ -18,6 +18,8 @@ from qlora_kit.cli import views
 from qlora_kit.memory.planner import plan
 from qlora_kit.training.pipeline import build
 
+from .conftest import run_cli_output
+
 WORDS = [
     "the",
     "cat",
@@ -121,3 +123,22 @@ def test_plan_says_which_head_figures_are_closed_form(family, chunked, head_from
     the_plan = plan(recipe, device="cpu")
     assert the_plan.head_source == head_from
     assert views.plan_as_dict(the_plan, recipe, None)["loss_head_from"] == head_from
+
+
+def test_plan_with_data_counts_only_the_trained_share_of_the_head(monkeypatch, capsys):
+    """The demo's alpaca prompts are untrained: with --with-data the chunked head's figure drops to the
+    data's largest trained share, and the plan says so; without, every position counts."""
+
+    def full_policy(*flags: str) -> tuple[int, str]:
+        argv = ["plan", "recipes/demo.yaml", "--json", "--device", "cpu", *flags]
+        code, out, err = run_cli_output(argv, monkeypatch, capsys)
+        assert code == 0, err[-2000:]
+        printed = json.loads(out[out.index("{") :])
+        (full,) = [p for p in printed["policies"] if p["policy"] == "full"]
+        return full["activations"], printed["loss_head_from"]
+
+    blind, blind_from = full_policy()
+    seen, seen_from = full_policy("--with-data")
+    assert blind_from == "traced, the trained positions closed form"
+    assert seen_from.startswith("traced, the trained positions closed form (at most ")
+    assert seen < blind

@@ -153,12 +153,30 @@ def plan(
     processes: Annotated[
         int, typer.Option(min=1, help="GPUs the run is launched on (train.fsdp shards over them).")
     ] = 1,
+    with_data: Annotated[
+        bool,
+        typer.Option(
+            "--with-data",
+            help="Also read the recipe's data (tokenized, cached for the run): count only the largest "
+            "trained share of an example's positions as the chunked head's, as the run plans.",
+        ),
+    ] = False,
 ) -> None:
-    """Predict peak memory per GPU from the model config alone, for every checkpointing policy."""
+    """Predict peak memory per GPU from the model config alone (and with --with-data, its data), for
+    every checkpointing policy."""
     from qlora_kit.memory.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
-    the_plan = make_plan(resolved, batch=batch, seq=seq, device=device, processes=processes)
+    share = 1.0  # without the data: every position counted as trained
+    if with_data and resolved.train.objective == "sft":  # DPO's and GRPO's heads keep no selection
+        from qlora_kit.data.prepare import prepare_datasets
+        from qlora_kit.model.loading import load_tokenizer
+
+        tokenizer = load_tokenizer(resolved.model)
+        share = prepare_datasets(resolved.data, tokenizer, resolved.train.seed).largest_trained_share()
+    the_plan = make_plan(
+        resolved, batch=batch, seq=seq, device=device, processes=processes, trained_share=share
+    )
     if as_json:
         print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))
         return
