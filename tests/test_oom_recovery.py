@@ -25,7 +25,7 @@ def test_a_split_keeps_every_row_in_order_and_cuts_each_part_to_its_longest_row(
     first, second = split_rows(batch, 2, trim=True)
     assert first["input_ids"].shape == (4, 7) and second["input_ids"].shape == (4, 6)
     assert torch.equal(second["labels"], batch["labels"][4:, :6])
-    assert first["return_loss"] is True  # what is not per row goes to every part
+    assert first["return_loss"] is second["return_loss"] is True  # what is not per row goes to every part
     assert sum(tokens_of(p) for p in (first, second)) == tokens_of(batch)
     untrimmed = split_rows(batch, 4, trim=False)
     assert torch.equal(torch.cat([p["input_ids"] for p in untrimmed]), batch["input_ids"])
