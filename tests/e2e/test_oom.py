@@ -173,6 +173,35 @@ def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_on_oom_stop_stops_at_the_first_out_of_memory_error_with_one_line(reference, capped, tmp_path):
+    """``train.on_oom: stop``: the micro-batch of 8 with the long row passes the cap and the run stops
+    there, though splitting would fit it; the checkpoints before it are what the split run wrote."""
+    (_, cap), (_, split_folder) = reference, capped
+    k = splits(split_folder / "out")[0]["step"]
+    values = recipe_values(tmp_path, **{"train.save_steps": 1, "train.on_oom": "stop"})
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    stopped = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, oom_faults.ENV: str(cap)},
+    )  # fmt: skip
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr
+    [line] = [x for x in stopped.stderr.splitlines() if "training stopped:" in x]
+    assert f"step {k}: out of memory in micro-batch 1 of the step" in line
+    assert "a micro-batch of 8 rows" in line and "tokens (8 x " in line  # the batch and its tokens
+    assert (
+        "memory.checkpointing" in line and "data.max_seq_len" in line and "memory.loss_chunk_tokens" in line
+    )
+    assert f"checkpoint-{k - 1}, is intact" in line
+    assert not splits(out), "stop never splits"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(f"checkpoint-{s}" for s in range(1, k))
+    got = load_file(out / f"checkpoint-{k - 1}" / "adapter_model.safetensors")
+    want = load_file(split_folder / "out" / f"checkpoint-{k - 1}" / "adapter_model.safetensors")
+    assert all(torch.equal(got[n], want[n]) for n in want), "the newest checkpoint is the one before the stop"
+
+
 def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, monkeypatch):
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(r) + "\n" for r in rows()[16:24]))  # the long row among them
