@@ -19,8 +19,11 @@ from safetensors.torch import load_file
 
 from qlora_kit import Recipe, train
 from qlora_kit.memory import oom_faults
+from qlora_kit.model.builtin import ensure_tiny_model
 from qlora_kit.registries import metric_keys as keys
 from tests.e2e.test_distributed import free_port
+from tests.e2e.test_fsdp import LAUNCHER, cpu_config
+from tests.e2e.test_fsdp import SETTINGS as FSDP_SETTINGS
 
 pytestmark = pytest.mark.slow  # each test trains a few short runs
 
@@ -259,11 +262,15 @@ def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(refer
 
 
 def two_processes(recipe_file: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """``qlora-kit train`` in 2 processes (torchrun, gloo) in a session of their own: past the timeout
-    (a process left waiting in a collective) the launcher and its workers are killed and the test fails."""
+    """``qlora-kit train`` in 2 processes (torchrun, gloo)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    command += ["-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)]
+    return launched([*command, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)], env)
+
+
+def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A launcher and its processes in a session of their own: past the timeout (a process left waiting
+    in a collective) all of them are killed and the test fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     process = subprocess.Popen(
         command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -333,3 +340,21 @@ def test_two_processes_where_one_runs_out_of_memory_in_the_all_reducing_backward
     assert len(norms[0]) == 3 and norms[0] == pytest.approx(norms[1], rel=1e-2)
     losses = [r["loss"] for r in metrics(out) if "loss" in r]
     assert losses == pytest.approx(one.train_losses, rel=1e-2)
+
+
+def test_under_fsdp_an_out_of_memory_error_stops_the_run_and_no_process_hangs(tmp_path):
+    """FSDP2 over 2 CPU processes (tests/e2e/fsdp_launch.py): its gathers run inside the forward and
+    backward passes, where no flag can stand between them, so ``train.on_oom: split`` falls back to stop.
+    Rank 1 alone runs out of memory in step 1's forward pass, between two of FSDP's gathers: it stops
+    with the line and enters no collective, and the launcher ends rank 0 (bounded by the timeout)."""
+    ensure_tiny_model("tiny-llama")  # built once here: two processes would both build it
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(tmp_path))]
+    command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), str(LAUNCHER)]
+    command += ["train", "recipes/demo.yaml", *FSDP_SETTINGS, "--set", "train.fsdp=true"]
+    command += ["--set", "train.micro_batch_size=4", "--output-dir", str(tmp_path / "out")]
+    caps = {oom_faults.ENV: "1000", oom_faults.EVAL_ENV: str(10**15), oom_faults.RANK_ENV: "1"}
+    result = launched(command, caps)  # training fails on rank 1; evaluation never
+    assert result.returncode != 0
+    assert "train.on_oom: split is not available under FSDP" in result.stderr
+    [line] = [x for x in result.stderr.splitlines() if "training stopped:" in x]  # rank 1's
+    assert "step 1: out of memory" in line and "fault injector" in line and "data.max_seq_len" in line
