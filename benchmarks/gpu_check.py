@@ -13,7 +13,13 @@ rows of exactly ``seq`` tokens:
    peak over the forward peak;
 4. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess (CUDA errors in
    paged memory end the process): peak allocated, device memory used, step time; the paged one is
-   then resumed from its checkpoint and reports how many state tensors went back to paged memory.
+   then resumed from its checkpoint and reports how many state tensors went back to paged memory;
+5. a real CUDA out-of-memory error (``train.on_oom: split``): ``torch.cuda.set_per_process_memory_fraction``
+   lets the process hold half-way between micro-batch 4's measured peak (checkpointing none, from 1.)
+   and micro-batch 2's (a reference run, accumulation 2): the capped run at micro-batch 4 must split in
+   step 1 and finish as the reference does (steps, losses). The fraction is put back afterwards. On
+   the CPU, or with ``--tiny`` (its activations are below the allocator's block sizes), it is skipped:
+   benchmarks/oom_recovery.py makes the same case there with the fault injector.
 
 Prints a table last and writes everything as JSON to --out (default: $OUT, else ./gpu-check-out).
 ``--tiny`` (or ``--smoke``) runs the same code on a tiny model, on the CPU when there is no GPU: the
@@ -26,6 +32,7 @@ test suite uses it so this script cannot rot between the sessions that have a GP
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
@@ -181,6 +188,54 @@ def optimizer_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -
     return rows
 
 
+def oom_row(folder: Path, data: Path, batch: int, seq: int, steps: int, peak_gib: float, tiny: bool) -> dict:
+    """A real out-of-memory error at micro-batch ``batch`` (its peak ``peak_gib`` under checkpointing
+    none) and the run finishing with the split, against micro-batch ``batch // 2`` with accumulation 2."""
+    if not torch.cuda.is_available() or tiny:
+        why = (
+            "no CUDA device"
+            if not torch.cuda.is_available()
+            else "--tiny: activations below the allocator's blocks"
+        )
+        return {"skipped": f"{why} (benchmarks/oom_recovery.py: the fault injector's case on the CPU)"}
+    from qlora_kit.registries import metric_keys as keys
+
+    memory = {"checkpointing": "none"}  # activations dominate: half the micro-batch, about half the peak
+    # No worst-batch probe (on by default on CUDA): the error is met inside step 1, the step then redone
+    settings = {"train__probe_worst_batch": False}
+    reference = recipe_for(folder, data, memory, batch // 2, seq, steps, train__grad_accum=2, **settings)
+    usage = train(reference)
+    half_gib = max(usage.get(f"peak_{p}_gib", 0.0) for p in ("forward", "backward", "optimizer"))
+    limit_gib = (half_gib + peak_gib) / 2
+    device = torch.cuda.current_device()
+    fraction = min(limit_gib * GIB / torch.cuda.get_device_properties(device).total_memory, 1.0)
+    capped = recipe_for(folder, data, memory, batch, seq, steps, **settings)
+    row = {"micro_batch": batch, "peak_gib": peak_gib, "half_peak_gib": half_gib, "limit_gib": limit_gib}
+    gc.collect()  # the fraction caps what the allocator reserves: start from nothing cached
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    try:
+        usage = train(capped)
+        row["capped_peak_gib"] = max(usage.get(f"peak_{p}_gib", 0.0) for p in ("forward", "backward"))
+    except Exception as error:  # a stop (TrainingGuardError) or a crash: recorded, the check goes on
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"
+    finally:  # the checks after this one (and a rerun) get the whole device back
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.empty_cache()
+    runs = [Path(r.train.output_dir) / "metrics.jsonl" for r in (capped, reference)]
+    metrics = [[json.loads(x) for x in p.read_text().splitlines()] if p.is_file() else [] for p in runs]
+    row["splits"] = [
+        {"step": r["step"], **{k: r[keys.OOM_SPLIT][k] for k in (keys.MICRO_BATCH_BEFORE, keys.MICRO_BATCH,
+         keys.LOST_SECONDS, "phase", "error")}}
+        for r in metrics[0] if keys.OOM_SPLIT in r
+    ]  # fmt: skip
+    losses = [[r["loss"] for r in rows if "loss" in r] for rows in metrics]
+    row["steps"], row["reference_steps"] = len(losses[0]), len(losses[1])
+    if losses[0] and len(losses[0]) == len(losses[1]):
+        row["max_loss_rel_difference"] = max(abs(a - b) / abs(b) for a, b in zip(*losses, strict=True))
+    return row
+
+
 def main() -> None:
     options = parser(__doc__, out=Path(os.environ.get("OUT", "gpu-check-out")))
     options.add_argument("--tiny", action="store_true", help="a tiny model: a smoke test that runs anywhere")
@@ -207,6 +262,11 @@ def main() -> None:
         "backward_gib": long_usage.get("peak_backward_gib", 0.0),
     }
     report["optimizers"] = optimizer_rows(folder, data, batch, seq, steps)
+    (out / "gpu-check.json").write_text(
+        json.dumps(report, indent=2)
+    )  # kept if the last case runs out of time
+    none = next(r for r in report["policies"] if r["setting"] == "none")
+    report["oom"] = oom_row(folder, data, batch, seq, steps, none["measured_peak_gib"], tiny)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
     print_table(report, batch, seq, long_seq)
 
@@ -235,6 +295,23 @@ def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
                 f"device used {r['device_used_gib']:.2f} GiB, step {r['step_s']:.3f} s, "
                 f"re-paged after resume: {r['repaged_after_resume']} tensors"
             )
+    oom = report["oom"]
+    if "skipped" in oom:
+        print(f"out of memory (real): skipped, {oom['skipped']}")
+        return
+    split = oom["splits"][0] if oom["splits"] else None
+    what = (
+        f"micro-batch {split['micro_batch_before']} -> {split['micro_batch_after']} at step {split['step']} "
+        f"({split['lost_s']:.2f} s lost)"
+        if split
+        else "no split"
+    )
+    print(
+        f"out of memory (real, {oom['limit_gib']:.2f} GiB allowed: micro-batch {oom['micro_batch']} peaks "
+        f"{oom['peak_gib']:.2f}, half of it {oom['half_peak_gib']:.2f}): {what}; {oom['steps']} of "
+        f"{oom['reference_steps']} steps, losses within {oom.get('max_loss_rel_difference', float('nan')):.2e} "
+        f"of the reference{'; ' + oom['error'] if 'error' in oom else ''}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,13 +2,16 @@
 injector's real error, the checkpoint's split file and how ``qlora-kit show`` reports a split
 (tests/e2e/test_oom.py trains)."""
 
+import logging
+
 import pytest
 import torch
 
+from qlora_kit import Recipe
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.micro_batches import read_split, split_rows, tokens_of, write_split
+from qlora_kit.training.micro_batches import oom_policy, read_split, split_rows, tokens_of, write_split
 from qlora_kit.training.run_record import oom_rows
 
 
@@ -25,7 +28,7 @@ def test_a_split_keeps_every_row_in_order_and_cuts_each_part_to_its_longest_row(
     first, second = split_rows(batch, 2, trim=True)
     assert first["input_ids"].shape == (4, 7) and second["input_ids"].shape == (4, 6)
     assert torch.equal(second["labels"], batch["labels"][4:, :6])
-    assert first["return_loss"] is True  # what is not per row goes to every part
+    assert first["return_loss"] is second["return_loss"] is True  # what is not per row goes to every part
     assert sum(tokens_of(p) for p in (first, second)) == tokens_of(batch)
     untrimmed = split_rows(batch, 4, trim=False)
     assert torch.equal(torch.cat([p["input_ids"] for p in untrimmed]), batch["input_ids"])
@@ -69,3 +72,23 @@ def test_show_says_where_the_micro_batch_was_split():
     assert oom_rows(metrics) == [
         ("out of memory", "step 4: micro-batch 8 -> 4 (2 parts), the same global batch")
     ]
+
+
+def test_under_fsdp_split_falls_back_to_stop_with_one_warning(caplog):
+    # FSDP's gathers run inside the passes: the processes cannot agree on a split (oom_recovery.py)
+    fsdp = {
+        "train": {"fsdp": True},
+        "optimizer": {"name": "adamw_torch"},
+        "quant": {"quant_storage": "bfloat16"},
+    }
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.micro_batches"):
+        assert oom_policy(Recipe.from_dict(fsdp)).on_oom == "stop"
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert warning.startswith("train.on_oom: split is not available under FSDP")
+    assert oom_policy(Recipe.from_dict({})).on_oom == "split"  # one process, DDP: the default stays
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.micro_batches"):
+        caplog.clear()
+        stop = fsdp | {"train": {"fsdp": True, "on_oom": "stop"}}
+        assert (
+            oom_policy(Recipe.from_dict(stop)).on_oom == "stop" and not caplog.records
+        )  # asked for: no warning

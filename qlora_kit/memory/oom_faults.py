@@ -17,6 +17,9 @@ allocation would fail on a GPU; everything after the raise is the real code path
 - in evaluation (no grad: nothing is saved), when the live bytes of the forward pass's activations,
   counted the same way, pass ``QLORA_KIT_OOM_EVAL_CAP_BYTES`` (default: N).
 
+With ``QLORA_KIT_OOM_RANK=R`` as well, only the process of rank R (torchrun's ``RANK``) is capped: one
+process of a multi-process run runs out of memory, its peers do not.
+
 Unset (the default), nothing is installed: no hook, no dispatch mode, no cost.
 """
 
@@ -32,6 +35,7 @@ from torch.utils._pytree import tree_leaves
 
 ENV = "QLORA_KIT_OOM_CAP_BYTES"
 EVAL_ENV = "QLORA_KIT_OOM_EVAL_CAP_BYTES"  # evaluation's own cap (default: the training cap)
+RANK_ENV = "QLORA_KIT_OOM_RANK"  # the one rank the caps apply to (default: every rank)
 MIB = 1024**2
 
 
@@ -144,8 +148,12 @@ class _CountLive(TorchDispatchMode):
 
 
 def cap_from_env(name: str = ENV) -> int | None:
-    """The cap in bytes from the environment variable, or None when unset or empty."""
+    """The cap in bytes from the environment variable, or None when unset or empty, or when
+    ``QLORA_KIT_OOM_RANK`` names another rank than this process's."""
     value = os.environ.get(name, "").strip()
+    only = os.environ.get(RANK_ENV, "").strip()
+    if only and os.environ.get("RANK", "0") != only:
+        return None
     return int(value) if value else None
 
 

@@ -62,6 +62,14 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
     # GRPO's training_step is handed prompt rows and samples a whole generation batch inside TRL: its
     # micro-batches cannot be split and redone from here, so an out-of-memory error stops with the line.
     on_oom = recipe.train.on_oom if recipe.train.objective != "grpo" else "stop"
+    if recipe.train.fsdp and on_oom == "split":
+        # FSDP gathers inside the forward and backward passes: the processes cannot agree on a split
+        # there without one of them waiting in a gather (oom_recovery.py)
+        log.warning(
+            "train.on_oom: split is not available under FSDP (train.fsdp): an out-of-memory error stops "
+            "the run with one line, from the newest checkpoint to resume with a smaller train.micro_batch_size"
+        )
+        on_oom = "stop"
     return OomPolicy(on_oom, levers, predict)
 
 

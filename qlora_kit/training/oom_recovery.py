@@ -7,9 +7,7 @@ scheduler stay as the recipe set them; what changes is how a micro-batch is comp
 of its rows, each forward and backward, with the step's ``num_items_in_batch`` unchanged (transformers 5
 passes the step's trained-token count to the loss), so the gradient is the same sum over the same
 tokens: a micro-batch of 8 split in two is what micro-batch 4 with twice the accumulation computes, and
-its chunks are cut to their own longest row, as that run's batches are padded. On a multi-process run
-only the last chunk of the step's last micro-batch synchronises the gradients (DDP's all-reduce in
-its backward), as without a split.
+its chunks are cut to their own longest row, as that run's batches are padded.
 
 When a micro-batch raises ``torch.OutOfMemoryError`` (in forward, or in backward and a checkpointed
 layer's recompute), the exception and its frames are dropped (they hold the failed attempt's
@@ -23,17 +21,24 @@ recipe's levers, and the checkpoint kept.
 
 Several processes (DDP): an out-of-memory error on one must not leave the others in a collective. Every
 process passes the same points of each part in the same order — the end of the model's forward pass
-(a hook inside DDP's forward, before DDP prepares the gradient all-reduce), the end of the loss, the
-end of the backward pass — and all-reduces a one-byte flag at each; a process that fails joins the
-flag of the point it failed at. So all of them drop the attempt at the same point and split together
-(tests/e2e/test_oom.py, two processes over gloo). Not covered: an error inside the backward pass that
-all-reduces the gradients (the step's last part), where the collectives have begun; and FSDP, whose
-gathers inside the forward pass this does not guard.
+(a hook inside DDP's forward, before DDP's own end of forward), the end of the loss, the end of the
+backward pass — and all-reduces a one-byte flag at each; a process that fails joins the flag of the
+point it failed at. So all of them drop the attempt at the same point and split together. No backward
+pass all-reduces: every part runs under DDP's ``no_sync``, also the step's last (where DDP's hooks
+would start the gradient all-reduce inside the backward pass, and a process that failed there would
+leave its peers in it), and once every process has passed the flag after the step's last backward
+pass, the gradients are averaged in one all-reduce, as DDP's would. For LoRA the gradients are small;
+what is lost is DDP's overlap of that all-reduce with the backward pass (tests/e2e/test_oom.py: two
+processes over gloo, one failing in the forward pass, one in the last backward pass's recompute).
+FSDP's gathers run inside the forward and backward passes, where no flag can stand between them: under
+FSDP an out-of-memory error stops the run (``oom_policy``), and the process that failed enters no
+collective; it exits with the line, and the launcher ends the others.
 
 Evaluation splits its own batch the same way (``eval_parts``); training's is untouched. The worst-batch
 probe (``train.probe_worst_batch``) runs the longest micro-batch before step 1 through the same path.
 """
 
+import contextlib
 import logging
 import time
 from pathlib import Path
@@ -122,30 +127,29 @@ class SplitOnOom:
             for batch in batches:
                 loss = self._run_in_parts(model, batch, num_items_in_batch)
                 total = loss if total is None else total + loss
-            return total, None
         except (torch.OutOfMemoryError, PeerOutOfMemory) as error:
             # Text only: the error's traceback holds the frames, and they the activations; Python drops
             # ``error`` at the end of this clause, and with it all of them.
             failure = Failure(str(error).splitlines()[0][:300], memory_figures())
             own = isinstance(error, torch.OutOfMemoryError)
+        else:
+            if self._defers_sync(model) and self.accelerator.sync_gradients:
+                self._synchronise_gradients(model)  # every process passed the last backward's flag
+            return total, None
         release_memory()
-        if own and self._phase is not None:
+        if own and self._phase is not None and not self.is_fsdp_enabled:
             self._agree(failed=True)  # the other processes wait at this point's flag: tell them
         self._phase = None
         return None, failure
 
     def _run_in_parts(self, model, inputs, num_items_in_batch):
         chunks = split_rows(inputs, self.parts, trim=True)
-        # DDP all-reduces in the backward of a synchronising call: only in its last chunk's
-        syncing = self.accelerator.sync_gradients and len(chunks) > 1
         self._watch_model_forward(model)
         total = None
-        for i, chunk in enumerate(chunks):
+        for chunk in chunks:
             self._phase = "forward"
-            if syncing and i < len(chunks) - 1:
-                with self.accelerator.no_sync(model):
-                    loss = super().training_step(model, chunk, num_items_in_batch)
-            else:
+            # No backward pass all-reduces under DDP (the module docstring): _attempt does, once
+            with self.accelerator.no_sync(model) if self._defers_sync(model) else contextlib.nullcontext():
                 loss = super().training_step(model, chunk, num_items_in_batch)
             self._phase = "backward"
             self._check_peers()  # every process finished this part's backward
@@ -153,10 +157,27 @@ class SplitOnOom:
             total = loss if total is None else total + loss
         return total
 
+    def _defers_sync(self, model) -> bool:
+        """DDP: the step's gradients are all-reduced after its last backward pass, not inside it."""
+        return self.args.world_size > 1 and not self.is_fsdp_enabled and hasattr(model, "no_sync")
+
+    def _synchronise_gradients(self, model) -> None:
+        """The gradients averaged over the processes, as DDP's all-reduce in the last backward pass would
+        have left them: one all-reduce of them all, through accelerate (DDP has no call that all-reduces
+        outside a backward pass)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        for param in params:
+            if param.grad is None:  # the same layout on every process
+                param.grad = torch.zeros_like(param)
+        grads = [p.grad for p in params]
+        flat = self.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+        for grad, value in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(value.view_as(grad))
+
     def _watch_model_forward(self, model) -> None:
-        # Under DDP the flag after the model's forward must come before DDP's own end of forward: that
-        # prepares the gradient all-reduce, and a process that ran out of memory inside the model never
-        # reaches it; every process must have prepared, or none. A hook on the wrapped module runs there.
+        # Under DDP the flag after the model's forward comes before DDP's own end of forward, which a
+        # process that ran out of memory inside the model never reaches: every process passes it, or
+        # none. A hook on the wrapped module runs there.
         inner = getattr(model, "module", None)
         if self.args.world_size > 1 and inner is not None and not getattr(self, "_watching", False):
             inner.register_forward_hook(lambda *_: self._model_forward_done())
@@ -182,7 +203,7 @@ class SplitOnOom:
         """Whether any process failed at this point: one all-reduce of a flag (none in a single process).
         Every process passes the same points (each part's forward and backward) in the same order, so
         a process that fails joins the flag its peers wait at, and none is left blocked in a collective."""
-        if self.args.world_size <= 1:
+        if self.args.world_size <= 1 or self.is_fsdp_enabled:  # FSDP: no flags (the module docstring)
             return failed
         flag = torch.tensor([int(failed)], dtype=torch.uint8, device=self.args.device)
         return bool(over_ranks(flag, dist.ReduceOp.MAX).item())

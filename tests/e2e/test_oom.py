@@ -8,6 +8,7 @@ the cap: the run splits at that step and not before.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -18,11 +19,16 @@ from safetensors.torch import load_file
 
 from qlora_kit import Recipe, train
 from qlora_kit.memory import oom_faults
+from qlora_kit.model.builtin import ensure_tiny_model
 from qlora_kit.registries import metric_keys as keys
+from tests.e2e.test_distributed import free_port
+from tests.e2e.test_fsdp import LAUNCHER, cpu_config
+from tests.e2e.test_fsdp import SETTINGS as FSDP_SETTINGS
 
 pytestmark = pytest.mark.slow  # each test trains a few short runs
 
 ROOT = Path(__file__).resolve().parents[2]
+TWO_PROCESS_TIMEOUT = 300  # s: two processes train a few steps in about a minute
 STEPS = 7  # 40 rows in 5 micro-batches of 8: the long row is in step 5 of the first epoch
 
 
@@ -173,6 +179,35 @@ def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_on_oom_stop_stops_at_the_first_out_of_memory_error_with_one_line(reference, capped, tmp_path):
+    """``train.on_oom: stop``: the micro-batch of 8 with the long row passes the cap and the run stops
+    there, though splitting would fit it; the checkpoints before it are what the split run wrote."""
+    (_, cap), (_, split_folder) = reference, capped
+    k = splits(split_folder / "out")[0]["step"]
+    values = recipe_values(tmp_path, **{"train.save_steps": 1, "train.on_oom": "stop"})
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    stopped = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, oom_faults.ENV: str(cap)},
+    )  # fmt: skip
+    assert stopped.returncode == 3, stopped.stderr[-2000:]
+    assert "Traceback" not in stopped.stderr
+    [line] = [x for x in stopped.stderr.splitlines() if "training stopped:" in x]
+    assert f"step {k}: out of memory in micro-batch 1 of the step" in line
+    assert "a micro-batch of 8 rows" in line and "tokens (8 x " in line  # the batch and its tokens
+    assert (
+        "memory.checkpointing" in line and "data.max_seq_len" in line and "memory.loss_chunk_tokens" in line
+    )
+    assert f"checkpoint-{k - 1}, is intact" in line
+    assert not splits(out), "stop never splits"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == sorted(f"checkpoint-{s}" for s in range(1, k))
+    got = load_file(out / f"checkpoint-{k - 1}" / "adapter_model.safetensors")
+    want = load_file(split_folder / "out" / f"checkpoint-{k - 1}" / "adapter_model.safetensors")
+    assert all(torch.equal(got[n], want[n]) for n in want), "the newest checkpoint is the one before the stop"
+
+
 def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, monkeypatch):
     val = tmp_path / "val.jsonl"
     val.write_text("".join(json.dumps(r) + "\n" for r in rows()[16:24]))  # the long row among them
@@ -226,28 +261,100 @@ def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(refer
     assert capped.steps == 3
 
 
+def two_processes(recipe_file: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``qlora-kit train`` in 2 processes (torchrun, gloo)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return launched([*command, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)], env)
+
+
+def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """A launcher and its processes in a session of their own: past the timeout (a process left waiting
+    in a collective) all of them are killed and the test fails."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    process = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = process.communicate(timeout=TWO_PROCESS_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        pytest.fail(f"2 processes still running after {TWO_PROCESS_TIMEOUT} s: {stderr[-3000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
 def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tmp_path):
     """DDP over gloo, micro-batch 4 per process: only the process whose micro-batch holds the long row
-    passes the cap. Both agree at the flag after that forward pass, before any backward (whose last
-    one all-reduces the gradients), split and redo the step together: no process waits forever."""
+    passes the cap. Both agree at the flag after that forward pass, before any backward, split and redo
+    the step together: no process waits forever."""
     values = recipe_values(tmp_path, **{"train.micro_batch_size": 4, "train.max_steps": 5})
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(Recipe.from_dict(values).to_yaml())
-    port = __import__("socket").socket()
-    port.bind(("127.0.0.1", 0))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(port.getsockname()[1])]
-    port.close()
     cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
-    env = {**os.environ, "OMP_NUM_THREADS": "1", oom_faults.ENV: str(cap)}
     out = tmp_path / "out"
-    result = subprocess.run(
-        [*torchrun, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=400, env=env,
-    )  # fmt: skip
+    result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap)})
     assert result.returncode == 0, result.stderr[-3000:]
     [event] = [row[keys.OOM_SPLIT] for row in splits(out)]
     assert event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
     assert "another process" in result.stderr or "fault injector" in result.stderr
     steps = [row["step"] for row in metrics(out) if "loss" in row]
     assert steps == list(range(1, 6))
+
+
+def test_two_processes_where_one_runs_out_of_memory_in_the_all_reducing_backward_split_together(
+    tmp_path, monkeypatch
+):
+    """DDP over gloo, micro-batch 4 per process and no accumulation, every layer checkpointed; only
+    rank 1 is capped, and its forward pass fits: it runs out of memory recomputing a layer in the
+    backward pass of the step's last (here only) micro-batch, the backward pass in which DDP would
+    all-reduce the gradients. No backward pass all-reduces (oom_recovery.py): both processes split at
+    step 1 and train on, as one process does with micro-batch 4 and accumulation 2."""
+    short = tmp_path / "short.jsonl"  # every micro-batch of 4 alike: rank 1's first one passes the cap
+    short.write_text(
+        "".join(json.dumps(r) + "\n" for r in rows() if not r["instruction"].startswith("Repeat:"))
+    )
+    settings = {
+        "data.path": str(short), "memory.checkpointing": "full", "lora.dropout": 0.0, "train.max_steps": 3,
+        "train.micro_batch_size": 4,
+    }  # fmt: skip
+    oom_faults.INJECTOR.forwards.clear()
+    one = run(tmp_path / "one", monkeypatch, cap=10**15, **settings, **{"train.grad_accum": 2})
+    forward, peak = max(oom_faults.INJECTOR.forwards), min(oom_faults.INJECTOR.peaks)
+    cap = int(0.75 * peak)  # over any micro-batch's recompute of 4 rows, under one of 2
+    assert forward < cap, "the forward pass fits: the error comes in the backward pass"
+    values = recipe_values(tmp_path, **settings)
+    recipe_file = tmp_path / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    out = tmp_path / "out"
+    result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap), oom_faults.RANK_ENV: "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    [row] = splits(out)
+    event = row[keys.OOM_SPLIT]
+    assert row["step"] == 1 and event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
+    assert "another process" in event["error"], "rank 0 (which writes the metrics) did not fail itself"
+    assert "recomputing a checkpointed layer" in result.stderr  # rank 1's own line
+    # the gradients all-reduced once per step average as DDP's would: one process's norms and losses
+    norms = [[r["grad_norm"] for r in metrics(o) if "grad_norm" in r] for o in (out, one.output_dir)]
+    assert len(norms[0]) == 3 and norms[0] == pytest.approx(norms[1], rel=1e-2)
+    losses = [r["loss"] for r in metrics(out) if "loss" in r]
+    assert losses == pytest.approx(one.train_losses, rel=1e-2)
+
+
+def test_under_fsdp_an_out_of_memory_error_stops_the_run_and_no_process_hangs(tmp_path):
+    """FSDP2 over 2 CPU processes (tests/e2e/fsdp_launch.py): its gathers run inside the forward and
+    backward passes, where no flag can stand between them, so ``train.on_oom: split`` falls back to stop.
+    Rank 1 alone runs out of memory in step 1's forward pass, between two of FSDP's gathers: it stops
+    with the line and enters no collective, and the launcher ends rank 0 (bounded by the timeout)."""
+    ensure_tiny_model("tiny-llama")  # built once here: two processes would both build it
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(tmp_path))]
+    command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), str(LAUNCHER)]
+    command += ["train", "recipes/demo.yaml", *FSDP_SETTINGS, "--set", "train.fsdp=true"]
+    command += ["--set", "train.micro_batch_size=4", "--output-dir", str(tmp_path / "out")]
+    caps = {oom_faults.ENV: "1000", oom_faults.EVAL_ENV: str(10**15), oom_faults.RANK_ENV: "1"}
+    result = launched(command, caps)  # training fails on rank 1; evaluation never
+    assert result.returncode != 0
+    assert "train.on_oom: split is not available under FSDP" in result.stderr
+    [line] = [x for x in result.stderr.splitlines() if "training stopped:" in x]  # rank 1's
+    assert "step 1: out of memory" in line and "fault injector" in line and "data.max_seq_len" in line
