@@ -26,7 +26,7 @@ NOT_FINITE = re.compile(r"(?<![a-z])(nan|inf)(?=x\b|%|\b)", re.IGNORECASE)
 
 PLANNER_COLUMNS = [
     ("model", r"tiny-[\w-]+"),
-    ("policy", "none|every_n=2|full"),
+    ("policy", "none|every_n=2|selective|full"),
     ("batch x tokens", r"\d+ x \d+"),
     ("format", "alpaca|chat|completion|text"),
     ("packing", "on|off"),
