@@ -148,15 +148,22 @@ def build(
     return _build_checked(recipe, output_dir, callbacks, guards)
 
 
-def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | None, guards: bool) -> Setup:
-    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder)."""
+def _build_checked(
+    recipe: Recipe,
+    output_dir: Path | None,
+    callbacks: list | None,
+    guards: bool,
+    checkpoint: Path | None = None,
+) -> Setup:
+    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder); ``checkpoint``:
+    the one a resumed run continues (checkpointing auto chooses with the costs it measured)."""
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
     # first, in a few requests, before the data is tokenized or the weights are fetched.
     hub.check_model(recipe.model)
     hub.check_dataset(recipe.data)
     # checkpointing auto: planned from the config alone, refused here if no policy fits
-    memory = planner.resolve_checkpointing(recipe)
+    memory, costs = planner.resolve_auto(recipe, checkpoint)
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
@@ -190,6 +197,7 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     trainer = build_trainer(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
     )
+    trainer.layer_costs = costs  # into every checkpoint, for --resume
     if grpo:
         log.info("grpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
     if dpo:
@@ -234,7 +242,7 @@ def run(
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
         checkpoint = _checkpoint_to_resume(output_dir, resume, overwrite)
         stopper = StopOnSignal()
-        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards)
+        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards, checkpoint)
         _announce(setup, ranks, console)
         examples = _sample_examples(setup, ranks)
         before = _answer(setup.model, setup.tokenizer, examples)
