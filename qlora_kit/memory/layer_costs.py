@@ -14,6 +14,10 @@ three policies on the run's own layers before it chooses:
    device, as the run loads its model), with checkpointing and LoRA set up as the run sets them up;
 2. one forward and backward pass of the layers (the head left out: it is the same under every policy)
    under the Trainer's autocast, for none, selective and full in turn, ``ROUNDS`` rounds after a warm-up;
+   on a GPU wall seconds, on a CPU the CPU seconds of one thread: on a CPU other jobs share (the 2-core
+   machine here, at a load of 8), two threads' wall and CPU time swing tenfold with the others' load (the
+   threads spin waiting for each other), one thread's CPU time by a few percent; and one thread ranks
+   the policies as two do (selective no cheaper than full: benchmarks/selective_floor.py);
 3. a policy's cost is its median step minus none's, per layer (never below 0).
 
 A resumed run must choose the same layers, and a second measurement would differ by noise, so the
@@ -44,7 +48,7 @@ log = logging.getLogger(__name__)
 
 COSTS_FILE = "checkpointing_costs.json"  # in each checkpoint: the costs a resumed run chooses with
 LAYERS = 4  # decoder layers timed: enough that a layer's cost stands out of the embeddings' and the noise
-ROUNDS = 5  # timed rounds (their median) after one warm-up round
+ROUNDS = 7  # timed rounds (their median) after one warm-up round
 POLICIES = ("none", "selective", "full")
 
 
@@ -93,7 +97,7 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
     extra = {p: max(0.0, seconds[p] - seconds["none"]) / layers for p in ("selective", "full")}
     device = seconds.pop("device")
     source = (
-        f"measured on {device}: a step of {layers} layers {seconds['none'] * 1000:.1f} ms, selective "
+        f"measured on {device}{'' if device == 'cuda' else ' (one thread)'}: a step of {layers} layers {seconds['none'] * 1000:.1f} ms, selective "
         f"+{extra['selective'] * 1000:.2f} ms a layer, full +{extra['full'] * 1000:.2f} ms"
     )
     return LayerCosts(extra["selective"], extra["full"], source)
@@ -133,25 +137,34 @@ def _time_policies(recipe: Recipe, config, folder: Path, batch: int, seq: int, p
     dtype = AUTOCAST.get(precision)
     autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
 
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+
     def step(policy: str) -> float:
         for layer, func in zip(layers, selective_funcs, strict=True):
             layer._gradient_checkpointing_func = func
         checkpointing._mix(layers, [policy] * len(layers), None)
-        synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         synchronize()
-        start = time.perf_counter()
+        start = clock()
         with autocast:
             hidden = final_hidden_states(peft_model, {"input_ids": ids}, base)
         hidden.float().square().mean().backward()
         synchronize()
-        return time.perf_counter() - start
+        return clock() - start
 
     times: dict[str, list[float]] = {p: [] for p in POLICIES}
-    for round_index in range(ROUNDS + 1):  # interleaved, so a slow spell of a shared machine hits them all
-        for policy in POLICIES:
-            seconds = step(policy)
-            if round_index:
-                times[policy].append(seconds)
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        for round_index in range(ROUNDS + 1):  # interleaved: a slow spell of a shared machine hits them all
+            for policy in POLICIES:
+                seconds = step(policy)
+                if round_index:
+                    times[policy].append(seconds)
+    finally:
+        torch.set_num_threads(threads)
     peft_model.zero_grad(set_to_none=True)
     result: dict = {p: statistics.median(t) for p, t in times.items()}
     result["layers"], result["device"] = len(layers), device.type
