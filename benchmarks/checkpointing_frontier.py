@@ -206,7 +206,9 @@ def main() -> None:
         f"Models: {sizes}. NF4 + double quant, LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit, the "
         f"chunked loss head; {rounds} interleaved rounds after a warm-up. auto @ f: budget f of the way from "
         "full's planned peak to none's; the every_n row beside it is the planner's uniform choice for the same "
-        "budget. Step time includes the optimizer step; CPU time is this process's (all threads), the figure "
+        "budget. The selective floor keeps every op's output (more bytes than none, no planner figure): its "
+        "backward recomputes nothing but the in-place ops, so its time over none is selective checkpointing's "
+        "machinery alone, the least any op-level policy can add. Step time includes the optimizer step; CPU time is this process's (all threads), the figure "
         "to read on a machine shared with other jobs, whose load the wall clock measures too.",
         args.out,
     )
