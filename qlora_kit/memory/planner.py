@@ -42,7 +42,7 @@ peak = weights + LoRA parameters + optimizer state + kept activations + max(tran
 
 GRPO (``train.objective: grpo``) trains on micro-batches of prompt + completion sequences as above, and
 before each optimizer step samples its rollouts without gradients, when nothing is kept for backward:
-``rollout_bytes``, the KV cache of one generation batch (micro_batch_size x grad_accum sequences of up
+``formula.rollout_bytes``, the KV cache of one generation batch (micro_batch_size x grad_accum sequences of up
 to data.max_seq_len tokens: 2 x layers x kv_heads x head_dim x c per token) plus each sequence's
 next-token logits in fp32 and their sampling probabilities (sequences x V x 8). The peak is the larger of
 training's and the weights + optimizer state + rollouts.
@@ -71,9 +71,10 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.memory import checkpointing, layer_costs
 from qlora_kit.memory.formula import (
     Activations,
-    chunked_head,
     formula_activation_bytes,
     kept_layer_bytes,
+    loss_spike,
+    rollout_bytes,
     selected_positions_bytes,
 )
 from qlora_kit.memory.layer_choice import cheapest_fit
@@ -138,12 +139,6 @@ def activation_bytes(
         head_source = "traced, the trained positions closed form"
     cost = traced.recompute_cost(policies)
     return Activations(per_layer, head, source="traced", head_source=head_source, recompute_cost=cost)
-
-
-def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    rows = min(tokens, recipe.memory.loss_chunk_tokens) if chunked_head(shape, recipe) else tokens
-    return rows * shape.vocab * (c + 4 + 4)
 
 
 @dataclass
@@ -356,14 +351,6 @@ def choose_layers(
         f"; none would need {the_plan.policies[0].peak / GIB:.2f} GiB; recompute costs: {source}"
     )
     return row, why
-
-
-def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:
-    """GRPO's sampling: the KV cache of one generation batch and its last logits (module docstring)."""
-    sequences = recipe.train.micro_batch_size * recipe.train.grad_accum
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * recipe.data.max_seq_len * sequences * c
-    return cache + sequences * shape.vocab * 8
 
 
 def choose_policy(
