@@ -5,7 +5,10 @@ AdamW 8-bit, the chunked loss head, one fixed batch, every position trained:
 - ``builtin``: the builtin tiny Llama (4 layers, hidden 128);
 - ``realistic``: SmolLM-135M's widths (hidden 576, intermediate 1536, 9 heads, 3 KV heads) with 16
   layers and a 32,000 vocabulary.
-Per model: none, every 2nd layer, selective, full; then ``auto`` at budgets 1/4, 1/2 and 3/4 of the way
+Per model: none, every 2nd layer, selective, full, and selective's floor: the same op-level machinery
+with a policy that keeps every op's output (``floor_policy``), so its backward recomputes nothing and
+pays only the replay of the layer's Python and the dispatch mode in forward and backward: the fastest
+any op-level selective policy can step on these layers; then ``auto`` at budgets 1/4, 1/2 and 3/4 of the way
 from full's planned peak to none's, each next to the every_n policy the planner finds fitting the same
 budget with the fewest recomputed layers (what auto chose before it mixed policies per layer). Each
 run is set up by pipeline.build; the settings interleave round by round, the median of the rounds after
@@ -17,6 +20,7 @@ a warm-up round is reported, with the planner's figure for what each run keeps.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -24,6 +28,8 @@ from pathlib import Path
 
 import torch
 from common import markdown_table, parser, timed_step, write_result
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 MIB = 2**20
 MODELS = {
@@ -43,6 +49,36 @@ MODELS = {
 }
 SMOKE = {"builtin": ({}, 2, 32)}
 FRACTIONS = (0.25, 0.5, 0.75)
+FLOOR = "selective floor (saves every op)"
+aten = torch.ops.aten
+# Ops whose output an in-place op then writes (dropout's mask: empty_like, then bernoulli_ and div_ in
+# place): a cached output must not be mutated, so these replay, as in-place ops do.
+FILLED_IN_PLACE = {aten.empty_like.default, aten.empty.memory_format, aten.new_empty.default}
+
+
+def floor_policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+    """Keep every op's output but the in-place ones' (and what they fill): a replay that computes almost nothing."""
+    from qlora_kit.memory.accounting import note_saved
+
+    if func._schema.is_mutable or func in FILLED_IN_PLACE:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if not ctx.is_recompute:
+        pytree.tree_map_only(torch.Tensor, note_saved, ctx.op_output)
+    return CheckpointPolicy.MUST_SAVE
+
+
+def use_floor(model) -> None:
+    """The selective layers of ``model`` with ``floor_policy`` in place of selective's."""
+    from qlora_kit.memory.accounting import decoder_layers
+
+    context_fn = functools.partial(create_selective_checkpoint_contexts, floor_policy)
+    for layer in decoder_layers(model):
+        func = layer._gradient_checkpointing_func
+        layer._gradient_checkpointing_func = functools.partial(
+            func.func, *func.args, **{**func.keywords, "context_fn": context_fn}
+        )
+
+
 SMOKE_FRACTIONS = (0.5,)
 
 
@@ -70,6 +106,7 @@ def settings_for(folder: Path, out: Path, batch: int, seq: int, fractions) -> tu
         "none": {"checkpointing": "none"},
         "every_n=2": {"checkpointing": "every_n", "every_n": 2},
         "selective": {"checkpointing": "selective"},
+        FLOOR: {"checkpointing": "selective"},
         "full": {"checkpointing": "full"},
     }
     budgets = {}
@@ -101,6 +138,8 @@ def measure(
     for name, fields in settings.items():
         recipe = recipe_for(folder, fields, out / model / name.replace(" ", "_"), batch, seq)
         trainer = build(recipe).trainer
+        if name == FLOOR:
+            use_floor(trainer.model)
         trainer.create_optimizer()
         trainer.current_gradient_accumulation_steps = 1
         vocab = trainer.model.get_input_embeddings().num_embeddings
@@ -126,6 +165,7 @@ def measure(
     rows = []
     for name, (recipe, trainer, _) in runs.items():
         layers = checkpointing.applied_policies(trainer.model)
+        layers = ["selective"] * len(layers) if name == FLOOR else layers  # op-level, another policy
         saved = trainer.memory_monitor.largest.total
         predicted = activation_bytes(
             model_shape(recipe), recipe, layers, 1, batch, seq, "cpu", precision=precision
@@ -133,9 +173,11 @@ def measure(
         step, cpu = statistics.median(times[name]), statistics.median(cpu_times[name])
         mix = "/".join(str(layers.count(p)) for p in ("none", "selective", "full"))
         budget = f"{budgets[name] * 1024:.1f}" if name in budgets else "-"
+        # the floor keeps what no policy of the run keeps: the planner has no figure for it
+        planned = "-" if name == FLOOR else f"{predicted / MIB:.1f} ({predicted / saved - 1:+.1%})"
         rows.append([
             model, name, budget, mix, f"{saved / MIB:.1f}", f"{saved / base_saved:.3f}",
-            f"{predicted / MIB:.1f} ({predicted / saved - 1:+.1%})", f"{step:.2f}", f"{step / base_time:.3f}x",
+            planned, f"{step:.2f}", f"{step / base_time:.3f}x",
             f"{cpu:.2f}", f"{cpu / base_cpu:.3f}x",
         ])  # fmt: skip
     return rows
@@ -164,7 +206,9 @@ def main() -> None:
         f"Models: {sizes}. NF4 + double quant, LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit, the "
         f"chunked loss head; {rounds} interleaved rounds after a warm-up. auto @ f: budget f of the way from "
         "full's planned peak to none's; the every_n row beside it is the planner's uniform choice for the same "
-        "budget. Step time includes the optimizer step; CPU time is this process's (all threads), the figure "
+        "budget. The selective floor keeps every op's output (more bytes than none, no planner figure): its "
+        "backward recomputes nothing but the in-place ops, so its time over none is selective checkpointing's "
+        "machinery alone, the least any op-level policy can add. Step time includes the optimizer step; CPU time is this process's (all threads), the figure "
         "to read on a machine shared with other jobs, whose load the wall clock measures too.",
         args.out,
     )

@@ -15,8 +15,9 @@ from safetensors.torch import load_file
 
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import checkpointing, layer_choice
+from qlora_kit.memory import checkpointing, layer_choice, layer_costs
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, measure_saved_bytes
+from qlora_kit.memory.layer_costs import LayerCosts
 from qlora_kit.memory.planner import GIB, activation_bytes, choose_layers, plan, resolve_checkpointing
 from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model import adapters, builtin
@@ -131,9 +132,10 @@ def test_per_layer_needs_its_layer_policies():
         Recipe.from_dict({"memory": {"checkpointing": "per_layer"}})
 
 
-def test_auto_resolves_to_a_per_layer_plan_that_fits():
+def test_auto_resolves_to_a_per_layer_plan_that_fits(tmp_path):
     """Between selective's peak and every_n's, auto mixes: the recipe it resolves to names each layer,
-    the peak fits, and its recompute cost is no more than any uniform policy's that fits."""
+    the peak fits, and its recompute cost is no more than any uniform policy's that fits (counted FLOPs
+    here; resolved with costs read from a checkpoint instead of timed)."""
     recipe = recipe_for("tiny-llama", "none")
     the_plan = plan(recipe, device="cpu")
     peaks = {row.policy: row.peak for row in the_plan.policies}
@@ -143,8 +145,11 @@ def test_auto_resolves_to_a_per_layer_plan_that_fits():
     assert row.policy == "per_layer" and row.peak <= budget * GIB
     fitting = [p.recompute_cost for p in the_plan.policies if p.peak <= budget * GIB]
     assert row.recompute_cost < min(fitting)
-    resolved = resolve_checkpointing(auto.with_overrides({"memory.over_budget": False}))
+    costs = LayerCosts(selective=0.009, full=0.012, source="given")
+    layer_costs.write(tmp_path, costs)
+    resolved = resolve_checkpointing(auto.with_overrides({"memory.over_budget": False}), tmp_path)
     # the CLI plans for this machine's device (the CPU here), as `plan` above
+    row, _ = choose_layers(auto, budget, the_plan, costs)
     assert resolved.checkpointing == "per_layer" and resolved.layer_policies == row.layers
 
 
@@ -206,6 +211,9 @@ def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path):
     resumed = train(resumed_dir, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from" in resumed.stderr and "checkpoint-3" in resumed.stderr
+    # the layers were chosen with the costs timed by the first run, not timed again
+    assert (resumed_dir / "checkpoint-3" / layer_costs.COSTS_FILE).is_file()
+    assert "checkpointing auto: the recompute costs of checkpoint-3" in resumed.stderr
     expected = load_file(tmp_path / "straight" / "adapter_model.safetensors")
     got = load_file(resumed_dir / "adapter_model.safetensors")
     assert got.keys() == expected.keys()

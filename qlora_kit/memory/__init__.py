@@ -14,9 +14,10 @@
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
+- ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: planner -> layer_choice; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: planner -> layer_choice; planner -> layer_costs -> tracing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> oom_faults; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

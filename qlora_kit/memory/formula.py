@@ -1,6 +1,7 @@
 """The planner's closed forms: the Llama-shaped formula a model whose code cannot run on fake tensors is
-planned with (``planner``'s docstring lists its terms), and the loss head's terms that tracing cannot see
-(which positions the chunked head keeps depends on the labels' values).
+planned with (``planner``'s docstring lists its terms), the loss head's terms that tracing cannot see
+(which positions the chunked head keeps depends on the labels' values, and the logits' transient), and
+GRPO's rollouts.
 """
 
 from __future__ import annotations
@@ -115,3 +116,19 @@ def selected_positions_bytes(
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     trained = batch * (seq - 1) if trained_tokens is None else trained_tokens
     return trained * (shape.hidden * c + 8) + batch * (seq - 1)
+
+
+def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
+    """The loss head's transient: 16-bit logits, their fp32 copy and log-probabilities (one chunk of tokens
+    with the chunked head)."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    rows = min(tokens, recipe.memory.loss_chunk_tokens) if chunked_head(shape, recipe) else tokens
+    return rows * shape.vocab * (c + 4 + 4)
+
+
+def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:
+    """GRPO's sampling: the KV cache of one generation batch and its last logits (``planner``'s docstring)."""
+    sequences = recipe.train.micro_batch_size * recipe.train.grad_accum
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    cache = 2 * shape.layers * shape.kv_heads * shape.head_dim * recipe.data.max_seq_len * sequences * c
+    return cache + sequences * shape.vocab * 8

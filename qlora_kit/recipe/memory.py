@@ -24,7 +24,8 @@ class MemorySection(Section):
     """With checkpointing: per_layer, each decoder layer's policy in order (what auto chooses, shown by qlora-kit plan)."""
     budget_gb: float | None = Field(None, gt=0)
     """With checkpointing: auto, the GPU memory (GiB) to fit: each layer gets none, selective or full so that the
-    predicted peak fits at the least recompute cost."""
+    predicted peak fits at the least recompute cost (timed once per run on its device; never more than the
+    every_n that fits)."""
     over_budget: bool = False
     """With checkpointing: auto, train with full checkpointing even when no policy is predicted to fit budget_gb."""
     offload_activations: bool = False

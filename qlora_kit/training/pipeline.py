@@ -148,8 +148,15 @@ def build(
     return _build_checked(recipe, output_dir, callbacks, guards)
 
 
-def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | None, guards: bool) -> Setup:
-    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder)."""
+def _build_checked(
+    recipe: Recipe,
+    output_dir: Path | None,
+    callbacks: list | None,
+    guards: bool,
+    checkpoint: Path | None = None,
+) -> Setup:
+    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder); ``checkpoint``:
+    the one a resumed run continues (checkpointing auto chooses with the costs it measured)."""
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
     # first, in a few requests, before the data is tokenized or the weights are fetched.
@@ -173,7 +180,7 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if not (dpo or grpo) else 1.0
-    memory = planner.resolve_checkpointing(recipe, share)
+    memory, costs = planner.resolve_auto(recipe, checkpoint, share)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
     if recipe.data.preflight.enabled and not grpo:
         collator = (
@@ -192,6 +199,7 @@ def _build_checked(recipe: Recipe, output_dir: Path | None, callbacks: list | No
     trainer = build_trainer(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
     )
+    trainer.layer_costs = costs  # into every checkpoint, for --resume
     if grpo:
         log.info("grpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
     if dpo:
@@ -236,7 +244,7 @@ def run(
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
         checkpoint = _checkpoint_to_resume(output_dir, resume, overwrite)
         stopper = StopOnSignal()
-        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards)
+        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards, checkpoint)
         _announce(setup, ranks, console)
         examples = _sample_examples(setup, ranks)
         before = _answer(setup.model, setup.tokenizer, examples)

@@ -36,7 +36,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import oom_faults, optimizers
+from qlora_kit.memory import layer_costs, oom_faults, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
@@ -163,6 +163,7 @@ class GuardedTrainer(SplitOnOom, Trainer):
         self.guard = guard
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
+        self.layer_costs: layer_costs.LayerCosts | None = None  # what checkpointing auto measured (pipeline)
         self._staging: Path | None = None
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -208,6 +209,8 @@ class GuardedTrainer(SplitOnOom, Trainer):
             staged, self._staging = self._staging, None
         if self.args.should_save:  # the micro-batch split a --resume continues with
             self.save_split(staged / f"checkpoint-{self.state.global_step}")
+        if self.args.should_save and self.layer_costs is not None:  # and the costs auto chose its layers by
+            layer_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layer_costs)
         self._record_best_where_it_will_be(staged, output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:

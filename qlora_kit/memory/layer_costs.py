@@ -1,0 +1,171 @@
+"""``checkpointing: auto``'s cost model, measured: what a selective and a full decoder layer add to a step,
+timed once per run on its device at its micro-batch shape.
+
+Counting FLOPs (``tracing.RecomputeCost``) ranks a selective recompute far below a full one; on a CPU at
+small widths the opposite can hold. There a step is mostly per-op Python and dispatch work (peft's LoRA
+wrappers, bitsandbytes' ``Linear4bit``, the dropout's random draws), and a selective layer pays it twice
+over: its forward pass runs every op through torch's caching dispatch mode, and its backward replays the
+whole layer in Python even where every output is cached (benchmarks/checkpointing_frontier.py's floor
+row: a policy that saves every op steps about as slowly as full checkpointing). So ``auto`` times the
+three policies on the run's own layers before it chooses:
+
+1. the model's config is cut to ``LAYERS`` decoder layers, built at random in the compute dtype, written
+   to a temporary folder and loaded back through ``loading.load_base_model`` (4-bit, on this process's
+   device, as the run loads its model), with checkpointing and LoRA set up as the run sets them up;
+2. one forward and backward pass of the layers (the head left out: it is the same under every policy)
+   under the Trainer's autocast, for none, selective and full in turn, ``ROUNDS`` rounds after a warm-up;
+   on a GPU wall seconds, on a CPU the CPU seconds of one thread: on a CPU other jobs share (the 2-core
+   machine here, at a load of 8), two threads' wall and CPU time swing tenfold with the others' load (the
+   threads spin waiting for each other), one thread's CPU time by a few percent; and one thread ranks
+   the policies as two do (selective no cheaper than full: benchmarks/selective_floor.py);
+3. a policy's cost is its median step minus none's, per layer (never below 0).
+
+A resumed run must choose the same layers, and a second measurement would differ by noise, so the
+costs are written into every checkpoint (``COSTS_FILE``, ``write``) and a ``--resume`` reads them back
+(``read``). Where the layers cannot be measured (a config alone, a model whose code fails here, several
+processes, which could each measure a different plan) auto counts FLOPs instead, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+COSTS_FILE = "checkpointing_costs.json"  # in each checkpoint: the costs a resumed run chooses with
+LAYERS = 4  # decoder layers timed: enough that a layer's cost stands out of the embeddings' and the noise
+ROUNDS = 7  # timed rounds (their median) after one warm-up round
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds one decoder layer adds to a step under selective and under full checkpointing."""
+
+    selective: float
+    full: float
+    source: str  # how they were found, for the log and ``plan``: "measured on cpu, ..."
+
+    def of(self, policy: str) -> float:
+        return {"none": 0.0, "selective": self.selective, "full": self.full}[policy]
+
+
+def write(folder: Path, costs: LayerCosts) -> None:
+    (folder / COSTS_FILE).write_text(json.dumps(asdict(costs)) + "\n")
+
+
+def read(folder: Path | None) -> LayerCosts | None:
+    """The costs a checkpoint was trained with; None when it has none (it chose without measuring)."""
+    path = folder / COSTS_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    return LayerCosts(**json.loads(path.read_text()))
+
+
+def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> LayerCosts | None:
+    """Time the three policies on ``LAYERS`` of the model's layers (module docstring); None (logged) where
+    they cannot be timed here."""
+    if config is None:
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log.info(
+            "checkpointing auto: %s processes would time their layers apart; counting FLOPs",
+            os.environ["WORLD_SIZE"],
+        )
+        return None
+    try:
+        with tempfile.TemporaryDirectory(prefix="qlora-kit-layer-costs-") as folder:
+            seconds = _time_policies(recipe, config, Path(folder), batch, seq, precision)
+    except Exception as exc:  # a foreign model's code that cannot be built or run here: count instead
+        log.info("checkpointing auto: timing the layers failed (%s); counting FLOPs", exc)
+        return None
+    layers = seconds.pop("layers")
+    extra = {p: max(0.0, seconds[p] - seconds["none"]) / layers for p in ("selective", "full")}
+    device = seconds.pop("device")
+    source = (
+        f"measured on {device}{'' if device == 'cuda' else ' (one thread)'}: a step of {layers} layers {seconds['none'] * 1000:.1f} ms, selective "
+        f"+{extra['selective'] * 1000:.2f} ms a layer, full +{extra['full'] * 1000:.2f} ms"
+    )
+    return LayerCosts(extra["selective"], extra["full"], source)
+
+
+def _time_policies(recipe: Recipe, config, folder: Path, batch: int, seq: int, precision: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from qlora_kit.memory import checkpointing
+    from qlora_kit.memory.accounting import decoder_layers
+    from qlora_kit.memory.loss_head import final_hidden_states
+    from qlora_kit.memory.tracing import AUTOCAST, _cut, layer_types
+    from qlora_kit.model import adapters, loading
+
+    types = layer_types(config)
+    short = _cut(config, tuple(types[: min(LAYERS, len(types))]))
+    dense = AutoModelForCausalLM.from_config(
+        short,
+        dtype=getattr(torch, recipe.quant.compute_dtype),
+        trust_remote_code=recipe.model.trust_remote_code,
+    )
+    dense.save_pretrained(folder)
+    del dense
+    # load_base_model checks the folder is a whole model; no tokenizer is read from it
+    (folder / "tokenizer_config.json").write_text("{}\n")
+    base = loading.load_base_model(recipe.model, recipe.quant, path=str(folder))
+    # Selective on every layer; full and none are that setup with the selective context taken off or
+    # checkpointing switched off (``checkpointing._mix``, what a per-layer plan does).
+    checkpointing.enable_checkpointing(base, recipe.memory.model_copy(update={"checkpointing": "selective"}))
+    layers = decoder_layers(base)
+    selective_funcs = [layer._gradient_checkpointing_func for layer in layers]
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    peft_model.train()
+    device = base.device
+    vocab = base.get_input_embeddings().num_embeddings
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
+    dtype = AUTOCAST.get(precision)
+    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+    cuda = device.type == "cuda"
+    clock = time.perf_counter if cuda else time.process_time
+    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+
+    def step(policy: str) -> float:
+        for layer, func in zip(layers, selective_funcs, strict=True):
+            layer._gradient_checkpointing_func = func
+        checkpointing._mix(layers, [policy] * len(layers), None)
+        synchronize()
+        start = clock()
+        with autocast:
+            hidden = final_hidden_states(peft_model, {"input_ids": ids}, base)
+        hidden.float().square().mean().backward()
+        synchronize()
+        return clock() - start
+
+    times: dict[str, list[float]] = {p: [] for p in POLICIES}
+    threads = torch.get_num_threads()
+    if not cuda:
+        torch.set_num_threads(1)
+    try:
+        for round_index in range(ROUNDS + 1):  # interleaved: a slow spell of a shared machine hits them all
+            for policy in POLICIES:
+                seconds = step(policy)
+                if round_index:
+                    times[policy].append(seconds)
+    finally:
+        torch.set_num_threads(threads)
+    peft_model.zero_grad(set_to_none=True)
+    result: dict = {p: statistics.median(t) for p, t in times.items()}
+    result["layers"], result["device"] = len(layers), device.type
+    return result
