@@ -8,8 +8,9 @@ import pytest
 
 from qlora_kit import Recipe
 from qlora_kit.memory import layer_costs
+from qlora_kit.memory.auto import choose_layers, resolve_auto
 from qlora_kit.memory.layer_costs import LayerCosts
-from qlora_kit.memory.planner import GIB, choose_layers, plan, resolve_auto
+from qlora_kit.memory.planner import GIB, plan
 
 # selective dearer than full (this CPU: benchmarks/checkpointing_frontier.py), and cheap (a GPU's shape)
 COSTS = {

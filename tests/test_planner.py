@@ -7,7 +7,8 @@ import torch
 from qlora_kit import Recipe
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
-from qlora_kit.memory.planner import GIB, activation_bytes, choose_layers, choose_policy, plan
+from qlora_kit.memory.auto import choose_layers, choose_policy
+from qlora_kit.memory.planner import GIB, activation_bytes, plan
 from qlora_kit.memory.shapes import model_shape, weight_bytes
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model

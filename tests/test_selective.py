@@ -17,8 +17,9 @@ from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory import checkpointing, layer_choice, layer_costs
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, measure_saved_bytes
+from qlora_kit.memory.auto import choose_layers, resolve_checkpointing
 from qlora_kit.memory.layer_costs import LayerCosts
-from qlora_kit.memory.planner import GIB, activation_bytes, choose_layers, plan, resolve_checkpointing
+from qlora_kit.memory.planner import GIB, activation_bytes, plan
 from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model import adapters, builtin
 from qlora_kit.model import loading as model

@@ -29,7 +29,8 @@ from rich.console import Console
 
 from qlora_kit.after.merge import merge_adapter
 from qlora_kit.errors import MergeDriftError
-from qlora_kit.memory.planner import GIB, choose_policy, plan, policy_name
+from qlora_kit.memory.auto import choose_policy
+from qlora_kit.memory.planner import GIB, plan, policy_name
 from qlora_kit.model import driver
 from qlora_kit.model import loading as model
 from qlora_kit.model.precision import Device, resolve_mixed_precision

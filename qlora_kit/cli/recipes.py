@@ -70,7 +70,8 @@ def list_recipes(context: typer.Context) -> None:
 
 def planned_memory(recipe: Recipe) -> str:
     """The planner's peak per GPU for the checkpointing policy the recipe trains with."""
-    from qlora_kit.memory.planner import GIB, choose_layers, plan, policy_name
+    from qlora_kit.memory.auto import choose_layers
+    from qlora_kit.memory.planner import GIB, plan, policy_name
 
     processes = fsdp_processes() if recipe.train.fsdp else 1
     try:

@@ -227,7 +227,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
 
 def _auto_choice(plan: Plan, recipe: Recipe, budget_gb: float) -> tuple[str, str, list[str]]:
     """auto's choice: (its name, the name and why, each layer's policy)."""
-    from qlora_kit.memory.planner import choose_layers  # the CLI boundary: torch loads only here
+    from qlora_kit.memory.auto import choose_layers  # the CLI boundary: torch loads only here
 
     row, why = choose_layers(recipe, budget_gb, plan)
     return row.policy, f"{row.policy}: {why}", row.layers

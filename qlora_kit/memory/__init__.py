@@ -12,12 +12,13 @@
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
-- ``planner``: peak memory predicted per policy, and ``checkpointing: auto`` resolved from it;
+- ``planner``: peak memory predicted per policy;
+- ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: planner -> layer_choice; planner -> layer_costs -> tracing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> tracing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> oom_faults; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

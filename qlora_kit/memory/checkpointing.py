@@ -9,7 +9,7 @@ follows one of three policies:
   backward recomputes only the cheap ops (``selective.py``), through torch's ``context_fn``, which
   transformers passes on to ``torch.utils.checkpoint.checkpoint`` with the other checkpointing kwargs.
 ``every_n`` is ``full`` on layers 0, n, 2n, ... and ``none`` on the rest; ``per_layer`` names each
-layer's policy (``memory.layer_policies``: what ``auto`` resolves to, ``planner.resolve_checkpointing``).
+layer's policy (``memory.layer_policies``: what ``auto`` resolves to, ``auto.resolve_checkpointing``).
 Checkpointing is non-reentrant, and input-embedding outputs require grad so LoRA receives gradients
 through frozen, checkpointed layers. Under the test fault injector (``oom_faults``) every checkpointed
 layer's recompute is also counted against its cap, composed into the same ``context_fn``.
@@ -42,9 +42,7 @@ def layer_policies(memory: MemorySection, layers: int) -> list[str]:
     """Each decoder layer's policy (none, selective or full) under ``memory.checkpointing``."""
     policy = memory.checkpointing
     if policy == "auto":
-        raise ValueError(
-            "memory.checkpointing: resolve auto with planner.resolve_checkpointing(recipe) first"
-        )
+        raise ValueError("memory.checkpointing: resolve auto with auto.resolve_checkpointing(recipe) first")
     if policy == "per_layer":
         chosen = list(memory.layer_policies or [])
         if len(chosen) != layers:

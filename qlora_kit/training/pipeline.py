@@ -22,7 +22,7 @@ from transformers import TrainerState, set_seed
 
 from qlora_kit.data import layout, preflight, prepare, prompts
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import checkpointing, planner
+from qlora_kit.memory import auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.generation import complete
@@ -180,7 +180,7 @@ def _build_checked(
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if not (dpo or grpo) else 1.0
-    memory, costs = planner.resolve_auto(recipe, checkpoint, share)
+    memory, costs = auto.resolve_auto(recipe, checkpoint, share)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
     if recipe.data.preflight.enabled and not grpo:
         collator = (
