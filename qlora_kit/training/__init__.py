@@ -1,6 +1,7 @@
 """The training family: a run from recipe to saved adapter, and everything that watches it.
 
 - ``pipeline``: ``build(recipe)`` sets a run up stage by stage, ``run(recipe)`` trains and saves;
+- ``sample_prompts``: the validation prompts a run answers before and after training;
 - ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
 - ``trainer``: ``GuardedTrainer`` and the Trainer's arguments; ``dpo``: TRL's DPOTrainer with the same;
   ``grpo``: TRL's GRPOTrainer with the same, ``rewards`` its reward functions, ``grpo_explain`` what it says;

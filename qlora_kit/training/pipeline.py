@@ -25,7 +25,6 @@ from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
-from qlora_kit.model.generation import complete
 from qlora_kit.model.paths import (
     check_adapter_folder,
     check_checkpoint,
@@ -36,7 +35,7 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import run_log, trackers
+from qlora_kit.training import run_log, sample_prompts, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
 from qlora_kit.training.manifest import utc_now, write_manifest
@@ -246,8 +245,8 @@ def run(
         stopper = StopOnSignal()
         setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards, checkpoint)
         _announce(setup, ranks, console)
-        examples = _sample_examples(setup, ranks)
-        before = _answer(setup.model, setup.tokenizer, examples)
+        examples = sample_prompts.examples(setup.data, setup.recipe, setup.tokenizer, ranks)
+        before = sample_prompts.answers(setup.model, setup.tokenizer, examples)
         manifest, aside = (
             prepare_run_folder(output_dir, recipe, setup.model, overwrite, resume, checkpoint)
             if ranks.is_main
@@ -261,7 +260,8 @@ def run(
             raise
         if aside is not None:
             drop_aside(aside)
-    samples = _samples(examples, before, _answer(setup.model, setup.tokenizer, examples))
+    after = sample_prompts.answers(setup.model, setup.tokenizer, examples)
+    samples = sample_prompts.records(examples, before, after)
     usage = _usage(setup.trainer, checkpoint)
     if ranks.is_main:
         run_log.log_memory(usage)
@@ -298,16 +298,6 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
         run_log.log_optimizer_state(setup.model, setup.recipe)
         # read back from accelerate, not the recipe: the autocast the forward will actually run under
         log.info("mixed precision: %s", setup.trainer.accelerator.mixed_precision)
-
-
-def _sample_examples(setup: Setup, ranks: Ranks) -> list[prepare.PromptExample]:
-    """The validation prompts answered before and after training (train.sample_prompts). Under FSDP the
-    trained model is sharded: every rank generates the same greedy answers in step (each forward
-    all-gathers the layers); otherwise the main process answers alone."""
-    recipe = setup.recipe
-    if not (ranks.is_main or recipe.train.fsdp):
-        return []
-    return prepare.prompt_examples(setup.data, recipe.data, setup.tokenizer, recipe.train.sample_prompts)
 
 
 def _train_and_save(
@@ -393,16 +383,3 @@ def _best(trainer) -> dict[str, Any]:
         return {}
     metric, value = trainer.args.metric_for_best_model, trainer.state.best_metric
     return {"best": {"metric": metric, "value": value, "step": trainer.state.best_global_step}}
-
-
-def _answer(peft_model, tokenizer, examples: list[prepare.PromptExample]) -> list[str]:
-    return [complete(peft_model, tokenizer, example.prompt, max_new_tokens=8) for example in examples]
-
-
-def _samples(
-    examples: list[prepare.PromptExample], before: list[str], after: list[str]
-) -> list[dict[str, str]]:
-    return [
-        {"prompt": ex.prompt, "reference": ex.reference, "before": b, "after": a}
-        for ex, b, a in zip(examples, before, after, strict=True)
-    ]
