@@ -6,8 +6,10 @@ bf16 GPU), the guards, the optimizer the recipe names — on a ~1B-parameter Lla
 (random weights, Llama-3's 128,256-token vocabulary so the loss head matters), loaded in 4-bit, on
 rows of exactly ``seq`` tokens:
 
-1. per checkpointing policy: peak allocated memory of forward, backward (with recompute) and the
-   optimizer step, from the run's own MemoryMonitor, next to the planner's predicted peak;
+1. per checkpointing policy (none, every 2nd layer, selective, full; and ``auto`` half-way between
+   full's and none's planned peaks, resolved with its costs timed on the device, beside the every_n
+   fitting the same budget): peak allocated memory of forward, backward (with recompute) and the
+   optimizer step, from the run's own MemoryMonitor, next to the planner's predicted peak, and the step time;
 2. the chunked loss head on and off;
 3. a long-sequence batch (1 x 8,192 tokens, full checkpointing): the recompute spike is the backward
    peak over the forward peak;
@@ -58,6 +60,7 @@ TINY_SHAPE = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers":
 POLICIES = [
     {"checkpointing": "none"},
     {"checkpointing": "every_n", "every_n": 2},
+    {"checkpointing": "selective"},
     {"checkpointing": "full"},
     {"checkpointing": "full", "chunked_loss": False},
     {"checkpointing": "full", "offload_activations": True},
@@ -128,16 +131,52 @@ def train(recipe, resume: str | None = None) -> dict:
     return usage
 
 
-def policy_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[dict]:
+def frontier_policies(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[tuple[str, dict]]:
+    """``checkpointing: auto`` half-way (in planned peak) between full and none, resolved as a run resolves
+    it (its recompute costs timed on this device), and the every_n the planner finds fitting the same
+    budget with the fewest recomputed layers: (label, memory fields) for ``policy_rows``."""
+    from qlora_kit.memory.auto import resolve_auto
+    from qlora_kit.memory.planner import GIB, plan
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    the_plan = plan(recipe_for(folder, data, {}, batch, seq, steps), batch=batch, seq=seq, device=device)
+    peaks = {row.policy: row.peak for row in the_plan.policies}
+    budget = (peaks["full"] + (peaks["none"] - peaks["full"]) / 2) / GIB
+    memory, costs = resolve_auto(
+        recipe_for(folder, data, {"checkpointing": "auto", "budget_gb": budget}, batch, seq, steps)
+    )
+    layers = memory.layer_policies or [memory.checkpointing]
+    mix = (
+        "/".join(str(layers.count(p)) for p in ("none", "selective", "full"))
+        if memory.layer_policies
+        else memory.checkpointing
+    )
+    fields = {
+        "checkpointing": memory.checkpointing,
+        "every_n": memory.every_n,
+        "layer_policies": memory.layer_policies,
+    }
+    uniform = [r for r in the_plan.policies if r.policy != "selective" and r.peak <= budget * GIB]
+    fewest = min(uniform, key=lambda r: r.recompute_layers)
+    n = int(fewest.policy.partition("=")[2] or 1)
+    every = {"checkpointing": "every_n", "every_n": n} if n > 1 else {"checkpointing": fewest.policy}
+    source = costs.source if costs is not None else "counted FLOPs"
+    return [(f"auto @ 0.5 ({mix}; {source})", fields), (f"{fewest.policy} @ 0.5", every)]
+
+
+def policy_rows(
+    folder: Path, data: Path, batch: int, seq: int, steps: int, policies: list[tuple[str | None, dict]]
+) -> list[dict]:
+    """One run per (label, memory fields); a label of None is the policy's own name."""
     from qlora_kit.memory.planner import plan, policy_name
 
     rows = []
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for memory in POLICIES:
+    for name, memory in policies:
         recipe = recipe_for(folder, data, memory, batch, seq, steps)
         usage = train(recipe)
         chosen = plan(recipe, batch=batch, seq=seq, device=device).chosen(recipe)
-        label = policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
+        label = name or policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
         label += "" if recipe.memory.chunked_loss else " (full logits)"
         label += " + offload" if recipe.memory.offload_activations else ""
         peaks = [usage.get(f"peak_{phase}_gib", 0.0) for phase in ("forward", "backward", "optimizer")]
@@ -254,7 +293,8 @@ def main() -> None:
     long_seq = 256 if tiny else 8192
     rows_folder = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
     data, long_data = text_rows(rows_folder, seq, 64), text_rows(rows_folder, long_seq, 8)
-    report["policies"] = policy_rows(folder, data, batch, seq, steps)
+    policies = [(None, memory) for memory in POLICIES] + frontier_policies(folder, data, batch, seq, steps)
+    report["policies"] = policy_rows(folder, data, batch, seq, steps, policies)
     long_usage = train(recipe_for(folder, long_data, {"checkpointing": "full"}, 1, long_seq, steps))
     report["long_sequence"] = {
         "seq": long_seq,
@@ -274,11 +314,11 @@ def main() -> None:
 def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
     print(f"\n{report['versions']['device']}: batch {batch} x {seq} tokens, through trainer.train()")
     print(
-        f"{'setting':34} {'fwd':>7} {'bwd':>7} {'optim':>7} {'peak':>7} {'planned':>8} {'saved MiB':>10} {'planned':>8} {'step s':>7}"
+        f"{'setting':50} {'fwd':>7} {'bwd':>7} {'optim':>7} {'peak':>7} {'planned':>8} {'saved MiB':>10} {'planned':>8} {'step s':>7}"
     )
     for r in report["policies"]:
         print(
-            f"{r['setting']:34} {r['forward_gib']:7.2f} {r['backward_gib']:7.2f} {r['optimizer_gib']:7.2f} "
+            f"{r['setting']:50} {r['forward_gib']:7.2f} {r['backward_gib']:7.2f} {r['optimizer_gib']:7.2f} "
             f"{r['measured_peak_gib']:7.2f} {r['predicted_peak_gib']:8.2f} {r['saved_mib']:10.1f} "
             f"{r['predicted_saved_mib']:8.1f} {r['step_s']:7.3f}"
         )

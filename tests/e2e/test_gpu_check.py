@@ -25,7 +25,14 @@ def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "gpu-check.json").read_text())
     settings = [row["setting"] for row in report["policies"]]
-    assert settings == ["none", "every_n=2", "full", "full (full logits)", "full + offload"]
+    assert settings[:6] == ["none", "every_n=2", "selective", "full", "full (full logits)", "full + offload"]
+    # auto half-way between full and none, resolved with costs timed here, beside the every_n fitting it
+    auto, every = settings[6:]
+    assert auto.startswith("auto @ 0.5 (") and "measured on cpu" in auto, auto
+    assert every.endswith(" @ 0.5") and every.split(" @ ")[0] in (
+        "full",
+        *(f"every_n={n}" for n in (2, 3, 4)),
+    ), every
     for row in report["policies"]:
         # on the CPU the saved bytes are exact; the planner and the run agree within 5%
         assert abs(row["predicted_saved_mib"] / row["saved_mib"] - 1) < 0.05, row
