@@ -29,6 +29,8 @@ BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 DEMO_DATASETS = {
     "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
+    # the same rows split at random: held-out questions in phrasings trained with other facts (GRPO's demo)
+    "demo-facts-mixed": (DEMO_DIR / "mixed_train.jsonl", DEMO_DIR / "mixed_val.jsonl"),
     # the same questions as preference pairs (format preference): the right answer and a wrong one
     "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
 }
