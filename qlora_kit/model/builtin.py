@@ -5,7 +5,8 @@ architectures in ``TINY_ARCHITECTURES``) name a small
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
-dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``).
+dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``;
+``builtin:demo-facts-mixed``: the same rows split at random, for the GRPO demo).
 """
 
 from __future__ import annotations
