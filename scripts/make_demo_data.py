@@ -4,6 +4,8 @@ Each fact is asked with several phrasings. Training rows use all phrasings but t
 rows use the last one, so validation exact-match measures whether the adapter learned the fact,
 not the sentence. Answers are one word, so they can be checked exactly.
 
+builtin:demo-facts-mixed holds the same rows split at random instead (build_mixed).
+
 The preference pairs (builtin:demo-preferences, format preference_alpaca, train.objective dpo) ask the
 same questions as the instruction rows, chosen = the right answer, rejected = a plausible wrong one:
 another answer of the same relation (a color for a color, a city for a city).
@@ -154,6 +156,15 @@ def build_pairs(rows: list[dict], seed: int) -> list[dict]:
     ]
 
 
+def build_mixed(train: list[dict], val: list[dict]) -> tuple[list[dict], list[dict]]:
+    """The same rows split at random (builtin:demo-facts-mixed, the GRPO demo's): a held-out question's
+    phrasing is trained with other facts and its fact with other phrasings, so what reinforcement
+    learning sharpens on the training questions can carry over (demo-facts holds one phrasing out whole)."""
+    rows = train + val
+    random.Random(1).shuffle(rows)
+    return rows[len(val) :], rows[: len(val)]
+
+
 def write_jsonl(rows: list[dict], path: Path) -> None:
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
 
@@ -166,6 +177,9 @@ def main() -> None:
     write_jsonl(val, out / "val.jsonl")
     write_jsonl(build_pairs(train, seed=2), out / "pairs_train.jsonl")
     write_jsonl(build_pairs(val, seed=3), out / "pairs_val.jsonl")
+    mixed_train, mixed_val = build_mixed(train, val)
+    write_jsonl(mixed_train, out / "mixed_train.jsonl")
+    write_jsonl(mixed_val, out / "mixed_val.jsonl")
     print(f"wrote {len(train)} train and {len(val)} validation rows (and as many pairs) to {out}")
 
 

@@ -45,3 +45,11 @@ def test_shipped_demo_data_matches_its_generator():
     assert [json.loads(line) for line in val_file.read_text().splitlines()] == val
     questions = lambda rows: {r["instruction"] + r["input"] for r in rows}  # noqa: E731
     assert not questions(train) & questions(val), "validation phrasings never appear in training"
+    # demo-facts-mixed (GRPO's demo): the same rows, split at random; no question in both halves
+    mixed_train, mixed_val = module.build_mixed(train, val)
+    train_file, val_file = builtin.demo_data_files("demo-facts-mixed")
+    assert [json.loads(line) for line in train_file.read_text().splitlines()] == mixed_train
+    assert [json.loads(line) for line in val_file.read_text().splitlines()] == mixed_val
+    key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
+    assert sorted(map(key, mixed_train + mixed_val)) == sorted(map(key, train + val))
+    assert not questions(mixed_train) & questions(mixed_val) and len(mixed_val) == len(val)

@@ -125,6 +125,10 @@ def test_prompts_that_leave_no_room_for_the_completion_are_left_out_and_counted(
     prepared = prepare_prompts(data, tokenizer, seed=0, completion_tokens=8)
     assert prepared.train["prompt"] == ["short"] and prepared.train["reference"] == ["a"]
     assert prepared.reports[0].dropped == 1 and prepared.reports[0].rows == 2
+    # what trains is sampled later: the report does not claim "0 trained tokens"
+    assert (
+        prepared.reports[0].summary().endswith("the trained tokens are the completions sampled in training")
+    )
 
 
 def test_builtin_rewards_score_each_completion_as_the_registry_says():

@@ -45,6 +45,7 @@ def test_figures_are_formatted_and_cuda_peaks_win_over_saved_bytes():
     assert figures(
         {"memory/peak_backward_gib": 3.2, "memory/peak_forward_gib": 2.0, "memory/saved_mib": 1.0}
     ) == {"peak": "3.20 GiB"}
+    assert figures({"loss": 0.0, "reward": 0.4375}) == {"loss": "0.0000", "reward": "0.438"}  # GRPO's signal
     assert remaining(10.0, 5, 10) == "0:00:10" and remaining(1.0, 0, 10) == "?"
 
 

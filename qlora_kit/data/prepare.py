@@ -53,7 +53,7 @@ class LengthReport:
     dropped: int = 0
     untrainable: int = 0  # rows left with no trained token (their response was cut off)
     lengths: list[int] = field(default_factory=list)  # token lengths before truncation
-    trained_tokens: int = 0  # in the rows kept
+    trained_tokens: int | None = 0  # in the rows kept; None: sampled in training (GRPO's completions)
     taken: int | None = None  # rows in the mixture (data.sources: sampled by weight or rows)
 
     def summary(self) -> str:
@@ -64,6 +64,8 @@ class LengthReport:
         )
         if self.taken is not None:
             text += f"; {self.taken} rows in the mixture"
+        if self.trained_tokens is None:  # prompts only: what trains is sampled when the run trains
+            return text + "; the trained tokens are the completions sampled in training"
         return text + f"; {self.trained_tokens:,} trained tokens"
 
 

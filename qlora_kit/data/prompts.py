@@ -122,7 +122,13 @@ def _prompts(
         converted = rows.map(convert, with_indices=True, desc="prompts")
     lengths = list(converted["length"])
     keep = [i for i, n in enumerate(lengths) if n <= budget]
-    report = LengthReport(source=source, rows=len(lengths), lengths=lengths, dropped=len(lengths) - len(keep))
+    report = LengthReport(
+        source=source,
+        rows=len(lengths),
+        lengths=lengths,
+        dropped=len(lengths) - len(keep),
+        trained_tokens=None,
+    )
     if not keep:
         raise DataError(
             f"{source}: every prompt is over data.max_seq_len - grpo.max_completion_length = {budget} tokens "

@@ -5,7 +5,8 @@ architectures in ``TINY_ARCHITECTURES``) name a small
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
-dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``).
+dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``;
+``builtin:demo-facts-mixed``: the same rows split at random, for the GRPO demo).
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
 DEMO_DATASETS = {
     "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
+    # the same rows split at random: held-out questions in phrasings trained with other facts (GRPO's demo)
+    "demo-facts-mixed": (DEMO_DIR / "mixed_train.jsonl", DEMO_DIR / "mixed_val.jsonl"),
     # the same questions as preference pairs (format preference): the right answer and a wrong one
     "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
 }

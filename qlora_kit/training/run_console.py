@@ -1,5 +1,5 @@
 """What a person watching ``qlora-kit train`` sees: one live line that refreshes in place on a terminal
-(progress, time left, loss, eval loss, learning rate, gradient norm, tokens per second, memory), the
+(progress, time left, loss, eval loss, GRPO's reward, learning rate, gradient norm, tokens per second, memory), the
 run's log lines above it, and plain periodic lines where stderr is not a terminal (CI, ``nohup``, a
 file): no carriage returns, no escape codes, no raw log dicts. The Trainer's own progress bars and log
 printer are replaced by it (``replace_trainer_output``); every figure still goes to ``metrics.jsonl``
@@ -86,6 +86,8 @@ def figures(logs: dict[str, Any]) -> dict[str, str]:
         shown["eval"] = f"{logs['eval_loss']:.4f}"
     if keys.EVAL_PREFERENCE_ACCURACY in logs:  # train.objective dpo: held-out preference accuracy
         shown["eval acc"] = f"{logs[keys.EVAL_PREFERENCE_ACCURACY]:.3f}"
+    if keys.REWARD in logs:  # train.objective grpo: the rollouts' mean summed reward (the loss reads ~0)
+        shown["reward"] = f"{logs[keys.REWARD]:.3f}"
     if "learning_rate" in logs:
         shown["lr"] = f"{logs['learning_rate']:.2e}"
     if "grad_norm" in logs:

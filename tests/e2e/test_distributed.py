@@ -147,3 +147,43 @@ def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
     for a, b in zip(expected, got, strict=True):
         assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
     assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr
+
+
+def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
+    """train.objective grpo on 2 processes: what can equal one process does. TRL 1.16 seeds each process's
+    sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
+    generate call, so the rollouts cannot equal one process's; the prompts per step, the completions
+    trained per step and the checkpoint's per-process rollout random state can (README, GRPO)."""
+    recipe = tmp_path / "grpo.yaml"
+    values = {
+        "data": {"max_seq_len": 64},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {"objective": "grpo"},
+        # a reward with a spread: the completions' lengths vary, so the groups' advantages are not all 0
+        "grpo": {
+            "num_generations": 4,
+            "max_completion_length": 5,
+            "rewards": [{"name": "length", "max_chars": 8}],
+        },
+    }
+    recipe.write_text(json.dumps(values))  # YAML reads JSON
+    one, two, stderr = one_and_two_processes(tmp_path, recipe=str(recipe))
+
+    def rows(out: Path) -> list[dict]:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    expected, got = rows(one), rows(two)
+    assert [r["step"] for r in got] == list(range(1, 9)), "each step logged once, by the main process"
+    # 2 prompts x 4 completions per optimizer step in both: the same share of an epoch, the same count
+    # of sampled completions (the rewards are means over both processes' completions, gathered)
+    assert [r["epoch"] for r in got] == [r["epoch"] for r in expected]
+    assert got[-1]["epoch"] == pytest.approx(8 * 2 / 168, abs=1e-3)
+    assert all(r["reward"] is not None and "frac_reward_zero_std" in r for r in got)
+    assert sorted(p.name for p in (two / "checkpoint-8").glob("rng_state_*.pth")) == [
+        "rng_state_0.pth",
+        "rng_state_1.pth",
+    ]  # each process's rollout random state, for an exact resume
+    assert stderr.count("the loss will read about") == 1, "the explanation comes from the main process only"
+    adapter = load_file(two / "adapter_model.safetensors")
+    assert adapter and not any(".ref." in name for name in adapter)
+    assert any("lora_B" in name and t.abs().sum() > 0 for name, t in adapter.items()), "the adapter trained"
