@@ -147,7 +147,8 @@ def recipe_for(case: dict, folder: Path):
 def measure(case: dict, folder: Path) -> tuple[int, int, int, tuple[int, int]]:
     """(measured, planned, of the planned the untrained positions the plan counts as trained, batch
     shape): the run's saved bytes in its one training step, and the plan."""
-    from qlora_kit.memory.planner import chunked_head, plan, selected_positions_bytes
+    from qlora_kit.memory.formula import chunked_head, selected_positions_bytes
+    from qlora_kit.memory.planner import plan
     from qlora_kit.training.pipeline import build
 
     recipe = recipe_for(case, folder)

@@ -66,10 +66,15 @@ TABLES = {
          ("arrow cache", rf"{N} GiB"), ("checks", "pass")], 1,
     )]),
     "checkpointing_frontier.py": ("checkpointing-frontier-cpu.md", [(
-        [("model", "builtin|realistic"), ("setting", r"none|every_n=\d+|selective|full|(auto|none|every_n=\d+|full) @ [\d.]+"),
+        [("model", "builtin|realistic"), ("setting", r"none|every_n=\d+|selective|selective floor \(saves every op\)|full|(auto|none|every_n=\d+|full) @ [\d.]+"),
          ("budget (MiB)", rf"{N}|-"), ("layers none/selective/full", r"\d+/\d+/\d+"), ("saved for backward (MiB)", N),
-         ("vs none", N), ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs none", rf"{N}x"), ("CPU s / step", SECONDS),
-         ("CPU time vs none", rf"{N}x")], 6,
+         ("vs none", N), ("planner (MiB)", rf"{WITH_ERROR}|-"), ("median step (s)", SECONDS), ("time vs none", rf"{N}x"), ("CPU s / step", SECONDS),
+         ("CPU time vs none", rf"{N}x")], 7,
+    )]),
+    "selective_floor.py": ("selective-floor-cpu.md", [(
+        [("LoRA dropout", N), ("setting", r"none|full|selective|selective, bare policy|selective floor \(saves every op\)"),
+         ("forward (ms)", N), ("backward (ms)", N), ("layers' step (ms)", N), ("vs none", rf"{N}x"),
+         ("extra vs full's extra", rf"{N}|-")], 5,
     )]),
     "memory.py": ("memory-cpu.md", [
         ([("policy", r"none|every_2|full|full \+ offload"), ("saved for backward (MiB)", N), ("vs none", N),
