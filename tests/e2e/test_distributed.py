@@ -187,3 +187,44 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     adapter = load_file(two / "adapter_model.safetensors")
     assert adapter and not any(".ref." in name for name in adapter)
     assert any("lora_B" in name and t.abs().sum() > 0 for name, t in adapter.items()), "the adapter trained"
+
+
+def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
+    """grpo.seed_each_completion on 2 processes, under bf16 autocast: the same rollouts as one process
+    with both halves of the batch, so the same rewards step for step, the same losses and the same
+    adapter (without the option TRL's rollouts depend on the process: the test above)."""
+    recipe = tmp_path / "grpo.yaml"
+    values = {
+        "data": {"max_seq_len": 64},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {"objective": "grpo"},
+        "grpo": {
+            "num_generations": 4,
+            "max_completion_length": 5,
+            "rewards": [{"name": "length", "max_chars": 8}],  # a spread: the groups' advantages are not 0
+            "seed_each_completion": True,
+        },
+    }
+    recipe.write_text(json.dumps(values))  # YAML reads JSON
+    bf16 = ["--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16"]
+    one, two, stderr = one_and_two_processes(
+        tmp_path, *bf16, "--set", "train.max_steps=4", recipe=str(recipe)
+    )
+    assert "mixed precision: bf16" in stderr
+
+    def rows(out: Path) -> list[dict]:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    expected, got = rows(one), rows(two)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4]
+    sampled = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"]
+    # the same completions: every figure computed from them alone is equal, not close
+    assert [[r[k] for k in sampled] for r in got] == [[r[k] for k in sampled] for r in expected]
+    for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
+        assert abs(a["loss"] - b["loss"]) <= 2e-2 * max(abs(a["loss"]), 1e-3), (expected, got)
+    adapter_one = load_file(one / "adapter_model.safetensors")
+    adapter_two = load_file(two / "adapter_model.safetensors")
+    assert adapter_one.keys() == adapter_two.keys()
+    moved = max(t.abs().max() for name, t in adapter_one.items() if "lora_B" in name)
+    diff = max((adapter_one[name] - adapter_two[name]).abs().max() for name in adapter_one)
+    assert moved > 0 and diff < 0.05 * moved, (moved, diff)
