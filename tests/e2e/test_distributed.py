@@ -220,11 +220,20 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
     sampled = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"]
     # the same completions: every figure computed from them alone is equal, not close
     assert [[r[k] for k in sampled] for r in got] == [[r[k] for k in sampled] for r in expected]
-    for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
-        assert abs(a["loss"] - b["loss"]) <= 2e-2 * max(abs(a["loss"]), 1e-3), (expected, got)
-    adapter_one = load_file(one / "adapter_model.safetensors")
-    adapter_two = load_file(two / "adapter_model.safetensors")
-    assert adapter_one.keys() == adapter_two.keys()
-    moved = max(t.abs().max() for name, t in adapter_one.items() if "lora_B" in name)
-    diff = max((adapter_one[name] - adapter_two[name]).abs().max() for name in adapter_one)
-    assert moved > 0 and diff < 0.05 * moved, (moved, diff)
+    assert any(r["reward_std"] > 0 for r in expected), "no reward spread: nothing trained on the rollouts"
+    # bf16 matmuls: rounding differs with the split. The gradient within the SFT test's 2e-2; the loss
+    # is beta x KL here (the policy term's value is 0 with one iteration), the square of a small
+    # difference of two bf16 log-probabilities, so their rounding moves it by a few percent (2.2% seen).
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"], (expected, got)
+        assert abs(a["loss"] - b["loss"]) <= 5e-2 * a["loss"] + 1e-6, (expected, got)
+    # The adapter's weight update, B @ A per module: Adam turns the sign of each tiny gradient entry
+    # into a full-size step, so bf16 rounding moves a module's update by a few percent (up to 7% seen);
+    # different rollouts (the option off) move it by about its own size.
+    one_, two_ = (load_file(out / "adapter_model.safetensors") for out in (one, two))
+    assert one_.keys() == two_.keys()
+    pairs = [(name, name.replace("lora_B", "lora_A")) for name in one_ if "lora_B" in name]
+    update = {out: [t[b] @ t[a] for b, a in pairs] for out, t in (("one", one_), ("two", two_))}
+    size = sum(u.norm() ** 2 for u in update["one"]) ** 0.5
+    diff = sum((u - v).norm() ** 2 for u, v in zip(update["one"], update["two"], strict=True)) ** 0.5
+    assert size > 0 and diff < 0.1 * size, (float(size), float(diff))
