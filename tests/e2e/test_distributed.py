@@ -190,9 +190,15 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
 
 
 def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
-    """grpo.seed_each_completion on 2 processes, under bf16 autocast: the same rollouts as one process
-    with both halves of the batch, so the same rewards step for step, the same losses and the same
-    adapter (without the option TRL's rollouts depend on the process: the test above)."""
+    """grpo.seed_each_completion on 2 processes: the same rollouts as one process with both halves of
+    the batch, so the same rewards step for step, the same losses and the same adapter (without the
+    option TRL's rollouts depend on the process: the test above).
+
+    fp32 compute, as the first test here: under bf16 autocast the two runs' weights differ by rounding
+    after the first update (Adam turns each tiny gradient entry's sign into a full step: ~5% of the
+    adapter's update), and sooner or later a sampled token flips (train.seed 1: at step 4), after which
+    the runs rightly part; that is rounding, not seeding. The seeding under bf16 autocast:
+    tests/test_grpo.py (a prompt sampled alone or beside others)."""
     recipe = tmp_path / "grpo.yaml"
     values = {
         "data": {"max_seq_len": 64},
@@ -206,11 +212,7 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
         },
     }
     recipe.write_text(json.dumps(values))  # YAML reads JSON
-    bf16 = ["--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16"]
-    one, two, stderr = one_and_two_processes(
-        tmp_path, *bf16, "--set", "train.max_steps=4", recipe=str(recipe)
-    )
-    assert "mixed precision: bf16" in stderr
+    one, two, _ = one_and_two_processes(tmp_path, "--set", "train.max_steps=4", recipe=str(recipe))
 
     def rows(out: Path) -> list[dict]:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -221,19 +223,14 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
     # the same completions: every figure computed from them alone is equal, not close
     assert [[r[k] for k in sampled] for r in got] == [[r[k] for k in sampled] for r in expected]
     assert any(r["reward_std"] > 0 for r in expected), "no reward spread: nothing trained on the rollouts"
-    # bf16 matmuls: rounding differs with the split. The gradient within the SFT test's 2e-2; the loss
-    # is beta x KL here (the policy term's value is 0 with one iteration), the square of a small
-    # difference of two bf16 log-probabilities, so their rounding moves it by a few percent (2.2% seen).
-    for a, b in zip(expected, got, strict=True):
-        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"], (expected, got)
-        assert abs(a["loss"] - b["loss"]) <= 5e-2 * a["loss"] + 1e-6, (expected, got)
-    # The adapter's weight update, B @ A per module: Adam turns the sign of each tiny gradient entry
-    # into a full-size step, so bf16 rounding moves a module's update by a few percent (up to 7% seen);
-    # different rollouts (the option off) move it by about its own size.
+    for a, b in zip(expected, got, strict=True):  # exact up to reduction order, as the first test here
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (expected, got)
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * a["loss"] + 1e-6, (expected, got)
+    # The adapter's weight update, B @ A per module (different rollouts move it by about its own size)
     one_, two_ = (load_file(out / "adapter_model.safetensors") for out in (one, two))
     assert one_.keys() == two_.keys()
     pairs = [(name, name.replace("lora_B", "lora_A")) for name in one_ if "lora_B" in name]
     update = {out: [t[b] @ t[a] for b, a in pairs] for out, t in (("one", one_), ("two", two_))}
     size = sum(u.norm() ** 2 for u in update["one"]) ** 0.5
     diff = sum((u - v).norm() ** 2 for u, v in zip(update["one"], update["two"], strict=True)) ** 0.5
-    assert size > 0 and diff < 0.1 * size, (float(size), float(diff))
+    assert size > 0 and diff < 1e-3 * size, (float(size), float(diff))
