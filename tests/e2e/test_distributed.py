@@ -152,8 +152,9 @@ def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
 def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     """train.objective grpo on 2 processes: what can equal one process does. TRL 1.16 seeds each process's
     sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
-    generate call, so the rollouts cannot equal one process's; the prompts per step, the completions
-    trained per step and the checkpoint's per-process rollout random state can (README, GRPO)."""
+    generate call, so without grpo.seed_each_completion (the next test) the rollouts cannot equal one
+    process's; the prompts per step, the completions trained per step and the checkpoint's per-process
+    rollout random state can (README, GRPO)."""
     recipe = tmp_path / "grpo.yaml"
     values = {
         "data": {"max_seq_len": 64},
