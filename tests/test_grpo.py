@@ -301,3 +301,30 @@ def test_grpo_neither_probes_nor_splits_its_micro_batches(tmp_path):
     assert oom_policy(recipe).on_oom == "stop"
     sft = Recipe.from_dict({"train": {"probe_worst_batch": True}})
     assert probes_worst_batch(sft) and oom_policy(sft).on_oom == "split"
+
+
+@pytest.mark.slow  # builds a run and samples from it (no training): tens of seconds on 2 busy cores
+def test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others(tmp_path):
+    values = grpo_values(tmp_path / "out", mixed_precision="bf16")
+    values["grpo"]["seed_each_completion"] = True
+    trainer = build(Recipe.from_dict(values)).trainer
+    trainer.model.train()  # as in training: TRL samples from the model in training mode
+    first, second = trainer._tokenize_prompts([trainer.train_dataset[i]["prompt"] for i in range(2)])[0]
+
+    def sample(rows: list[list[int]]) -> list[list[int]]:
+        torch.manual_seed(0)  # the process's own random state, which the option must not read or move
+        before = torch.get_rng_state()
+        completions, _ = trainer._generate_single_turn(rows, None, {}, 4)
+        moved = not torch.equal(torch.get_rng_state(), before)
+        assert moved is not trainer.seed_each_completion, "the option leaves the process's random state"
+        return completions
+
+    alone = sample([second] * 4)
+    assert sample([first] * 4 + [second] * 4)[4:] == alone  # beside another prompt's group: the same
+    assert len({tuple(c) for c in alone}) > 1, "each copy of a prompt draws its own completion"
+    trainer.state.global_step = 1
+    assert sample([second] * 4) != alone, "a later step samples anew"
+    trainer.state.global_step = 0
+    # TRL's batched sampling (the option off): a completion depends on the rows sampled beside it
+    trainer.seed_each_completion = False
+    assert sample([first] * 4 + [second] * 4)[4:] != sample([second] * 4)

@@ -57,6 +57,8 @@ class GrpoSection(Section):
     """Clipping of the policy ratio to [1 - epsilon, 1 + epsilon]."""
     rewards: list[RewardSection] = Field(default_factory=list)
     """The reward functions, summed by weight: builtins by name (exact_match, number_match, regex, length) or module:function."""
+    seed_each_completion: bool = False
+    """Sample each completion alone under a seed of (train.seed, step, prompt, copy), so rollouts are the same on any number of processes; one generate call per completion instead of per batch: slower rollouts on a GPU."""
 
     @model_validator(mode="after")
     def _check_rewards(self) -> GrpoSection:

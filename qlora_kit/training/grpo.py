@@ -22,10 +22,15 @@ What this module changes in TRL's behaviour, and why:
 - The dead-gradient guard waits for a step with a reward signal: when every group's completions got the
   same reward and beta is 0, every gradient is exactly zero in a healthy run (``RewardGuard``).
 - TRL's telemetry ping at construction is not sent.
+- ``grpo.seed_each_completion`` (off by default) samples each completion alone under a seed of its own,
+  so the rollouts do not depend on how the prompts are split across processes (``seeded_rollout``).
 """
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -70,7 +75,10 @@ def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: 
 
 def trainer_extras(recipe: Recipe) -> dict:
     """What GRPOTrainer takes besides the Trainer's arguments: the reward functions, in recipe order."""
-    return {"reward_funcs": reward_functions(recipe.grpo.rewards)}
+    return {
+        "reward_funcs": reward_functions(recipe.grpo.rewards),
+        "seed_each_completion": recipe.grpo.seed_each_completion,
+    }
 
 
 def check_batch(recipe: Recipe, processes: int) -> None:
@@ -93,9 +101,10 @@ def check_batch(recipe: Recipe, processes: int) -> None:
 class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
     """GRPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 
-    def __init__(self, *args, model, **kwargs) -> None:
+    def __init__(self, *args, model, seed_each_completion: bool = False, **kwargs) -> None:
         fp32 = {name: p.data for name, p in model.named_parameters() if p.requires_grad}
         super().__init__(*args, model=model, **kwargs)
+        self.seed_each_completion = seed_each_completion
         self.policy_restored = 0
         for name, parameter in self.model.named_parameters():
             if name in fp32 and parameter.dtype != fp32[name].dtype:
@@ -122,12 +131,64 @@ class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
     def _send_telemetry(self) -> None:
         pass
 
+    def _generate_single_turn(
+        self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
+    ):
+        """With ``grpo.seed_each_completion``: one ``generate`` call per completion, each under its own seed.
+
+        TRL samples a process's whole batch in one call after seeding each process differently
+        (``set_seed(seed, device_specific=True)`` in ``GRPOTrainer.__init__``), so a completion's random
+        draws depend on the process and on the rows sampled beside it. Alone and under a seed of what the
+        row is (``seeded_rollout``), a completion is the same on one process or several; the cost is the
+        batching that makes rollouts fast on a GPU. Text prompts only (qlora_kit's formats have no images).
+        """
+        if not self.seed_each_completion:
+            return super()._generate_single_turn(
+                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
+            )
+        # This process holds rows [start, start + len) of the step's batch: accelerate hands each
+        # process consecutive slices of the sampler's order, where a prompt's num_generations copies
+        # are adjacent, so a row's copy index within its group is its global position modulo the group.
+        start = self.accelerator.process_index * len(prompt_ids)
+        completions, logprobs = [], []
+        for offset, ids in enumerate(prompt_ids):
+            copy = (start + offset) % num_generations
+            with seeded_rollout(self.args.seed, self.state.global_step, ids, copy, self.accelerator.device):
+                one, one_logprobs = super()._generate_single_turn([ids], None, {}, num_generations)
+            completions += one
+            logprobs += one_logprobs or []
+        return completions, logprobs or None
+
     def reference_description(self, adapter: str | None) -> str:
         if self.beta == 0:
             return "not used (grpo.beta is 0: no KL penalty, no reference forward)"
         if adapter is None:
             return "the base model (the reference adapter is the new adapter's start, B = 0)"
         return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+
+
+def rollout_seed(seed: int, step: int, prompt_ids: list[int], copy: int) -> int:
+    """A seed from what a completion is, not where it is sampled: train.seed, the optimizer step the
+    rollout is for, the prompt's tokens and the copy's index in its group (a stable hash: Python's
+    ``hash`` of a str differs per process). A prompt that occurs twice in one step's batch (a duplicate
+    row in the data) draws the same completions for both of its groups."""
+    key = f"{seed}|{step}|{copy}|{','.join(map(str, prompt_ids))}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
+
+
+@contextmanager
+def seeded_rollout(
+    seed: int, step: int, prompt_ids: list[int], copy: int, device: torch.device
+) -> Iterator[None]:
+    """Run the block under ``rollout_seed``'s random state, then give the process its own state back, so
+    dropout and the checkpointed rollout random state (resume) are what they would be without it."""
+    accelerators = [device] if device.type != "cpu" else []
+    with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else None):
+        value = rollout_seed(seed, step, prompt_ids, copy)
+        torch.random.default_generator.manual_seed(value)
+        if accelerators:  # the device sampling runs on (torch.manual_seed would reseed every GPU)
+            torch.get_device_module(device.type).manual_seed(value)
+        yield
 
 
 class RewardGuard(TrainingGuard):

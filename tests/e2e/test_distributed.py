@@ -152,8 +152,9 @@ def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
 def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     """train.objective grpo on 2 processes: what can equal one process does. TRL 1.16 seeds each process's
     sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
-    generate call, so the rollouts cannot equal one process's; the prompts per step, the completions
-    trained per step and the checkpoint's per-process rollout random state can (README, GRPO)."""
+    generate call, so without grpo.seed_each_completion (the next test) the rollouts cannot equal one
+    process's; the prompts per step, the completions trained per step and the checkpoint's per-process
+    rollout random state can (README, GRPO)."""
     recipe = tmp_path / "grpo.yaml"
     values = {
         "data": {"max_seq_len": 64},
@@ -187,3 +188,50 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     adapter = load_file(two / "adapter_model.safetensors")
     assert adapter and not any(".ref." in name for name in adapter)
     assert any("lora_B" in name and t.abs().sum() > 0 for name, t in adapter.items()), "the adapter trained"
+
+
+def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
+    """grpo.seed_each_completion on 2 processes: the same rollouts as one process with both halves of
+    the batch, so the same rewards step for step, the same losses and the same adapter (without the
+    option TRL's rollouts depend on the process: the test above).
+
+    fp32 compute, as the first test here: under bf16 autocast the two runs' weights differ by rounding
+    after the first update (Adam turns each tiny gradient entry's sign into a full step: ~5% of the
+    adapter's update), and sooner or later a sampled token flips (train.seed 1: at step 4), after which
+    the runs rightly part; that is rounding, not seeding. The seeding under bf16 autocast:
+    tests/test_grpo.py (a prompt sampled alone or beside others)."""
+    recipe = tmp_path / "grpo.yaml"
+    values = {
+        "data": {"max_seq_len": 64},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {"objective": "grpo"},
+        "grpo": {
+            "num_generations": 4,
+            "max_completion_length": 5,
+            "rewards": [{"name": "length", "max_chars": 8}],  # a spread: the groups' advantages are not 0
+            "seed_each_completion": True,
+        },
+    }
+    recipe.write_text(json.dumps(values))  # YAML reads JSON
+    one, two, _ = one_and_two_processes(tmp_path, "--set", "train.max_steps=4", recipe=str(recipe))
+
+    def rows(out: Path) -> list[dict]:
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    expected, got = rows(one), rows(two)
+    assert [r["step"] for r in got] == [r["step"] for r in expected] == [1, 2, 3, 4]
+    sampled = ["reward", "reward_std", "frac_reward_zero_std", "completions/mean_length"]
+    # the same completions: every figure computed from them alone is equal, not close
+    assert [[r[k] for k in sampled] for r in got] == [[r[k] for k in sampled] for r in expected]
+    assert any(r["reward_std"] > 0 for r in expected), "no reward spread: nothing trained on the rollouts"
+    for a, b in zip(expected, got, strict=True):  # exact up to reduction order, as the first test here
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-3 * a["grad_norm"], (expected, got)
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * a["loss"] + 1e-6, (expected, got)
+    # The adapter's weight update, B @ A per module (different rollouts move it by about its own size)
+    one_, two_ = (load_file(out / "adapter_model.safetensors") for out in (one, two))
+    assert one_.keys() == two_.keys()
+    pairs = [(name, name.replace("lora_B", "lora_A")) for name in one_ if "lora_B" in name]
+    update = {out: [t[b] @ t[a] for b, a in pairs] for out, t in (("one", one_), ("two", two_))}
+    size = sum(u.norm() ** 2 for u in update["one"]) ** 0.5
+    diff = sum((u - v).norm() ** 2 for u, v in zip(update["one"], update["two"], strict=True)) ** 0.5
+    assert size > 0 and diff < 1e-3 * size, (float(size), float(diff))
