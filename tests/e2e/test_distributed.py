@@ -149,26 +149,28 @@ def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
     assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr
 
 
+def grpo_recipe(tmp_path: Path, **grpo) -> str:
+    """A GRPO recipe on the demo: 4 completions of 5 tokens per prompt, rewarded by length (the lengths
+    vary, so the groups' advantages are not all 0)."""
+    recipe = tmp_path / "grpo.yaml"
+    rewards = [{"name": "length", "max_chars": 8}]
+    values = {
+        "data": {"max_seq_len": 64},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {"objective": "grpo"},
+        "grpo": {"num_generations": 4, "max_completion_length": 5, "rewards": rewards, **grpo},
+    }
+    recipe.write_text(json.dumps(values))  # YAML reads JSON
+    return str(recipe)
+
+
 def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     """train.objective grpo on 2 processes: what can equal one process does. TRL 1.16 seeds each process's
     sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
     generate call, so without grpo.seed_each_completion (the next test) the rollouts cannot equal one
     process's; the prompts per step, the completions trained per step and the checkpoint's per-process
     rollout random state can (README, GRPO)."""
-    recipe = tmp_path / "grpo.yaml"
-    values = {
-        "data": {"max_seq_len": 64},
-        "optimizer": {"lr": 1.0e-3},
-        "train": {"objective": "grpo"},
-        # a reward with a spread: the completions' lengths vary, so the groups' advantages are not all 0
-        "grpo": {
-            "num_generations": 4,
-            "max_completion_length": 5,
-            "rewards": [{"name": "length", "max_chars": 8}],
-        },
-    }
-    recipe.write_text(json.dumps(values))  # YAML reads JSON
-    one, two, stderr = one_and_two_processes(tmp_path, recipe=str(recipe))
+    one, two, stderr = one_and_two_processes(tmp_path, recipe=grpo_recipe(tmp_path))
 
     def rows(out: Path) -> list[dict]:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -200,20 +202,8 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
     adapter's update), and sooner or later a sampled token flips (train.seed 1: at step 4), after which
     the runs rightly part; that is rounding, not seeding. The seeding under bf16 autocast:
     tests/test_grpo.py (a prompt sampled alone or beside others)."""
-    recipe = tmp_path / "grpo.yaml"
-    values = {
-        "data": {"max_seq_len": 64},
-        "optimizer": {"lr": 1.0e-3},
-        "train": {"objective": "grpo"},
-        "grpo": {
-            "num_generations": 4,
-            "max_completion_length": 5,
-            "rewards": [{"name": "length", "max_chars": 8}],  # a spread: the groups' advantages are not 0
-            "seed_each_completion": True,
-        },
-    }
-    recipe.write_text(json.dumps(values))  # YAML reads JSON
-    one, two, _ = one_and_two_processes(tmp_path, "--set", "train.max_steps=4", recipe=str(recipe))
+    recipe = grpo_recipe(tmp_path, seed_each_completion=True)
+    one, two, _ = one_and_two_processes(tmp_path, "--set", "train.max_steps=4", recipe=recipe)
 
     def rows(out: Path) -> list[dict]:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
