@@ -234,6 +234,14 @@ def overrides() -> st.SearchStrategy:
     return st.lists(switches | st.one_of(anywhere), max_size=3)
 
 
+def user_yaml(values: dict) -> str:
+    """The recipe as a user writes it, unicode as it is typed. PyYAML writes NEL, LS and PS raw under
+    allow_unicode and reads them back as line breaks (YAML's own line-break characters), so a text that
+    holds one is written escaped, as a user would have to write it."""
+    breaks = any(c in json.dumps(values, ensure_ascii=False) for c in "\x85\u2028\u2029")
+    return yaml.safe_dump(values, allow_unicode=not breaks)
+
+
 def loaded(path: Path, sets: list[str], output_dir: str | Path | None) -> Recipe | str:
     """What the command line makes of a recipe file: the recipe, or its one-line error."""
     try:
@@ -271,7 +279,7 @@ def test_set_and_output_dir_do_the_same_to_the_users_file_and_the_runs_recipe(
     values, recipe = case
     folder = tmp_path_factory.mktemp("recipes")
     users, runs = folder / "mine.yaml", folder / "recipe.yaml"
-    users.write_text(yaml.safe_dump(values, allow_unicode=True), encoding="utf-8")
+    users.write_text(user_yaml(values), encoding="utf-8")
     runs.write_text(recipe.to_yaml(), encoding="utf-8")
     assert loaded(runs, sets, output_dir) == loaded(users, sets, output_dir)
 
