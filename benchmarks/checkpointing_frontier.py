@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, parser, timed_step, write_result
+from common import budget_between, markdown_table, parser, timed_step, uniform_fitting, write_result
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
@@ -98,10 +98,9 @@ def recipe_for(folder: Path, memory_fields: dict, out: Path, batch: int, seq: in
 def settings_for(folder: Path, out: Path, batch: int, seq: int, fractions) -> tuple[dict, dict]:
     """name -> memory fields: the uniform policies, auto at each budget and the every_n fitting it; and
     name -> the budget (GiB) for auto's rows."""
-    from qlora_kit.memory.planner import GIB, plan
+    from qlora_kit.memory.planner import plan
 
     the_plan = plan(recipe_for(folder, {}, out, batch, seq), device="cpu")
-    peaks = {row.policy: row.peak for row in the_plan.policies}
     settings = {
         "none": {"checkpointing": "none"},
         "every_n=2": {"checkpointing": "every_n", "every_n": 2},
@@ -111,15 +110,12 @@ def settings_for(folder: Path, out: Path, batch: int, seq: int, fractions) -> tu
     }
     budgets = {}
     for fraction in fractions:
-        budget = (peaks["full"] + fraction * (peaks["none"] - peaks["full"])) / GIB
+        budget = budget_between(the_plan, fraction)
         settings[f"auto @ {fraction:g}"] = {"checkpointing": "auto", "budget_gb": budget}
         budgets[f"auto @ {fraction:g}"] = budget
-        uniform = [r for r in the_plan.policies if r.policy != "selective" and r.peak <= budget * GIB]
-        fewest = min(uniform, key=lambda r: r.recompute_layers)
-        n = int(fewest.policy.partition("=")[2] or 1)
-        fields = {"checkpointing": "every_n", "every_n": n} if n > 1 else {"checkpointing": fewest.policy}
-        settings[f"{fewest.policy} @ {fraction:g}"] = fields
-        budgets[f"{fewest.policy} @ {fraction:g}"] = budget
+        label, fields = uniform_fitting(the_plan, budget)
+        settings[f"{label} @ {fraction:g}"] = fields
+        budgets[f"{label} @ {fraction:g}"] = budget
     return settings, budgets
 
 

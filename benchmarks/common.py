@@ -104,3 +104,20 @@ def write_result(name: str, title: str, table: str, notes: str = "", folder: Pat
     path.write_text(text, encoding="utf-8")
     print(text)
     return path
+
+
+def budget_between(the_plan, fraction: float) -> float:
+    """GiB ``fraction`` of the way from full checkpointing's planned peak to none's (auto's budgets)."""
+    peaks = {row.policy: row.peak for row in the_plan.policies}
+    return (peaks["full"] + fraction * (peaks["none"] - peaks["full"])) / 1024**3
+
+
+def uniform_fitting(the_plan, budget_gb: float) -> tuple[str, dict]:
+    """The planner's uniform choice for a budget, what auto chose before it mixed policies per layer: of
+    the uniform policies but selective whose planned peak fits, the one recomputing the fewest layers;
+    (its label, its memory fields)."""
+    fitting = [r for r in the_plan.policies if r.policy != "selective" and r.peak <= budget_gb * 1024**3]
+    fewest = min(fitting, key=lambda r: r.recompute_layers)
+    n = int(fewest.policy.partition("=")[2] or 1)
+    fields = {"checkpointing": "every_n", "every_n": n} if n > 1 else {"checkpointing": fewest.policy}
+    return fewest.policy, fields

@@ -44,7 +44,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from common import parser
+from common import budget_between, parser, uniform_fitting
 
 GIB = 1024**3
 FULL_SHAPE = {
@@ -136,12 +136,11 @@ def frontier_policies(folder: Path, data: Path, batch: int, seq: int, steps: int
     it (its recompute costs timed on this device), and the every_n the planner finds fitting the same
     budget with the fewest recomputed layers: (label, memory fields) for ``policy_rows``."""
     from qlora_kit.memory.auto import resolve_auto
-    from qlora_kit.memory.planner import GIB, plan
+    from qlora_kit.memory.planner import plan
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     the_plan = plan(recipe_for(folder, data, {}, batch, seq, steps), batch=batch, seq=seq, device=device)
-    peaks = {row.policy: row.peak for row in the_plan.policies}
-    budget = (peaks["full"] + (peaks["none"] - peaks["full"]) / 2) / GIB
+    budget = budget_between(the_plan, 0.5)
     memory, costs = resolve_auto(
         recipe_for(folder, data, {"checkpointing": "auto", "budget_gb": budget}, batch, seq, steps)
     )
@@ -156,12 +155,9 @@ def frontier_policies(folder: Path, data: Path, batch: int, seq: int, steps: int
         "every_n": memory.every_n,
         "layer_policies": memory.layer_policies,
     }
-    uniform = [r for r in the_plan.policies if r.policy != "selective" and r.peak <= budget * GIB]
-    fewest = min(uniform, key=lambda r: r.recompute_layers)
-    n = int(fewest.policy.partition("=")[2] or 1)
-    every = {"checkpointing": "every_n", "every_n": n} if n > 1 else {"checkpointing": fewest.policy}
+    label, every = uniform_fitting(the_plan, budget)
     source = costs.source if costs is not None else "counted FLOPs"
-    return [(f"auto @ 0.5 ({mix}; {source})", fields), (f"{fewest.policy} @ 0.5", every)]
+    return [(f"auto @ 0.5 ({mix}; {source})", fields), (f"{label} @ 0.5", every)]
 
 
 def policy_rows(
