@@ -74,6 +74,45 @@ def test_overrides_are_parsed_as_yaml_scalars():
     assert recipe.lora.target_modules == ["q_proj", "v_proj"]
 
 
+def test_set_reaches_a_field_at_any_depth():
+    recipe = Recipe.from_yaml(
+        ROOT / "recipes" / "demo.yaml",
+        overrides=["data.preflight.min_end_token_share=0", "data.preflight.max_untrained_share=0.25"],
+    )
+    assert recipe.data.preflight.min_end_token_share == 0
+    assert recipe.data.preflight.max_untrained_share == 0.25
+    assert recipe.data.source_list() == Recipe.from_yaml(ROOT / "recipes" / "demo.yaml").data.source_list()
+    with pytest.raises(RecipeError, match=r"^data\.preflight\.nosuch: unknown key"):
+        Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=["data.preflight.nosuch=1"])
+
+
+@pytest.mark.parametrize(
+    "typed", ["no", "yes", "on", "off", "null", "NULL", "~", "1e3", "1.10", "0123", "true"]
+)
+def test_a_text_field_gets_the_text_typed_on_the_command_line(typed):
+    """YAML 1.1 reads no/yes/on/off as booleans, null as None and 1.10 as a number; a field that takes
+    text (and not what YAML reads) gets the text as typed."""
+    values = apply_overrides({}, [f"model.revision={typed}", f"train.project={typed}"])
+    assert values["train"]["project"] == typed
+    # model.revision takes None too: YAML's null spellings unset it, as in a recipe file
+    assert values["model"]["revision"] == (None if typed in ("null", "NULL", "~") else typed)
+    recipe = Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=[f"train.project={typed}"])
+    assert recipe.train.project == typed
+
+
+def test_a_literal_field_gets_its_choice_and_other_fields_keep_yaml_types():
+    recipe = Recipe.from_yaml(
+        ROOT / "recipes" / "demo.yaml",
+        overrides=["train.mixed_precision=no", "data.packing=true", "lora.rank=8", "lora.dropout=0"],
+    )
+    assert recipe.train.mixed_precision == "no"
+    assert recipe.data.packing is True and recipe.lora.rank == 8 and recipe.lora.dropout == 0.0
+    assert (
+        Recipe.from_yaml(ROOT / "recipes" / "demo.yaml", overrides=["data.packing=auto"]).data.packing
+        == "auto"
+    )
+
+
 def test_relative_paths_resolve_against_the_recipe_folder(tmp_path):
     folder = tmp_path / "recipes"
     folder.mkdir()

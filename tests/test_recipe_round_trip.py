@@ -25,13 +25,13 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, Phase, given, reject, settings
 from hypothesis import strategies as st
-from pydantic import BaseModel
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from qlora_kit.cli.app import load_recipe
 from qlora_kit.errors import RecipeError
 from qlora_kit.model.builtin import TINY_ARCHITECTURES
 from qlora_kit.recipe.data import SourceSection
-from qlora_kit.recipe.recipe import Recipe
+from qlora_kit.recipe.recipe import Recipe, apply_overrides
 from qlora_kit.registries.attention import KERNELS
 from qlora_kit.registries.formats import FORMATS
 
@@ -211,13 +211,11 @@ def overrides() -> st.SearchStrategy:
     """--set lines over any field (train.objective included: no default follows another field, since
     data.packing: auto resolves at run time), and the switches between exclusive fields in particular."""
     anywhere = []
-    for section, field in Recipe.model_fields.items():
-        for name, inner in field.annotation.model_fields.items():
-            key = f"{section}.{name}"
-            if key in ("data.sources", "data.preflight"):
-                continue
-            strategy = value_strategy(key, inner.annotation, inner.metadata, [*ROW_FORMATS, *PAIR_FORMATS])
-            anywhere.append(strategy.map(lambda value, key=key: f"{key}={json.dumps(value)}"))
+    for key, inner in leaf_fields(Recipe):
+        if key.startswith("data.sources"):
+            continue
+        strategy = value_strategy(key, inner.annotation, inner.metadata, [*ROW_FORMATS, *PAIR_FORMATS])
+        anywhere.append(strategy.map(lambda value, key=key: f"{key}={json.dumps(value)}"))
     switches = st.sampled_from(
         [
             'data.sources=[{"path": "builtin:demo-facts", "weight": 2}]',
@@ -232,6 +230,54 @@ def overrides() -> st.SearchStrategy:
         ]
     )
     return st.lists(switches | st.one_of(anywhere), max_size=3)
+
+
+def leaf_fields(model: type[BaseModel], prefix: str = ""):
+    """(dotted key, field) for every field that is not itself a section, at any depth (--set reaches all)."""
+    for name, field in model.model_fields.items():
+        key = f"{prefix}{name}"
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from leaf_fields(field.annotation, f"{key}.")
+        else:
+            yield key, field
+
+
+def takes_text(annotation) -> list[str] | None:
+    """The texts a field takes: its literal choices, [] for free text, None for a field that takes none."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return [a for a in typing.get_args(annotation) if isinstance(a, str)] or None
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        found = [takes_text(arg) for arg in typing.get_args(annotation)]
+        found = [f for f in found if f is not None]
+        return None if not found else [] if [] in found else [text for f in found for text in f]
+    return [] if annotation is str else None
+
+
+TEXT_FIELDS = [(key, field) for key, field in leaf_fields(Recipe) if takes_text(field.annotation) is not None]
+# What YAML 1.1 reads as something other than text: booleans, None, numbers
+NOT_TEXT_TO_YAML = [
+    "no",
+    "yes",
+    "on",
+    "off",
+    "Off",
+    "y",
+    "null",
+    "Null",
+    "~",
+    "1e3",
+    "1.10",
+    "0123",
+    "12",
+    "true",
+]
+
+
+@st.composite
+def typed_text_sets(draw) -> tuple[str, str]:
+    key, field = draw(st.sampled_from(TEXT_FIELDS))
+    choices = takes_text(field.annotation)
+    return key, draw(st.sampled_from(choices or NOT_TEXT_TO_YAML))
 
 
 def user_yaml(values: dict) -> str:
@@ -305,3 +351,29 @@ def test_a_mixture_run_writes_no_data_path_and_takes_its_overrides(tmp_path):
     saved.write_text(recipe.to_yaml())
     assert yaml.safe_load(saved.read_text())["data"]["path"] is None
     assert load_recipe(saved, ["train.max_steps=2"], None) == recipe.with_overrides({"train.max_steps": 2})
+
+
+def test_the_text_fields_are_found():
+    keys = [key for key, _ in TEXT_FIELDS]
+    assert {"train.mixed_precision", "model.revision", "train.project", "data.packing"} <= set(keys)
+
+
+@FAST
+@given(typed=st.lists(typed_text_sets(), min_size=1, max_size=4, unique_by=lambda kv: kv[0]))
+def test_set_hands_a_text_field_the_text_typed(typed):
+    """--set key=value: a field that takes text gets the text typed, never YAML 1.1's reading of it
+    (``no`` as false, ``1.10`` as 1.1), unless the field takes that reading too (None for an optional
+    field, true for data.packing)."""
+    values = apply_overrides({}, [f"{key}={text}" for key, text in typed])
+    for key, text in typed:
+        section, *path = key.split(".")
+        got = values[section]
+        for name in path:
+            got = got[name]
+        read = yaml.safe_load(text)
+        try:  # pydantic's strict mode as the judge of whether the field takes YAML's reading as it is
+            TypeAdapter(dict(TEXT_FIELDS)[key].annotation).validate_python(read, strict=True)
+            takes_read = True
+        except ValidationError:
+            takes_read = False
+        assert got == (read if takes_read else text), (key, text, got)

@@ -6,7 +6,8 @@
 - ``memory``: the memory section (checkpointing per layer, offload, the chunked loss head);
 - ``grpo``: the grpo section (how ``train.objective: grpo`` samples, scores and learns) and its rules;
 - ``paths``: the recipe's input paths, listed in one place (``Recipe.input_paths``);
-- ``recipe``: the other sections, the cross-section rules, YAML loading and ``--set`` overrides;
+- ``recipe``: the other sections, the cross-section rules and YAML loading;
+- ``overrides``: ``--set`` at any depth, each value typed as its field takes it;
 - ``shipped``: the recipes shipped inside the package, found by name (``qlora-kit train demo``).
 
 Modules are imported by path (``from qlora_kit.recipe.recipe import Recipe``; the public API exports

@@ -20,6 +20,7 @@ import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.recipe import overrides as overrides_
 from qlora_kit.recipe.base import Section, describe_validation_error, one_line
 from qlora_kit.recipe.data import DataSection
 from qlora_kit.recipe.grpo import GrpoSection, check_grpo
@@ -314,29 +315,8 @@ class Recipe(Section):
 
 
 def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
-    """Apply ``section.field=value`` overrides; values are parsed as YAML scalars (``16``, ``true``, ``[a, b]``)."""
-    if isinstance(overrides, dict):
-        pairs = list(overrides.items())
-    else:
-        pairs = []
-        for item in overrides:
-            key, sep, raw = item.partition("=")
-            if not sep or not key.strip():
-                raise RecipeError(f"--set {item!r}: expected section.field=value")
-            try:
-                pairs.append((key.strip(), yaml.safe_load(raw)))
-            except yaml.YAMLError:
-                raise RecipeError(f"--set {key}: cannot parse value {raw!r}") from None
-    merged = {k: dict(v) if isinstance(v, dict) else v for k, v in values.items()}
-    for key, value in pairs:
-        section, dot, field = key.partition(".")
-        if not dot or not field or "." in field:
-            raise RecipeError(f"--set {key}: expected section.field (for example lora.rank)")
-        target = merged.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise RecipeError(f"{section}: must be a mapping (got {target!r})")
-        target[field] = value
-    return merged
+    """Apply dotted overrides to a recipe's values (overrides.py: any depth, text fields get text)."""
+    return overrides_.apply_overrides(values, overrides, Recipe)
 
 
 def check_objective(recipe: Recipe) -> None:
