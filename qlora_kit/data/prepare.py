@@ -302,7 +302,7 @@ class _RowTokenizer:
             "digest": _digest(prompt + [-1] + answers[0] + [-1] + answers[1]),
             "prefix_ok": -1,  # a chat pair whose prompt renders differently is a row error
             "trained_tokens": min(len(ids) for ids in answers),  # a pair trains only with both answers
-            "trains_end": all(ids and ids[-1] in self.ends for ids in answers),
+            "trains_end": all(_ends_with_end_token(ids, self.ends, self.tokenizer) for ids in answers),
             "length": len(prompt) + max(len(ids) for ids in answers),
         }
 
@@ -326,6 +326,17 @@ def _length_report(tokenized: Dataset, source: str, data: DataSection) -> Length
             f"(longest {max(lengths)}, shortest {min(lengths)})"
         )
     return report
+
+
+def _ends_with_end_token(ids: list[int], ends: set[int], tokenizer) -> bool:
+    """The answer's last token other than whitespace is an end token: ChatML's templates render a reply
+    as ``...<|im_end|>\n``, so the end-of-turn marker comes before the template's line break."""
+    for token in reversed(ids):
+        if token in ends:
+            return True
+        if tokenizer.decode([token]).strip():
+            return False
+    return False
 
 
 def _digest(ids: list[int]) -> str:
