@@ -2,6 +2,7 @@
 and a recipe-named Python reward as TRL calls them, and the zero-spread warning on real rollouts."""
 
 import logging
+import re
 import textwrap
 
 import pytest
@@ -76,13 +77,18 @@ def test_a_bad_reward_is_one_line_naming_the_field_and_exit_2(tmp_path, monkeypa
         ({"data": {"max_seq_len": 6}}, "grpo.max_completion_length: must be below data.max_seq_len"),
         ({"data": {"packing": True}}, "data.packing: not with train.objective grpo"),
         ({"train": {"objective": "sft"}}, "grpo: only applies to train.objective: grpo"),
+        # one completion per prompt is its group's mean: every advantage 0, a run that learns nothing
+        (
+            {"grpo": {"num_generations": 1}},
+            "grpo.num_generations: must be >= 2 (got 1): each completion's advantage",
+        ),
     ],
 )
 def test_impossible_grpo_recipes_are_refused_naming_the_field(tmp_path, values, message):
     merged = grpo_values(tmp_path / "out")
     for section, fields in values.items():
         merged[section] = {**merged[section], **fields}
-    with pytest.raises(RecipeError, match=message.replace("(", r"\(")):
+    with pytest.raises(RecipeError, match=re.escape(message)):
         Recipe.from_dict(merged)
 
 

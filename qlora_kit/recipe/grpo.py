@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from qlora_kit.recipe.base import Section
 from qlora_kit.registries.rewards import ARGUMENTS, REWARDS, is_python_reward
@@ -39,7 +39,7 @@ class RewardSection(Section):
 class GrpoSection(Section):
     """Reinforcement learning with rewards a program checks (``train.objective: grpo``)."""
 
-    num_generations: int = Field(8, ge=2)
+    num_generations: int = 8  # below 2 refused with the reason (_check_group)
     """Completions sampled per prompt; each one's advantage is its reward against the group's mean."""
     max_completion_length: int = Field(256, gt=0)
     """The most tokens a sampled completion may have (a prompt gets data.max_seq_len minus this)."""
@@ -59,6 +59,16 @@ class GrpoSection(Section):
     """The reward functions, summed by weight: builtins by name (exact_match, number_match, regex, length) or module:function."""
     seed_each_completion: bool = False
     """Sample each completion alone under a seed of (train.seed, step, prompt, copy), so rollouts are the same on any number of processes; one generate call per completion instead of per batch: slower rollouts on a GPU."""
+
+    @field_validator("num_generations")
+    @classmethod
+    def _check_group(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(
+                f"must be >= 2 (got {value}): each completion's advantage is its reward against its group's mean, "
+                "so a group of one has advantage 0 and nothing learns"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_rewards(self) -> GrpoSection:
