@@ -97,6 +97,21 @@ def test_recipes_copy_writes_it_out_and_never_overwrites(tmp_path, monkeypatch, 
     assert "nosuch: no shipped recipe of that name (there are: demo, demo-dpo," in err
 
 
+@pytest.mark.parametrize("existing", ["notes.txt", "mine.yaml", "folder-file/sub.yaml"])
+def test_recipes_copy_onto_an_existing_file_is_one_line(tmp_path, monkeypatch, capsys, existing):
+    """An existing DEST, whatever its suffix, is refused in one line and left as it was (a file with
+    another suffix is the destination named, not a folder to make; a file in the way of a folder too)."""
+    monkeypatch.chdir(tmp_path)
+    for name in ("notes.txt", "mine.yaml", "folder-file"):
+        (tmp_path / name).write_text("# mine\n")
+    code, out, err = run_cli(["recipes", "copy", "demo", existing], monkeypatch, capsys)
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("error: ") and existing.split("/")[0] in err
+    assert all(
+        (tmp_path / name).read_text() == "# mine\n" for name in ("notes.txt", "mine.yaml", "folder-file")
+    )
+
+
 @pytest.mark.slow  # plans every shipped recipe twice (~20 s on 2 cores)
 def test_recipes_lists_each_with_the_planners_memory(monkeypatch, capsys):
     from qlora_kit.memory.planner import GIB, plan

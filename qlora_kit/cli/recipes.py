@@ -122,9 +122,12 @@ def copy(
     """Write a shipped recipe (or accelerate config) out for editing; refuses to overwrite a file."""
     source = _shipped_file(name)
     target = dest or Path(source.name)
-    if target.is_dir() or target.suffix not in (".yaml", ".yml"):  # a folder, made when missing
-        target = target / source.name
-    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.is_dir() or (target.suffix not in (".yaml", ".yml") and not target.exists()):
+        target = target / source.name  # a folder, made when missing (an existing file is refused below)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file where a folder should be
+        raise RecipeError(f"{target.parent}: cannot make the folder ({exc.strerror})") from None
     try:
         with target.open("x", encoding="utf-8") as out:  # "x": fails when the file exists
             out.write(source.read_text(encoding="utf-8"))
