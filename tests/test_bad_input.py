@@ -181,6 +181,14 @@ def test_unknown_flags_are_one_line_and_exit_2(command, flag, monkeypatch, capsy
             "--base: must be dequantized or original",
         ),
         (["eval"], "eval: give a RECIPE, or --adapter DIR"),
+        # settings transformers' generate refuses with a traceback, named before the weights load
+        (
+            ["generate", "--adapter", "x", "--max-new-tokens", "-1", "hi"],
+            "--max-new-tokens: must be >= 1 (got -1)",
+        ),
+        (["chat", "--adapter", "x", "--max-new-tokens", "0"], "--max-new-tokens: must be >= 1 (got 0)"),
+        (["generate", "--adapter", "x", "--temperature", "-0.5", "hi"], "--temperature: must be >= 0"),
+        (["generate", "--adapter", "x", "--top-p", "0", "hi"], "--top-p: must be in (0, 1] (got 0.0)"),
         (["nosuchcommand"], "No such command 'nosuchcommand'"),
     ],
 )

@@ -253,8 +253,8 @@ def generate(
     prompts = [*(prompts or []), *(prompt or [])] + (read_prompts(str(file)) if file is not None else [])
     if not prompts:
         raise RecipeError("generate: give a prompt (TEXT or --prompt TEXT) or --file prompts.jsonl")
+    sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
     recipe, tokenizer, lm = adapters.load_trained(adapter)
-    sampling = Sampling(max_new_tokens, temperature, top_p)
     for text in prompts:
         console.print(f"[bold]> {text}[/]", highlight=False)
         complete(
@@ -280,8 +280,8 @@ def chat(
     from qlora_kit.model import adapters
     from qlora_kit.registries.formats import FORMATS
 
+    sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
     recipe, tokenizer, lm = adapters.load_trained(adapter)
-    sampling = Sampling(max_new_tokens, temperature, top_p)
     history: list[dict[str, str]] = []
     keeps_history = FORMATS[recipe.data.format].multi_turn
     console.print("chat with the adapter; an empty line ends it", style="dim")

@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import TextStreamer
 
+from qlora_kit.errors import RecipeError
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -19,6 +21,15 @@ class Sampling:
     max_new_tokens: int = 64
     temperature: float = 0.0  # 0 is greedy decoding
     top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        """Settings generate would refuse with a traceback: one line naming the option (exit 2)."""
+        if self.max_new_tokens < 1:
+            raise RecipeError(f"--max-new-tokens: must be >= 1 (got {self.max_new_tokens})")
+        if self.temperature < 0:
+            raise RecipeError(f"--temperature: must be >= 0, 0 for greedy decoding (got {self.temperature})")
+        if not 0 < self.top_p <= 1:
+            raise RecipeError(f"--top-p: must be in (0, 1] (got {self.top_p})")
 
     def generate_kwargs(self) -> dict:
         if self.temperature <= 0:
