@@ -14,6 +14,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One thread per worker, and per process a test starts: torch's OpenMP threads spin while they wait,
     # so workers sharing the cores with several threads each slow each other down many times over.
     os.environ["OMP_NUM_THREADS"] = "1"
+# The suite's results must not depend on the shell's hub settings (issue 47: HF_HUB_OFFLINE=1 turned a
+# test red): huggingface_hub and datasets read them once, at import, so they go before anything imports
+# those. A test of offline mode sets it for the process it starts (tests/e2e/test_hub.py).
+for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
+    os.environ.pop(_name, None)
 # Before datasets is imported anywhere: its cache folder is read once, at import.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-kit-datasets-"))
 DEMO = ROOT / "recipes" / "demo.yaml"

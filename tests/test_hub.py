@@ -80,3 +80,16 @@ def test_a_cache_miss_without_network_is_not_called_a_bad_id():
     except LocalEntryNotFoundError as exc:
         line = hub.explain(exc, "model.path", "org/x", None, "model")
     assert line.startswith("model.path: cannot reach the hub at "), line
+
+
+def test_the_suite_ignores_the_shells_hub_settings():
+    """conftest drops HF_HUB_OFFLINE and its kin before huggingface_hub reads them (at import): a shell
+    that sets them gives the suite the same results (red under HF_HUB_OFFLINE=1 without that)."""
+    import os
+
+    from huggingface_hub import constants
+
+    assert constants.HF_HUB_OFFLINE is False
+    assert not {"HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"} & set(
+        os.environ
+    )
