@@ -4,6 +4,7 @@ description, a hand-stepped training step, and writing a result table.
 Every script takes ``--smoke``: a few steps on the smallest shapes, which the test suite runs
 (tests/e2e/test_benchmarks.py) with ``--out`` pointing at a temporary folder, so a script that no
 longer runs, or writes a table of NaNs, fails the suite instead of waiting for the next person to try it.
+A ``--smoke`` run without ``--out`` writes to SMOKE_OUT, never over the committed tables in results/.
 """
 
 from __future__ import annotations
@@ -13,20 +14,45 @@ import datetime
 import os
 import platform
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+# Where a --smoke run writes without --out: never over the committed tables in RESULTS (issue 47: a smoke
+# run of vs_trl.py overwrote vs-trl-cpu.md's full-size figures)
+SMOKE_OUT = Path(tempfile.gettempdir()) / "qlora-kit-benchmark-smoke"
+
+
+class _Parser(argparse.ArgumentParser):
+    """``--out`` defaults to the script's folder, except that a ``--smoke`` run that would write into the
+    committed tables writes to SMOKE_OUT instead (``--out benchmarks/results`` still writes there)."""
+
+    def __init__(self, *args, full_out: Path, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.full_out = full_out
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        if parsed.out is None:
+            at_tables = self.full_out.resolve() == RESULTS.resolve()
+            parsed.out = SMOKE_OUT if parsed.smoke and at_tables else self.full_out
+        return parsed
+
+
 def parser(doc: str, out: Path = RESULTS) -> argparse.ArgumentParser:
     """The script's command line, described by its docstring's first line, with the shared options."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser = _Parser(description=doc.splitlines()[0], full_out=out)
     parser.add_argument(
         "--smoke", action="store_true", help="a few steps on the smallest shapes: does it still run?"
     )
     parser.add_argument(
-        "--out", type=Path, default=out, help="folder the results are written to (default: %(default)s)"
+        "--out",
+        type=Path,
+        default=None,
+        help=f"folder the results are written to (default: {out}; with --smoke, {SMOKE_OUT})",
     )
     parser.add_argument(
         "--real-model",
