@@ -114,7 +114,7 @@ def validate(
     missing = check_installed(resolved.train.report_to)
     if missing:
         raise RecipeError(missing)
-    console.print(f"# {recipe}: valid", style="green", highlight=False)
+    console.print(f"# {recipe}: valid", style="green", highlight=False, markup=False, soft_wrap=True)
     console.print(resolved.to_yaml(), highlight=False, markup=False)
 
 
@@ -222,7 +222,7 @@ def eval_command(
     results = evaluate(resolved, adapter_dir, max_examples=max_examples, output=output)
     views.show_eval(console, results, "the base model alone" if no_adapter else str(adapter))
     if output is not None:
-        console.print(f"results written to {output}", highlight=False)
+        console.print(f"results written to {output}", highlight=False, markup=False)
 
 
 @app.command()
@@ -256,7 +256,7 @@ def generate(
     sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
     recipe, tokenizer, lm = adapters.load_trained(adapter)
     for text in prompts:
-        console.print(f"[bold]> {text}[/]", highlight=False)
+        console.print(f"> {text}", style="bold", highlight=False, markup=False)
         complete(
             lm,
             tokenizer,

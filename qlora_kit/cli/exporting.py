@@ -55,7 +55,9 @@ def merge(
         f"drift over {drift.positions} positions: mean KL {drift.mean_kl:.3g}, top-1 agreement {drift.top1_agreement:.1%}",
         highlight=False,
     )
-    console.print(f"merged model ({base} base) written to [bold]{result.output_dir}[/]", highlight=False)
+    console.print(
+        f"merged model ({base} base) written to [bold]{escape(str(result.output_dir))}[/]", highlight=False
+    )
 
 
 def export(
@@ -108,4 +110,4 @@ def export(
             errors.print(f"[bold red]parity:[/] {escape(line)}", highlight=False, soft_wrap=True)
         raise typer.Exit(GUARD_STOP)
     done = "checked" if check is not None else "written to"
-    console.print(f"export {done} [bold]{folder}[/]", highlight=False)
+    console.print(f"export {done} [bold]{escape(str(folder))}[/]", highlight=False)

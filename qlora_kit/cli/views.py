@@ -8,7 +8,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_record import (
@@ -36,24 +38,29 @@ if TYPE_CHECKING:
     from qlora_kit.training.run_record import RunRecord
 
 
+def plain(value: object) -> Text:
+    """A cell of a user's data, a model's output, a path or a template: text, never rich markup (a
+    Mistral prompt's ``[/INST]`` is a closing tag to rich, and a traceback after a finished run)."""
+    return Text(str(value))
+
+
 def show_run(console: Console, result: TrainResult) -> None:
     """The run's summary table, the sample answers before and after, and where it all went."""
     table = Table(title="run summary", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value")
     for name, value in summary_rows(result):
-        table.add_row(name, value)
+        table.add_row(plain(name), plain(value))
     console.print(table)
     if result.samples:
         table = Table(title="Answers before and after fine-tuning")
         for column in ("prompt", "reference", "before", "after"):
             table.add_column(column, overflow="fold")
         for row in result.samples:
-            table.add_row(
-                _question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''"
-            )
+            cells = (_question(row["prompt"]), row["reference"], row["before"] or "''", row["after"] or "''")
+            table.add_row(*(plain(cell) for cell in cells))
         console.print(table)
-    console.print(f"adapter written to [bold]{result.output_dir}[/]", highlight=False)
+    console.print(f"adapter written to [bold]{escape(str(result.output_dir))}[/]", highlight=False)
 
 
 def summary_rows(result: TrainResult) -> list[tuple[str, str]]:
@@ -77,13 +84,13 @@ def show_record(console: Console, record: RunRecord) -> None:
     for column in ("field", "default", "this run"):
         changes.add_column(column, overflow="fold")
     for name, default, value in recipe_changes(record.recipe):
-        changes.add_row(name, str(default), str(value))
+        changes.add_row(plain(name), plain(default), plain(value))
     console.print(changes)
     table = Table(title="run", show_header=False)
     table.add_column("what", style="bold")
     table.add_column("value", overflow="fold")
     for name, value in record_rows(record):
-        table.add_row(name, value)
+        table.add_row(plain(name), plain(value))
     console.print(table)
 
 
@@ -108,7 +115,7 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
     table.add_row(*(str(v) for v in view.percentiles.values()))
     console.print(table)
     for report in view.reports:
-        console.print(report.summary(), highlight=False)
+        console.print(report.summary(), highlight=False, markup=False)
     shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
     console.print(f"pad tokens per batch of {recipe.train.micro_batch_size}: {shares}", highlight=False)
     if recipe.data.packing == "auto":
@@ -118,7 +125,8 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
         checks.add_column(column, overflow="fold")
     for check in view.checks:
         result = "[green]pass[/]" if check.passed else "[bold red]FAIL[/]"
-        checks.add_row(check.name, result, check.detail + ("" if check.passed else f" ({check.fix})"))
+        detail = check.detail + ("" if check.passed else f" ({check.fix})")
+        checks.add_row(plain(check.name), result, plain(detail))
     console.print(checks)
 
 
@@ -241,7 +249,7 @@ def size(nbytes: int) -> str:
 
 
 def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
-    table = Table(title=f"evaluation of {subject}")
+    table = Table(title=f"evaluation of {escape(subject)}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     keys = ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples")
@@ -251,7 +259,7 @@ def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
     for key in keys:
         if key in results:
             value = results[key]
-            table.add_row(key, f"{value:.4f}" if isinstance(value, float) else str(value))
+            table.add_row(plain(key), plain(f"{value:.4f}" if isinstance(value, float) else value))
     console.print(table)
 
 
@@ -261,11 +269,13 @@ def show_doctor(console: Console, checks: list[Check]) -> None:
     table.add_column("result")
     table.add_column("detail", overflow="fold")
     for check in checks:
-        table.add_row(check.name, "[green]pass[/]" if check.ok else "[bold red]FAIL[/]", check.detail)
+        table.add_row(
+            plain(check.name), "[green]pass[/]" if check.ok else "[bold red]FAIL[/]", plain(check.detail)
+        )
     console.print(table)
     failed = [check.name for check in checks if not check.ok]
     console.print(
-        f"[bold red]{len(failed)} failed:[/] {', '.join(failed)}"
+        f"[bold red]{len(failed)} failed:[/] {escape(', '.join(failed))}"
         if failed
         else "[green]all checks passed[/]",
         highlight=False,
@@ -290,7 +300,7 @@ def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) ->
             "loss.png not written: it needs matplotlib (pip install 'qlora-kit[plot]')", markup=False
         )
         return None
-    console.print(f"loss plot written to [bold]{written}[/]", highlight=False)
+    console.print(f"loss plot written to [bold]{escape(str(written))}[/]", highlight=False)
     return written
 
 
@@ -311,9 +321,9 @@ def show_export(console: Console, report: dict) -> None:
     for c in report["comparisons"]:
         marks = {True: "same", False: "DIFFERS", None: "-"}
         table.add_row(
-            c["export"],
-            c["reader"],
-            c["against"],
+            plain(c["export"]),
+            plain(c["reader"]),
+            plain(c["against"]),
             f"{c['max_abs_logit']:.3g}",
             f"{c['mean_abs_logit']:.3g}",
             f"{c['greedy_agreement']:.1%}",
