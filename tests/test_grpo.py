@@ -334,3 +334,49 @@ def test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others(tmp_
     # TRL's batched sampling (the option off): a completion depends on the rows sampled beside it
     trainer.seed_each_completion = False
     assert sample([first] * 4 + [second] * 4)[4:] != sample([second] * 4)
+
+
+def raises_on_nine(prompts, completions, **kwargs):
+    return [float(int(c)) if c != "9" else float(int("nine")) for c in completions]
+
+
+def one_reward_for_all(completions, **kwargs):
+    return [1.0]
+
+
+def test_a_reward_that_raises_is_one_line_naming_the_entry_the_function_and_the_completion():
+    from qlora_kit.training.reward_checks import checked
+
+    reward = checked(raises_on_nine, "grpo.rewards[1]")
+    assert reward.__name__ == "raises_on_nine"  # TRL logs rewards/<function name>/mean
+    assert reward(prompts=["a", "b"], completions=["1", "2"]) == [1.0, 2.0]
+    with pytest.raises(RecipeError) as info:
+        reward(prompts=["one?", "two?", "nine?"], completions=["1", "2", "9"], reference=["1", "2", "9"])
+    line = str(info.value)
+    assert line.startswith("grpo.rewards[1]: raises_on_nine raised ValueError: invalid literal for int()")
+    assert "on completion 3 of 3 (prompt 'nine?')" in line and "\n" not in line
+
+
+def test_a_reward_that_returns_the_wrong_count_is_one_line():
+    from qlora_kit.training.reward_checks import checked
+
+    with pytest.raises(
+        RecipeError, match=re.escape("grpo.rewards[0]: one_reward_for_all returned 1 rewards for 4")
+    ):
+        checked(one_reward_for_all, "grpo.rewards[0]")(prompts=["p"] * 4, completions=["c"] * 4)
+
+
+@pytest.mark.slow  # builds a run and samples from it (no training): tens of seconds on 2 busy cores
+def test_a_reward_that_raises_inside_trls_scoring_loop_is_one_line(tmp_path, monkeypatch):
+    (tmp_path / "failing_47.py").write_text(
+        "def boom(completions, **kwargs):\n    raise ValueError('my reward broke')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    rewards = [{"name": "exact_match"}, {"name": "failing_47:boom"}]
+    setup = build(grpo_recipe(tmp_path / "out", rewards))
+    batch = [setup.data.train[i] for i in range(2) for _ in range(4)]
+    with pytest.raises(
+        RecipeError,
+        match=re.escape("grpo.rewards[1]: boom raised ValueError: my reward broke on completion 1 of 8"),
+    ):
+        setup.trainer._generate_and_score_completions(batch)

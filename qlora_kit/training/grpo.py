@@ -41,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer
 from qlora_kit.errors import RecipeError
 from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.guards import TrainingGuard, _all_zero
+from qlora_kit.training.reward_checks import checked
 from qlora_kit.training.rewards import reward_functions
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
@@ -76,7 +77,9 @@ def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: 
 def trainer_extras(recipe: Recipe) -> dict:
     """What GRPOTrainer takes besides the Trainer's arguments: the reward functions, in recipe order."""
     return {
-        "reward_funcs": reward_functions(recipe.grpo.rewards),
+        "reward_funcs": [
+            checked(f, f"grpo.rewards[{i}]") for i, f in enumerate(reward_functions(recipe.grpo.rewards))
+        ],
         "seed_each_completion": recipe.grpo.seed_each_completion,
     }
 
