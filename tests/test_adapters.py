@@ -1,6 +1,7 @@
 """LoRA attachment: what trains, and how recipe fields reach peft."""
 
 import bitsandbytes as bnb
+import pytest
 
 from qlora_kit import Recipe
 from qlora_kit.model import adapters
@@ -54,3 +55,49 @@ def test_trainable_count_counts_4bit_values_not_bytes():
     lora_values = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     assert trainable == lora_values
     assert total > base_values + lora_values  # plus embeddings, norms and head
+
+
+def adapter_of(arch: str, folder):
+    """An adapter as qlora-kit train writes one (its adapter files and recipe.yaml), on ``arch``, untrained."""
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{arch}"}, "lora": {"rank": 4}})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    adapters.attach_lora(base, recipe.lora).save_pretrained(folder)
+    (folder / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
+    return folder
+
+
+def continuing(adapter, tmp_path, **sets) -> Recipe:
+    values = {"model.adapter": str(adapter), "train.output_dir": str(tmp_path / "out"), **sets}
+    return Recipe.from_yaml("recipes/demo.yaml", overrides=values)
+
+
+@pytest.mark.slow  # builds two tiny models and a run: about 10 s on 2 busy cores
+def test_an_adapter_of_another_architecture_is_one_line_naming_its_base(tmp_path):
+    """A GPT-2 adapter (c_attn, c_fc: Conv1D layers a Llama has not) continued on the tiny Llama: peft's
+    NoMatchingPeftModuleError traceback before; one line naming both, exit 2, now."""
+    from qlora_kit.errors import RecipeError
+    from qlora_kit.training.pipeline import build
+
+    gpt2 = adapter_of("tiny-gpt2", tmp_path / "gpt2-adapter")
+    with pytest.raises(RecipeError) as info:
+        build(continuing(gpt2, tmp_path))
+    line = str(info.value)
+    assert line.startswith(f"model.adapter: {gpt2} was trained on builtin:tiny-gpt2, whose layers this base")
+    assert "(llama)" in line and "\n" not in line
+
+
+@pytest.mark.slow  # builds three tiny models and two runs: about 12 s on 2 busy cores
+def test_an_adapter_of_another_base_of_the_same_shapes_loads_with_one_warning_naming_both(tmp_path, caplog):
+    from qlora_kit.training.pipeline import build
+
+    mistral = adapter_of("tiny-mistral", tmp_path / "mistral-adapter")
+    with caplog.at_level("WARNING", logger="qlora_kit"):
+        build(continuing(mistral, tmp_path))
+    warned = [r.getMessage() for r in caplog.records if "trained on" in r.getMessage()]
+    assert len(warned) == 1
+    assert "trained on builtin:tiny-mistral, not on this run's base builtin:tiny-llama" in warned[0]
+    caplog.clear()
+    llama = adapter_of("tiny-llama", tmp_path / "llama-adapter")
+    with caplog.at_level("WARNING", logger="qlora_kit"):
+        build(continuing(llama, tmp_path))
+    assert not [r for r in caplog.records if "trained on" in r.getMessage()], "its own base: no warning"

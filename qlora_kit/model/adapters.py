@@ -6,6 +6,7 @@ own rule), which is the QLoRA paper's finding: adapters on every layer matter mo
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -86,9 +87,36 @@ def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Te
     )
 
 
-def load_adapter(model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False) -> PeftModel:
+def load_adapter(
+    model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False, flag: str = "--adapter"
+) -> PeftModel:
+    """``adapter_dir``'s adapter on ``model``; an adapter of another architecture (layers this model has
+    not, or of other shapes) is a one-line RecipeError naming the base it was trained on."""
+    try:
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+    except (ValueError, RuntimeError) as exc:  # peft's NoMatchingPeftModuleError, torch's size mismatch
+        text = str(exc)
+        if not (isinstance(exc, NoMatchingPeftModuleError) or "size mismatch" in text or "not found" in text):
+            raise
+        first = " ".join(text.split())[:160]
+        raise RecipeError(
+            f"{flag}: {adapter_dir} was trained on {trained_on(adapter_dir)}, whose layers this base model "
+            f"({model.config.model_type}) does not have ({first})"
+        ) from None
 
-    return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+
+def trained_on(adapter_dir: str | Path) -> str:
+    """The base an adapter was trained on: model.path of the recipe saved beside it, else peft's record."""
+    folder = Path(adapter_dir)
+    try:
+        return recipe_of(folder).model.path
+    except (RecipeError, OSError):
+        pass
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text(encoding="utf-8"))
+        return str(config.get("base_model_name_or_path") or "another base model")
+    except (OSError, ValueError, AttributeError):
+        return "another base model"
 
 
 def log_continued_shape(peft_model: PeftModel, recipe: Recipe) -> None:
@@ -97,6 +125,15 @@ def log_continued_shape(peft_model: PeftModel, recipe: Recipe) -> None:
     log.info(
         "model.adapter: continuing %s (rank %d, alpha %g)", recipe.model.adapter, config.r, config.lora_alpha
     )
+    base = trained_on(recipe.model.adapter)
+    if base != recipe.model.path:  # the same layer shapes, or it would not have loaded
+        log.warning(
+            "model.adapter: %s was trained on %s, not on this run's base %s; its layers have the same "
+            "shapes, so it loads, but it learned on another model's weights",
+            recipe.model.adapter,
+            base,
+            recipe.model.path,
+        )
     for field, own in (("rank", config.r), ("alpha", config.lora_alpha)):
         if getattr(recipe.lora, field) != own:
             log.warning(

@@ -191,7 +191,9 @@ def _build_checked(
     base = model.load_base_model(recipe.model, recipe.quant)
     checkpointed = checkpointing.enable_checkpointing(base, memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
-        peft_model = adapters.load_adapter(base, Path(recipe.model.adapter).expanduser(), trainable=True)
+        peft_model = adapters.load_adapter(
+            base, Path(recipe.model.adapter).expanduser(), True, "model.adapter"
+        )
         adapters.log_continued_shape(peft_model, recipe)
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
