@@ -45,14 +45,10 @@ MUTATIONS = [
         "qlora_kit/training/trainer.py",
         'bf16=precision == "bf16",',
         "bf16=False,",
-        ["tests/test_precision_seam.py::test_dpo_build_hands_bf16_to_the_trainer_and_accelerate"],
-    ),
-    (
-        "autocast never wraps the training forward",
-        "qlora_kit/training/trainer.py",
-        'bf16=precision == "bf16",',
-        "bf16=False,",
-        ["tests/e2e/test_formats.py::test_sharegpt_and_tool_call_chats_train_on_the_tiny_model"],
+        [
+            "tests/test_precision_seam.py::test_dpo_build_hands_bf16_to_the_trainer_and_accelerate",
+            "tests/e2e/test_formats.py::test_sharegpt_and_tool_call_chats_train_on_the_tiny_model",
+        ],
     ),
     (
         "resume restarts from step 0",
@@ -130,6 +126,132 @@ MUTATIONS = [
         '"data.group_by_length: pointless',
         '"data: group_by_length is pointless',
         ["tests/test_bad_input.py::test_every_bad_recipe_is_one_line_and_exit_2"],
+    ),
+    # --- round four (issue 47): this round's features, and the fixes of its bad inputs ---
+    (
+        "the OOM split scales each part's loss by its own tokens",
+        "qlora_kit/training/oom_recovery.py",
+        "loss = super().training_step(model, chunk, num_items_in_batch)",
+        "loss = super().training_step(model, chunk, None)",
+        ["tests/e2e/test_oom.py::test_the_split_keeps_steps_examples_and_losses"],
+    ),
+    (
+        "the OOM split redoes the step with the random state moved on",
+        "qlora_kit/training/oom_recovery.py",
+        "            set_rng_state(self._step_rng)\n",
+        "            pass\n",
+        ["tests/e2e/test_oom.py::test_the_split_keeps_steps_examples_and_losses"],
+    ),
+    (
+        "selective recomputes the 4-bit matmuls",
+        "qlora_kit/memory/selective.py",
+        "if func in ATTENTION or func in BATCHED_MATMULS or _is_4bit_matmul(func):",
+        "if func in ATTENTION or func in BATCHED_MATMULS:",
+        ["tests/test_selective.py::test_selective_keeps_less_than_none_and_more_than_full"],
+    ),
+    (
+        "auto's layer choice takes the costliest fit",
+        "qlora_kit/memory/layer_choice.py",
+        "return list(min(states.values(), key=lambda state: state[:2])[2])",
+        "return list(max(states.values(), key=lambda state: state[:2])[2])",
+        ["tests/test_selective.py::test_cheapest_fit_is_the_optimum_of_a_small_case"],
+    ),
+    (
+        "the LoRA GGUF's scale ignores rsLoRA",
+        "qlora_kit/after/gguf_writer.py",
+        "        alpha *= math.sqrt(rank)\n",
+        "        pass\n",
+        ["tests/test_export.py::test_lora_only_gguf_holds_every_adapter_matrix"],
+    ),
+    (
+        "the GGUF keeps Q/K rows in Hugging Face's order",
+        "qlora_kit/after/gguf_families.py",
+        '"llama": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=True),',
+        '"llama": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=False),',
+        ["tests/test_export.py::test_gguf_reads_back_as_the_model_it_was_written_from[tiny-llama]"],
+    ),
+    (
+        "the Modelfile stops on EOS only",
+        "qlora_kit/after/modelfile.py",
+        "        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])\n",
+        "        pass\n",
+        ["tests/test_export.py::test_gguf_export_files_and_modelfile"],
+    ),
+    (
+        "exact_match compares unstripped text",
+        "qlora_kit/training/rewards.py",
+        "float(completion_text(c).strip() == str(r).strip())",
+        "float(completion_text(c) == str(r))",
+        ["tests/test_grpo.py::test_builtin_rewards_score_each_completion_as_the_registry_says"],
+    ),
+    (
+        "grpo.seed_each_completion is ignored",
+        "qlora_kit/training/grpo.py",
+        "        if not self.seed_each_completion:\n",
+        "        if True:\n",
+        ["tests/test_grpo.py::test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others"],
+    ),
+    (
+        "the recipe dump leaves out the grpo section",
+        "qlora_kit/recipe/recipe.py",
+        '        return self.model_dump(mode="json")\n',
+        '        return self.model_dump(mode="json", exclude={"grpo"})\n',
+        ["tests/test_recipe_round_trip.py::test_a_saved_recipe_loads_back_as_the_same_recipe"],
+    ),
+    (
+        "a pair's end token must be its very last token",
+        "qlora_kit/data/prepare.py",
+        "        if tokenizer.decode([token]).strip():\n",
+        "        if True:\n",
+        [
+            "tests/test_preflight.py::test_every_format_trains_an_end_token_on_every_template[qwen2.5-preference_chat]"
+        ],
+    ),
+    (
+        "--set hands YAML's reading to a text field",
+        "qlora_kit/recipe/overrides.py",
+        "    return raw if takes_text and not takes_parsed else parsed\n",
+        "    return parsed\n",
+        ["tests/test_recipe.py::test_a_literal_field_gets_its_choice_and_other_fields_keep_yaml_types"],
+    ),
+    (
+        "--set reaches one level only",
+        "qlora_kit/recipe/overrides.py",
+        "        if not sections or not all(sections) or not field:\n",
+        "        if len(sections) != 1 or not all(sections) or not field:\n",
+        ["tests/test_recipe.py::test_set_reaches_a_field_at_any_depth"],
+    ),
+    (
+        "a view reads a user's text as rich markup",
+        "qlora_kit/cli/views.py",
+        "    return Text(str(value))\n",
+        "    return str(value)\n",
+        ["tests/test_markup.py::test_the_run_summary_and_the_answers_before_and_after"],
+    ),
+    (
+        "a reward that raises reaches TRL unchecked",
+        "qlora_kit/training/reward_checks.py",
+        "    if inspect.iscoroutinefunction(function):\n",
+        "    if True:\n",
+        [
+            "tests/test_grpo.py::test_a_reward_that_raises_is_one_line_naming_the_entry_the_function_and_the_completion"
+        ],
+    ),
+    (
+        "one completion per prompt is allowed",
+        "qlora_kit/recipe/grpo.py",
+        "        if value < 2:\n",
+        "        if value < 1:\n",
+        ["tests/test_grpo.py::test_impossible_grpo_recipes_are_refused_naming_the_field"],
+    ),
+    (
+        "a smoke benchmark writes over the committed tables",
+        "benchmarks/common.py",
+        "parsed.out = SMOKE_OUT if parsed.smoke and at_tables else self.full_out",
+        "parsed.out = self.full_out",
+        [
+            "tests/test_benchmark_options.py::test_a_smoke_run_writes_outside_the_committed_tables_unless_out_says_so"
+        ],
     ),
 ]
 
