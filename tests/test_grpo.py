@@ -380,3 +380,37 @@ def test_a_reward_that_raises_inside_trls_scoring_loop_is_one_line(tmp_path, mon
         match=re.escape("grpo.rewards[1]: boom raised ValueError: my reward broke on completion 1 of 8"),
     ):
         setup.trainer._generate_and_score_completions(batch)
+
+
+@pytest.mark.slow  # loads the tiny model twice and answers 3 prompts 3 times each
+def test_grpo_evaluation_scores_each_answer_against_its_own_rows_reference(tmp_path, monkeypatch):
+    """A reward that is 1 exactly when the reference it is handed belongs to the prompt it is handed: each
+    sampled answer lined up with its own row, it scores 1; with the references shuffled across rows, 0."""
+    import json
+
+    from qlora_kit.after.grpo_eval import reward_metrics
+    from qlora_kit.model.adapters import load_for_inference
+
+    (tmp_path / "aligned_47.py").write_text(
+        "def own_reference(prompts, completions, reference, **kwargs):\n"
+        "    assert len(prompts) == len(completions) == len(reference)\n"
+        "    return [float(f'number {r}.' in str(p)) for p, r in zip(prompts, reference)]\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    numbers = [11, 23, 37]
+    scores = {}
+    for name, answers in (("aligned", numbers), ("shuffled", numbers[1:] + numbers[:1])):
+        rows = [
+            {"instruction": f"Repeat the number {n}.", "input": "", "output": str(a)}
+            for n, a in zip(numbers, answers, strict=True)
+        ]
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        values = grpo_values(tmp_path / "out", [{"name": "aligned_47:own_reference"}])
+        values["data"] |= {"path": str(path), "val_path": str(path), "max_seq_len": 64}
+        values["grpo"] |= {"num_generations": 2, "max_completion_length": 2}
+        recipe, tokenizer, lm = load_for_inference(None, Recipe.from_dict(values))
+        scores[name] = reward_metrics(lm, tokenizer, recipe)
+    assert scores["aligned"]["reward_sampled"] == scores["aligned"]["reward_greedy"] == 1.0
+    assert scores["shuffled"]["reward_sampled"] == scores["shuffled"]["reward_greedy"] == 0.0
+    assert scores["aligned"]["reward_prompts"] == 3
