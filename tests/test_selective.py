@@ -219,3 +219,25 @@ def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path):
     got = load_file(resumed_dir / "adapter_model.safetensors")
     assert got.keys() == expected.keys()
     assert all(torch.equal(got[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow  # loads the 4-bit model and runs a forward: about 14 s on 2 busy cores
+def test_a_selective_layer_keeps_at_least_its_4bit_matmuls_and_attention_outputs_counted_by_hand():
+    """A lower bound written from the config, tensor by tensor (not the policy's own list): each of the
+    seven 4-bit linears' bf16 outputs (q, k, v, o, gate, up, down) and attention's output. A policy that
+    let the 4-bit matmuls go (recomputing the layer's costliest ops) keeps far less than this."""
+    from tests.test_tracing import BATCH as ROWS
+    from tests.test_tracing import SEQ as LENGTH
+
+    recipe = recipe_for("tiny-llama", "selective")
+    base = model.load_base_model(recipe.model, recipe.quant)
+    checkpointing.enable_checkpointing(base, recipe.memory)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        kept = measure_saved_bytes(peft_model, batch_of(False)).per_layer["layer 1"]
+    cfg = base.config
+    tokens, bf16 = ROWS * LENGTH, 2
+    kv = cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+    outputs = cfg.hidden_size + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size
+    attention = cfg.hidden_size  # sdpa's output, (tokens x heads x head_dim)
+    assert kept >= tokens * bf16 * (outputs + attention), (kept, tokens * bf16 * (outputs + attention))
