@@ -104,7 +104,7 @@ def test_recipes_copy_onto_an_existing_file_is_one_line(tmp_path, monkeypatch, c
     monkeypatch.chdir(tmp_path)
     for name in ("notes.txt", "mine.yaml", "folder-file"):
         (tmp_path / name).write_text("# mine\n")
-    code, out, err = run_cli(["recipes", "copy", "demo", existing], monkeypatch, capsys)
+    code, _, err = run_cli(["recipes", "copy", "demo", existing], monkeypatch, capsys)
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert err.startswith("error: ") and existing.split("/")[0] in err
     assert all(
