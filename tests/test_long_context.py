@@ -2,12 +2,16 @@
 arithmetic allows, and keep what they promise off the device; eager attention is refused where its scores
 would not fit."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import checkpointing, tiled_mlp
+from qlora_kit.memory import checkpointing, max_length, tiled_mlp
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.model import adapters, builtin
 from qlora_kit.model import loading as model
@@ -158,3 +162,36 @@ def test_a_run_with_eager_attention_too_long_for_its_budget_stops_in_one_line(tm
         pipeline.build(Recipe.from_dict(fields))
     fields["model"]["attn_implementation"] = "sdpa"
     pipeline.build(Recipe.from_dict(fields))  # linear in the sequence: builds
+
+
+@pytest.mark.slow
+def test_the_longest_fit_fits_and_one_step_more_does_not():
+    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-llama"}, "data": {"packing": False}})
+    fit = max_length.longest_fit(recipe, "full + offload + tiles", budget_gb=0.02)
+    fields = max_length.WAYS["full + offload + tiles"]
+    assert fit.seq > 0 and fit.seq % max_length.STEP == 0
+    assert max_length._row(recipe, fields, fit.seq, "cuda").peak <= 0.02 * 1024**3
+    assert max_length._row(recipe, fields, fit.seq + max_length.STEP, "cuda").peak > 0.02 * 1024**3
+    full = max_length.longest_fit(recipe, "full", budget_gb=0.02)
+    assert fit.seq > full.seq  # offload and tiles leave room for longer rows than full checkpointing alone
+    assert fit.host == 4 * fit.seq * 128 * 2  # every layer's input (hidden 128, bf16) waits in host memory
+
+
+@pytest.mark.slow
+def test_plan_max_seq_len_from_the_shell(tmp_path):
+    found = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "plan", "demo", "--max-seq-len", "--budget-gb", "0.02"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},  # rich wraps a narrower terminal's table
+    )
+    assert found.returncode == 0, found.stderr
+    for way in max_length.WAYS:
+        assert way in found.stdout
+    refused = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "plan", "demo", "--max-seq-len"], capture_output=True, text=True
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines() == [
+        "plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)"
+    ]
