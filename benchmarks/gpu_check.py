@@ -13,10 +13,12 @@ rows of exactly ``seq`` tokens:
 2. the chunked loss head on and off;
 3. a long-sequence batch (1 x 8,192 tokens, full checkpointing): the recompute spike is the backward
    peak over the forward peak;
-4. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess (CUDA errors in
+4. the longest row ``plan --max-seq-len`` gives for full checkpointing + offload + MLP tiles in 8 GiB,
+   trained for two steps: measured peak against the plan's;
+5. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess (CUDA errors in
    paged memory end the process): peak allocated, device memory used, step time; the paged one is
    then resumed from its checkpoint and reports how many state tensors went back to paged memory;
-5. a real CUDA out-of-memory error (``train.on_oom: split``): ``torch.cuda.set_per_process_memory_fraction``
+6. a real CUDA out-of-memory error (``train.on_oom: split``): ``torch.cuda.set_per_process_memory_fraction``
    lets the process hold half-way between micro-batch 4's measured peak (checkpointing none, from 1.)
    and micro-batch 2's (a reference run, accumulation 2): the capped run at micro-batch 4 must split in
    step 1 and finish as the reference does (steps, losses). The fraction is put back afterwards. On
@@ -47,6 +49,7 @@ import torch
 from common import budget_between, parser, uniform_fitting
 
 GIB = 1024**3
+LONG_CONTEXT_GIB = 8.0  # the long-context row's budget: its longest row trains in seconds on an H100/H200
 FULL_SHAPE = {
     "hidden_size": 2048,
     "intermediate_size": 5632,
@@ -297,6 +300,7 @@ def main() -> None:
         "forward_gib": long_usage.get("peak_forward_gib", 0.0),
         "backward_gib": long_usage.get("peak_backward_gib", 0.0),
     }
+    report["long_context"] = long_context_row(folder, rows_folder, tiny)
     report["optimizers"] = optimizer_rows(folder, data, batch, seq, steps)
     (out / "gpu-check.json").write_text(
         json.dumps(report, indent=2)
@@ -305,6 +309,27 @@ def main() -> None:
     report["oom"] = oom_row(folder, data, batch, seq, steps, none["measured_peak_gib"], tiny)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=2))
     print_table(report, batch, seq, long_seq)
+
+
+def long_context_row(folder: Path, rows_folder: Path, tiny: bool) -> dict:
+    """The longest row ``qlora-kit plan --max-seq-len`` gives for full checkpointing + offload + MLP tiles
+    in a budget (``LONG_CONTEXT_GIB``; tiny: a few MiB, so it stays short on a CPU), trained for two steps:
+    the measured peak against the plan's."""
+    from qlora_kit.memory.max_length import WAYS, longest_fit
+
+    budget = 0.012 if tiny else LONG_CONTEXT_GIB
+    memory = {**WAYS["full + offload + tiles"], "budget_gb": budget}
+    probe = recipe_for(folder, text_rows(rows_folder, 64, 2), memory, 1, 64, 1)
+    fit = longest_fit(probe, "full + offload + tiles", budget, "cuda" if torch.cuda.is_available() else "cpu")
+    usage = train(recipe_for(folder, text_rows(rows_folder, fit.seq, 4), memory, 1, fit.seq, 2))
+    peaks = [usage.get(f"peak_{phase}_gib", 0.0) for phase in ("forward", "backward", "optimizer")]
+    return {
+        "budget_gib": budget,
+        "seq": fit.seq,
+        "planned_peak_gib": fit.device_peak / GIB,
+        "host_gib": fit.host / GIB,
+        "measured_peak_gib": max(peaks),
+    }
 
 
 def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
@@ -321,6 +346,11 @@ def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
     lr = report["long_sequence"]
     print(
         f"long sequence 1 x {long_seq}, full: forward peak {lr['forward_gib']:.2f} GiB, backward {lr['backward_gib']:.2f} GiB"
+    )
+    lc = report["long_context"]
+    print(
+        f"long context in {lc['budget_gib']:g} GiB (full + offload + tiles): {lc['seq']:,} tokens, peak "
+        f"{lc['measured_peak_gib']:.2f} GiB (planned {lc['planned_peak_gib']:.2f}), host {lc['host_gib']:.2f} GiB"
     )
     for r in report["optimizers"]:
         if "error" in r:

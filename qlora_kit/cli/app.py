@@ -161,12 +161,28 @@ def plan(
             "trained share of an example's positions as the chunked head's, as the run plans.",
         ),
     ] = False,
+    max_seq_len: Annotated[
+        bool,
+        typer.Option(
+            "--max-seq-len",
+            help="Find the longest row (micro-batch 1) that fits --budget-gb (or memory.budget_gb) for each "
+            "of checkpointing none / selective / full, full + offload, full + offload + MLP tiles.",
+        ),
+    ] = False,
 ) -> None:
     """Predict peak memory per GPU from the model config alone (and with --with-data, its data), for
     every checkpointing policy."""
     from qlora_kit.memory.planner import plan as make_plan
 
     resolved = load_recipe(recipe, set_)
+    if max_seq_len:
+        from qlora_kit.memory.max_length import longest_fits
+
+        room = budget_gb or resolved.memory.budget_gb
+        if room is None:
+            raise RecipeError("plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)")
+        views.show_longest_fits(console, longest_fits(resolved, room, device), resolved, room)
+        return
     share = 1.0  # without the data: every position counted as trained
     if with_data and resolved.train.objective == "sft":  # DPO's and GRPO's heads keep no selection
         from qlora_kit.data.prepare import prepare_datasets

@@ -191,6 +191,17 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
         console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
 
 
+def show_longest_fits(console: Console, fits: list, recipe: Recipe, budget_gb: float) -> None:
+    table = Table(title=f"{recipe.model.path}: the longest row that fits {budget_gb:g} GiB, micro-batch 1")
+    for column in ("memory", "tokens", "device peak", "host (offloaded)", "activations kept"):
+        table.add_column(column, justify="left" if column == "memory" else "right")
+    for fit in fits:
+        tokens = f"{fit.seq:,}" if fit.seq else "none fits"
+        table.add_row(fit.way, tokens, size(fit.device_peak), size(fit.host) if fit.host else "-", size(fit.activations))
+    console.print(table)
+    console.print("traced at each length shown (sdpa, one unpacked row); tiles: memory.mlp_tiles auto")
+
+
 def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[str, Any]:
     """The plan for scripts (``qlora-kit plan --json``): every size in bytes."""
     shape, weights = plan.shape, plan.weights

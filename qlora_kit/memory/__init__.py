@@ -4,6 +4,9 @@
   full, or one per layer);
 - ``selective``: the selective policy's op-level choice: keep the 4-bit matmuls' and attention's outputs,
   recompute the cheap ops;
+- ``offload``: offloaded checkpoints, each checkpointed layer's saved input in host memory until backward;
+- ``tiled_mlp``: each decoder layer's MLP in sequence tiles, each recomputed on its own;
+- ``attention_fit``: a quadratic attention kernel refused at a length whose scores would not fit;
 - ``optimizers``: building the recipe's optimizer, its state report, re-paging after a resume (which
   optimizers exist is ``registries/optimizers``);
 - ``loss_head``: the chunked, recomputed output head and loss;
@@ -13,12 +16,13 @@
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy;
+- ``max_length``: the longest row each way of keeping activations fits (``plan --max-seq-len``);
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
 Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> tracing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
-checkpointing -> oom_faults; monitor -> accounting -> oom_faults. Modules are imported by
+checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

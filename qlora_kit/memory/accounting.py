@@ -7,7 +7,9 @@
   inputs (torch's non-reentrant checkpoint keeps them through a no-op autograd function), so this is
   the honest measure of what checkpointing saves, on any device. Selective checkpointing keeps some
   ops' outputs in torch's own cache rather than through those hooks; its policy reports each one to
-  ``note_saved``, which counts it the same way.
+  ``note_saved``, which counts it the same way. Offloaded checkpoints (``offload.py``) move a checkpointed
+  layer's saved input to host memory through hooks of their own, which report it to ``note_offloaded``:
+  counted apart, as host bytes, never against the device.
 - On CUDA, ``PhasePeaks`` records ``torch.cuda.max_memory_allocated`` for forward, backward (with the
   recompute) and the optimizer step, resetting the peak between phases, plus the device's used memory
   from ``torch.cuda.mem_get_info``: paged optimizer state lives in CUDA managed memory, which the
@@ -40,8 +42,9 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @dataclass
 class SavedBytes:
-    total: int = 0
+    total: int = 0  # on the device
     per_layer: dict[str, int] = field(default_factory=dict)
+    host: int = 0  # offloaded to host memory (memory.offload_activations)
 
 
 class SavedTensors:
@@ -52,6 +55,7 @@ class SavedTensors:
         self.excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         self.seen: dict[int, tuple[int, str]] = {}
         self.total = 0
+        self.host_seen: dict[int, int] = {}
         self.where = OUTSIDE
         # ``inject_faults``: a training forward pass asks the fault injector (oom_faults.py) after each
         # new storage, when a cap is set (tests); the planner's traces never do
@@ -79,7 +83,8 @@ class SavedTensors:
         per_layer: dict[str, int] = defaultdict(int)
         for nbytes, where in self.seen.values():
             per_layer[where] += nbytes
-        return SavedBytes(total=sum(per_layer.values()), per_layer=dict(per_layer))
+        host = sum(self.host_seen.values())
+        return SavedBytes(total=sum(per_layer.values()), per_layer=dict(per_layer), host=host)
 
     def _enter(self, name: str):
         def hook(module, args):
@@ -109,6 +114,15 @@ def note_saved(tensor: torch.Tensor) -> None:
     cache of the ops it keeps) in every active ``SavedTensors``."""
     for counter in _COUNTING:
         counter._pack(tensor)
+
+
+def note_offloaded(tensor: torch.Tensor) -> None:
+    """Count a tensor saved for backward in host memory (an offloaded checkpoint's input) as host bytes in
+    every active ``SavedTensors``: it holds no device memory until backward fetches it."""
+    for counter in _COUNTING:
+        key = _storage_key(tensor)
+        if key not in counter.excluded:
+            counter.host_seen.setdefault(key, tensor.untyped_storage().nbytes())
 
 
 def _storage_key(tensor: torch.Tensor) -> int:

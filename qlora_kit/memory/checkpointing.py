@@ -13,6 +13,9 @@ layer's policy (``memory.layer_policies``: what ``auto`` resolves to, ``auto.res
 Checkpointing is non-reentrant, and input-embedding outputs require grad so LoRA receives gradients
 through frozen, checkpointed layers. Under the test fault injector (``oom_faults``) every checkpointed
 layer's recompute is also counted against its cap, composed into the same ``context_fn``.
+Two more fields act on the same layers: ``memory.offload_activations`` wraps each checkpointed layer's
+checkpoint function so its saved input waits in host memory (``offload.py``), and ``memory.mlp_tiles``
+computes each layer's MLP in sequence tiles (``tiled_mlp.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import oom_faults, selective
+from qlora_kit.memory import offload, oom_faults, selective, tiled_mlp
 from qlora_kit.memory.accounting import decoder_layers
 
 if TYPE_CHECKING:
@@ -64,28 +67,28 @@ def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] |
 
 
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
-    """Apply the checkpointing policy to the decoder layers; returns the indices of the layers that
-    recompute in backward (selective or full)."""
+    """Apply the memory section's policy to the decoder layers (checkpointing, offloaded checkpoints, MLP
+    tiles); returns the indices of the layers that recompute in backward (selective or full)."""
     injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
     if injector.cap is not None or injector.eval_cap is not None:
         injector.watch(model)
+    tiled_mlp.enable_mlp_tiles(model, memory.mlp_tiles)
     if memory.checkpointing == "none":
         return []
     layers = decoder_layers(model)
     policies = layer_policies(memory, len(layers))
     if set(policies) == {"none"}:
         return []
-    offload = memory.offload_activations and torch.accelerator.is_available()
-    if memory.offload_activations and not offload:
-        log.info("memory.offload_activations: no accelerator here, activations already live in host memory")
     kwargs: dict = {"use_reentrant": False}
     context_fn = _context_fn("selective" in policies, injector)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     every_n = memory.every_n if memory.checkpointing == "every_n" else 1
-    model.activation_checkpointing_enable(kwargs, every_n_layers=every_n, offload=offload)
+    model.activation_checkpointing_enable(kwargs, every_n_layers=every_n)
     if memory.checkpointing in ("per_layer",):
         _mix(layers, policies, _context_fn(False, injector))
+    if memory.offload_activations:
+        _offload(layers)
     return checkpointed_layers(model)
 
 
@@ -123,6 +126,27 @@ def _mix(layers: list[torch.nn.Module], policies: list[str], full_context_fn) ->
                 keywords["context_fn"] = full_context_fn
             layer._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
         layer.gradient_checkpointing = policy != "none"
+
+
+def _offload(layers: list[torch.nn.Module]) -> None:
+    """Each checkpointed layer's saved input in host memory (``offload.py``), its checkpoint function
+    otherwise unchanged (still a partial whose keywords ``applied_policies`` reads)."""
+    for layer in layers:
+        func = getattr(layer, "_gradient_checkpointing_func", None)
+        if layer.gradient_checkpointing and func is not None:
+            layer._gradient_checkpointing_func = functools.partial(
+                offload.offloaded_checkpoint, *func.args, checkpoint_fn=func.func, **func.keywords
+            )
+
+
+def offloaded_layers(model: PreTrainedModel) -> list[int]:
+    """Indices of decoder layers whose checkpointed input lives in host memory."""
+    return [
+        i
+        for i, layer in enumerate(decoder_layers(model))
+        if getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
+        is offload.offloaded_checkpoint
+    ]
 
 
 def checkpointed_layers(model: PreTrainedModel) -> list[int]:

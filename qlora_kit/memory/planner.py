@@ -34,6 +34,10 @@ Llama-shaped layer, is used instead (and ``plan`` says so):
   (n_trained x hidden x c), their labels (n_trained x 8) and the boolean mask that selected them
   (batch x (seq - 1)), logits never kept; n_trained as above (every position without the data).
 
+With ``memory.offload_activations`` the checkpointed layers' inputs leave the device (the trace counts them
+as host bytes: ``PolicyPlan.host``), and backward holds two of them back on it (the one recomputing, the one
+prefetched). With ``memory.mlp_tiles`` the trace runs the tiled MLP, so its intermediate counts one tile's.
+
 Transients on top of what is kept, whichever is larger: the loss head's logits (N x V x (c + 4 + 4):
 16-bit logits, their fp32 copy, log-probabilities; one chunk of tokens with the chunked loss), or the
 backward pass's recompute spike: one decoder layer's full activations, rematerialised, plus the LoRA
@@ -74,6 +78,7 @@ from qlora_kit.memory.formula import (
     selected_positions_bytes,
 )
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
+from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries.optimizers import OPTIMIZERS
@@ -145,6 +150,7 @@ class PolicyPlan:
     recompute_layers: int
     layers: list[str] = field(default_factory=list)  # each layer's policy: none, selective or full
     recompute_cost: float = 0.0  # what backward recomputes, in full layers' worth (tracing.RecomputeCost)
+    host: int = 0  # memory.offload_activations: the checkpointed layers' inputs, in host memory
 
 
 @dataclass
@@ -237,11 +243,35 @@ class Plan:
         recomputed = sum(p != "none" for p in layers)
         if recomputed:
             backward += max(self.activations("none").per_layer)
+        backward += self.mlp_tile_transient()
+        host = self.offloaded(recomputed)
+        if host:  # the input being recomputed from, back on the device, and the next one prefetched
+            backward += 2 * host // recomputed
         spike = max(loss_spike(shape, recipe, self.batch * self.seq), backward)
         peak = max(self.static + acts.total + spike, self.static + self.rollout, self.load_peak)
         full_layer = max(self.activations("full").recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
-        return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost)
+        return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost, host)
+
+    def mlp_tile_transient(self) -> int:
+        """memory.mlp_tiles: one tile's MLP activations, alive while backward recomputes that tile (the trace
+        keeps none of them): gate, up and their product (3 x intermediate x c a token) and the fp32 inputs
+        LoRA keeps of the three projections ((2 hidden + intermediate) x 4)."""
+        shape, memory = self.shape, self.recipe.memory
+        tiles = tile_count(memory.mlp_tiles, self.seq, shape.hidden)
+        if tiles == 1:
+            return 0
+        tokens = self.batch * math.ceil(self.seq / tiles)
+        c = DTYPE_BYTES[self.recipe.quant.compute_dtype]
+        return tokens * (3 * shape.intermediate * c + (2 * shape.hidden + shape.intermediate) * 4)
+
+    def offloaded(self, recomputed_layers: int) -> int:
+        """Host bytes of offloaded checkpoints: each recomputed layer's input (batch x seq x hidden in the
+        compute dtype; the trace counts them off the device, ``offload.py``)."""
+        if not self.recipe.memory.offload_activations:
+            return 0
+        token = self.shape.hidden * DTYPE_BYTES[self.recipe.quant.compute_dtype]
+        return recomputed_layers * self.batch * self.seq * token
 
 
 def policy_name(policy: str, every_n: int = 1) -> str:

@@ -48,6 +48,7 @@ from transformers import AutoModelForCausalLM, masking_utils
 
 from qlora_kit.memory import selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
+from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.registries import attention
 
@@ -217,7 +218,11 @@ def _trace(
         )
     model.config.use_cache = False
     model.requires_grad_(False)
-    checkpointing.enable_checkpointing(model, recipe.memory.model_copy(update={"checkpointing": policy}))
+    # The tiled MLP keeps views of one storage however many tiles there are: two tiles trace what any
+    # number keeps, and tracing hundreds of tiles costs minutes (one tile's own transient: planner.py)
+    tiles = min(tile_count(recipe.memory.mlp_tiles, seq, config.get_text_config().hidden_size), 2)
+    memory = recipe.memory.model_copy(update={"checkpointing": policy, "mlp_tiles": tiles})
+    checkpointing.enable_checkpointing(model, memory)
     peft_model = adapters.attach_lora(model, recipe.lora)
     mode = FakeTensorMode()
     _fake_on_cpu(peft_model, mode)
@@ -311,7 +316,8 @@ def _batch(batch: int, seq: int, packing: bool) -> dict[str, torch.Tensor]:
     packed rows carry restarting position ids (two examples a row) and no attention mask."""
     ids = torch.zeros(batch, seq, dtype=torch.long)
     inputs = {"input_ids": ids, "labels": ids}
-    if not packing:
+    if not packing and batch > 1:
+        # (one row has no padding: transformers builds no mask for it, which long-context runs rely on)
         # The padding collator's mask. Of a batch of rows of one length transformers builds no attention
         # mask, of a padded batch one that attention keeps; it tells them apart by the mask's values,
         # which fake tensors do not have, so it builds one (``masking_utils._ignore_causal_mask_sdpa``):

@@ -29,7 +29,11 @@ class MemorySection(Section):
     over_budget: bool = False
     """With checkpointing: auto, train with full checkpointing even when no policy is predicted to fit budget_gb."""
     offload_activations: bool = False
-    """Keep checkpointed layer inputs in pinned host memory (GPU only; a no-op on the CPU)."""
+    """Keep each checkpointed layer's saved input in host memory until its recompute (pinned, copied on a side
+    stream with a one-layer prefetch on CUDA; host to host on the CPU): frees layers x tokens x hidden bytes."""
+    mlp_tiles: int | Literal["auto"] = 1
+    """Compute each decoder layer's MLP in this many tiles along the sequence, each recomputed in backward on
+    its own, so one tile's intermediate exists at a time; auto: ceil(tokens / hidden) tiles; 1: untiled."""
     chunked_loss: bool = True
     """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept."""
     loss_chunk_tokens: int = Field(1024, gt=0)
@@ -37,6 +41,8 @@ class MemorySection(Section):
 
     @model_validator(mode="after")
     def _check_budget(self) -> MemorySection:
+        if self.mlp_tiles != "auto" and self.mlp_tiles < 1:
+            raise ValueError(f"memory.mlp_tiles: must be >= 1 or auto (got {self.mlp_tiles})")
         if self.checkpointing == "auto" and self.budget_gb is None:
             raise ValueError("memory.budget_gb: required with memory.checkpointing: auto")
         if self.checkpointing == "per_layer" and not self.layer_policies:

@@ -60,6 +60,7 @@ class AttentionKernel:
     available: Callable[[], bool]
     half_precision: bool = False  # computes in bfloat16 / float16 only
     cuda: bool = False  # runs on CUDA GPUs only
+    quadratic: bool = False  # materializes the (batch, heads, seq, seq) scores: memory grows with seq squared
 
 
 KERNELS = {
@@ -67,7 +68,7 @@ KERNELS = {
     # letting a checkpoint's config.json choose)
     "auto": AttentionKernel("auto", "rows", "torch", _always),
     "sdpa": AttentionKernel("sdpa", "rows", "torch", _always),
-    "eager": AttentionKernel("eager", "rows", "torch", _always),
+    "eager": AttentionKernel("eager", "rows", "torch", _always, quadratic=True),
     # FlexAttention has no backward on the CPU (torch 2.13): it trains on CUDA GPUs only
     "flex_attention": AttentionKernel("flex_attention", "rows", "torch >= 2.5", _flex, cuda=True),
     "flash_attention_2": AttentionKernel(
@@ -149,6 +150,27 @@ def resolve(name: str, config) -> str | None:
             "use auto or eager"
         )
     return name
+
+
+# eager's scores per (batch, head, query, key): the scores in the compute dtype, their fp32 softmax, and its
+# cast back (transformers' eager_attention_forward), all alive at once
+EAGER_BYTES_PER_SCORE = 2 + 4 + 2
+
+
+def quadratic_refusal(name: str, batch: int, heads: int, seq: int, budget_bytes: int) -> str | None:
+    """Why a kernel whose memory grows with the square of the sequence cannot train ``seq`` tokens in
+    ``budget_bytes`` (one line naming the field and what to use instead), or None when it can."""
+    if not (name in KERNELS and KERNELS[name].quadratic):
+        return None
+    scores = batch * heads * seq * seq * EAGER_BYTES_PER_SCORE
+    if scores <= budget_bytes:
+        return None
+    gib = 1024**3
+    return (
+        f"model.attn_implementation: {name} attention materializes (batch, heads, seq, seq) scores, "
+        f"{scores / gib:,.1f} GiB for one layer at {seq:,} tokens, more than the {budget_bytes / gib:,.1f} GiB "
+        "to fit; use sdpa (or flash_attention_2 on a GPU), whose memory grows linearly with the sequence"
+    )
 
 
 def check_installed(name: str, cuda_available: bool) -> str | None:

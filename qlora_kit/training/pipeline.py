@@ -22,7 +22,7 @@ from transformers import TrainerState, set_seed
 
 from qlora_kit.data import layout, preflight, prepare, prompts
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import auto, checkpointing
+from qlora_kit.memory import attention_fit, auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -189,6 +189,7 @@ def _build_checked(
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
+    attention_fit.check_attention_fits(recipe, base.config)
     checkpointed = checkpointing.enable_checkpointing(base, memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(

@@ -76,6 +76,14 @@ TABLES = {
          ("forward (ms)", N), ("backward (ms)", N), ("layers' step (ms)", N), ("vs none", rf"{N}x"),
          ("extra vs full's extra", rf"{N}|-")], 5,
     )]),
+    "long_context.py": ("long-context-cpu.md", [
+        ([("model, GPU", ".+"), ("memory", r"none|selective|full|full \+ offload|full \+ offload \+ tiles"),
+          ("longest row (tokens)", r"[\d,]+"), ("device peak (GiB)", N), ("host (GiB)", rf"{N}|-"),
+          ("published", ".+")], 5),
+        ([("tokens", r"[\d,]+"), ("memory", r"none|full|full \+ offload|full \+ offload \+ tiles"),
+          ("saved on device (MiB)", N), ("planned (MiB, error)", WITH_ERROR), ("host (MiB)", rf"{N}|-"),
+          ("forward + backward (s)", SECONDS), ("time vs full", rf"{N}x")], 4),
+    ]),
     "memory.py": ("memory-cpu.md", [
         ([("policy", r"none|every_2|full|full \+ offload"), ("saved for backward (MiB)", N), ("vs none", N),
           ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("time vs none", rf"{N}x")], 4),
