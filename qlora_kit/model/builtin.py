@@ -1,7 +1,7 @@
 """The embedded default: tiny local base models, a locally trained tokenizer and the demo dataset.
 
 Nothing here downloads. ``builtin:tiny-llama`` (and ``tiny-qwen2``, ``tiny-mistral`` and the other
-architectures in ``TINY_ARCHITECTURES``) name a small
+architectures in ``TINY_ARCHITECTURES``, one per entry of the families table) name a small
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.registries.families import FAMILIES
 from qlora_kit.registries.formats import ALPACA_FRAMING
 
 BUILTIN = "builtin:"
@@ -51,21 +52,8 @@ CHAT_TEMPLATE = (
 
 # Sizes chosen so the demo trains in about a minute on 2 CPU cores while the layers stay real:
 # every linear is a multiple of 64 wide, so 4-bit blocks (64 values) tile it exactly.
-TINY_ARCHITECTURES = {
-    "tiny-llama": ("LlamaConfig", {}),
-    "tiny-qwen2": ("Qwen2Config", {"use_sliding_window": False}),
-    "tiny-mistral": ("MistralConfig", {"sliding_window": None}),
-    # Layers of other shapes, for the planner's tracing and the pipeline's breadth: q/k norms (Qwen3),
-    # fused qkv and gate-up projections (Phi-3), post-norms, soft-capping and alternating sliding
-    # attention (Gemma-2), parallel residual with a plain MLP and LayerNorm (GPT-NeoX), Conv1D
-    # projections and learned positions (GPT-2), post-norms with q/k norms (OLMo-2).
-    "tiny-qwen3": ("Qwen3Config", {"head_dim": 32}),
-    "tiny-phi3": ("Phi3Config", {}),
-    "tiny-gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 32}),
-    "tiny-gptneox": ("GPTNeoXConfig", {}),
-    "tiny-gpt2": ("GPT2Config", {}),
-    "tiny-olmo2": ("Olmo2Config", {}),
-}
+# One builtin per family of the families table (registries/families.py): name -> (config class, extras).
+TINY_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values()}
 TINY_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
