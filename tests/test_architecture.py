@@ -111,7 +111,8 @@ def test_imports_point_down_the_layers():
 
 def test_registries_and_errors_import_only_the_standard_library():
     """At module level: the recipe reads them, and ``import qlora_kit`` stays light. (A kernel's
-    availability probe may import its library inside a function.)"""
+    availability probe may import its library inside a function. A registry may read another registry,
+    which is held to the same rule: the objective table names the metric keys.)"""
     import sys
 
     leaves = [PACKAGE / "errors.py", *sorted((PACKAGE / "registries").glob("*.py"))]
@@ -124,6 +125,8 @@ def test_registries_and_errors_import_only_the_standard_library():
             else:
                 continue
             for name in names:
+                if name.startswith("qlora_kit.registries") and path.parent.name == "registries":
+                    continue
                 assert name.split(".")[0] in sys.stdlib_module_names, f"{path.name}: {name}"
 
 

@@ -53,6 +53,12 @@ class FormatSpec:
     def pairs(self) -> bool:
         return self.pair_kind is not None
 
+    @property
+    def rows(self) -> str:
+        """What a row is, as the objective table (registries/objectives.py) names it: formats of pairs
+        serve only the objectives whose rows are pairs."""
+        return "pairs" if self.pairs else "sequences"
+
 
 def _chat_format(name: str, conversation: str) -> FormatSpec:
     """A conversation (``messages``, or ShareGPT's ``conversations``) with optional ``tools``, rendered by

@@ -200,3 +200,20 @@ class RewardGuard(TrainingGuard):
         if all(_all_zero({name: p.grad for name, p in self.lora.items()}).values()):
             return
         super()._check_dead(step)
+
+
+def prepare(recipe: Recipe, tokenizer):
+    """Prompts and references as text: TRL samples and tokenizes the completions (the objective table's
+    builder, registries/objectives.py)."""
+    from qlora_kit.data import prompts
+
+    return prompts.prepare_prompts(
+        recipe.data, tokenizer, recipe.train.seed, recipe.grpo.max_completion_length
+    )
+
+
+def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
+    """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments: the reward
+    functions and the explaining callback; TRL collates nothing)."""
+    args = grpo_arguments(recipe, output_dir, has_eval, precision)
+    return GuardedGRPOTrainer, args, RewardGuard, trainer_extras(recipe)
