@@ -5,8 +5,8 @@ architectures in ``TINY_ARCHITECTURES``, one per entry of the families table) na
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
-dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``;
-``builtin:demo-facts-mixed``: the same rows split at random, for the GRPO demo).
+dataset shipped in ``qlora_kit/demo`` (data/demo.py lists the demo datasets); its rows are the
+tokenizer's corpus.
 """
 
 from __future__ import annotations
@@ -29,13 +29,8 @@ from qlora_kit.registries.formats import ALPACA_FRAMING
 
 BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-DEMO_DATASETS = {
-    "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
-    # the same rows split at random: held-out questions in phrasings trained with other facts (GRPO's demo)
-    "demo-facts-mixed": (DEMO_DIR / "mixed_train.jsonl", DEMO_DIR / "mixed_val.jsonl"),
-    # the same questions as preference pairs (format preference): the right answer and a wrong one
-    "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
-}
+# the tokenizer's corpus: the rows of builtin:demo-facts (data/demo.py owns the demo datasets)
+CORPUS = (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl")
 
 # Bump when the build below changes, so caches from an older build are not reused.
 BUILD_VERSION = 2  # 2: Qwen2's tokenizer class adds a token, which gets its embedding row
@@ -78,12 +73,6 @@ def cache_root() -> Path:
     return Path(os.environ.get("QLORA_KIT_CACHE", Path.home() / ".cache" / "qlora_kit"))
 
 
-def demo_data_files(name: str) -> tuple[Path, Path]:
-    if name not in DEMO_DATASETS:
-        raise ValueError(f"data.path: unknown builtin dataset {name!r} (known: {', '.join(DEMO_DATASETS)})")
-    return DEMO_DATASETS[name]
-
-
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
     if name not in TINY_ARCHITECTURES:
@@ -118,7 +107,7 @@ def _cache_key(name: str, shape: dict) -> str:
     digest.update(
         json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode()
     )
-    for path in DEMO_DATASETS["demo-facts"]:
+    for path in CORPUS:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -192,7 +181,7 @@ def corpus_words() -> list[str]:
 
 def _corpus(framing: list[str]) -> list[str]:
     texts = list(framing)
-    for path in DEMO_DATASETS["demo-facts"]:
+    for path in CORPUS:
         for line in path.read_text(encoding="utf-8").splitlines():
             texts.extend(value for value in json.loads(line).values() if value)
     return texts
