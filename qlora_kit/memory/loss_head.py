@@ -35,8 +35,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.registries import objectives
+from qlora_kit.registries.formats import IGNORE_INDEX
 
 # Config fields of models whose head does more than lm_head(hidden): those keep transformers' loss.
 UNSUPPORTED_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")

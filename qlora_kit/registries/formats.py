@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The label of a position that is not trained: PyTorch's cross_entropy default ignore_index. The data
+# writes it, the loss head and the throughput count read it.
+IGNORE_INDEX = -100
+
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # the template's fixed text, in order (the builtin tokenizer learns it as words)

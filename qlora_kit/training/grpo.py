@@ -38,10 +38,10 @@ import torch
 from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
+from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.guards import TrainingGuard, _all_zero
-from qlora_kit.training.rewards import reward_functions
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@
 Each objective's module, named by its entry in the objective table (registries/objectives.py), builds
 its Trainer's class and arguments: SFT runs on ``GuardedTrainer`` (sft.py, trainer.py), DPO on
 ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer under the same additions), GRPO on ``GuardedGRPOTrainer``
-(grpo.py, TRL's GRPOTrainer, with the reward functions of rewards.py and the explanations of
-grpo_explain.py). Both get the same callbacks, in the order that lets the memory and throughput
+(grpo.py, TRL's GRPOTrainer, with the reward functions of data/rewards.py and the explanations of
+grpo_explain.py). All get the same callbacks, in the order that lets the memory and throughput
 figures reach every log: the memory monitor, throughput, the metrics file, the guards, the trackers,
 early stopping, then the caller's.
 """

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
 from qlora_kit.data import layout, preflight, prepare
+from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
@@ -54,7 +55,6 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
-from qlora_kit.training.rewards import check_importable
 from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
