@@ -5,7 +5,9 @@ Made by ``scripts/make_demo_data.py`` (deterministic), each as a training and a 
 - ``demo-facts``: one-word answers to questions (format alpaca), the validation rows in a phrasing
   training never saw; ``demo-facts-mixed``: the same rows split at random (GRPO's demo);
 - ``demo-preferences``: the same questions as preference pairs, the right answer and a plausible wrong one
-  (format preference_alpaca, DPO's demo).
+  (format preference_alpaca, DPO's demo);
+- ``demo-feedback``: the pairs unpaired, each answer a row of its own labelled desirable or not, the
+  prompt framed as alpaca frames it (format feedback, KTO's demo).
 
 The builtin tokenizer is trained on demo-facts (model/builtin.py reads those two files for it).
 """
@@ -22,6 +24,8 @@ DEMO_DATASETS = {
     "demo-facts-mixed": (DEMO_DIR / "mixed_train.jsonl", DEMO_DIR / "mixed_val.jsonl"),
     # the same questions as preference pairs (format preference): the right answer and a wrong one
     "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
+    # the pairs' answers as unpaired feedback rows: prompt, completion, label (format feedback)
+    "demo-feedback": (DEMO_DIR / "feedback_train.jsonl", DEMO_DIR / "feedback_val.jsonl"),
 }
 
 

@@ -52,6 +52,9 @@ class FormatSpec:
     # preference pairs (train.objective: dpo): how the prompt is asked (text, alpaca or chat); render
     # gives the prompt and the chosen answer
     pair_kind: str | None = None
+    # one answer with a ``label`` field, true for a desirable answer (train.objective: kto); render gives
+    # the prompt and the answer
+    labelled: bool = False
 
     @property
     def pairs(self) -> bool:
@@ -61,7 +64,7 @@ class FormatSpec:
     def rows(self) -> str:
         """What a row is, as the objective table (registries/objectives.py) names it: formats of pairs
         serve only the objectives whose rows are pairs."""
-        return "pairs" if self.pairs else "sequences"
+        return "pairs" if self.pairs else "unpaired" if self.labelled else "sequences"
 
 
 def _chat_format(name: str, conversation: str) -> FormatSpec:
@@ -108,5 +111,13 @@ FORMATS: dict[str, FormatSpec] = {
         _pair_format("preference", ("prompt",), "text", "completion_prompt"),
         _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", "alpaca_prompt_for"),
         _pair_format("preference_chat", ("prompt",), "chat", "chat_prompt"),
+        FormatSpec(
+            "feedback",
+            ("prompt", "completion"),  # and the label (labelled), which the kto module reads
+            "render_completion",
+            "completion_prompt",
+            checkable=False,  # an undesirable answer is no reference
+            labelled=True,
+        ),
     )
 }

@@ -91,6 +91,22 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             console=((keys.REWARD, "reward"),),  # the rollouts' mean summed reward (the loss reads ~0)
             summary=((keys.REWARD, "reward"),),
         ),
+        ObjectiveSpec(
+            "kto",
+            "qlora_kit.training.kto",
+            UNPAIRED,
+            "KTOTrainer",
+            preflight=False,  # TRL tokenizes the texts: there are no token rows to check before it
+            sequences_per_row=2,  # each answer, and the mismatched answer of the KL baseline
+            reference=True,
+            disables_dropout=True,
+            section="preference",
+            eval_metrics="qlora_kit.after.preference_eval:feedback_metrics",
+            metric_keys=(*keys.PREFERENCE_KEYS, keys.KL),
+            console=((keys.REWARD_MARGINS, "margin"),),
+            eval_line=((keys.EVAL_PREFIX + keys.REWARD_MARGINS, "reward margin"),),
+            summary=((keys.REWARD_MARGINS, "reward margin"), (keys.KL, "kl")),
+        ),
     )
 }
 
