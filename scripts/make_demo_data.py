@@ -5,6 +5,7 @@ rows use the last one, so validation exact-match measures whether the adapter le
 not the sentence. Answers are one word, so they can be checked exactly.
 
 builtin:demo-facts-mixed holds the same rows split at random instead (build_mixed).
+builtin:demo-feedback holds the pairs' answers as unpaired rows labelled desirable or not (build_feedback).
 
 The preference pairs (builtin:demo-preferences, format preference_alpaca, train.objective dpo) ask the
 same questions as the instruction rows, chosen = the right answer, rejected = a plausible wrong one:
@@ -18,6 +19,8 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from qlora_kit.registries.formats import alpaca_prompt
 
 RELATIONS = {
     "color": (
@@ -156,6 +159,17 @@ def build_pairs(rows: list[dict], seed: int) -> list[dict]:
     ]
 
 
+def build_feedback(pairs: list[dict]) -> list[dict]:
+    """The pairs unpaired (builtin:demo-feedback, format feedback, train.objective kto): each answer a row of
+    its own, the prompt framed as alpaca frames it, labelled desirable (the right answer) or not."""
+    rows = []
+    for pair in pairs:
+        prompt = alpaca_prompt(pair["instruction"], pair["input"])
+        rows.append({"prompt": prompt, "completion": pair["chosen"], "label": True})
+        rows.append({"prompt": prompt, "completion": pair["rejected"], "label": False})
+    return rows
+
+
 def build_mixed(train: list[dict], val: list[dict]) -> tuple[list[dict], list[dict]]:
     """The same rows split at random (builtin:demo-facts-mixed, the GRPO demo's): a held-out question's
     phrasing is trained with other facts and its fact with other phrasings, so what reinforcement
@@ -175,8 +189,11 @@ def main() -> None:
     train, val = build_rows()
     write_jsonl(train, out / "train.jsonl")
     write_jsonl(val, out / "val.jsonl")
-    write_jsonl(build_pairs(train, seed=2), out / "pairs_train.jsonl")
-    write_jsonl(build_pairs(val, seed=3), out / "pairs_val.jsonl")
+    train_pairs, val_pairs = build_pairs(train, seed=2), build_pairs(val, seed=3)
+    write_jsonl(train_pairs, out / "pairs_train.jsonl")
+    write_jsonl(val_pairs, out / "pairs_val.jsonl")
+    write_jsonl(build_feedback(train_pairs), out / "feedback_train.jsonl")
+    write_jsonl(build_feedback(val_pairs), out / "feedback_val.jsonl")
     mixed_train, mixed_val = build_mixed(train, val)
     write_jsonl(mixed_train, out / "mixed_train.jsonl")
     write_jsonl(mixed_val, out / "mixed_val.jsonl")

@@ -121,6 +121,34 @@ MUTATIONS = [
         ["tests/e2e/test_faults.py::test_full_disk_is_refused_by_train_before_training"],
     ),
     (
+        "a family's linears drift from the model transformers builds",
+        "qlora_kit/registries/families.py",
+        'linears=("self_attn.o_proj", "self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"),',
+        'linears=("self_attn.o_proj", "self_attn.qkv_proj", "mlp.down_proj"),',
+        ["tests/test_families.py::test_the_facets_hold_for_the_model_built_from_the_config[phi3]"],
+    ),
+    (
+        "a module outside the objective modules asks for an objective by name",
+        "qlora_kit/memory/planner.py",
+        "rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0",
+        'rollout_bytes(shape, recipe) if recipe.train.objective == "grpo" else 0',
+        ["tests/test_objectives.py::test_no_module_outside_the_objective_modules_asks_which_objective_it_is"],
+    ),
+    (
+        "the planner counts one sequence per KTO row (no KL twin)",
+        "qlora_kit/registries/objectives.py",
+        "sequences_per_row=2,  # each answer, and the mismatched answer of the KL baseline",
+        "sequences_per_row=1,",
+        ["tests/test_kto.py::test_the_planner_counts_each_row_and_its_kl_twin"],
+    ),
+    (
+        "after imports its sibling training",
+        "qlora_kit/after/grpo_eval.py",
+        "from qlora_kit.data.rewards import reward_functions\n",
+        "from qlora_kit.data.rewards import reward_functions\nfrom qlora_kit.training import sft  # noqa: F401\n",
+        ["tests/test_architecture.py::test_imports_follow_the_allowed_arrows_between_packages"],
+    ),
+    (
         "a cross-field error names the wrong field",
         "qlora_kit/recipe/data.py",
         '"data.group_by_length: pointless',
@@ -181,7 +209,7 @@ MUTATIONS = [
     ),
     (
         "exact_match compares unstripped text",
-        "qlora_kit/training/rewards.py",
+        "qlora_kit/data/rewards.py",
         "float(completion_text(c).strip() == str(r).strip())",
         "float(completion_text(c) == str(r))",
         ["tests/test_grpo.py::test_builtin_rewards_score_each_completion_as_the_registry_says"],

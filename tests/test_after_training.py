@@ -14,6 +14,7 @@ from qlora_kit import Recipe, train
 from qlora_kit.after.evaluate import evaluate
 from qlora_kit.after.generate import generate
 from qlora_kit.after.merge import merge_adapter
+from qlora_kit.data import demo
 from qlora_kit.errors import MergeDriftError, OutputDirError, TrainingGuardError
 from qlora_kit.memory import checkpointing
 from qlora_kit.model import adapters, builtin
@@ -190,7 +191,7 @@ def test_manifest_records_recipe_versions_data_hashes_and_machine(trained_run):
     assert manifest["seed"] == 42 and manifest["steps"] == 30
     for library in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets"):
         assert manifest["versions"][library], library
-    for path in builtin.demo_data_files("demo-facts"):
+    for path in demo.demo_data_files("demo-facts"):
         assert manifest["data_files"][str(path)] == hashlib.sha256(path.read_bytes()).hexdigest()
     config = builtin.ensure_tiny_model("tiny-llama") / "config.json"
     assert manifest["base_model"]["config_sha256"] == hashlib.sha256(config.read_bytes()).hexdigest()

@@ -15,6 +15,21 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qlora_kit"
 # Bottom to top: a module may import only from its own layer's package (without a cycle) or from the
 # layers below it. errors and registries are leaves every layer reads.
 LAYERS = ["errors", "registries", "recipe", "model", "data", "memory", "training", "after", "cli"]
+# The allowed arrows between the packages: a graph, not a line. Below its layer is not enough: after and
+# training are siblings (both read the trained run; neither imports the other), so what both need (the
+# rewards, the ignore index) sits below both.
+LEAVES = {"errors", "registries"}
+ALLOWED = {
+    "errors": set(),
+    "registries": set(),
+    "recipe": LEAVES,
+    "model": LEAVES | {"recipe"},
+    "data": LEAVES | {"recipe", "model"},
+    "memory": LEAVES | {"recipe", "model", "data"},
+    "training": LEAVES | {"recipe", "model", "data", "memory"},
+    "after": LEAVES | {"recipe", "model", "data", "memory"},
+    "cli": LEAVES | {"recipe", "model", "data", "memory", "training", "after"},
+}
 ROOT_MODULES_MAX = 8
 
 
@@ -109,9 +124,31 @@ def test_imports_point_down_the_layers():
     assert upward == []
 
 
+def test_imports_follow_the_allowed_arrows_between_packages():
+    """A package imports only the packages its arrows name (siblings such as after and training never
+    each other); every layer has its arrows."""
+    assert set(ALLOWED) == set(LAYERS)
+    stray = []
+    for module, targets in import_graph().items():
+        mine = package_of(module)
+        if mine is None:
+            continue
+        for target in targets:
+            theirs = package_of(target)
+            if theirs is not None and theirs != mine and theirs not in ALLOWED[mine]:
+                stray.append(f"{module} -> {target}")
+    assert stray == []
+
+
+def package_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in LAYERS else None
+
+
 def test_registries_and_errors_import_only_the_standard_library():
     """At module level: the recipe reads them, and ``import qlora_kit`` stays light. (A kernel's
-    availability probe may import its library inside a function.)"""
+    availability probe may import its library inside a function. A registry may read another registry,
+    which is held to the same rule: the objective table names the metric keys.)"""
     import sys
 
     leaves = [PACKAGE / "errors.py", *sorted((PACKAGE / "registries").glob("*.py"))]
@@ -124,6 +161,8 @@ def test_registries_and_errors_import_only_the_standard_library():
             else:
                 continue
             for name in names:
+                if name.startswith("qlora_kit.registries") and path.parent.name == "registries":
+                    continue
                 assert name.split(".")[0] in sys.stdlib_module_names, f"{path.name}: {name}"
 
 

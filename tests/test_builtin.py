@@ -6,6 +6,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from qlora_kit.data import demo
 from qlora_kit.model import builtin
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,14 +41,14 @@ def test_shipped_demo_data_matches_its_generator():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     train, val = module.build_rows()
-    train_file, val_file = builtin.demo_data_files("demo-facts")
+    train_file, val_file = demo.demo_data_files("demo-facts")
     assert [json.loads(line) for line in train_file.read_text().splitlines()] == train
     assert [json.loads(line) for line in val_file.read_text().splitlines()] == val
     questions = lambda rows: {r["instruction"] + r["input"] for r in rows}  # noqa: E731
     assert not questions(train) & questions(val), "validation phrasings never appear in training"
     # demo-facts-mixed (GRPO's demo): the same rows, split at random; no question in both halves
     mixed_train, mixed_val = module.build_mixed(train, val)
-    train_file, val_file = builtin.demo_data_files("demo-facts-mixed")
+    train_file, val_file = demo.demo_data_files("demo-facts-mixed")
     assert [json.loads(line) for line in train_file.read_text().splitlines()] == mixed_train
     assert [json.loads(line) for line in val_file.read_text().splitlines()] == mixed_val
     key = lambda r: json.dumps(r, sort_keys=True)  # noqa: E731

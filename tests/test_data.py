@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from qlora_kit import Recipe
-from qlora_kit.data import prepare
+from qlora_kit.data import demo, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.packing import FlattenedRowsCollator, best_fit_decreasing, pack_dataset
 from qlora_kit.errors import DataError
-from qlora_kit.model import adapters, builtin
+from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
 
 from .conftest import write
@@ -240,7 +240,7 @@ def test_pad_share_counts_padding(tokenizer):
 
 def test_builtin_demo_has_its_own_validation_set(tokenizer):
     prepared = prepared_data(tokenizer)
-    train_file, val_file = builtin.demo_data_files("demo-facts")
+    train_file, val_file = demo.demo_data_files("demo-facts")
     assert len(prepared.train) == len(train_file.read_text().splitlines())
     assert len(prepared.val) == len(val_file.read_text().splitlines())
 

@@ -11,11 +11,11 @@ import yaml
 
 from qlora_kit import Recipe
 from qlora_kit.data.prompts import prepare_prompts, prompt_and_reference
+from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.pipeline import build
-from qlora_kit.training.rewards import reward_functions
 
 from .conftest import run_cli, write
 

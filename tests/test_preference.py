@@ -6,10 +6,9 @@ import re
 import pytest
 
 from qlora_kit import Recipe, RecipeError
-from qlora_kit.data import prepare
+from qlora_kit.data import demo, prepare
 from qlora_kit.data.preference import alpaca_prompt
 from qlora_kit.errors import DataError
-from qlora_kit.model import builtin
 from qlora_kit.recipe.preference import PreferenceSection
 
 from .conftest import write
@@ -186,9 +185,7 @@ def test_the_demo_pairs_ask_the_sft_demos_questions_framed_as_its_prompts(tokeni
         assert (
             pair["rejected_ids"] != pair["chosen_ids"] and pair["rejected_ids"][-1] == tokenizer.eos_token_id
         )
-    rows = [
-        json.loads(line) for line in builtin.DEMO_DATASETS["demo-preferences"][1].read_text().splitlines()
-    ]
+    rows = [json.loads(line) for line in demo.DEMO_DATASETS["demo-preferences"][1].read_text().splitlines()]
     assert pairs.val[0]["prompt_ids"] == tokenizer(alpaca_prompt(rows[0]["instruction"]))["input_ids"]
 
 
@@ -196,9 +193,7 @@ def test_the_data_view_shows_each_pair_and_passes_the_preflight(tokenizer):
     from qlora_kit.data.report import inspect_data
 
     view = inspect_data(Recipe.from_yaml("recipes/demo-dpo.yaml"), tokenizer, count=2)
-    rows = [
-        json.loads(line) for line in builtin.DEMO_DATASETS["demo-preferences"][0].read_text().splitlines()
-    ]
+    rows = [json.loads(line) for line in demo.DEMO_DATASETS["demo-preferences"][0].read_text().splitlines()]
     assert len(view.examples) == 2  # count=2: the loop below runs over something
     for runs, row in zip(view.examples, rows[:2], strict=True):
         trained = [text for text, is_trained in runs if is_trained]

@@ -36,7 +36,9 @@ from qlora_kit.registries.attention import KERNELS
 from qlora_kit.registries.formats import FORMATS
 
 PAIR_FORMATS = sorted(name for name, spec in FORMATS.items() if spec.pairs)
-ROW_FORMATS = sorted(name for name, spec in FORMATS.items() if not spec.pairs)
+ROW_FORMATS = sorted(
+    name for name, spec in FORMATS.items() if spec.rows == "sequences"
+)  # not kto's labelled rows
 FIELD_NAMES = sorted({field for spec in FORMATS.values() for field in spec.fields})
 WORDS = st.from_regex(r"[a-z][a-z_]{0,8}", fullmatch=True)
 DATA_PATHS = st.sampled_from(["builtin:demo-facts", "/data/rows.jsonl", "/data/shards", "org/facts"])

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from qlora_kit import Recipe, train
-from qlora_kit.model import builtin
+from qlora_kit.data import demo
 from qlora_kit.model import loading as model
 
 
@@ -21,7 +21,7 @@ def test_trust_remote_code_is_off_by_default_and_announced_when_on(caplog):
 
 @pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing
 def test_relative_paths_resolve_against_the_recipe_and_land_in_the_manifest(tmp_path):
-    train_file, val_file = builtin.demo_data_files("demo-facts")
+    train_file, val_file = demo.demo_data_files("demo-facts")
     (tmp_path / "data").mkdir()
     shutil.copy(train_file, tmp_path / "data" / "train.jsonl")
     shutil.copy(val_file, tmp_path / "data" / "val.jsonl")

@@ -13,6 +13,7 @@ A GRPO run also reports its rewards on the validation prompts, greedy and sample
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 from pathlib import Path
@@ -21,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qlora_kit.after.generate import complete
-from qlora_kit.after.grpo_eval import reward_metrics
 from qlora_kit.after.preference_eval import preference_metrics
 from qlora_kit.data import prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
+from qlora_kit.registries import objectives
 from qlora_kit.registries.formats import FORMATS
 
 if TYPE_CHECKING:
@@ -70,8 +71,10 @@ def evaluate(
         )
         hits = [_matches(lm, tokenizer, ex) for ex in examples]
         results |= {"exact_match": sum(hits) / len(hits), "exact_match_examples": len(hits)}
-    if recipe.train.objective == "grpo":  # the rewards on held-out prompts, greedy and sampled
-        results |= reward_metrics(lm, tokenizer, recipe, max_examples)
+    extra = objectives.of(recipe).eval_metrics  # grpo: the rewards on held-out prompts, greedy and sampled
+    if extra is not None:
+        module, function = extra.split(":")
+        results |= getattr(importlib.import_module(module), function)(lm, tokenizer, recipe, max_examples)
     if output is not None:
         Path(output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results

@@ -1,9 +1,10 @@
 """Each architecture's GGUF form: what llama.cpp's ``convert_hf_to_gguf.py`` does for it, repeated.
 
-Per family (transformers' ``model_type``): gguf's architecture, the metadata keys the converter's
-``set_gguf_parameters`` writes, and the few tensor transforms its ``modify_tensors`` applies (Llama's Q/K
-row permutation, GPT-2's Conv1D weights transposed to (out, in), Gemma's norms stored as 1 + w, tensors
-llama.cpp never reads dropped). A family whose model llama.cpp would compute differently than
+Per family (transformers' ``model_type``), the families table (registries/families.py) holds gguf's
+architecture and the few tensor transforms the converter's ``modify_tensors`` applies (Llama's Q/K row
+permutation, GPT-2's Conv1D weights transposed to (out, in), Gemma's norms stored as 1 + w, tensors
+llama.cpp never reads dropped); here are the metadata writers (the converter's ``set_gguf_parameters``)
+and the checks the table names, and the transforms applied. A family whose model llama.cpp would compute differently than
 transformers (an untied Gemma-2 head, say) is refused with the reason, as is one transformers' GGUF
 loader cannot read back: without that loader the parity report has no independent reader.
 """
@@ -12,23 +13,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from qlora_kit.errors import ExportError
-
-
-@dataclass(frozen=True)
-class Family:
-    arch: str  # gguf's MODEL_ARCH member name
-    hyperparameters: Callable  # (writer, config) -> None: the converter's set_gguf_parameters
-    # llama.cpp's "llama" rope expects Q/K rows interleaved (convert_hf_to_gguf LlamaModel.permute)
-    permute_qk: bool = False
-    transposed: tuple[str, ...] = ()  # weights stored (in, out) by transformers (GPT-2's Conv1D)
-    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + w; llama.cpp's by the stored weight
-    skipped: tuple[str, ...] = ()  # tensors llama.cpp does not read (Gemma-2's head is the embeddings)
-    refusal: Callable | None = None  # config -> why this model has no faithful GGUF form, or None
+from qlora_kit.registries import families
+from qlora_kit.registries.families import Gguf
 
 
 def _rope(config) -> dict:
@@ -151,52 +141,44 @@ def _gpt2_refusal(config) -> str | None:
     return None
 
 
-# transformers' model_type -> its GGUF form. Others are refused by name (see family_of).
-FAMILIES = {
-    "llama": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=True),
-    "mistral": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=True),
-    "qwen2": Family("QWEN2", lambda w, c: _decoder(w, c, rope_dims=False)),
-    "qwen3": Family("QWEN3", lambda w, c: _decoder(w, c, rope_dims=False)),
-    "phi3": Family("PHI3", _phi3),
-    "gemma2": Family(
-        "GEMMA2", _gemma2, norm_offset=1.0, skipped=("lm_head.weight",), refusal=_gemma2_refusal
-    ),
-    "gpt2": Family(
-        "GPT2",
-        _gpt2,
-        transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"),
-        skipped=(".attn.bias", ".attn.masked_bias"),
-        refusal=_gpt2_refusal,
-    ),
+# The writers and checks the families table (registries/families.py) names by key.
+WRITERS: dict[str, Callable] = {
+    "decoder+rope": lambda w, c: _decoder(w, c, rope_dims=True),
+    "decoder": lambda w, c: _decoder(w, c, rope_dims=False),
+    "phi3": _phi3,
+    "gemma2": _gemma2,
+    "gpt2": _gpt2,
 }
-
-# Architectures llama.cpp knows but transformers' GGUF loader (integrations/ggml.py) does not read back:
-# the file could be written, but nothing independent of this writer could check it.
-UNREADABLE = {"gpt_neox": "gptneox", "olmo2": "olmo2"}
+CHECKS: dict[str, Callable] = {"gemma2": _gemma2_refusal, "gpt2": _gpt2_refusal}
 
 
-def family_of(config) -> Family:
+def family_of(config) -> Gguf:
     """The GGUF form of ``config``'s architecture, or ExportError saying why it has none."""
     model_type = config.model_type
-    if model_type in UNREADABLE:
+    entry = families.family(model_type)
+    if entry is not None and isinstance(entry.export, families.NoExport):
         raise ExportError(
-            f"export --to gguf: architecture {model_type!r} is not supported: transformers' GGUF loader "
-            f"cannot read a {UNREADABLE[model_type]} GGUF back, so the parity report would have no "
-            "independent reader; --to merged works for it"
+            f"export --to gguf: architecture {model_type!r} is not supported: {entry.export.reason}; "
+            "--to merged works for it"
         )
-    if model_type not in FAMILIES:
+    if entry is None:
         raise ExportError(
             f"export --to gguf: architecture {model_type!r} is not supported "
-            f"(supported: {', '.join(sorted(FAMILIES))}); --to merged works for every architecture"
+            f"(supported: {', '.join(sorted(families.exportable()))}); --to merged works for every architecture"
         )
-    family = FAMILIES[model_type]
-    why = family.refusal(config) if family.refusal else None
+    form = entry.export
+    why = CHECKS[form.check](config) if form.check else None
     if why:
         raise ExportError(f"export --to gguf: this {model_type} model has no faithful GGUF form: {why}")
-    return family
+    return form
 
 
-def stored(key: str, tensor: torch.Tensor, config, family: Family) -> torch.Tensor | None:
+def write_parameters(writer, config, form: Gguf) -> None:
+    """The converter's set_gguf_parameters for ``form``'s family."""
+    WRITERS[form.parameters](writer, config)
+
+
+def stored(key: str, tensor: torch.Tensor, config, family: Gguf) -> torch.Tensor | None:
     """A merged model's tensor as llama.cpp stores it, or None for one it does not read."""
     if key.endswith(family.skipped):
         return None
@@ -207,7 +189,7 @@ def stored(key: str, tensor: torch.Tensor, config, family: Family) -> torch.Tens
     return permuted(key, tensor, config, family)
 
 
-def permuted(key: str, tensor: torch.Tensor, config, family: Family) -> torch.Tensor:
+def permuted(key: str, tensor: torch.Tensor, config, family: Gguf) -> torch.Tensor:
     """Q/K rows reordered for llama.cpp's ``llama`` rope (convert_hf_to_gguf.py's LlamaModel.permute)."""
     if not family.permute_qk or not key.endswith(("q_proj.weight", "k_proj.weight")):
         return tensor

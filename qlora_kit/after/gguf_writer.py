@@ -2,8 +2,8 @@
 
 llama.cpp's own converter (``convert_hf_to_gguf.py``) is not in the ``gguf`` wheel, and building llama.cpp
 to convert is what breaks for users, so this module does the converter's part for the families the
-pipeline trains that both llama.cpp and transformers' GGUF loader know (``gguf_families``: Llama and
-Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2). The tensor names come from gguf's ``TensorNameMap``, the
+pipeline trains that both llama.cpp and transformers' GGUF loader know (the families table's ``Gguf``
+entries, registries/families.py: Llama and Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2). The tensor names come from gguf's ``TensorNameMap``, the
 metadata keys from ``GGUFWriter``'s own ``add_*`` methods, merges/special ids/chat template from
 ``gguf.SpecialVocab``; only what the converter computes itself is repeated (each family's keys and tensor
 transforms, the token types, the pre-tokenizer name). ``write_lora_gguf`` writes the adapter alone, as
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from qlora_kit.after.gguf_families import family_of, permuted, stored
+from qlora_kit.after.gguf_families import family_of, permuted, stored, write_parameters
 from qlora_kit.errors import ExportError
 
 try:  # the optional extra: qlora-kit[export]
@@ -48,7 +48,7 @@ def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_type(gguf.GGUFType.MODEL)
     writer.add_name(name)
-    family.hyperparameters(writer, config)
+    write_parameters(writer, config, family)
     writer.add_file_type(_file_types()[qtype])
     _add_vocabulary(writer, folder, AutoTokenizer.from_pretrained(folder), config.vocab_size)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)

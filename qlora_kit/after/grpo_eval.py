@@ -3,7 +3,7 @@
 Each validation prompt (data/prompts.py: asked as training asked it) is answered greedily once and
 sampled ``grpo.num_generations`` times at ``grpo.temperature`` (seeded by ``train.seed``), each answer at
 most ``grpo.max_completion_length`` tokens, and scored by the recipe's reward functions exactly as
-training scored its rollouts (training/rewards.py, TRL's call signature):
+training scored its rollouts (data/rewards.py, TRL's call signature):
 
 - ``reward_greedy`` / ``reward_sampled``: the weighted sum of the rewards, mean over the answers;
 - ``rewards_greedy/<name>`` / ``rewards_sampled/<name>``: each reward function's mean;
@@ -21,7 +21,7 @@ import torch
 from trl.trainer.utils import get_callable_name
 
 from qlora_kit.data.prompts import PROMPT, prepare_prompts
-from qlora_kit.training.rewards import reward_functions
+from qlora_kit.data.rewards import reward_functions
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

@@ -21,6 +21,7 @@ from qlora_kit.after.generate import wrap_prompt
 from qlora_kit.data import prepare
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
+from qlora_kit.registries import families
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -205,15 +206,9 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
 
 # Keys the GGUF states that transformers' GGUF loader (integrations/ggml.py) does not map to the config, or
 # maps to an attribute the config class no longer reads: without them it takes the config class's
-# defaults, right only when the model happens to use those. (key suffix, config attribute) per arch.
-UNMAPPED_KEYS = {
-    "*": [("attention.key_length", "head_dim")],  # qwen2/qwen3 read none: 128 unless stated
-    "gpt2": [("context_length", "n_positions"), ("feed_forward_length", "n_inner")],  # mapped to n_ctx
-    "gemma2": [
-        ("attn_logit_softcapping", "attn_logit_softcapping"),
-        ("final_logit_softcapping", "final_logit_softcapping"),
-    ],
-}
+# defaults, right only when the model happens to use those. (key suffix, config attribute) per GGUF arch,
+# from the families table (registries/families.py: Gguf.unmapped_keys).
+UNMAPPED_KEYS = {f.export.arch.lower(): list(f.export.unmapped_keys) for f in families.exportable().values()}
 
 
 def _gguf_config(folder: Path, gguf_file: str):
@@ -224,11 +219,11 @@ def _gguf_config(folder: Path, gguf_file: str):
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
     reader = gguf.GGUFReader(folder / gguf_file)
     arch = reader.fields["general.architecture"].contents()
-    for suffix, attribute in UNMAPPED_KEYS["*"] + UNMAPPED_KEYS.get(arch, []):
+    for suffix, attribute in UNMAPPED_KEYS.get(arch, []):
         value = reader.fields.get(f"{arch}.{suffix}")
         if value is not None:
             setattr(config, attribute, value.contents())
-    if arch == "gemma2":
+    if families.by_gguf_arch(arch).derives_attention_scale:
         # no key holds Gemma-2's attention scale: llama.cpp derives it (1/sqrt(head size), or of
         # hidden/heads at 46 layers), where transformers' loader keeps the config class's 256
         heads = config.num_attention_heads

@@ -10,6 +10,13 @@ adapter DPO started from), loaded as a second adapter on the same 4-bit base, or
 - ``likelihood_accuracy``: the share of pairs whose chosen answer is more likely than the rejected one
   under the evaluated model alone — comparable between the base, the SFT adapter and the DPO adapter;
 - ``loss``: the mean cross-entropy per token of the chosen answers.
+
+Labelled answers (``train.objective: kto``, format feedback) are scored the same way, each answer alone
+(``feedback_metrics``): ``reward_margin`` is the desirable answers' mean reward minus the undesirable
+ones', and for every prompt that has both kinds of answer, ``desirable_share`` is the desirable answers'
+share of the probability the model gives the prompt's labelled answers (its mean over those prompts),
+``preference_accuracy`` the share of them where a desirable answer has the higher reward and
+``likelihood_accuracy`` where it is the more likely under the model alone.
 """
 
 from __future__ import annotations
@@ -27,6 +34,51 @@ if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
 
 REFERENCE = "reference"
+
+
+def feedback_metrics(lm, tokenizer, recipe: Recipe, max_examples: int | None = None) -> dict[str, Any]:
+    """The module docstring's figures of labelled answers for ``lm`` on the recipe's validation rows."""
+    from datasets import Dataset
+
+    from qlora_kit.data import prepare
+    from qlora_kit.registries.formats import system_text
+
+    rows = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed).val_rows
+    if max_examples:
+        rows = rows.select(range(min(max_examples, len(rows))))
+    prompts = [system_text(recipe.data.system_prompt) + p for p in rows["prompt"]]
+    answers = [c + tokenizer.eos_token for c in rows["completion"]]
+    # each answer as one side of a pair (the other side empty), scored as answer_logps scores pairs
+    ids = Dataset.from_dict(
+        {
+            "prompt_ids": [tokenizer(p)["input_ids"] for p in prompts],
+            "chosen_ids": [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers],
+            "rejected_ids": [[]] * len(prompts),
+        }
+    )
+    logps = answer_logps(lm, ids)[0]
+    reference = reference_logps(lm, recipe, ids)[0]
+    rewards = recipe.preference.beta * (logps - reference)
+    labels = torch.tensor(list(rows["label"]))
+    by_prompt: dict[str, list[int]] = {}
+    for index, prompt in enumerate(prompts):
+        by_prompt.setdefault(prompt, []).append(index)
+    both = [i for i in by_prompt.values() if labels[i].any() and not labels[i].all()]
+    share, ranked, likelier = [], [], []
+    for indices in both:
+        good, bad = [i for i in indices if labels[i]], [i for i in indices if not labels[i]]
+        p_good, p_bad = logps[good].exp().sum(), logps[bad].exp().sum()
+        share.append(float(p_good / (p_good + p_bad)))
+        ranked.append(float(rewards[good].max() > rewards[bad].max()))
+        likelier.append(float(logps[good].max() > logps[bad].max()))
+    return {
+        "reward_margin": float(rewards[labels].mean() - rewards[~labels].mean()),
+        "desirable_share": sum(share) / max(len(share), 1),
+        "preference_accuracy": sum(ranked) / max(len(ranked), 1),
+        "likelihood_accuracy": sum(likelier) / max(len(likelier), 1),
+        "pairs": len(both),
+        "reference": recipe.model.adapter or "the base model",
+    }
 
 
 def preference_metrics(lm, recipe: Recipe, pairs: Dataset) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import shipped
 from qlora_kit.recipe.recipe import Recipe
+from qlora_kit.registries import objectives
 
 app = typer.Typer(
     name="qlora-kit",
@@ -184,7 +185,7 @@ def plan(
         views.show_longest_fits(console, longest_fits(resolved, room, device), resolved, room)
         return
     share = 1.0  # without the data: every position counted as trained
-    if with_data and resolved.train.objective == "sft":  # DPO's and GRPO's heads keep no selection
+    if with_data and objectives.of(resolved).chunked_head:  # TRL's heads (DPO, GRPO) keep no selection
         from qlora_kit.data.prepare import prepare_datasets
         from qlora_kit.model.loading import load_tokenizer
 

@@ -4,6 +4,9 @@
   labels (which formats exist is ``registries/formats``);
 - ``chat``: chat-template rendering and where the trained assistant spans are; ``segments``: the pieces;
 - ``preference``: preference pairs rendered and checked; ``prompts``: prompts and references for GRPO;
+- ``rewards``: GRPO's reward functions, scoring completions against the references (training and
+  evaluation both score with them);
+- ``demo``: the builtin demo datasets and their files;
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators;
 - ``preflight``: the checks that stop a run whose data trains on nothing;

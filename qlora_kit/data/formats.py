@@ -27,12 +27,10 @@ from qlora_kit.data.chat import (
 )
 from qlora_kit.data.preference import render_chosen
 from qlora_kit.data.segments import RowError, Segment, show
-from qlora_kit.registries.formats import FORMATS, alpaca_prompt, system_text
+from qlora_kit.registries.formats import FORMATS, IGNORE_INDEX, alpaca_prompt, system_text
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.data import DataSection
-
-IGNORE_INDEX = -100
 
 
 def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[Segment]:

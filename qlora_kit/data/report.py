@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.data import layout, preflight, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.registries import objectives
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -30,7 +31,7 @@ class DataView:
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     # Examples one by one: packed rows would show several examples glued together.
     unpacked = recipe.data.model_copy(update={"packing": False})
-    pairs = recipe.train.objective == "dpo"
+    pairs = objectives.of(recipe).rows == objectives.PAIRS
     prompt_limit = recipe.preference.max_prompt_len if pairs else None
     prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed, prompt_limit)
     train = prepared.train

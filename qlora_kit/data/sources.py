@@ -14,9 +14,10 @@ import datasets
 from datasets import Dataset
 from datasets.utils import logging as datasets_logging
 
+from qlora_kit.data import demo
 from qlora_kit.data.errors import diagnose_load_failure
 from qlora_kit.errors import DataError, RecipeError
-from qlora_kit.model import builtin, hub
+from qlora_kit.model import hub
 from qlora_kit.recipe.data import SourceSection
 from qlora_kit.recipe.recipe import DataSection
 
@@ -25,8 +26,8 @@ LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parque
 
 def split_of(path: str) -> tuple[str, str | None]:
     """(the training file, validation data the source brings itself: builtin datasets do)."""
-    if builtin.is_builtin(path):
-        train_file, val_file = builtin.demo_data_files(builtin.builtin_name(path))
+    if demo.is_builtin(path):
+        train_file, val_file = demo.demo_data_files(path)
         return str(train_file), str(val_file)
     return path, None
 

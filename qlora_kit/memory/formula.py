@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, targets
+from qlora_kit.registries import families
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -19,7 +20,8 @@ if TYPE_CHECKING:
 # CPU frontier measured by benchmarks/memory.py: the element-wise ops a selective layer replays are most
 # of a QLoRA layer's forward time there)
 SELECTIVE_SHARE = 0.8
-ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")  # the linears reading a layer's first norm
+# the linears reading a layer's first norm, for a family the table (registries/families.py) does not list
+ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 
 
 @dataclass
@@ -50,11 +52,38 @@ def kept_layer_bytes(
         lora += sum(
             n * li.d_in * mask
             for li in targets(shape, recipe)
-            if input_grad or li.name.split(".")[-1] not in ATTENTION_INPUTS
+            if input_grad or not is_attention_input(shape, li.name)
         )
     attention = n * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) * c + n * shape.heads * 4
-    mlp = 3 * n * shape.intermediate * c
+    mlp = mlp_tensors(shape) * n * shape.intermediate * c
     return (2 if input_grad else 1) * norm + lora + attention + mlp
+
+
+def _family(shape: ModelShape):
+    return families.family(getattr(shape.config, "model_type", ""))
+
+
+def is_attention_input(shape: ModelShape, name: str) -> bool:
+    """Whether linear ``name`` of a decoder layer reads the layer's first norm (the family's facet)."""
+    entry = _family(shape)
+    return name in entry.attention_inputs if entry else name.split(".")[-1] in ATTENTION_INPUTS
+
+
+def _plain_mlp(shape: ModelShape) -> bool:
+    entry = _family(shape)
+    return entry is not None and entry.mlp == families.PLAIN  # unlisted families are taken as gated
+
+
+def mlp_tensors(shape: ModelShape) -> int:
+    """Intermediate-wide tensors an MLP keeps for backward: gate, up and the activation's output (3); a
+    plain MLP its up projection's output, which the activation needs (1). The down projection's input is
+    LoRA's, counted with LoRA."""
+    return 1 if _plain_mlp(shape) else 3
+
+
+def mlp_outputs(shape: ModelShape) -> int:
+    """The MLP's 4-bit linear outputs a selective layer keeps: gate and up (2), or a plain MLP's up (1)."""
+    return 1 if _plain_mlp(shape) else 2
 
 
 def formula_activation_bytes(
@@ -77,7 +106,8 @@ def formula_activation_bytes(
             # its input; selective adds the 4-bit linears' outputs, attention's output and log-sum-exp
             # and LoRA's A outputs
             q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-            kept = n * c * (2 * q + 2 * kv + 2 * shape.hidden + 2 * shape.intermediate) + n * shape.heads * 4
+            wide = mlp_outputs(shape) * shape.intermediate
+            kept = n * c * (2 * q + 2 * kv + 2 * shape.hidden + wide) + n * shape.heads * 4
             kept += sum(n * recipe.lora.rank * c for _ in targets(shape, recipe))
             per_layer.append(n * shape.hidden * c + (kept if layer_policy == "selective" else 0))
             continue

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.registries import objectives
+from qlora_kit.registries.formats import IGNORE_INDEX
 
 # Config fields of models whose head does more than lm_head(hidden): those keep transformers' loss.
 UNSUPPORTED_HEAD_FIELDS = ("final_logit_softcapping", "logit_scale", "output_multiplier_scale")
@@ -51,7 +52,7 @@ def uses_chunked_loss(recipe, config) -> bool:
     """Whether a run of ``recipe`` on a model of ``config`` trains with the chunked head (objectives.py
     decides the same way): asked for, SFT (TRL's DPO and GRPO heads keep no whole logits already), and a
     plain head."""
-    return recipe.memory.chunked_loss and recipe.train.objective == "sft" and has_plain_head(config)
+    return recipe.memory.chunked_loss and objectives.of(recipe).chunked_head and has_plain_head(config)
 
 
 def final_hidden_states(model, model_inputs: dict[str, Any], causal_lm) -> torch.Tensor:

@@ -19,6 +19,7 @@ from transformers import TrainerCallback
 
 from qlora_kit.memory.accounting import OUTSIDE, PhasePeaks, SavedBytes
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.registries import objectives
 
 MIB = 1024**2
 
@@ -125,7 +126,7 @@ class MetricsLog(TrainerCallback):
             value = logs.get(key)
             if isinstance(value, (int, float)) and math.isfinite(value):
                 row[name] = float(value)
-        objective_keys = [*keys.PREFERENCE_KEYS, *keys.GRPO_KEYS]
+        objective_keys = objectives.logged_keys()  # every objective's TRL figures
         for key in [
             *objective_keys,
             *(f"eval_{k}" for k in objective_keys),

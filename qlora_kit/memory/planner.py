@@ -81,6 +81,7 @@ from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shap
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model.precision import Device, resolve_mixed_precision
+from qlora_kit.registries import objectives
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
 if TYPE_CHECKING:
@@ -306,7 +307,7 @@ def plan(
     ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``)."""
     shape = model_shape(recipe)
     # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
-    batch = batch or recipe.train.micro_batch_size * (2 if recipe.train.objective == "dpo" else 1)
+    batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
     seq = seq or recipe.data.max_seq_len
     weights = weight_bytes(shape, recipe)
     per_tensor = [recipe.lora.rank * d for li in targets(shape, recipe) for d in (li.d_in, li.d_out)]
@@ -319,7 +320,7 @@ def plan(
     result = Plan(shape, weights, state, pageable, batch, seq, precision, device=device, recipe=recipe)
     result.trained_share = trained_share
     result.shards = processes if recipe.train.fsdp else 1
-    result.rollout = rollout_bytes(shape, recipe) if recipe.train.objective == "grpo" else 0
+    result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
     uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)

@@ -28,6 +28,7 @@ from qlora_kit.model import hub
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.paths import first_line
+from qlora_kit.registries import families
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -89,10 +90,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     return ModelShape(
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
-        # only the formula fallback reads it; GPT-2's config says n_inner, or nothing for 4 x hidden
-        intermediate=getattr(text, "intermediate_size", None)
-        or getattr(text, "n_inner", None)
-        or 4 * text.hidden_size,
+        intermediate=intermediate_size(text),
         heads=heads,
         kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
@@ -103,6 +101,14 @@ def model_shape(recipe: Recipe) -> ModelShape:
         quantized_tensors=len(quantized),
         config=config,
     )
+
+
+def intermediate_size(text) -> int:
+    """The MLP's width, under the family's key (GPT-2's n_inner; nothing there: 4 x hidden). Only the
+    formula fallback reads it."""
+    entry = families.family(getattr(text, "model_type", ""))
+    keys = (entry.intermediate_key,) if entry else ("intermediate_size", "n_inner")
+    return next((v for v in (getattr(text, k, None) for k in keys) if v), 4 * text.hidden_size)
 
 
 def load_config(recipe: Recipe):

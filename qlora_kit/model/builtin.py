@@ -1,12 +1,12 @@
 """The embedded default: tiny local base models, a locally trained tokenizer and the demo dataset.
 
 Nothing here downloads. ``builtin:tiny-llama`` (and ``tiny-qwen2``, ``tiny-mistral`` and the other
-architectures in ``TINY_ARCHITECTURES``) name a small
+architectures in ``TINY_ARCHITECTURES``, one per entry of the families table) name a small
 randomly initialised causal LM built from a config with a fixed seed, saved with ``save_pretrained``
 into a cache folder, and then loaded back through the ordinary 4-bit loading code like any checkpoint.
 The second run finds the folder and skips the build. ``builtin:demo-facts`` is the instruction
-dataset shipped in ``qlora_kit/demo`` (made by ``scripts/make_demo_data.py``;
-``builtin:demo-facts-mixed``: the same rows split at random, for the GRPO demo).
+dataset shipped in ``qlora_kit/demo`` (data/demo.py lists the demo datasets); its rows are the
+tokenizer's corpus.
 """
 
 from __future__ import annotations
@@ -24,17 +24,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.registries.families import FAMILIES
 from qlora_kit.registries.formats import ALPACA_FRAMING
 
 BUILTIN = "builtin:"
 DEMO_DIR = Path(__file__).resolve().parents[1] / "demo"
-DEMO_DATASETS = {
-    "demo-facts": (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl"),
-    # the same rows split at random: held-out questions in phrasings trained with other facts (GRPO's demo)
-    "demo-facts-mixed": (DEMO_DIR / "mixed_train.jsonl", DEMO_DIR / "mixed_val.jsonl"),
-    # the same questions as preference pairs (format preference): the right answer and a wrong one
-    "demo-preferences": (DEMO_DIR / "pairs_train.jsonl", DEMO_DIR / "pairs_val.jsonl"),
-}
+# the tokenizer's corpus: the rows of builtin:demo-facts (data/demo.py owns the demo datasets)
+CORPUS = (DEMO_DIR / "train.jsonl", DEMO_DIR / "val.jsonl")
 
 # Bump when the build below changes, so caches from an older build are not reused.
 BUILD_VERSION = 2  # 2: Qwen2's tokenizer class adds a token, which gets its embedding row
@@ -51,21 +47,8 @@ CHAT_TEMPLATE = (
 
 # Sizes chosen so the demo trains in about a minute on 2 CPU cores while the layers stay real:
 # every linear is a multiple of 64 wide, so 4-bit blocks (64 values) tile it exactly.
-TINY_ARCHITECTURES = {
-    "tiny-llama": ("LlamaConfig", {}),
-    "tiny-qwen2": ("Qwen2Config", {"use_sliding_window": False}),
-    "tiny-mistral": ("MistralConfig", {"sliding_window": None}),
-    # Layers of other shapes, for the planner's tracing and the pipeline's breadth: q/k norms (Qwen3),
-    # fused qkv and gate-up projections (Phi-3), post-norms, soft-capping and alternating sliding
-    # attention (Gemma-2), parallel residual with a plain MLP and LayerNorm (GPT-NeoX), Conv1D
-    # projections and learned positions (GPT-2), post-norms with q/k norms (OLMo-2).
-    "tiny-qwen3": ("Qwen3Config", {"head_dim": 32}),
-    "tiny-phi3": ("Phi3Config", {}),
-    "tiny-gemma2": ("Gemma2Config", {"head_dim": 32, "sliding_window": 32}),
-    "tiny-gptneox": ("GPTNeoXConfig", {}),
-    "tiny-gpt2": ("GPT2Config", {}),
-    "tiny-olmo2": ("Olmo2Config", {}),
-}
+# One builtin per family of the families table (registries/families.py): name -> (config class, extras).
+TINY_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values()}
 TINY_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -88,12 +71,6 @@ def builtin_name(path: str) -> str:
 def cache_root() -> Path:
     """``$QLORA_KIT_CACHE`` or ``~/.cache/qlora_kit``."""
     return Path(os.environ.get("QLORA_KIT_CACHE", Path.home() / ".cache" / "qlora_kit"))
-
-
-def demo_data_files(name: str) -> tuple[Path, Path]:
-    if name not in DEMO_DATASETS:
-        raise ValueError(f"data.path: unknown builtin dataset {name!r} (known: {', '.join(DEMO_DATASETS)})")
-    return DEMO_DATASETS[name]
 
 
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
@@ -130,7 +107,7 @@ def _cache_key(name: str, shape: dict) -> str:
     digest.update(
         json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode()
     )
-    for path in DEMO_DATASETS["demo-facts"]:
+    for path in CORPUS:
         digest.update(path.read_bytes())
     return digest.hexdigest()[:12]
 
@@ -204,7 +181,7 @@ def corpus_words() -> list[str]:
 
 def _corpus(framing: list[str]) -> list[str]:
     texts = list(framing)
-    for path in DEMO_DATASETS["demo-facts"]:
+    for path in CORPUS:
         for line in path.read_text(encoding="utf-8").splitlines():
             texts.extend(value for value in json.loads(line).values() if value)
     return texts

@@ -13,6 +13,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from qlora_kit.recipe.base import Section
+from qlora_kit.registries import objectives
 from qlora_kit.registries.rewards import ARGUMENTS, REWARDS, is_python_reward
 
 # TRL 1.16's GRPOConfig.loss_type values: how token losses are summed into one number
@@ -115,7 +116,7 @@ PROMPT_FORMATS = ("alpaca", "chat", "sharegpt", "completion")
 
 def check_grpo(recipe) -> None:
     """The combinations train.objective grpo allows (``recipe``: the whole Recipe; recipe.py calls this)."""
-    grpo = recipe.train.objective == "grpo"
+    grpo = objectives.of(recipe).section == "grpo"
     if not grpo:
         if recipe.grpo != GrpoSection():  # from values: a saved recipe holds the defaults
             raise ValueError("grpo: only applies to train.objective: grpo")

@@ -30,8 +30,9 @@ from qlora_kit.recipe.preference import PreferenceSection
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
-from qlora_kit.registries import attention
+from qlora_kit.registries import attention, objectives
 from qlora_kit.registries.formats import FORMATS
+from qlora_kit.registries.objectives import OBJECTIVES
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
 __all__ = ["DataSection", "MemorySection", "Recipe", "RecipeError", "Section"]
@@ -143,7 +144,7 @@ class TrainSection(Section):
     """Seed for initialisation, dropout and data order."""
     sample_prompts: int = Field(0, ge=0)
     """After training, print this many validation prompts answered before and after fine-tuning."""
-    objective: Literal["sft", "dpo", "grpo"] = "sft"
+    objective: Literal[tuple(OBJECTIVES)] = "sft"  # type: ignore[valid-type]
     """sft: supervised fine-tuning on responses; dpo: preference tuning on chosen/rejected pairs (the preference section, TRL's DPOTrainer); grpo: reinforcement learning from rewards a program checks (the grpo section, TRL's GRPOTrainer)."""
     fsdp: bool = False
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
@@ -321,40 +322,51 @@ def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any
 
 def check_objective(recipe: Recipe) -> None:
     """The combinations train.objective, the data formats, the preference section and model.adapter allow."""
-    dpo = recipe.train.objective == "dpo"
-    pair_formats = {name for name, spec in FORMATS.items() if spec.pairs}
+    spec = objectives.of(recipe)
+    own = {objectives.PAIRS, objectives.UNPAIRED}  # rows only their formats hold (FormatSpec.rows)
     used = recipe.data.formats_used()
-    if dpo and not used <= pair_formats:
-        wrong = sorted(used - pair_formats)[0]
+    if spec.rows in own and any(FORMATS[f].rows != spec.rows for f in used):
+        wrong = sorted(f for f in used if FORMATS[f].rows != spec.rows)[0]
+        fitting = " or ".join(n for n, fmt in FORMATS.items() if fmt.rows == spec.rows)
         raise ValueError(
-            f"data.format: train.objective dpo trains on preference pairs: use preference (prompt/chosen/rejected "
-            f"texts) or preference_chat (got {wrong})"
+            f"data.format: train.objective {spec.name} trains on {ROW_NOUNS[spec.rows]}: use {fitting} (got {wrong})"
         )
-    if not dpo and used & pair_formats:
+    held = sorted(f for f in used if FORMATS[f].rows in own and FORMATS[f].rows != spec.rows)
+    if held:
+        rows = FORMATS[held[0]].rows
+        by = " or ".join(n for n, s in OBJECTIVES.items() if s.rows == rows)
         raise ValueError(
-            f"train.objective: format {sorted(used & pair_formats)[0]} holds preference pairs; set train.objective: dpo"
+            f"train.objective: format {held[0]} holds {ROW_NOUNS[rows]}; set train.objective: {by}"
         )
-    if not dpo and recipe.preference != PreferenceSection():  # from values: a saved recipe holds defaults
-        raise ValueError("preference: only applies to train.objective: dpo")
-    if dpo:
-        _check_dpo(recipe)
+    # from values: a saved recipe holds defaults
+    if spec.section != "preference" and recipe.preference != PreferenceSection():
+        applies = " or ".join(objectives.with_section("preference"))
+        raise ValueError(f"preference: only applies to train.objective: {applies}")
+    if spec.section == "preference":
+        _check_preference(recipe, spec.name, spec.trainer)
     check_grpo(recipe)  # recipe/grpo.py
 
 
-def _check_dpo(recipe: Recipe) -> None:
+ROW_NOUNS = {objectives.PAIRS: "preference pairs", objectives.UNPAIRED: "answers labelled desirable or not"}
+
+
+def _check_preference(recipe: Recipe, name: str, trainer: str) -> None:
+    """What TRL's preference trainers (DPO's pairs, KTO's labelled answers) refuse or do not do."""
     if recipe.data.packing is True:
-        raise ValueError("data.packing: not with train.objective dpo (TRL pads its pairs; it packs none)")
+        raise ValueError(f"data.packing: not with train.objective {name} (TRL pads its rows; it packs none)")
     if recipe.data.group_by_length:
-        raise ValueError("data.group_by_length: not with train.objective dpo (pairs have no single length)")
+        raise ValueError(
+            f"data.group_by_length: not with train.objective {name} (TRL orders its rows itself)"
+        )
     if recipe.lora.bias != "none":
         raise ValueError(
-            f"lora.bias: {recipe.lora.bias} not with train.objective dpo (TRL's reference is a second adapter, "
+            f"lora.bias: {recipe.lora.bias} not with train.objective {name} (TRL's reference is a second adapter, "
             "and peft allows trained biases in one adapter only)"
         )
     if recipe.data.train_on_inputs:
-        raise ValueError("data.train_on_inputs: not with train.objective dpo (pairs compare answers only)")
+        raise ValueError(f"data.train_on_inputs: not with train.objective {name} (it scores answers only)")
     if recipe.train.fsdp:
-        raise ValueError("train.fsdp: not with train.objective dpo yet (untested under FSDP)")
+        raise ValueError(f"train.fsdp: not with train.objective {name} yet (untested under FSDP)")
     targets = recipe.lora.target_modules
     if isinstance(targets, list) and "lm_head" in targets:
-        raise ValueError("lora.target_modules: TRL's DPOTrainer refuses LoRA on lm_head")
+        raise ValueError(f"lora.target_modules: TRL's {trainer} refuses LoRA on lm_head")

@@ -4,8 +4,10 @@
 - ``optimizers``: one ``OptimizerSpec`` per ``optimizer.name`` (class, paged, 8-bit, state bytes);
 - ``attention``: the attention kernels a recipe may name, what each needs, how packed rows reach it;
 - ``rewards``: one ``RewardSpec`` per builtin reward of ``grpo.rewards`` (its arguments, what it scores);
-- ``metric_keys``: the names of the figures a run writes to ``metrics.jsonl`` and reads back.
+- ``metric_keys``: the names of the figures a run writes to ``metrics.jsonl`` and reads back;
+- ``families``: one ``Family`` per model_type (layer names, MLP shape, GGUF form or why none, tiny config);
+- ``objectives``: one ``ObjectiveSpec`` per ``train.objective`` (its traits and the module that builds it).
 
-Adding a format, an optimizer or a kernel is one entry here plus its tests. Modules are imported by path;
+Adding a format, an optimizer, a kernel, a model family or an objective is one entry here plus its tests. Modules are imported by path;
 this file imports nothing.
 """

@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The label of a position that is not trained: PyTorch's cross_entropy default ignore_index. The data
+# writes it, the loss head and the throughput count read it.
+IGNORE_INDEX = -100
+
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Response:\n"
 ALPACA_PROMPT_WITH_INPUT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 # the template's fixed text, in order (the builtin tokenizer learns it as words)
@@ -48,10 +52,19 @@ class FormatSpec:
     # preference pairs (train.objective: dpo): how the prompt is asked (text, alpaca or chat); render
     # gives the prompt and the chosen answer
     pair_kind: str | None = None
+    # one answer with a ``label`` field, true for a desirable answer (train.objective: kto); render gives
+    # the prompt and the answer
+    labelled: bool = False
 
     @property
     def pairs(self) -> bool:
         return self.pair_kind is not None
+
+    @property
+    def rows(self) -> str:
+        """What a row is, as the objective table (registries/objectives.py) names it: formats of pairs
+        serve only the objectives whose rows are pairs."""
+        return "pairs" if self.pairs else "unpaired" if self.labelled else "sequences"
 
 
 def _chat_format(name: str, conversation: str) -> FormatSpec:
@@ -98,5 +111,13 @@ FORMATS: dict[str, FormatSpec] = {
         _pair_format("preference", ("prompt",), "text", "completion_prompt"),
         _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", "alpaca_prompt_for"),
         _pair_format("preference_chat", ("prompt",), "chat", "chat_prompt"),
+        FormatSpec(
+            "feedback",
+            ("prompt", "completion"),  # and the label (labelled), which the kto module reads
+            "render_completion",
+            "completion_prompt",
+            checkable=False,  # an undesirable answer is no reference
+            labelled=True,
+        ),
     )
 }

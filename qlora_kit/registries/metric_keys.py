@@ -36,15 +36,17 @@ MFU = "mfu"  # model FLOPs utilisation per device
 # the Trainer's per-step keys -> their names in metrics.jsonl
 TRAINER_KEYS = {"loss": "loss", "eval_loss": "eval_loss", "learning_rate": "lr", "grad_norm": "grad_norm"}
 # train.objective dpo: TRL's reward and log-probability metrics, kept under their own names (eval_ too)
+REWARD_MARGINS = "rewards/margins"  # the chosen (desirable) answers' mean reward minus the others'
 PREFERENCE_KEYS = (
     "rewards/chosen",
     "rewards/rejected",
     "rewards/accuracies",
-    "rewards/margins",
+    REWARD_MARGINS,
     "logps/chosen",
     "logps/rejected",
 )
-EVAL_PREFERENCE_ACCURACY = "eval_rewards/accuracies"  # held-out preference accuracy
+EVAL_PREFIX = "eval_"  # the Trainer's prefix of a figure measured on the validation set
+EVAL_PREFERENCE_ACCURACY = EVAL_PREFIX + "rewards/accuracies"  # held-out preference accuracy
 # train.objective grpo: TRL's figures of each batch of rollouts, kept under their own names (eval_ too)
 REWARD = "reward"  # the weighted sum of the rewards, mean over the completions
 REWARD_STD = "reward_std"

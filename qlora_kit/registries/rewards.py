@@ -2,7 +2,7 @@
 
 A builtin reward scores each completion a program can check: against the row's reference answer, a
 regular expression, or a length. The recipe validates an entry's arguments against its spec (which it
-needs, which it ignores); ``training/rewards.py`` turns each entry into a function with TRL's reward
+needs, which it ignores); ``data/rewards.py`` turns each entry into a function with TRL's reward
 signature. Adding a builtin is one entry here plus its scoring function there (and its tests).
 Standard library only: the recipe reads it.
 

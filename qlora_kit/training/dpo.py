@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from trl import DPOConfig, DPOTrainer
 
+from qlora_kit.data import prepare as data
+from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
@@ -50,6 +52,18 @@ def dpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: s
         # the recipe's checkpointing policy is applied to the base before peft wraps it (checkpointing.py)
         activation_checkpointing=False,
     )
+
+
+def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
+    """The pairs as prompt/chosen/rejected ids, prompts cut to ``preference.max_prompt_len`` tokens."""
+    return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len)
+
+
+def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
+    """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments): TRL's
+    DataCollatorForPreference pads the pairs."""
+    args = dpo_arguments(recipe, output_dir, has_eval, precision)
+    return GuardedDPOTrainer, args, TrainingGuard, {"data_collator": None}
 
 
 class GuardedDPOTrainer(GuardedTrainer, DPOTrainer):

@@ -38,11 +38,11 @@ import torch
 from accelerate import PartialState
 from trl import GRPOConfig, GRPOTrainer
 
+from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.guards import TrainingGuard, _all_zero
 from qlora_kit.training.reward_checks import checked
-from qlora_kit.training.rewards import reward_functions
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
@@ -203,3 +203,20 @@ class RewardGuard(TrainingGuard):
         if all(_all_zero({name: p.grad for name, p in self.lora.items()}).values()):
             return
         super()._check_dead(step)
+
+
+def prepare(recipe: Recipe, tokenizer):
+    """Prompts and references as text: TRL samples and tokenizes the completions (the objective table's
+    builder, registries/objectives.py)."""
+    from qlora_kit.data import prompts
+
+    return prompts.prepare_prompts(
+        recipe.data, tokenizer, recipe.train.seed, recipe.grpo.max_completion_length
+    )
+
+
+def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
+    """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments: the reward
+    functions and the explaining callback; TRL collates nothing)."""
+    args = grpo_arguments(recipe, output_dir, has_eval, precision)
+    return GuardedGRPOTrainer, args, RewardGuard, trainer_extras(recipe)

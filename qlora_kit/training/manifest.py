@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import AutoConfig
 
-from qlora_kit.model import builtin
+from qlora_kit.data import demo
 from qlora_kit.recipe.paths import data_paths
 
 if TYPE_CHECKING:
@@ -79,8 +79,8 @@ def data_hashes(recipe: Recipe) -> dict[str, str]:
     """sha256 of each local data file of every source (every file of a folder); hub names as given."""
     sources = []
     for _, source in data_paths(recipe.data):
-        if builtin.is_builtin(source):
-            sources += [str(p) for p in builtin.demo_data_files(builtin.builtin_name(source))]
+        if demo.is_builtin(source):
+            sources += [str(p) for p in demo.demo_data_files(source)]
         else:
             sources.append(source)
     hashes = {}

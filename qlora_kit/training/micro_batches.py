@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.registries import objectives
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -61,7 +62,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
 
     # GRPO's training_step is handed prompt rows and samples a whole generation batch inside TRL: its
     # micro-batches cannot be split and redone from here, so an out-of-memory error stops with the line.
-    on_oom = recipe.train.on_oom if recipe.train.objective != "grpo" else "stop"
+    on_oom = recipe.train.on_oom if objectives.of(recipe).splits_on_oom else "stop"
     if recipe.train.fsdp and on_oom == "split":
         # FSDP gathers inside the forward and backward passes: the processes cannot agree on a split
         # there without one of them waiting in a gather (oom_recovery.py)
@@ -76,7 +77,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
 def probes_worst_batch(recipe: Recipe) -> bool:
     """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
     # DPO's pairs and GRPO's prompt rows have no one input_ids to find the longest by
-    if recipe.train.objective != "sft":
+    if not objectives.of(recipe).probes_worst_batch:
         return False
     probe = recipe.train.probe_worst_batch
     return torch.cuda.is_available() if probe == "auto" else bool(probe)

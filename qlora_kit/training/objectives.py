@@ -1,32 +1,40 @@
 """Training stage: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks.
 
-SFT runs on ``GuardedTrainer`` (trainer.py), DPO on ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer
-under the same additions), GRPO on ``GuardedGRPOTrainer`` (grpo.py, TRL's GRPOTrainer, with the reward
-functions of rewards.py and the explanations of grpo_explain.py). Both get the same callbacks, in the order that lets the memory and throughput
+Each objective's module, named by its entry in the objective table (registries/objectives.py), builds
+its Trainer's class and arguments: SFT runs on ``GuardedTrainer`` (sft.py, trainer.py), DPO on
+``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer under the same additions), GRPO on ``GuardedGRPOTrainer``
+(grpo.py, TRL's GRPOTrainer, with the reward functions of data/rewards.py and the explanations of
+grpo_explain.py). All get the same callbacks, in the order that lets the memory and throughput
 figures reach every log: the memory monitor, throughput, the metrics file, the guards, the trackers,
 early stopping, then the caller's.
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 from transformers import EarlyStoppingCallback
 
-from qlora_kit.data import prepare
 from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model.precision import resolve_mixed_precision
-from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.registries import objectives
 from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 from qlora_kit.training.throughput import Throughput, peak_tflops
 from qlora_kit.training.trackers import tracker_callbacks
-from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device, training_arguments
+from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
+
+
+def builder(recipe: Recipe) -> ModuleType:
+    """The module that builds ``train.objective``'s data, arguments and Trainer (registries/objectives.py)."""
+    return importlib.import_module(objectives.of(recipe).module)
 
 
 def build_trainer(
@@ -46,23 +54,11 @@ def build_trainer(
     trackers log; ``recipe`` is the one resolved for this run's data."""
     precision = resolve_mixed_precision(recipe)
     has_eval = val_set is not None
-    objective = recipe.train.objective
-    dpo = objective == "dpo"
-    guard_class, extra = TrainingGuard, {}
-    if dpo:
-        from qlora_kit.training.dpo import GuardedDPOTrainer, dpo_arguments  # TRL loads for DPO runs only
-
-        trainer_class, args = GuardedDPOTrainer, dpo_arguments(recipe, output_dir, has_eval, precision)
-    elif objective == "grpo":
-        from qlora_kit.training import grpo  # TRL loads for GRPO runs only
-
-        trainer_class, args = (
-            grpo.GuardedGRPOTrainer,
-            grpo.grpo_arguments(recipe, output_dir, has_eval, precision),
-        )
-        guard_class, extra = grpo.RewardGuard, grpo.trainer_extras(recipe)
-    else:
-        trainer_class, args = GuardedTrainer, training_arguments(recipe, output_dir, has_eval, precision)
+    # the objective's own module builds its Trainer's class, arguments and extras (TRL loads only for
+    # the objectives that run on it)
+    trainer_class, args, guard_class, extra = builder(recipe).trainer_parts(
+        recipe, tokenizer, output_dir, has_eval, precision
+    )
     pin_to_one_device(args)
     guard = guard_class(peft_model) if guards else None
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
@@ -72,12 +68,6 @@ def build_trainer(
     chunked = uses_chunked_loss(recipe, peft_model.get_base_model().config)
     patience = recipe.train.early_stopping_patience
     stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
-    if objective == "sft":
-        extra["data_collator"] = prepare.build_collator(
-            tokenizer, recipe.data.packs, recipe.model.attn_implementation
-        )
-    elif dpo:
-        extra["data_collator"] = None  # TRL's DataCollatorForPreference pads the pairs
     return trainer_class(
         model=peft_model,
         args=args,

@@ -20,7 +20,8 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit.data import layout, preflight, prepare, prompts
+from qlora_kit.data import layout, preflight, prepare
+from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import attention_fit, auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
@@ -33,13 +34,13 @@ from qlora_kit.model.paths import (
     check_output_holds_no_input,
 )
 from qlora_kit.model.precision import resolve_mixed_precision
-from qlora_kit.registries import attention
+from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training import run_log, sample_prompts, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
 from qlora_kit.training.manifest import utc_now, write_manifest
-from qlora_kit.training.objectives import build_trainer
+from qlora_kit.training.objectives import build_trainer, builder
 from qlora_kit.training.outputs import (
     FINISHED_MARKER,
     after_failed_overwrite,
@@ -54,7 +55,6 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
-from qlora_kit.training.rewards import check_importable
 from qlora_kit.training.run_console import replace_trainer_output
 from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
@@ -117,7 +117,7 @@ def check_runnable(recipe: Recipe) -> None:
     if recipe.model.adapter is not None:
         folder = Path(recipe.model.adapter).expanduser()
         bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")
-        if recipe.train.objective != "sft" and bias != "none":
+        if objectives.of(recipe).reference and bias != "none":
             raise RecipeError(
                 f"model.adapter: {folder} trains biases (bias: {bias}); {recipe.train.objective}'s reference is a second adapter, "
                 "and peft allows trained biases in one adapter only"
@@ -164,27 +164,20 @@ def _build_checked(
     set_seed(recipe.train.seed)
     tokenizer = model.load_tokenizer(recipe.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    dpo, grpo = recipe.train.objective == "dpo", recipe.train.objective == "grpo"
-    with Ranks().main_first():
-        if grpo:  # prompts and references as text: TRL samples and tokenizes the completions
-            prepared = prompts.prepare_prompts(
-                recipe.data, tokenizer, recipe.train.seed, recipe.grpo.max_completion_length
-            )
-        else:
-            prepared = prepare.prepare_datasets(
-                recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len if dpo else None
-            )
+    spec = objectives.of(recipe)
+    with Ranks().main_first():  # the objective's module prepares its rows (registries/objectives.py)
+        prepared = builder(recipe).prepare(recipe, tokenizer)
     as_written = recipe  # what recipe.yaml holds and the trackers log
     recipe, prepared = _resolve_layout(recipe, prepared)
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
-    share = prepared.largest_trained_share() if not (dpo or grpo) else 1.0
+    share = prepared.largest_trained_share() if spec.chunked_head else 1.0
     memory, costs = auto.resolve_auto(recipe, checkpoint, share)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
-    if recipe.data.preflight.enabled and not grpo:
+    if recipe.data.preflight.enabled and spec.preflight:
         collator = (
             None  # pairs: TRL's collator marks the answers by a mask, never by the pad id
-            if dpo
+            if spec.rows != objectives.SEQUENCES
             else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
@@ -202,19 +195,19 @@ def _build_checked(
         recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
     )
     trainer.layer_costs = costs  # into every checkpoint, for --resume
-    if grpo:
-        log.info("grpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
-    if dpo:
-        log.info("dpo: the reference policy is %s", trainer.reference_description(recipe.model.adapter))
-        # TRL's disable_dropout: policy and reference score the same answer alike before training
-        log.info("dpo: dropout is off, lora.dropout included (TRL's default)")
+    if spec.reference:
+        log.info(
+            "%s: the reference policy is %s", spec.name, trainer.reference_description(recipe.model.adapter)
+        )
+    if spec.disables_dropout:  # TRL's disable_dropout: policy and reference score the same answer alike
+        log.info("%s: dropout is off, lora.dropout included (TRL's default)", spec.name)
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
 
 
 def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Recipe, prepare.PreparedData]:
     """``data.packing: auto`` -> the layout with the least padding on this data (data/layout.py); the
     rest of the run reads the resolved recipe."""
-    if recipe.train.objective != "sft":
+    if not objectives.of(recipe).packs:
         allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
         allowed = ("padding",)  # a kernel not known to keep packed examples apart

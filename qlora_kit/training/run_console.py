@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.registries import objectives
 
 
 class RunConsole(TrainerCallback):
@@ -63,8 +64,9 @@ class RunConsole(TrainerCallback):
             step = f"step {state.global_step}/{state.max_steps}"
             if "eval_loss" in logs:
                 line = f"{step}  eval loss {logs['eval_loss']:.4f}"
-                if keys.EVAL_PREFERENCE_ACCURACY in logs:  # train.objective dpo
-                    line += f"  preference accuracy {logs[keys.EVAL_PREFERENCE_ACCURACY]:.3f}"
+                for key, label in objectives.lines("eval_line"):  # dpo: preference accuracy
+                    if key in logs:
+                        line += f"  {label} {logs[key]:.3f}"
             else:
                 left = remaining(time.perf_counter() - self.started, state.global_step, state.max_steps)
                 line = f"{step}  {shown}  left {left}"
@@ -84,10 +86,9 @@ def figures(logs: dict[str, Any]) -> dict[str, str]:
         shown["loss"] = f"{logs['loss']:.4f}"
     if "eval_loss" in logs:
         shown["eval"] = f"{logs['eval_loss']:.4f}"
-    if keys.EVAL_PREFERENCE_ACCURACY in logs:  # train.objective dpo: held-out preference accuracy
-        shown["eval acc"] = f"{logs[keys.EVAL_PREFERENCE_ACCURACY]:.3f}"
-    if keys.REWARD in logs:  # train.objective grpo: the rollouts' mean summed reward (the loss reads ~0)
-        shown["reward"] = f"{logs[keys.REWARD]:.3f}"
+    for key, label in objectives.lines("console"):  # dpo: eval preference accuracy; grpo: reward
+        if key in logs:
+            shown[label] = f"{logs[key]:.3f}"
     if "learning_rate" in logs:
         shown["lr"] = f"{logs['learning_rate']:.2e}"
     if "grad_norm" in logs:

@@ -19,6 +19,7 @@ import yaml
 from qlora_kit.errors import OutputDirError
 from qlora_kit.recipe.recipe import Recipe
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.registries import objectives
 
 
 @dataclass
@@ -140,7 +141,7 @@ def speed_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
     """(what, value) rows of what a run logged: loss first -> last, eval loss first -> best (its step) ->
-    last, and under train.objective dpo the held-out preference accuracy first -> last."""
+    last, and each objective's own figures first -> last (registries/objectives.py: summary)."""
     rows = []
     losses = [row["loss"] for row in metrics if "loss" in row]
     if losses:
@@ -155,16 +156,10 @@ def metric_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
                 f"{first:.4f} -> {best['eval_loss']:.4f} (step {best['step']}) -> {last:.4f}",
             )
         )
-    accuracies = [
-        row[keys.EVAL_PREFERENCE_ACCURACY] for row in metrics if keys.EVAL_PREFERENCE_ACCURACY in row
-    ]
-    if accuracies:
-        rows.append(
-            ("eval preference accuracy, first -> last", f"{accuracies[0]:.3f} -> {accuracies[-1]:.3f}")
-        )
-    rewards = [row[keys.REWARD] for row in metrics if keys.REWARD in row]  # train.objective grpo
-    if rewards:
-        rows.append(("reward, first -> last", f"{rewards[0]:.3f} -> {rewards[-1]:.3f}"))
+    for key, label in objectives.lines("summary"):  # dpo: eval preference accuracy; grpo: reward
+        values = [row[key] for row in metrics if key in row]
+        if values:
+            rows.append((f"{label}, first -> last", f"{values[0]:.3f} -> {values[-1]:.3f}"))
     return rows
 
 

@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
-from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.registries.formats import IGNORE_INDEX
 from qlora_kit.training.distributed import over_ranks
 
 # Dense bf16 tensor-core peaks (fp16 on V100 and T4), TFLOPS per device, from the vendors' data sheets;

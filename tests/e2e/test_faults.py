@@ -247,9 +247,9 @@ train:
 def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_adapter(tmp_path):
     """Issue 35: a recipe naming its data through data.sources only. `train mix.yaml --output-dir` used
     to be refused, and the run's recipe.yaml (data.path written beside the sources) could not --resume."""
-    from qlora_kit.model import builtin
+    from qlora_kit.data import demo
 
-    train_file, _ = builtin.demo_data_files("demo-facts")
+    train_file, _ = demo.demo_data_files("demo-facts")
     rows = Path(train_file).read_text(encoding="utf-8").splitlines()[:24]
     (tmp_path / "extra.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
     mix = tmp_path / "mix.yaml"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit.model import builtin
+from qlora_kit.data import demo
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def recipe_file(folder: Path) -> Path:
-    train_file, val_file = builtin.demo_data_files("demo-facts")
+    train_file, val_file = demo.demo_data_files("demo-facts")
     rows = [json.loads(line) for line in Path(val_file).read_text().splitlines()]
     wrong = [dict(row, output=rows[(i + 7) % len(rows)]["output"]) for i, row in enumerate(rows)]
     (folder / "wrong.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wrong))

@@ -1,0 +1,274 @@
+"""Model families: one entry per transformers ``model_type`` holding what every layer needs to know of it.
+
+Each ``Family`` says, for its architecture:
+
+- ``config_class`` and ``tiny``/``tiny_config``: the builtin tiny model (model/builtin.py builds it);
+- ``linears``: the linear layers of one decoder layer, by name (4-bit loading quantizes them, LoRA may
+  target them, the planner sizes them; tests check the names against a model built from the config);
+- ``attention_inputs``: the linears that read a layer's first norm, and ``mlp``: how its MLP is shaped
+  (``gated``: gate, up and the activation keep three intermediate-wide tensors; ``plain``: two), and
+  ``intermediate_key``: the config's name for that width (memory/shapes.py, memory/formula.py);
+- ``export``: its GGUF form (``Gguf``: llama.cpp's architecture, the converter's hyperparameter writer
+  and tensor transforms, the keys transformers' GGUF reader must be told) or ``NoExport`` with the
+  reason (after/gguf_families.py, after/gguf_writer.py, after/parity.py);
+- ``system_role``/``chat_note``: whether its usual chat templates accept a system turn
+  (``data.system_prompt_mode``) and what else they do their own way;
+- ``experts``: for a mixture-of-experts family, where its router and experts are (``Experts``); None
+  for a dense one. A family whose config counts experts must have it (tests/test_families.py).
+
+Adding a family is one entry here plus its tests: the builtin model, the planner, export and the export
+tests read this table. Standard library only; the GGUF writers named by ``Gguf.parameters`` and
+``Gguf.check`` live in after/gguf_families.py, since they call the gguf package.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GATED, PLAIN = "gated", "plain"
+
+
+@dataclass(frozen=True)
+class Gguf:
+    """How llama.cpp's ``convert_hf_to_gguf.py`` writes the family, and what reading it back needs."""
+
+    arch: str  # gguf's MODEL_ARCH member name; its lower case is the file's general.architecture
+    parameters: str  # after/gguf_families.WRITERS key: the converter's set_gguf_parameters
+    # llama.cpp's "llama" rope expects Q/K rows interleaved (convert_hf_to_gguf LlamaModel.permute)
+    permute_qk: bool = False
+    transposed: tuple[str, ...] = ()  # weights stored (in, out) by transformers (GPT-2's Conv1D)
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + w; llama.cpp's by the stored weight
+    skipped: tuple[str, ...] = ()  # tensors llama.cpp does not read (Gemma-2's head is the embeddings)
+    check: str | None = None  # after/gguf_families.CHECKS key: config -> why no faithful GGUF form, or None
+    # (GGUF key suffix, config attribute) that transformers' GGUF loader leaves at the class default
+    unmapped_keys: tuple[tuple[str, str], ...] = ()
+    # llama.cpp derives the attention scale from the head size (no key holds it): the reader must too
+    derives_attention_scale: bool = False
+    tiny_overrides: dict = field(default_factory=dict)  # build overrides giving the tiny model this form
+    trained_layer_key: str = "blk.1.attn_qkv.weight"  # a LoRA-adapted GGUF tensor (export tests)
+
+
+@dataclass(frozen=True)
+class NoExport:
+    """A family that has no GGUF export, and why (``--to merged`` still works for it)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts layer: its router linear, its experts' module and the config's counts."""
+
+    router: str  # e.g. "mlp.gate"
+    experts: str  # e.g. "mlp.experts"
+    count_key: str  # e.g. "num_local_experts"
+    active_key: str  # experts each token is routed to, e.g. "num_experts_per_tok"
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    config_class: str  # transformers' config class
+    tiny: str  # the builtin model's name (builtin:<tiny>)
+    tiny_config: dict  # config values beyond the shared tiny shape
+    linears: tuple[str, ...]  # of one decoder layer
+    attention_inputs: tuple[str, ...]
+    mlp: str  # GATED or PLAIN
+    export: Gguf | NoExport
+    system_role: bool = True
+    chat_note: str = ""  # what its usual chat template does that others do not
+    intermediate_key: str = "intermediate_size"
+    experts: Experts | None = None
+
+
+# config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# the attention and MLP linears of a Llama-shaped layer
+LLAMA_LINEARS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# the transformers GGUF loader reads no head size for these: 128 unless stated
+HEAD_DIM_KEY = (("attention.key_length", "head_dim"),)
+LLAMA_K = "blk.1.attn_k.weight"
+
+
+LLAMA_GGUF = Gguf(
+    "LLAMA", "decoder+rope", permute_qk=True, unmapped_keys=HEAD_DIM_KEY, trained_layer_key=LLAMA_K
+)
+
+
+def _family(model_type: str, config_class: str, tiny: str, **facets) -> Family:
+    return Family(model_type, config_class, tiny, **facets)
+
+
+FAMILIES: dict[str, Family] = {
+    f.model_type: f
+    for f in (
+        _family(
+            "llama",
+            "LlamaConfig",
+            "tiny-llama",
+            tiny_config={},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=LLAMA_GGUF,
+        ),
+        _family(
+            "qwen2",
+            "Qwen2Config",
+            "tiny-qwen2",
+            tiny_config={"use_sliding_window": False},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=Gguf("QWEN2", "decoder", unmapped_keys=HEAD_DIM_KEY, trained_layer_key=LLAMA_K),
+        ),
+        _family(
+            "mistral",
+            "MistralConfig",
+            "tiny-mistral",
+            tiny_config={"sliding_window": None},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=LLAMA_GGUF,
+            chat_note="v0.3's template moves the system prompt into the last user turn",
+        ),
+        # Layers of other shapes, for the planner's tracing and the pipeline's breadth: q/k norms (Qwen3),
+        # fused qkv and gate-up projections (Phi-3), post-norms, soft-capping and alternating sliding
+        # attention (Gemma-2), parallel residual with a plain MLP and LayerNorm (GPT-NeoX), Conv1D
+        # projections and learned positions (GPT-2), post-norms with q/k norms (OLMo-2).
+        _family(
+            "qwen3",
+            "Qwen3Config",
+            "tiny-qwen3",
+            tiny_config={"head_dim": 32},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=Gguf("QWEN3", "decoder", unmapped_keys=HEAD_DIM_KEY, trained_layer_key=LLAMA_K),
+        ),
+        _family(
+            "phi3",
+            "Phi3Config",
+            "tiny-phi3",
+            tiny_config={},
+            linears=("self_attn.o_proj", "self_attn.qkv_proj", "mlp.gate_up_proj", "mlp.down_proj"),
+            attention_inputs=("self_attn.qkv_proj",),
+            mlp=GATED,
+            # fused qkv_proj and gate_up_proj stay fused (attn_qkv, ffn_up)
+            export=Gguf("PHI3", "phi3", unmapped_keys=HEAD_DIM_KEY),
+            chat_note="its template appends EOS after the whole conversation",
+        ),
+        _family(
+            "gemma2",
+            "Gemma2Config",
+            "tiny-gemma2",
+            tiny_config={"head_dim": 32, "sliding_window": 32},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=Gguf(
+                "GEMMA2",
+                "gemma2",
+                norm_offset=1.0,
+                skipped=("lm_head.weight",),
+                check="gemma2",
+                unmapped_keys=(
+                    *HEAD_DIM_KEY,
+                    ("attn_logit_softcapping", "attn_logit_softcapping"),
+                    ("final_logit_softcapping", "final_logit_softcapping"),
+                ),
+                derives_attention_scale=True,
+                # llama.cpp's Gemma-2 ties its head to the embeddings and scales attention by
+                # 1/sqrt(head size), which the builtin (untied, query_pre_attn_scalar 256) does not
+                tiny_overrides={"tie_word_embeddings": True, "query_pre_attn_scalar": 32},
+                trained_layer_key=LLAMA_K,
+            ),
+            system_role=False,
+            chat_note="its templates raise on a system turn (data.system_prompt_mode: merge_into_first_user)",
+        ),
+        _family(
+            "gpt_neox",
+            "GPTNeoXConfig",
+            "tiny-gptneox",
+            tiny_config={},
+            linears=(
+                "attention.query_key_value",
+                "attention.dense",
+                "mlp.dense_h_to_4h",
+                "mlp.dense_4h_to_h",
+            ),
+            attention_inputs=("attention.query_key_value",),
+            mlp=PLAIN,
+            export=NoExport(
+                "transformers' GGUF loader cannot read a gptneox GGUF back, so the parity report would "
+                "have no independent reader"
+            ),
+        ),
+        _family(
+            "gpt2",
+            "GPT2Config",
+            "tiny-gpt2",
+            tiny_config={},
+            linears=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+            attention_inputs=("attn.c_attn",),
+            mlp=PLAIN,
+            intermediate_key="n_inner",  # None: 4 x hidden
+            export=Gguf(
+                "GPT2",
+                "gpt2",
+                transposed=("c_attn.weight", "c_proj.weight", "c_fc.weight"),
+                skipped=(".attn.bias", ".attn.masked_bias"),
+                check="gpt2",
+                # transformers maps these to n_ctx, which GPT2Config no longer reads
+                unmapped_keys=(
+                    *HEAD_DIM_KEY,
+                    ("context_length", "n_positions"),
+                    ("feed_forward_length", "n_inner"),
+                ),
+            ),
+        ),
+        _family(
+            "olmo2",
+            "Olmo2Config",
+            "tiny-olmo2",
+            tiny_config={},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "transformers' GGUF loader cannot read an olmo2 GGUF back, so the parity report would "
+                "have no independent reader"
+            ),
+        ),
+    )
+}
+
+
+def family(model_type: str) -> Family | None:
+    """The table's entry for ``model_type``, or None for an architecture it does not list."""
+    return FAMILIES.get(model_type)
+
+
+def by_tiny_name(name: str) -> Family | None:
+    """The family whose builtin tiny model is ``name`` (``tiny-llama``)."""
+    return next((f for f in FAMILIES.values() if f.tiny == name), None)
+
+
+def exportable() -> dict[str, Family]:
+    """The families with a GGUF form, by model_type."""
+    return {t: f for t, f in FAMILIES.items() if isinstance(f.export, Gguf)}
+
+
+def by_gguf_arch(arch: str) -> Gguf | None:
+    """The GGUF form whose file says ``general.architecture: arch`` (``llama``, ``gemma2``)."""
+    return next((f.export for f in exportable().values() if f.export.arch.lower() == arch), None)

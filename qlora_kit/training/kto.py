@@ -1,0 +1,150 @@
+"""``train.objective: kto``: TRL's KTOTrainer with everything ``GuardedTrainer`` adds to a run.
+
+KTO (Ethayarajh et al., 2024) learns from unpaired feedback: a prompt, one answer and a label saying
+whether the answer was desirable (a thumbs-up) or not; what production feedback looks like, where a
+second answer to compare with is rarely at hand. Rows are format ``feedback`` (prompt, completion, label).
+Each answer's implied reward is beta * log(policy / reference) of the answer given its prompt; the loss
+pushes the desirable answers' reward above, and the undesirable ones' below, a baseline KL estimated from
+mismatched prompt/answer pairs of the same batch (TRL rotates the answers within each micro-batch, so the
+Trainer reads the rows in order: they are shuffled here once, with the recipe's seed).
+
+``GuardedKTOTrainer`` is ``GuardedTrainer`` on top of TRL's ``KTOTrainer``, as dpo.py does for DPO, with
+the same changes to TRL's behaviour and for the same reasons: the reference is a frozen second adapter
+"ref" on the same 4-bit base (the base itself without ``model.adapter``), the policy gets its fp32 LoRA
+weights back after TRL's bf16 cast, the recipe's checkpointing is left alone around the reference
+forward, and TRL's telemetry ping is not sent. TRL tokenizes the texts (the prompt, then the answer with
+the tokenizer's EOS); ``preference.beta`` is KTO's beta.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import datasets
+from trl import KTOConfig, KTOTrainer
+
+from qlora_kit.data import prepare as data
+from qlora_kit.data import sources
+from qlora_kit.errors import DataError, RecipeError
+from qlora_kit.recipe.preference import PreferenceSection
+from qlora_kit.registries.formats import system_text
+from qlora_kit.training.dpo import REFERENCE, _policy_back_to_fp32
+from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.trainer import GuardedTrainer, training_settings
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+COLUMNS = ("prompt", "completion", "label")  # what TRL's KTOTrainer reads
+
+
+def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
+    """The labelled answers as TRL's text columns (each source's own rows, or its builtin split), shuffled
+    once with the recipe's seed; validation rows from data.val_path, data.val_fraction or the builtin set."""
+    section = recipe.data
+    seed = recipe.train.seed
+    train_parts, val_parts, reports = [], [], []
+    val_rows = None
+    for source in section.source_list():
+        train_file, own_val = sources.split_of(source.path)
+        rows = sources.load_rows(train_file, section, source)
+        held = sources.load_rows(own_val, section, source) if own_val and section.val_path is None else None
+        if held is None and section.val_path is None and section.val_fraction > 0 and len(rows) > 1:
+            halves = rows.train_test_split(test_size=section.val_fraction, seed=seed)
+            rows, held = halves["train"], halves["test"]
+        train_parts.append(_texts(rows, section, train_file))
+        if held is not None:
+            val_parts.append(_texts(held, section, own_val or train_file))
+            val_rows = val_rows if val_rows is not None else held
+    if section.val_path is not None:
+        val_rows = sources.load_rows(section.val_path, section, section.source_list()[0])
+        val_parts = [_texts(val_rows, section, section.val_path)]
+    train = datasets.concatenate_datasets(train_parts).shuffle(seed=seed)
+    val = datasets.concatenate_datasets(val_parts) if val_parts else None
+    lengths, answers = _lengths(train, tokenizer)
+    labelled = sum(list(train["label"]))
+    reports = [
+        data.LengthReport(
+            f"{section.path} ({labelled} desirable, {len(train) - labelled} undesirable answers)",
+            len(train),
+            lengths=lengths,
+            trained_tokens=answers,
+        )
+    ]
+    return data.PreparedData(train, val, reports, lengths, val_rows, section.format, checks=None)
+
+
+def _texts(rows: datasets.Dataset, section, source: str) -> datasets.Dataset:
+    """TRL's prompt/completion/label columns; one line naming the row for a missing or wrong field."""
+    missing = [name for name in COLUMNS if name not in rows.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: row 1: missing field {missing[0]!r} for format feedback "
+            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+        )
+    for index, row in enumerate(rows.select_columns(list(COLUMNS))):
+        for name in COLUMNS:
+            wanted = bool if name == "label" else str
+            if not isinstance(row[name], wanted):
+                raise DataError(
+                    f"{source}: row {index + 1}: field {name!r} must be "
+                    f"{'true or false' if wanted is bool else 'text'} (got {row[name]!r})"
+                )
+    prefix = system_text(section.system_prompt)
+    texts = rows.select_columns(list(COLUMNS))
+    return texts.map(lambda row: {"prompt": prefix + row["prompt"]}) if prefix else texts
+
+
+def _lengths(rows: datasets.Dataset, tokenizer) -> tuple[list[int], int]:
+    """Each row's tokens (with the EOS TRL appends) and all answers' tokens (what KTO scores)."""
+    prompts = [len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False)["input_ids"]]
+    answers = [
+        len(ids) + 1 for ids in tokenizer(list(rows["completion"]), add_special_tokens=False)["input_ids"]
+    ]
+    return [p + a for p, a in zip(prompts, answers, strict=True)], sum(answers)
+
+
+def kto_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> KTOConfig:
+    """TRL's KTOConfig: the Trainer's arguments from the recipe plus preference.beta."""
+    if recipe.preference.loss_type != PreferenceSection().loss_type:
+        raise RecipeError(
+            f"preference.loss_type: {recipe.preference.loss_type} is DPO's; train.objective kto has its own loss"
+        )
+    if recipe.train.micro_batch_size < 2:
+        raise RecipeError(
+            "train.micro_batch_size: train.objective kto needs at least 2 rows per micro-batch (its KL "
+            f"baseline pairs each answer with another row's prompt; got {recipe.train.micro_batch_size})"
+        )
+    settings: dict[str, Any] = training_settings(recipe, output_dir, has_eval, precision)
+    # the KL baseline rotates the answers within each micro-batch as prepared: rows are read in order
+    settings["train_sampling_strategy"] = "sequential"
+    return KTOConfig(
+        **settings,
+        beta=recipe.preference.beta,
+        max_length=recipe.data.max_seq_len,
+    )
+
+
+def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
+    """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments): TRL's
+    DataCollatorForUnpairedPreference pads the rows."""
+    return GuardedKTOTrainer, kto_arguments(recipe, output_dir, has_eval, precision), TrainingGuard, {}
+
+
+class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
+    """KTOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy_restored = _policy_back_to_fp32(self.model)
+        # TRL's reference forward toggles checkpointing when this says True (dpo.py says why not)
+        self.model.is_gradient_checkpointing = False
+
+    def _send_telemetry(self) -> None:
+        pass
+
+    def reference_description(self, adapter: str | None) -> str:
+        if adapter is None:
+            return "the base model (the reference adapter is the new adapter's start, B = 0)"
+        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"

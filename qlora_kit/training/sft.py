@@ -1,0 +1,29 @@
+"""``train.objective: sft``: supervised fine-tuning on the trained tokens of each row, on ``GuardedTrainer``.
+
+The objective table's module for sft (registries/objectives.py): its data (tokenized rows, packed or
+padded), its arguments (the Trainer's, from the recipe) and its Trainer with qlora_kit's collator.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from qlora_kit.data import prepare as data
+from qlora_kit.training.guards import TrainingGuard
+from qlora_kit.training.trainer import GuardedTrainer, training_arguments
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+
+def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
+    """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled."""
+    return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+
+
+def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
+    """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments)."""
+    args = training_arguments(recipe, output_dir, has_eval, precision)
+    collator = data.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
+    return GuardedTrainer, args, TrainingGuard, {"data_collator": collator}

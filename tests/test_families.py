@@ -1,0 +1,73 @@
+"""The families table (registries/families.py): every family carries each facet a feature reads, and the
+facets are true of the model transformers builds from the family's config."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlora_kit.registries import families
+from qlora_kit.registries.families import FAMILIES, Gguf, NoExport
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_every_family_has_the_facets_the_features_read(model_type):
+    from qlora_kit.after import gguf_families
+
+    entry = FAMILIES[model_type]
+    assert entry.model_type == model_type
+    assert entry.tiny.startswith("tiny-") and entry.config_class  # model/builtin.py
+    assert entry.linears and set(entry.attention_inputs) <= set(entry.linears)  # the planner's formula
+    assert entry.mlp in (families.GATED, families.PLAIN)
+    # export: a GGUF form whose writer and check exist, or a stated reason why there is none
+    assert isinstance(entry.export, (Gguf, NoExport)), "a family says how it exports, or why it cannot"
+    if isinstance(entry.export, NoExport):
+        assert entry.export.reason.strip()
+    else:
+        assert entry.export.parameters in gguf_families.WRITERS
+        assert entry.export.check is None or entry.export.check in gguf_families.CHECKS
+        assert ("attention.key_length", "head_dim") in entry.export.unmapped_keys
+        assert entry.export.trained_layer_key.startswith("blk.")
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
+    """The table's linears are the decoder layer's, its MLP width key names a width, and a family whose
+    config routes tokens to experts says where its experts are."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from qlora_kit.memory.accounting import decoder_layers
+    from qlora_kit.memory.shapes import intermediate_size
+    from qlora_kit.model.builtin import TINY_ARCHITECTURES, TINY_SHAPE
+    from qlora_kit.model.layers import is_linear
+
+    entry = FAMILIES[model_type]
+    assert TINY_ARCHITECTURES[entry.tiny] == (entry.config_class, entry.tiny_config)
+    config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
+    assert config.model_type == model_type
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    layer = decoder_layers(model)[0]
+    assert tuple(name for name, m in layer.named_modules() if is_linear(m)) == entry.linears
+    assert intermediate_size(config) in {w for m in layer.modules() if is_linear(m) for w in _sides(m)}
+    routes = any(getattr(config, key, None) for key in families.EXPERT_COUNT_KEYS)
+    assert routes == (entry.experts is not None), "a mixture-of-experts family needs its experts facet"
+
+
+def _sides(module) -> tuple[int, int]:
+    from qlora_kit.model.layers import features
+
+    return features(module)
+
+
+def test_a_family_without_a_gguf_form_is_refused_with_the_tables_reason():
+    from types import SimpleNamespace
+
+    from qlora_kit.after.gguf_families import family_of
+    from qlora_kit.errors import ExportError
+
+    for entry in FAMILIES.values():
+        if isinstance(entry.export, NoExport):
+            with pytest.raises(ExportError, match="not supported: transformers' GGUF loader"):
+                family_of(SimpleNamespace(model_type=entry.model_type))
