@@ -145,8 +145,11 @@ def main() -> None:
         f"{label}, one row per length under bf16 autocast, LoRA dropout 0, transformers' loss (no chunked head)."
     )
     write_result(
-        name, "Long context: the longest row that fits, and what each way keeps", planned + "\n\n" + measured,
-        notes, args.out,
+        name,
+        "Long context: the longest row that fits, and what each way keeps",
+        planned + "\n\n" + measured,
+        notes,
+        args.out,
     )
 
 

@@ -197,7 +197,9 @@ def show_longest_fits(console: Console, fits: list, recipe: Recipe, budget_gb: f
         table.add_column(column, justify="left" if column == "memory" else "right")
     for fit in fits:
         tokens = f"{fit.seq:,}" if fit.seq else "none fits"
-        table.add_row(fit.way, tokens, size(fit.device_peak), size(fit.host) if fit.host else "-", size(fit.activations))
+        table.add_row(
+            fit.way, tokens, size(fit.device_peak), size(fit.host) if fit.host else "-", size(fit.activations)
+        )
     console.print(table)
     console.print("traced at each length shown (sdpa, one unpacked row); tiles: memory.mlp_tiles auto")
 

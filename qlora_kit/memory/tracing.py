@@ -48,8 +48,8 @@ from transformers import AutoModelForCausalLM, masking_utils
 
 from qlora_kit.memory import selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
-from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
+from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.registries import attention
 
 if TYPE_CHECKING:
