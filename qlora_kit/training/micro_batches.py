@@ -49,10 +49,10 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
         grpo = recipe.grpo
         levers = (
             f"a lower grpo.max_completion_length (now {grpo.max_completion_length}; both peaks), fewer "
-            f"grpo.num_generations (now {grpo.num_generations}; the rollouts' KV cache), a lower "
-            f"train.micro_batch_size with more train.grad_accum (now {recipe.train.micro_batch_size} x "
-            f"{recipe.train.grad_accum}; the policy step), memory.checkpointing (now {memory.checkpointing}; "
-            "the policy step)"
+            f"completions per step (train.micro_batch_size x grad_accum, now {recipe.train.micro_batch_size} x "
+            f"{recipe.train.grad_accum}; the rollouts' KV cache, in groups of grpo.num_generations "
+            f"{grpo.num_generations}), a lower train.micro_batch_size (the policy step), memory.checkpointing "
+            f"(now {memory.checkpointing}; the policy step)"
         )
 
     def predict(rows: int, seq: int) -> str | None:
