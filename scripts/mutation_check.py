@@ -131,6 +131,45 @@ MUTATIONS = [
         '"data: group_by_length is pointless',
         ["tests/test_bad_input.py::test_every_bad_recipe_is_one_line_and_exit_2"],
     ),
+    (
+        "a GRPO rollout's tokens are not counted (issue 50's AttributeError, then KeyError)",
+        "qlora_kit/training/micro_batches.py",
+        'if "prompt_mask" in inputs:  # a GRPO rollout',
+        "if False:",
+        ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
+    ),
+    (
+        "a split GRPO policy step's parts are not weighted by their share",
+        "qlora_kit/training/grpo_oom.py",
+        "return rows_of(part) / rows_of(whole)",
+        "return 1.0",
+        [
+            "tests/test_grpo_oom.py::test_the_parts_losses_weighted_by_their_share_add_up_to_the_micro_batchs[grpo]"
+        ],
+    ),
+    (
+        "the generation cap is never read",
+        "qlora_kit/memory/oom_faults.py",
+        "INJECTOR.generation_cap = cap_from_env(GENERATION_ENV)",
+        "INJECTOR.generation_cap = None",
+        [
+            "tests/test_grpo_oom.py::test_the_generation_cap_raises_a_real_out_of_memory_error_as_the_cache_grows"
+        ],
+    ),
+    (
+        "the generation split is not written into a checkpoint",
+        "qlora_kit/training/micro_batches.py",
+        "if generation_parts > 1:",
+        "if False:",
+        ["tests/test_grpo_oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],
+    ),
+    (
+        "GRPO never probes its worst batch",
+        "qlora_kit/training/micro_batches.py",
+        'if recipe.train.objective == "dpo":',
+        'if recipe.train.objective != "sft":',
+        ["tests/test_grpo.py::test_grpo_probes_and_splits_as_the_recipe_says"],
+    ),
 ]
 
 

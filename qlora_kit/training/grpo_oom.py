@@ -67,6 +67,10 @@ class GrpoSplitOnOom:
         if self.rollout_ready:  # the probe's rollout
             return super().training_step(model, inputs, num_items_in_batch)
         rollout = self._prepare_inputs(inputs)  # the rollouts (split on out-of-memory) or TRL's buffer
+        if self._step_rng is not None and self._step_batches and self._step_batches[0] is inputs:
+            # a redone policy step draws (dropout) from where it began, after the step's rollouts: not
+            # from before them, which would sample the next step's rollouts from this one's state again
+            self._step_rng = rng_state()
         # SplitOnOom redoes the step's micro-batches so far: it finds them among the step's batches
         self._step_batches = [rollout if batch is inputs else batch for batch in self._step_batches]
         return self._policy_step(model, rollout, num_items_in_batch)
