@@ -134,7 +134,7 @@ MUTATIONS = [
     (
         "a GRPO rollout's tokens are not counted (issue 50's AttributeError, then KeyError)",
         "qlora_kit/training/micro_batches.py",
-        'if "prompt_mask" in inputs:  # a GRPO rollout',
+        'if "prompt_mask" in inputs:',
         "if False:",
         ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
     ),
