@@ -56,6 +56,10 @@ def reference(tmp_path_factory):
     """Uncapped (caps too high to reach, so the injector measures): the policy step's and one generate
     call's peaks for 8 completions."""
     monkeypatch = pytest.MonkeyPatch()
+    # The first GRPO run in a process samples other completions than every later one with the same
+    # recipe (measured: rewards 0.5, then 0.375, 0.375; the LoRA and base weights, the random state and
+    # the first batch are equal when built; not explained): the reference is not the first.
+    run(tmp_path_factory.mktemp("warm"), monkeypatch, max_steps=1, micro_batch_size=4)
     result = run(tmp_path_factory.mktemp("reference"), monkeypatch, cap=10**15, generation_cap=10**15)
     peaks = max(oom_faults.INJECTOR.peaks), max(oom_faults.INJECTOR.generation_peaks)
     monkeypatch.undo()
@@ -90,7 +94,8 @@ def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path, m
     assert split["step"] == 1 and event["phase"] == "generation"
     assert event[keys.MICRO_BATCH_BEFORE] == 8 and event[keys.MICRO_BATCH] == 4
     assert "generation" in event["error"]
-    assert max(oom_faults.INJECTOR.generation_peaks) <= int(0.75 * generation_peak)
+    first, *redone = oom_faults.INJECTOR.generation_peaks  # the failed call's, then every call since
+    assert first > int(0.75 * generation_peak) >= max(redone)
     # every step still samples 2 prompts x 4 completions (the rewards are over whole groups)
     assert len(logged(result.output_dir, "reward")) == STEPS and result.steps == STEPS
     saved = json.loads((result.output_dir / "checkpoint-1" / "micro_batch_split.json").read_text())
