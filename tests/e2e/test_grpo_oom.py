@@ -10,10 +10,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from qlora_kit import Recipe, train
+from qlora_kit import Recipe
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
 from tests.e2e.test_distributed import free_port
@@ -39,12 +40,31 @@ def values(out: Path, **train) -> dict:
     }  # fmt: skip
 
 
-def run(folder: Path, monkeypatch, cap: int | None = None, generation_cap: int | None = None, **train_):
-    monkeypatch.setenv(oom_faults.ENV, "" if cap is None else str(cap))
-    monkeypatch.setenv(oom_faults.GENERATION_ENV, "" if generation_cap is None else str(generation_cap))
-    oom_faults.INJECTOR.peaks.clear()
-    oom_faults.INJECTOR.generation_peaks.clear()
-    return train(Recipe.from_dict(values(folder / "out", **train_)))
+# One run in a fresh process: in one process, a GRPO run can sample other completions than an earlier
+# run of the same recipe did (measured: rewards 0.5, then 0.375, 0.375 for three identical runs; the
+# LoRA and base weights, the random state and the first batch are equal when built; not explained).
+DRIVER = """
+import json, sys
+from qlora_kit import Recipe
+from qlora_kit.memory import oom_faults
+result = train(Recipe.from_dict(json.loads(open(sys.argv[1]).read())))
+peaks = {"train": oom_faults.INJECTOR.peaks, "generation": oom_faults.INJECTOR.generation_peaks}
+open(sys.argv[2], "w").write(json.dumps(peaks))
+"""
+
+
+def run(folder: Path, cap: int | None = None, generation_cap: int | None = None, **train_) -> SimpleNamespace:
+    """A capped (or uncapped, None) run in its own process: its output folder and the injector's peaks."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "recipe.json").write_text(json.dumps(values(folder / "out", **train_)))
+    env = {**os.environ, oom_faults.ENV: str(cap or ""), oom_faults.GENERATION_ENV: str(generation_cap or "")}
+    command = [sys.executable, "-c", DRIVER, str(folder / "recipe.json"), str(folder / "peaks.json")]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    peaks = json.loads((folder / "peaks.json").read_text())
+    return SimpleNamespace(
+        output_dir=folder / "out", peaks=peaks["train"], generation_peaks=peaks["generation"]
+    )
 
 
 def logged(out: Path, key: str) -> list[float]:
@@ -53,23 +73,16 @@ def logged(out: Path, key: str) -> list[float]:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uncapped (caps too high to reach, so the injector measures): the policy step's and one generate
-    call's peaks for 8 completions."""
-    monkeypatch = pytest.MonkeyPatch()
-    # The first GRPO run in a process samples other completions than every later one with the same
-    # recipe (measured: rewards 0.5, then 0.375, 0.375; the LoRA and base weights, the random state and
-    # the first batch are equal when built; not explained): the reference is not the first.
-    run(tmp_path_factory.mktemp("warm"), monkeypatch, max_steps=1, micro_batch_size=4)
-    result = run(tmp_path_factory.mktemp("reference"), monkeypatch, cap=10**15, generation_cap=10**15)
-    peaks = max(oom_faults.INJECTOR.peaks), max(oom_faults.INJECTOR.generation_peaks)
-    monkeypatch.undo()
-    return result, peaks
+    """Uncapped (caps too high to reach, so the injector measures, here and in the capped runs alike):
+    the policy step's and one generate call's peaks for 8 completions."""
+    result = run(tmp_path_factory.mktemp("reference"), cap=10**15, generation_cap=10**15)
+    return result, (max(result.peaks), max(result.generation_peaks))
 
 
-def test_a_policy_step_over_the_cap_splits_and_keeps_the_rewards(reference, tmp_path, monkeypatch):
+def test_a_policy_step_over_the_cap_splits_and_keeps_the_rewards(reference, tmp_path):
     (ref, (peak, _)) = reference
     # the generation counted as in the reference (the injector's dispatch mode runs other CPU kernels)
-    result = run(tmp_path, monkeypatch, cap=int(0.75 * peak), generation_cap=10**15, **{"save_steps": 1})
+    result = run(tmp_path, cap=int(0.75 * peak), generation_cap=10**15, save_steps=1)
     [split] = splits(result.output_dir)
     event = split[keys.OOM_SPLIT]
     assert split["step"] == 1 and event["phase"] == "train"
@@ -81,23 +94,23 @@ def test_a_policy_step_over_the_cap_splits_and_keeps_the_rewards(reference, tmp_
     assert logged(result.output_dir, "grad_norm") == pytest.approx(
         logged(ref.output_dir, "grad_norm"), rel=1e-2
     )
-    assert result.steps == STEPS
+    assert len(logged(result.output_dir, "reward")) == STEPS
     saved = json.loads((result.output_dir / "checkpoint-1" / "micro_batch_split.json").read_text())
     assert saved["parts"] == 2
 
 
-def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path, monkeypatch):
+def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path):
     (_, (_, generation_peak)) = reference
-    result = run(tmp_path, monkeypatch, generation_cap=int(0.75 * generation_peak), **{"save_steps": 1})
+    result = run(tmp_path, generation_cap=int(0.75 * generation_peak), save_steps=1)
     [split] = splits(result.output_dir)
     event = split[keys.OOM_SPLIT]
     assert split["step"] == 1 and event["phase"] == "generation"
     assert event[keys.MICRO_BATCH_BEFORE] == 8 and event[keys.MICRO_BATCH] == 4
     assert "generation" in event["error"]
-    first, *redone = oom_faults.INJECTOR.generation_peaks  # the failed call's, then every call since
+    first, *redone = result.generation_peaks  # the failed call's, then every call since
     assert first > int(0.75 * generation_peak) >= max(redone)
     # every step still samples 2 prompts x 4 completions (the rewards are over whole groups)
-    assert len(logged(result.output_dir, "reward")) == STEPS and result.steps == STEPS
+    assert len(logged(result.output_dir, "reward")) == STEPS
     saved = json.loads((result.output_dir / "checkpoint-1" / "micro_batch_split.json").read_text())
     assert saved["generation_parts"] == 2 and saved["parts"] == 1
 
