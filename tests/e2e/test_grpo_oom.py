@@ -45,7 +45,7 @@ def values(out: Path, **train) -> dict:
 # LoRA and base weights, the random state and the first batch are equal when built; not explained).
 DRIVER = """
 import json, sys
-from qlora_kit import Recipe
+from qlora_kit import Recipe, train
 from qlora_kit.memory import oom_faults
 result = train(Recipe.from_dict(json.loads(open(sys.argv[1]).read())))
 peaks = {"train": oom_faults.INJECTOR.peaks, "generation": oom_faults.INJECTOR.generation_peaks}
