@@ -107,3 +107,25 @@ def test_the_generation_split_is_written_into_a_checkpoint_and_read_back(tmp_pat
     assert read_generation_parts(tmp_path) == 4 and read_split(tmp_path) == (1, 1)
     write_split(tmp_path, 2, 1)  # SFT's file, as before
     assert read_generation_parts(tmp_path) == 1 and read_split(tmp_path) == (2, 1)
+
+
+@pytest.mark.slow  # plans (traces) the tiny model twice: seconds
+def test_the_plan_names_grpos_two_peaks_and_which_sets_the_step_peak():
+    from qlora_kit import Recipe
+    from qlora_kit.memory import planner
+
+    def line(grad_accum: int) -> str:
+        values = {
+            "data": {"max_seq_len": 64},
+            "memory": {"checkpointing": "none"},
+            "train": {"objective": "grpo", "micro_batch_size": 8, "grad_accum": grad_accum},
+            "grpo": {"num_generations": 4, "max_completion_length": 5, "rewards": [{"name": "exact_match"}]},
+        }
+        recipe = Recipe.from_dict(values)
+        the_plan = planner.plan(recipe, device="cpu")
+        return the_plan.grpo_peaks(the_plan.chosen(recipe))
+
+    # one generation batch of 8 sequences: the policy step's activations and logits are the larger peak;
+    # of 8 x 64 sequences: the rollouts' KV cache and per-sequence logits are
+    assert line(1).endswith("the policy step sets the peak") and "rollouts" in line(1)
+    assert line(64).endswith("the rollouts set the peak")
