@@ -195,9 +195,9 @@ MUTATIONS = [
     ),
     (
         "the GGUF keeps Q/K rows in Hugging Face's order",
-        "qlora_kit/after/gguf_families.py",
-        '"llama": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=True),',
-        '"llama": Family("LLAMA", lambda w, c: _decoder(w, c, rope_dims=True), permute_qk=False),',
+        "qlora_kit/registries/families.py",
+        '"LLAMA", "decoder+rope", permute_qk=True,',
+        '"LLAMA", "decoder+rope", permute_qk=False,',
         ["tests/test_export.py::test_gguf_reads_back_as_the_model_it_was_written_from[tiny-llama]"],
     ),
     (
@@ -217,8 +217,8 @@ MUTATIONS = [
     (
         "grpo.seed_each_completion is ignored",
         "qlora_kit/training/grpo.py",
-        "        if not self.seed_each_completion:\n",
-        "        if True:\n",
+        "            if not self.seed_each_completion:  # one call",
+        "            if True:  # one call",
         ["tests/test_grpo.py::test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others"],
     ),
     (
@@ -282,6 +282,45 @@ MUTATIONS = [
         [
             "tests/test_benchmark_options.py::test_a_smoke_run_writes_outside_the_committed_tables_unless_out_says_so"
         ],
+    ),
+    (
+        "a GRPO rollout's tokens are not counted (issue 50's AttributeError, then KeyError)",
+        "qlora_kit/training/micro_batches.py",
+        'if "prompt_mask" in inputs:',
+        "if False:",
+        ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
+    ),
+    (
+        "a split GRPO policy step's parts are not weighted by their share",
+        "qlora_kit/training/grpo_oom.py",
+        "return rows_of(part) / rows_of(whole)",
+        "return 1.0",
+        [
+            "tests/test_grpo_oom.py::test_the_parts_losses_weighted_by_their_share_add_up_to_the_micro_batchs[grpo]"
+        ],
+    ),
+    (
+        "the generation cap is never read",
+        "qlora_kit/memory/oom_faults.py",
+        "INJECTOR.generation_cap = cap_from_env(GENERATION_ENV)",
+        "INJECTOR.generation_cap = None",
+        [
+            "tests/test_grpo_oom.py::test_the_generation_cap_raises_a_real_out_of_memory_error_as_the_cache_grows"
+        ],
+    ),
+    (
+        "the generation split is not written into a checkpoint",
+        "qlora_kit/training/micro_batches.py",
+        "if generation_parts > 1:",
+        "if False:",
+        ["tests/test_grpo_oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],
+    ),
+    (
+        "GRPO never probes its worst batch",
+        "qlora_kit/registries/objectives.py",
+        "            probes_worst_batch=True,\n            preflight=False,",
+        "            preflight=False,",
+        ["tests/test_grpo.py::test_grpo_probes_and_splits_as_the_recipe_says"],
     ),
 ]
 

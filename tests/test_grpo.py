@@ -297,16 +297,16 @@ def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
         guard._check_dead(2)
 
 
-def test_grpo_neither_probes_nor_splits_its_micro_batches(tmp_path):
-    # GRPO's training_step is handed prompt rows and samples inside TRL: no input_ids to probe by and
-    # nothing to split there, so a GPU run (probe auto = on) must not try either.
+def test_grpo_probes_and_splits_as_the_recipe_says(tmp_path):
+    # GRPO splits its rollouts and its policy step and probes its worst batch (training/grpo_oom.py)
     from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 
     recipe = grpo_recipe(tmp_path / "out", probe_worst_batch=True)
-    assert not probes_worst_batch(recipe)
-    assert oom_policy(recipe).on_oom == "stop"
-    sft = Recipe.from_dict({"train": {"probe_worst_batch": True}})
-    assert probes_worst_batch(sft) and oom_policy(sft).on_oom == "split"
+    assert probes_worst_batch(recipe)
+    assert oom_policy(recipe).on_oom == "split"
+    assert "grpo.max_completion_length" in oom_policy(recipe).levers
+    stop = grpo_recipe(tmp_path / "out", probe_worst_batch=False, on_oom="stop")
+    assert not probes_worst_batch(stop) and oom_policy(stop).on_oom == "stop"
 
 
 @pytest.mark.slow  # builds a run and samples from it (no training): tens of seconds on 2 busy cores

@@ -208,4 +208,6 @@ def _plan(recipe: Recipe):
     )
     if chosen is not None:
         detail += f"; the recipe's {chosen.policy} needs {chosen.peak / GIB:.2f} GiB"
+    if the_plan.rollout:  # train.objective grpo: which knob moves which of its two peaks
+        detail += "; " + the_plan.grpo_peaks(chosen or min(the_plan.policies, key=lambda r: r.peak))
     return fits, detail

@@ -189,6 +189,10 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     )
     if budget_gb is not None:
         console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
+    if plan.rollout:  # train.objective grpo: which of its two peaks sets the step's
+        own = recipe.memory.checkpointing != "auto"
+        row = plan.chosen(recipe) if own else min(plan.policies, key=lambda r: r.peak)
+        console.print(plan.grpo_peaks(row), highlight=False)
 
 
 def show_longest_fits(console: Console, fits: list, recipe: Recipe, budget_gb: float) -> None:

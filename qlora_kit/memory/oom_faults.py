@@ -17,6 +17,10 @@ allocation would fail on a GPU; everything after the raise is the real code path
 - in evaluation (no grad: nothing is saved), when the live bytes of the forward pass's activations,
   counted the same way, pass ``QLORA_KIT_OOM_EVAL_CAP_BYTES`` (default: N).
 
+- in GRPO's rollouts (``generate`` under no grad), when the live bytes of one generate call — the KV
+  cache and each step's logits, counted the same way — pass ``QLORA_KIT_OOM_GENERATION_CAP_BYTES``
+  (unset: generation is not capped; the training cap counts bytes saved for backward, another measure).
+
 With ``QLORA_KIT_OOM_RANK=R`` as well, only the process of rank R (torchrun's ``RANK``) is capped: one
 process of a multi-process run runs out of memory, its peers do not.
 
@@ -35,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 
 ENV = "QLORA_KIT_OOM_CAP_BYTES"
 EVAL_ENV = "QLORA_KIT_OOM_EVAL_CAP_BYTES"  # evaluation's own cap (default: the training cap)
+GENERATION_ENV = "QLORA_KIT_OOM_GENERATION_CAP_BYTES"  # GRPO's generate calls (default: not capped)
 RANK_ENV = "QLORA_KIT_OOM_RANK"  # the one rank the caps apply to (default: every rank)
 MIB = 1024**2
 
@@ -42,9 +47,13 @@ MIB = 1024**2
 class FaultInjector:
     """The cap and the forward pass's running count (one forward pass at a time per process)."""
 
-    def __init__(self, cap: int | None, eval_cap: int | None = None) -> None:
+    def __init__(
+        self, cap: int | None, eval_cap: int | None = None, generation_cap: int | None = None
+    ) -> None:
         self.cap = cap
         self.eval_cap = eval_cap
+        self.generation_cap = generation_cap
+        self.generation_peaks: list[int] = []  # per generate call: its live bytes' peak
         self.forward_bytes = 0  # bytes saved for backward by the latest training forward pass
         self.raised = 0  # errors raised so far, for tests and benchmarks
         self.weights: set[int] = set()  # data pointers of the model's parameters and buffers
@@ -92,6 +101,15 @@ class FaultInjector:
         self.forward_bytes = 0
         self.eval_peaks.append(0)
         return _CountLive(self, self.eval_cap, "evaluation", self.eval_peaks)
+
+    def generation(self) -> contextlib.AbstractContextManager:
+        """Around one ``generate`` call of GRPO's rollouts: its live bytes (KV cache, logits) against the
+        generation cap."""
+        if self.generation_cap is None:
+            return contextlib.nullcontext()
+        self.forward_bytes = 0
+        self.generation_peaks.append(0)
+        return _CountLive(self, self.generation_cap, "generation", self.generation_peaks)
 
     def _raise(self, where: str, cap: int | None = None) -> None:
         self.raised += 1
@@ -157,11 +175,14 @@ def cap_from_env(name: str = ENV) -> int | None:
     return int(value) if value else None
 
 
-INJECTOR = FaultInjector(cap_from_env(), cap_from_env(EVAL_ENV) or cap_from_env())
+INJECTOR = FaultInjector(
+    cap_from_env(), cap_from_env(EVAL_ENV) or cap_from_env(), cap_from_env(GENERATION_ENV)
+)
 
 
 def reload_cap() -> FaultInjector:
     """Read the environment again (a test sets the cap after import); returns the injector."""
     INJECTOR.cap = cap_from_env()
     INJECTOR.eval_cap = cap_from_env(EVAL_ENV) or INJECTOR.cap
+    INJECTOR.generation_cap = cap_from_env(GENERATION_ENV)
     return INJECTOR

@@ -215,6 +215,23 @@ class Plan:
             if p.policy == policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
         )
 
+    def grpo_peaks(self, row: PolicyPlan) -> str:
+        """GRPO's two peaks under one policy, which sets the step's peak, and the knobs that move each."""
+        rollouts = self.static + self.rollout
+        policy_step = self.static + row.activations + row.spike
+        sets = "the rollouts set" if rollouts >= policy_step else "the policy step sets"
+
+        def size(n: int) -> str:
+            return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 2**20:.1f} MiB"
+
+        return (
+            f"GRPO's two peaks: rollouts {size(rollouts)} (KV cache and logits of train.micro_batch_size "
+            "x grad_accum sequences: fewer of them, a lower grpo.max_completion_length or data.max_seq_len; "
+            "grpo.num_generations only groups them), the policy step "
+            f"{size(policy_step)} under {row.policy} (a lower train.micro_batch_size, grpo.max_completion_length "
+            f"or data.max_seq_len, more memory.checkpointing): {sets} the peak"
+        )
+
     def fitting(self, budget_gb: float) -> list[PolicyPlan]:
         return [p for p in self.policies if p.peak <= budget_gb * GIB]
 

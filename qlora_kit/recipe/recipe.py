@@ -165,9 +165,9 @@ class TrainSection(Section):
     project: str = "qlora-kit"
     """The project (W&B, trackio) or experiment (MLflow) the run is logged under, unless their environment variables say otherwise."""
     on_oom: Literal["split", "stop"] = "split"
-    """Out of memory in a step: split: redo the step with each micro-batch in twice the parts (same examples, global batch and schedule; kept for the rest of the run and in checkpoints); stop: stop with one line."""
+    """Out of memory in a step: split: redo the step with each micro-batch in twice the parts (same examples, global batch and schedule; kept for the rest of the run and in checkpoints; GRPO: its generate calls too); stop: stop with one line."""
     probe_worst_batch: bool | Literal["auto"] = "auto"
-    """Before step 1, run forward and backward on the longest micro-batch (and evaluate the largest batch), then discard it all: an out-of-memory error comes in the first minute; auto: on a GPU (SFT only: DPO never probes)."""
+    """Before step 1, run forward and backward on the longest micro-batch (and evaluate the largest batch), then discard it all: an out-of-memory error comes in the first minute; auto: on a GPU (GRPO: rollouts of the longest prompts to max_completion_length, then their policy step; DPO never probes)."""
     peak_tflops: float | None = Field(None, gt=0)
     """Peak dense TFLOPS of one device, for the MFU in metrics.jsonl (common GPUs are known; a CPU has none)."""
 

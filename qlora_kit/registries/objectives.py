@@ -32,7 +32,7 @@ class ObjectiveSpec:
     packs: bool = False  # rows may be packed or grouped by length (TRL pads pairs and rollouts itself)
     chunked_head: bool = False  # qlora_kit's chunked loss head (TRL's heads keep no whole logits already)
     splits_on_oom: bool = True  # an out-of-memory error may split its micro-batch and redo it
-    probes_worst_batch: bool = False  # its rows have one input_ids to find the longest by
+    probes_worst_batch: bool = False  # it can try its worst batch before the first step
     preflight: bool = True  # its rows carry trained tokens the preflight can check before the weights
     sequences_per_row: int = 1  # sequences one row runs as in the forward pass (the planner's batch)
     rollouts: bool = False  # samples completions in training (the planner's rollout term)
@@ -79,9 +79,9 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             "qlora_kit.training.grpo",
             PROMPTS,
             "GRPOTrainer",
-            # its training_step is handed prompt rows and samples a whole generation batch inside TRL:
-            # its micro-batches cannot be split and redone from outside
-            splits_on_oom=False,
+            # an out-of-memory error splits the generation batch or the policy step (grpo_oom.py), and the
+            # probe tries the longest prompts at max_completion_length first
+            probes_worst_batch=True,
             preflight=False,  # it trains on no labelled token: the completions are sampled
             rollouts=True,
             reference=True,

@@ -10,6 +10,7 @@
 - ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
 - ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
   ``micro_batches``: its parts that need no Trainer (a micro-batch cut in parts, the split file, messages);
+  ``grpo_oom``: the same for GRPO's two peaks, the rollouts and the policy step, and its worst batch first;
 - ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
 - ``distributed``: what one process of several does differently (DDP, FSDP2);
 - ``outputs``: the output folder's policy and atomic checkpoints; ``manifest``: what produced an adapter;

@@ -41,6 +41,7 @@ from trl import GRPOConfig, GRPOTrainer
 from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.training.grpo_explain import GrpoExplainer
+from qlora_kit.training.grpo_oom import GrpoSplitOnOom
 from qlora_kit.training.guards import TrainingGuard, _all_zero
 from qlora_kit.training.reward_checks import checked
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
@@ -101,7 +102,7 @@ def check_batch(recipe: Recipe, processes: int) -> None:
         )
 
 
-class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
+class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
     """GRPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 
     def __init__(self, *args, model, seed_each_completion: bool = False, **kwargs) -> None:
@@ -129,7 +130,14 @@ class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
         counted = {**inputs, "input_ids": torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)}
         if model.training:
             self.throughput.count(counted)
-        return super().compute_loss(model, counted, return_outputs, num_items_in_batch)
+        loss = super().compute_loss(model, counted, return_outputs, num_items_in_batch)
+        share = self.part_share(inputs) if model.training else 1.0  # a split policy step (grpo_oom.py)
+        return loss * share if share != 1.0 else loss
+
+    def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
+        result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
+        self.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo_oom.py)
+        return result
 
     def _send_telemetry(self) -> None:
         pass
@@ -145,22 +153,29 @@ class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
         row is (``seeded_rollout``), a completion is the same on one process or several; the cost is the
         batching that makes rollouts fast on a GPU. Text prompts only (qlora_kit's formats have no images).
         """
-        if not self.seed_each_completion:
-            return super()._generate_single_turn(
-                prompt_ids, images, multimodal_fields, num_generations, has_tool_images
-            )
         # This process holds rows [start, start + len) of the step's batch: accelerate hands each
         # process consecutive slices of the sampler's order, where a prompt's num_generations copies
         # are adjacent, so a row's copy index within its group is its global position modulo the group.
         start = self.accelerator.process_index * len(prompt_ids)
-        completions, logprobs = [], []
-        for offset, ids in enumerate(prompt_ids):
-            copy = (start + offset) % num_generations
-            with seeded_rollout(self.args.seed, self.state.global_step, ids, copy, self.accelerator.device):
-                one, one_logprobs = super()._generate_single_turn([ids], None, {}, num_generations)
-            completions += one
-            logprobs += one_logprobs or []
-        return completions, logprobs or None
+        whole = super()._generate_single_turn
+
+        def generate_rows(rows: list[list[int]], first: int):
+            if not self.seed_each_completion:  # one call for the slice (all of it unless split: grpo_oom.py)
+                if len(rows) == len(prompt_ids):
+                    return whole(rows, images, multimodal_fields, num_generations, has_tool_images)
+                return whole(rows, None, {}, num_generations)
+            completions, logprobs = [], []
+            for offset, ids in enumerate(rows):
+                copy = (start + first + offset) % num_generations
+                with seeded_rollout(
+                    self.args.seed, self.state.global_step, ids, copy, self.accelerator.device
+                ):
+                    one, one_logprobs = whole([ids], None, {}, num_generations)
+                completions += one
+                logprobs += one_logprobs or []
+            return completions, logprobs or None
+
+        return self.generate_in_parts(prompt_ids, generate_rows)
 
     def reference_description(self, adapter: str | None) -> str:
         if self.beta == 0:

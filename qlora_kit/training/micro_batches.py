@@ -46,6 +46,15 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
         f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
         f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
     )
+    if recipe.train.objective == "grpo":  # the rollouts' peak and the policy step's (grpo_oom.py)
+        grpo = recipe.grpo
+        levers = (
+            f"a lower grpo.max_completion_length (now {grpo.max_completion_length}; both peaks), fewer "
+            f"completions per step (train.micro_batch_size x grad_accum, now {recipe.train.micro_batch_size} x "
+            f"{recipe.train.grad_accum}; the rollouts' KV cache, in groups of grpo.num_generations "
+            f"{grpo.num_generations}), a lower train.micro_batch_size (the policy step), memory.checkpointing "
+            f"(now {memory.checkpointing}; the policy step)"
+        )
 
     def predict(rows: int, seq: int) -> str | None:
         from qlora_kit.memory import planner
@@ -60,8 +69,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
             return None
         return f"{policy.peak / 1024**3:.2f} GiB peak under checkpointing {policy.policy}"
 
-    # GRPO's training_step is handed prompt rows and samples a whole generation batch inside TRL: its
-    # micro-batches cannot be split and redone from here, so an out-of-memory error stops with the line.
+    # an objective whose steps cannot be split yet (KTO) stops with the line
     on_oom = recipe.train.on_oom if objectives.of(recipe).splits_on_oom else "stop"
     if recipe.train.fsdp and on_oom == "split":
         # FSDP gathers inside the forward and backward passes: the processes cannot agree on a split
@@ -76,7 +84,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
 
 def probes_worst_batch(recipe: Recipe) -> bool:
     """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
-    # DPO's pairs and GRPO's prompt rows have no one input_ids to find the longest by
+    # DPO's pairs have no one input_ids to find the longest by (GRPO probes its own way: grpo_oom.py)
     if not objectives.of(recipe).probes_worst_batch:
         return False
     probe = recipe.train.probe_worst_batch
@@ -93,7 +101,15 @@ class Failure:
 
 
 def rows_of(inputs: dict[str, Any]) -> int:
-    return int(inputs["input_ids"].shape[0])
+    """The rows of a micro-batch: its sequences, or a GRPO rollout's completions."""
+    return int(inputs["input_ids" if "input_ids" in inputs else "prompt_ids"].shape[0])
+
+
+def width_of(inputs: dict[str, Any]) -> int:
+    """The positions of a micro-batch's rows, padding included (a rollout's: prompt and completion)."""
+    if "input_ids" in inputs:
+        return int(inputs["input_ids"].shape[-1])
+    return int(inputs["prompt_ids"].shape[-1] + inputs["completion_ids"].shape[-1])
 
 
 def split_rows(inputs: dict[str, Any], parts: int, trim: bool) -> list[dict[str, Any]]:
@@ -133,7 +149,11 @@ def _trimmed(chunk: dict[str, Any]) -> dict[str, Any]:
 def tokens_of(inputs: dict[str, Any]) -> int:
     """The positions of a batch that are not padding."""
     mask = inputs.get("attention_mask")
-    return int(mask.sum()) if isinstance(mask, torch.Tensor) else int(inputs["input_ids"].numel())
+    if isinstance(mask, torch.Tensor):
+        return int(mask.sum())
+    if "prompt_mask" in inputs:  # a GRPO rollout (TRL's GRPOTrainer._generate_and_score_completions)
+        return int(inputs["prompt_mask"].sum() + inputs["completion_mask"].sum())
+    return int(inputs["input_ids"].numel())
 
 
 def release_memory() -> None:
@@ -172,8 +192,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def write_split(folder: Path, parts: int, eval_parts: int) -> None:
-    (folder / SPLIT_FILE).write_text(json.dumps({"parts": parts, "eval_parts": eval_parts}) + "\n")
+def write_split(folder: Path, parts: int, eval_parts: int, generation_parts: int = 1) -> None:
+    saved = {"parts": parts, "eval_parts": eval_parts}
+    if generation_parts > 1:  # GRPO's rollouts: generate calls per generation batch (grpo_oom.py)
+        saved["generation_parts"] = generation_parts
+    (folder / SPLIT_FILE).write_text(json.dumps(saved) + "\n")
 
 
 def read_split(folder: Path) -> tuple[int, int]:
@@ -183,6 +206,12 @@ def read_split(folder: Path) -> tuple[int, int]:
         return 1, 1
     saved = json.loads(path.read_text())
     return int(saved["parts"]), int(saved["eval_parts"])
+
+
+def read_generation_parts(folder: Path) -> int:
+    """The generate calls a GRPO checkpoint's rollouts were split in; 1 when never split."""
+    path = folder / SPLIT_FILE
+    return int(json.loads(path.read_text()).get("generation_parts", 1)) if path.is_file() else 1
 
 
 def split_record(step: int, phase: str, rows: int, parts: int, failure: Failure) -> dict[str, Any]:
@@ -205,7 +234,7 @@ def stop_message(
     step: int, where: str, inputs: dict[str, Any], policy: OomPolicy, failure: Failure, kept: str
 ) -> str:
     """One line for a micro-batch that cannot be split further, or for ``on_oom: stop``."""
-    rows, seq = rows_of(inputs), int(inputs["input_ids"].shape[-1])
+    rows, seq = rows_of(inputs), width_of(inputs)
     predicted = policy.predict(rows, seq) if policy.predict is not None else None
     plan = f"; the planner predicts {predicted} for it" if predicted else ""
     return (

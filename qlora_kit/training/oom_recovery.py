@@ -56,6 +56,7 @@ from qlora_kit.training.micro_batches import (
     OomPolicy,
     concat,
     memory_figures,
+    read_generation_parts,
     read_split,
     release_memory,
     rng_state,
@@ -85,6 +86,8 @@ class SplitOnOom:
         self.oom_policy = policy
         self.parts = 1  # chunks each training micro-batch runs in
         self.eval_parts = 1  # chunks each evaluation batch runs in
+        self.generation_parts = 1  # GRPO: generate calls each process's rollouts run in (grpo_oom.py)
+        self.in_parts: dict[str, Any] | None = None  # the micro-batch whose parts are running
         self.probe_pending = probe
         self.probing = False  # the probe's tokens are not training's (throughput)
         self._step_batches: list[dict[str, Any]] = []
@@ -144,6 +147,7 @@ class SplitOnOom:
 
     def _run_in_parts(self, model, inputs, num_items_in_batch):
         chunks = split_rows(inputs, self.parts, trim=True)
+        self.in_parts = inputs
         self._watch_model_forward(model)
         total = None
         for chunk in chunks:
@@ -214,7 +218,7 @@ class SplitOnOom:
 
         step = self.state.global_step + 1
         where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
-        if self.oom_policy.on_oom == "stop" or self.parts >= rows_of(inputs) or num_items_in_batch is None:
+        if self.oom_policy.on_oom == "stop" or not self._can_split(inputs, num_items_in_batch):
             part = max(split_rows(inputs, self.parts, trim=True), key=tokens_of)  # the one that failed
             raise TrainingGuardError(
                 stop_message(step, where, part, self.oom_policy, failure, kept(self.args.output_dir))
@@ -226,6 +230,10 @@ class SplitOnOom:
         size = self.args.per_device_train_batch_size
         record = split_record(step, "train", size, self.parts, failure)
         self._announce(step, where, record, failure)
+
+    def _can_split(self, inputs, num_items_in_batch) -> bool:
+        # The parts' losses add up to the micro-batch's through the step's token count (module docstring)
+        return self.parts < rows_of(inputs) and num_items_in_batch is not None
 
     def _announce(self, step: int, where: str, record: dict[str, Any], failure: Failure) -> None:
         split = record[keys.OOM_SPLIT]
@@ -254,7 +262,7 @@ class SplitOnOom:
             if failure is None:
                 return result
             step = self.state.global_step
-            if self.oom_policy.on_oom == "stop" or self.eval_parts >= rows_of(inputs):
+            if self.oom_policy.on_oom == "stop" or not self._can_split_eval(inputs):
                 message = stop_message(
                     step, "evaluation", inputs, self.oom_policy, failure, kept(self.args.output_dir)
                 )
@@ -264,6 +272,9 @@ class SplitOnOom:
             self._announce(
                 step, "evaluation", split_record(step, "eval", size, self.eval_parts, failure), failure
             )
+
+    def _can_split_eval(self, inputs) -> bool:
+        return self.eval_parts < rows_of(inputs)
 
     def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys):
         try:
@@ -333,15 +344,18 @@ class SplitOnOom:
         return self.data_collator([rows[i] for i in range(len(rows))])
 
     def save_split(self, checkpoint: Path) -> None:
-        if self.parts > 1 or self.eval_parts > 1:
-            write_split(checkpoint, self.parts, self.eval_parts)
+        if self.parts > 1 or self.eval_parts > 1 or self.generation_parts > 1:
+            write_split(checkpoint, self.parts, self.eval_parts, self.generation_parts)
 
     def load_split(self, checkpoint: Path) -> None:
         self.parts, self.eval_parts = read_split(checkpoint)
-        if self.parts > 1 or self.eval_parts > 1:
+        self.generation_parts = read_generation_parts(checkpoint)
+        if self.parts > 1 or self.eval_parts > 1 or self.generation_parts > 1:
             log.info(
-                "resumed with the micro-batch split of %s: training in %d part(s), evaluation in %d",
+                "resumed with the micro-batch split of %s: training in %d part(s), evaluation in %d, "
+                "generation in %d",
                 checkpoint.name,
                 self.parts,
                 self.eval_parts,
+                self.generation_parts,
             )

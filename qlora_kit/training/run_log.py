@@ -40,6 +40,20 @@ def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recip
     )
 
 
+def log_grpo_peaks(recipe: Recipe, device: str) -> None:
+    """train.objective grpo: the planner's two peaks, rollouts and policy step, and which sets the step's."""
+    from qlora_kit.memory import planner
+
+    try:  # the line is advice: a recipe the planner cannot plan still trains
+        the_plan = planner.plan(recipe, device=device)
+        own = recipe.memory.checkpointing != "auto"
+        row = the_plan.chosen(recipe) if own else min(the_plan.policies, key=lambda r: r.peak)
+    except Exception as error:
+        log.debug("no GRPO peaks: %s", error)
+        return
+    log.info("memory: %s", the_plan.grpo_peaks(row))
+
+
 def log_optimizer_state(peft_model, recipe: Recipe) -> None:
     """How much optimizer state the paged optimizer can page; warn when it is asked to page nothing."""
     params = [p for p in peft_model.parameters() if p.requires_grad]

@@ -1,0 +1,269 @@
+"""GRPO at the memory edge: out-of-memory in the rollouts or in the policy step, and the worst batch first.
+
+A GRPO step has two peaks: the rollouts (``generate`` under no grad: the KV cache of every sequence of
+the call, and each new token's logits) and the policy step (forward and backward on prompt + completion).
+``GrpoSplitOnOom`` sits before ``GuardedTrainer`` in ``GuardedGRPOTrainer``'s MRO and splits each where
+it runs out of memory:
+
+- **Generation**: the process's rollouts run in ``generation_parts`` generate calls of consecutive prompt
+  copies (the same prompts, the same completions per prompt); an out-of-memory error doubles the calls and
+  redoes the generation from the random state it began with. Under ``grpo.seed_each_completion`` each
+  completion is already sampled alone under its own seed, so its draws do not depend on the split, and
+  there is nothing smaller to split to: an out-of-memory error there stops the run. Without it TRL draws
+  the whole batch from one random stream, so a split generation samples other (equally distributed)
+  completions than an unsplit one would.
+- **The policy step**: TRL's ``_prepare_inputs`` turns the prompt rows into the rollout (completions,
+  rewards and advantages, computed over each whole group before anything is split), and the rollout is
+  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (oom_recovery.py). The parts' losses add
+  up to the micro-batch's: TRL's dapo, cispo and vespo divide by the generation batch's token count
+  already; its per-sequence or per-batch means (grpo, sapo, dr_grpo, luspo: rows; bnpo: tokens) are
+  weighted by the part's share.
+
+Several processes agree before splitting: after each generation a one-byte flag is all-reduced (TRL
+gathers completion lengths right after, where a process that failed must not be missing), and the policy
+step's flags are SplitOnOom's, plus one after the policy's log-probabilities, before TRL's metric
+all-reduces in the loss.
+
+The worst batch first (``train.probe_worst_batch``): before step 1 the longest prompts of the data
+(one generation batch of them, each ``num_generations`` times) are sampled to ``max_completion_length``
+(end of sequence suppressed), then the policy step runs on the first micro-batch of that rollout; the
+gradients, metrics and random states are put back, so training is what it would be without the probe.
+The sizes a split reached are written into every checkpoint (``micro_batch_split.json``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from qlora_kit.errors import TrainingGuardError
+from qlora_kit.memory import oom_faults
+from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.micro_batches import (
+    Failure,
+    memory_figures,
+    release_memory,
+    rng_state,
+    rows_of,
+    set_rng_state,
+)
+
+log = logging.getLogger(__name__)
+
+# TRL 1.16's loss types whose loss is a mean over the micro-batch's rows or tokens (GRPOTrainer._compute_loss):
+# a part's loss is weighted by its share so the parts add up to the micro-batch's loss
+MEAN_OVER = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "rows", "bnpo": "tokens"}
+
+
+class GrpoSplitOnOom:
+    """What ``GuardedGRPOTrainer`` adds for out-of-memory (see the module docstring)."""
+
+    rollout_ready = False  # _prepare_inputs hands a rollout on as it is (the policy step's parts)
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rollout_ready:  # the probe's rollout
+            return super().training_step(model, inputs, num_items_in_batch)
+        rollout = self._prepare_inputs(inputs)  # the rollouts (split on out-of-memory) or TRL's buffer
+        if self._step_rng is not None and self._step_batches and self._step_batches[0] is inputs:
+            # a redone policy step draws (dropout) from where it began, after the step's rollouts: not
+            # from before them, which would sample the next step's rollouts from this one's state again
+            self._step_rng = rng_state()
+        # SplitOnOom redoes the step's micro-batches so far: it finds them among the step's batches
+        self._step_batches = [rollout if batch is inputs else batch for batch in self._step_batches]
+        return self._policy_step(model, rollout, num_items_in_batch)
+
+    def _policy_step(self, model, rollout: dict[str, Any], num_items_in_batch):
+        step = self._step  # TRL counts micro-batches; the parts and redone attempts are not new ones
+        self.rollout_ready = True
+        try:
+            loss = super().training_step(model, rollout, num_items_in_batch)
+        finally:
+            self.rollout_ready = False
+        self._step = step + 1
+        return loss
+
+    def _prepare_inputs(self, inputs):
+        return inputs if self.rollout_ready else super()._prepare_inputs(inputs)
+
+    def _can_split(self, inputs, num_items_in_batch) -> bool:
+        # TRL's loss is normalised inside it (MEAN_OVER), not by the Trainer's item count
+        return self.parts < rows_of(inputs)
+
+    def part_share(self, part: dict[str, Any]) -> float:
+        """The share of the micro-batch in parts that ``part`` is, as the loss type weighs it."""
+        whole, over = self.in_parts, MEAN_OVER.get(self.loss_type)
+        if self.parts == 1 or whole is None or over is None or part is whole:
+            return 1.0
+        if over == "rows":
+            return rows_of(part) / rows_of(whole)
+        return float(part["completion_mask"].sum()) / max(float(whole["completion_mask"].sum()), 1.0)
+
+    def policy_logps_done(self) -> None:
+        """After the policy's forward and log-probabilities of a training part, before TRL's loss (whose
+        metrics all-reduce): every process got there, or all drop the attempt (oom_recovery.py)."""
+        if self.model.training and torch.is_grad_enabled():
+            self.forward_done()
+
+    # ---- generation -------------------------------------------------------------------------------
+    def generate_in_parts(self, prompt_ids: list[list[int]], generate_rows) -> tuple[list, list | None]:
+        """``generate_rows(ids, first)`` -> (completions, logprobs) of ``prompt_ids[first:first + len(ids)]``,
+        called in ``generation_parts`` consecutive slices; doubled and redone on out-of-memory."""
+        state = rng_state()
+        while True:
+            started = time.perf_counter()
+            size = -(-len(prompt_ids) // self.generation_parts)
+            completions: list = []
+            logprobs: list = []
+            failure = None
+            try:
+                for first in range(0, len(prompt_ids), size):
+                    with oom_faults.INJECTOR.generation():  # a no-op unless a test caps generation
+                        one, one_logprobs = generate_rows(prompt_ids[first : first + size], first)
+                    completions += one
+                    logprobs += one_logprobs or []
+            except torch.OutOfMemoryError as error:  # text only: the frames hold the KV cache
+                failure = Failure(str(error).splitlines()[0][:300], memory_figures())
+            if failure is not None:
+                release_memory()
+            if not self._agree(failed=failure is not None):  # every process: none failed
+                return completions, logprobs or None
+            failure = failure or Failure("another process of the run ran out of memory", memory_figures())
+            failure.lost_s = time.perf_counter() - started
+            self._split_generation(prompt_ids, size, failure)
+            set_rng_state(state)  # the redo draws from where the generation began
+
+    def _split_generation(self, prompt_ids: list[list[int]], size: int, failure: Failure) -> None:
+        from qlora_kit.training.guards import kept
+
+        step = self.state.global_step + 1
+        where = "the worst-batch probe's rollouts" if self.probing else "generation"
+        per_call = 1 if self.seed_each_completion else size
+        if self.oom_policy.on_oom == "stop" or per_call <= 1:
+            longest = max(len(ids) for ids in prompt_ids)
+            why = (
+                "grpo.seed_each_completion samples one sequence per generate call"
+                if self.seed_each_completion
+                else f"{per_call} sequence{'s' if per_call != 1 else ''} per generate call"
+            )
+            raise TrainingGuardError(
+                f"step {step}: out of memory in {where} ({failure.message}; {failure.figures}): {why}, "
+                f"prompts of up to {longest} tokens + {self.max_completion_length} completion tokens. "
+                f"To fit it: {self.oom_policy.levers}; {kept(self.args.output_dir)}"
+            )
+        self.generation_parts *= 2
+        after = -(-len(prompt_ids) // self.generation_parts)
+        log.warning(
+            "step %d: out of memory in %s (%s; %s): generation %d -> %d sequences per generate call (%d calls), "
+            "the same prompts and %d completions per prompt; the generation is redone",
+            step,
+            where,
+            failure.message,
+            failure.figures,
+            size,
+            after,
+            -(-len(prompt_ids) // after),
+            self.num_generations,
+        )
+        record = {
+            "step": step,
+            keys.OOM_SPLIT: {
+                "phase": "generation",
+                keys.MICRO_BATCH_BEFORE: size,
+                keys.MICRO_BATCH: after,
+                keys.MICRO_BATCH_PARTS: self.generation_parts,
+                "error": failure.message,
+                "memory": failure.figures,
+                keys.LOST_SECONDS: round(failure.lost_s, 3),
+            },
+        }
+        if self.state.is_world_process_zero:
+            self.metrics_log.record(record)
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # The rollouts first (their generation splits as training's); the loss forward is not split
+        # (TRL's evaluation loss of a part is not a share of the batch's for every loss type): it stops.
+        rollout = self._prepare_inputs(inputs)
+        self.rollout_ready = True
+        try:
+            return super().prediction_step(model, rollout, prediction_loss_only, ignore_keys)
+        finally:
+            self.rollout_ready = False
+
+    def _can_split_eval(self, inputs) -> bool:
+        return False
+
+    # ---- the worst batch first ------------------------------------------------------------------
+    def probe_worst_batch(self, model) -> None:
+        """The longest prompts sampled to max_completion_length, then the policy step on them; then
+        everything put back (module docstring)."""
+        state, step, metrics = rng_state(), self._step, self._metrics
+        seen, logs = self.state.num_input_tokens_seen, self._logs
+        self._metrics = {"train": _Discard(), "eval": _Discard()}
+        self._logs = {name: _Discard() for name in ("images", "prompt", "completion", "advantages")}
+        self._logs["rewards"], self._logs["extra"] = _Discard(), _Discard()
+        self.probing = True
+        sync = self.accelerator.sync_gradients
+        self.generation_config.min_new_tokens = self.max_completion_length  # no early end of sequence
+        try:
+            rollout = self._generate_and_score_completions(self._longest_prompts())
+            size = self.args.per_device_train_batch_size
+            first = {k: v[:size] if _per_row(v, rollout) else v for k, v in rollout.items()}
+            self.accelerator.gradient_state._set_sync_gradients(False)
+            with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                self.rollout_ready = True
+                super().training_step(model, first, None)
+            model.zero_grad(set_to_none=True)
+        finally:
+            self.rollout_ready = False
+            self.generation_config.min_new_tokens = None
+            self.accelerator.gradient_state._set_sync_gradients(sync)
+            self.probing = False
+            self._step, self._metrics, self._logs = step, metrics, logs
+            self.state.num_input_tokens_seen = seen
+            set_rng_state(state)
+        log.info(
+            "worst-batch probe: %d completions of %d tokens of the longest prompts fit (generation in %d "
+            "call(s), the policy step in %d part(s))",
+            rows_of(rollout),
+            self.max_completion_length,
+            self.generation_parts,
+            self.parts,
+        )
+
+    def _longest_prompts(self) -> list[dict[str, Any]]:
+        """One process's generation batch of the longest prompts, each num_generations times (the sampler's
+        layout: a prompt's copies adjacent)."""
+        dataset = self.train_dataset
+        prompt_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in dataset])
+        prompts = (
+            self.args.per_device_train_batch_size * self.args.steps_per_generation // self.num_generations
+        )
+        order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))[: max(prompts, 1)]
+        return [dataset[i] for i in order for _ in range(self.num_generations)]
+
+
+def _per_row(value: Any, rollout: dict[str, Any]) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows_of(rollout)
+
+
+class _Discard:
+    """A stand-in for TRL's metric and log stores while the probe runs: whatever is put in is dropped."""
+
+    def __getitem__(self, key):
+        return self
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())
