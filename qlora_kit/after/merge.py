@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM
 
+from qlora_kit.after.floor import merged_model
 from qlora_kit.data import prepare
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
 from qlora_kit.model import adapters
@@ -34,6 +35,7 @@ from qlora_kit.model.paths import check_model_folder, check_output_folder
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
 
+MERGED_DTYPE = "float16"  # decided below, from the measured table
 MAX_KL = 0.02
 MIN_TOP1 = 0.98
 DRIFT_PROMPTS = 16
@@ -90,25 +92,13 @@ def merge_adapter(
     return MergeResult(out_dir, drift, base)
 
 
-def write_merged(recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str) -> None:
-    """The adapter merged into the ``base`` weights (or, with ``adapter_dir`` None, the base alone),
-    saved with its tokenizer (chat template included) and generation config; export builds on it."""
-
-    if base == "dequantized":
-        quantized = model.load_base_model(recipe.model, recipe.quant)
-        sixteen_bit = quantized.dequantize()
-    elif base == "original":
-        sixteen_bit = AutoModelForCausalLM.from_pretrained(
-            model.resolve_model_path(recipe.model),
-            dtype=getattr(torch, recipe.quant.compute_dtype),
-            trust_remote_code=recipe.model.trust_remote_code,
-            revision=recipe.model.revision,
-        )
-    else:
-        raise ValueError(f"--base: must be dequantized or original (got {base!r})")
-    merged = sixteen_bit
-    if adapter_dir is not None:
-        merged = adapters.load_adapter(sixteen_bit, adapter_dir).merge_and_unload()
+def write_merged(
+    recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str, dtype: str = MERGED_DTYPE
+) -> None:
+    """The adapter merged into the ``base`` weights in fp32 (or, with ``adapter_dir`` None, the base
+    alone) and rounded once into ``dtype``, saved with its tokenizer (chat template included) and
+    generation config; export builds on it (a GGUF from the fp32 folder: rounded once, into its type)."""
+    merged = merged_model(recipe, adapter_dir, base).to(getattr(torch, dtype))
     _restore_conv1d(merged, recipe.model.trust_remote_code)
     # A plain checkpoint: no quantization config left behind, the KV cache back on for inference.
     if hasattr(merged.config, "quantization_config"):
