@@ -13,7 +13,7 @@ const job = JSON.parse(readFileSync(jobPath, "utf8"));
 // the prebuilt CPU binary only: never a download or a build at run time
 const llama = await getLlama({gpu: false, build: "never", logLevel: LlamaLogLevel.error});
 const model = await llama.loadModel({modelPath: job.model});
-const vocab = model.tokens.vocabSize ?? model.fileInsights.tokens?.vocabSize;
+let vocab = 0; // the full logits map of the first answer position: every token of the vocabulary
 const lora = job.lora ? {adapters: [{filePath: job.lora, scale: 1}]} : undefined;
 const context = await model.createContext({contextSize: 1024, batchSize: 1024, lora, threads: 2});
 const bos = model.tokens.bos;
@@ -30,6 +30,7 @@ for (const item of job.items) {
     const input = tokens.map((t, i) => (wanted.has(i) ? [t, {generateNext: {logits: true}}] : t));
     const output = await sequence.controlledEvaluate(input);
     for (let i = item.prompt.length - 1; i < tokens.length - 1; i++) {
+        if (!vocab) vocab = output[i].next.logits.size;
         const row = new Float32Array(vocab);
         for (const [token, logit] of output[i].next.logits) row[token] = logit;
         rows.push(row);

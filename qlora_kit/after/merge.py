@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM
 
-from qlora_kit.after.floor import merged_model
+from qlora_kit.after.floor import MERGED_DTYPES, merged_model
 from qlora_kit.data import prepare
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
 from qlora_kit.model import adapters
@@ -65,18 +65,21 @@ def merge_adapter(
     max_kl: float = MAX_KL,
     min_top1: float = MIN_TOP1,
     force: bool = False,
+    dtype: str = MERGED_DTYPE,
 ) -> MergeResult:
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced)."""
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputDirError(f"--out: {out_dir} already holds files; choose an empty or new folder")
+    if dtype not in MERGED_DTYPES:
+        raise RecipeError(f"--dtype: must be one of {', '.join(MERGED_DTYPES)} (got {dtype!r})")
     recipe = adapters.recipe_of(adapter_dir)
     check_model_folder(model.resolve_model_path(recipe.model))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
-        write_merged(recipe, adapter_dir, staging, base)
+        write_merged(recipe, adapter_dir, staging, base, dtype)
         drift = measure_drift(recipe, adapter_dir, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-made is left beside the destination
@@ -148,9 +151,8 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     references = _log_probs(trained, batches)
     del trained
     _free_device_memory()
-    merged = AutoModelForCausalLM.from_pretrained(
-        merged_dir, dtype=getattr(torch, recipe.quant.compute_dtype), device_map=model.device_map()
-    )
+    # in the dtype it was saved in (a server's "auto"): loading it into the compute dtype would round it again
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype="auto", device_map=model.device_map())
     candidates = _log_probs(merged, batches)
     kl_sum, agree, positions = 0.0, 0, 0
     for reference, candidate in zip(references, candidates, strict=True):

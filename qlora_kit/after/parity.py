@@ -87,7 +87,7 @@ def _compute_reference(
 ) -> Reference:
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
     pairs, source = prompt_pairs(recipe, tokenizer, prompts, count)
-    reader = _TransformersModel(trained, tokenizer)
+    reader = TransformersModel(trained, tokenizer)
     ids = [_training_ids(tokenizer, text) for text, _ in pairs]
     # with no reference answer (--prompts), the trained model's own greedy answer is teacher-forced
     length = max(tokens, 8)
@@ -167,7 +167,7 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
         greedy_agreement=greedy_agree / max(total, 1),
         tokens=total,
     )
-    if against == "trained":
+    if against == "trained" and hasattr(reader, "served_ids"):
         result.prompt_ids_match = all(
             reader.served_ids(text) == ids
             for text, ids in zip(reference.prompt_texts, reference.prompts, strict=True)
@@ -177,6 +177,24 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
             None if reference.rendered is None or rendered is None else rendered == reference.rendered
         )
     return result
+
+
+class ReplayReader:
+    """A reference's figures as a reader (the floor model's, computed once): no served prompt of its own."""
+
+    def __init__(self, reference: Reference, name: str) -> None:
+        self.name = name
+        self._logits = {
+            (tuple(p), tuple(a)): x
+            for p, a, x in zip(reference.prompts, reference.answers, reference.logits, strict=True)
+        }
+        self._greedy = {tuple(p): g for p, g in zip(reference.prompts, reference.greedy, strict=True)}
+
+    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+        return self._logits[(tuple(prompt), tuple(answer))]
+
+    def greedy(self, prompt: list[int], count: int) -> list[int]:
+        return self._greedy[tuple(prompt)][:count]
 
 
 def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -204,7 +222,7 @@ def _render(tokenizer) -> str | None:
     return tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
 
 
-class _TransformersModel:
+class TransformersModel:
     """A transformers model and its tokenizer as a reader: logits, greedy tokens, served prompt ids."""
 
     name = "transformers"
@@ -250,7 +268,7 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else None
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-    return _TransformersModel(lm, tokenizer)
+    return TransformersModel(lm, tokenizer)
 
 
 # Keys the GGUF states that transformers' GGUF loader (integrations/ggml.py) does not map to the config, or
