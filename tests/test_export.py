@@ -452,3 +452,32 @@ def _merged_weight(folder, key):
     with safe_open(folder / "model.safetensors", "pt") as tensors:
         weight = tensors.get_tensor(key).float()
     return gguf_families.stored(key, weight, config, gguf_families.family_of(config)).numpy()
+
+
+@pytest.mark.slow
+@ONE_RUN
+def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_training_prompts(
+    exports, tmp_path, monkeypatch, capsys
+):
+    import yaml
+
+    from qlora_kit.model import builtin
+    from tests.conftest import copy_run
+
+    adapter, _ = exports
+    run = copy_run(adapter, tmp_path)
+    recipe = yaml.safe_load((run / "recipe.yaml").read_text())
+    train_file, _ = builtin.demo_data_files(builtin.builtin_name(recipe["data"]["path"]))
+    local = Path(shutil.copy(train_file, tmp_path / "train.jsonl"))  # a file with no split of its own
+    recipe["data"].update({"path": str(local), "val_path": None, "val_fraction": 0.0})
+    (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    code, stderr = run_cli(
+        ["export", "--adapter", str(run), "--to", "gguf", "--type", "q8_0", "--out", str(tmp_path / "out")],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 0, stderr
+    report = json.loads((tmp_path / "out" / "export_report.json").read_text())
+    # the same rows every time: the recipe's seed picks them, and the report names them
+    assert report["prompts_from"].startswith("training rows ") and str(local) in report["prompts_from"]
+    assert report["prompts"] == 16 and report["failures"] == []
