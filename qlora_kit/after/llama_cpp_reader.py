@@ -77,8 +77,9 @@ def read(
             env={**os.environ, "NODE_LLAMA_CPP_SKIP_DOWNLOAD": "true"},
         )
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-            raise RuntimeError(f"llama.cpp could not read {path.name}: {last[:300]}")
+            lines = done.stderr.strip().splitlines() or ["no output"]
+            said = next((line for line in lines if "Error" in line), lines[-1])  # node's own, not its version
+            raise RuntimeError(f"llama.cpp could not read {path.name}: {said.strip()[:300]}")
         result = json.loads((Path(folder) / "result.json").read_text(encoding="utf-8"))
         flat = np.fromfile(Path(folder) / "logits.f32", dtype=np.float32)
     logits = torch.from_numpy(flat.reshape(-1, result["vocab"]).copy())
