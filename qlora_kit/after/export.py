@@ -1,13 +1,15 @@
 """``qlora-kit export``: a trained run as a merged 16-bit folder (transformers, vLLM) or one GGUF file
 (llama.cpp, Ollama), checked by the parity report before it is handed over.
 
-Both start from ``merge.write_merged``: the adapter merged into the weights it was trained against
-(``onto="dequantized"``: the 4-bit base dequantized) or into the 16-bit checkpoint the 4-bit base came
-from (``onto="original"``); the report gives the difference between the two bases either way. A GGUF is
-then written from that folder (``gguf_writer``), with an Ollama ``Modelfile``; ``lora_only`` writes the
+Both start from ``merge.write_merged``: the adapter merged in fp32 into the weights it was trained
+against (``onto="dequantized"``: the 4-bit base dequantized) or into the 16-bit checkpoint the 4-bit base
+came from (``onto="original"``); the report gives the difference between the two bases either way. A
+merged folder is that merge rounded once into ``dtype``; a GGUF is written from the fp32 merge
+(``gguf_writer``: rounded once, into its type), with an Ollama ``Modelfile``; ``lora_only`` writes the
 adapter as a LoRA GGUF beside a GGUF of the base it applies to. Everything is made in a staging folder
 beside the destination and moved there only when every comparison of the report (``parity``) is within
-its thresholds; otherwise ``ExportParityError`` names the figure and the staging folder is kept.
+what the floor of the export's type allows (``floor``); otherwise ``ExportParityError`` names the figure
+and the staging folder is kept (``force`` writes it anyway, its failures in the report).
 """
 
 from __future__ import annotations
