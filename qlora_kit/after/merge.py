@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoModelForCausalLM
 
+from qlora_kit.after.floor import MERGED_DTYPES, merged_model
 from qlora_kit.data import prepare
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
 from qlora_kit.model import adapters
@@ -34,6 +35,10 @@ from qlora_kit.model.paths import check_model_folder, check_output_folder
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
 
+# The merged folder's dtype: merged in fp32, rounded once into float16 (3 more mantissa bits than bf16,
+# which is coarse against an update that is a small fraction of W; vLLM's "auto" serves f16 as f16).
+# bfloat16 for a family whose activations overflow f16 (Gemma), float32 for the merge as computed.
+MERGED_DTYPE = "float16"
 MAX_KL = 0.02
 MIN_TOP1 = 0.98
 DRIFT_PROMPTS = 16
@@ -63,18 +68,21 @@ def merge_adapter(
     max_kl: float = MAX_KL,
     min_top1: float = MIN_TOP1,
     force: bool = False,
+    dtype: str = MERGED_DTYPE,
 ) -> MergeResult:
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced)."""
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise OutputDirError(f"--out: {out_dir} already holds files; choose an empty or new folder")
+    if dtype not in MERGED_DTYPES:
+        raise RecipeError(f"--dtype: must be one of {', '.join(MERGED_DTYPES)} (got {dtype!r})")
     recipe = adapters.recipe_of(adapter_dir)
     check_model_folder(model.resolve_model_path(recipe.model))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.merging-", dir=out_dir.parent))
     try:
-        write_merged(recipe, adapter_dir, staging, base)
+        write_merged(recipe, adapter_dir, staging, base, dtype)
         drift = measure_drift(recipe, adapter_dir, staging)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-made is left beside the destination
@@ -90,25 +98,13 @@ def merge_adapter(
     return MergeResult(out_dir, drift, base)
 
 
-def write_merged(recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str) -> None:
-    """The adapter merged into the ``base`` weights (or, with ``adapter_dir`` None, the base alone),
-    saved with its tokenizer (chat template included) and generation config; export builds on it."""
-
-    if base == "dequantized":
-        quantized = model.load_base_model(recipe.model, recipe.quant)
-        sixteen_bit = quantized.dequantize()
-    elif base == "original":
-        sixteen_bit = AutoModelForCausalLM.from_pretrained(
-            model.resolve_model_path(recipe.model),
-            dtype=getattr(torch, recipe.quant.compute_dtype),
-            trust_remote_code=recipe.model.trust_remote_code,
-            revision=recipe.model.revision,
-        )
-    else:
-        raise ValueError(f"--base: must be dequantized or original (got {base!r})")
-    merged = sixteen_bit
-    if adapter_dir is not None:
-        merged = adapters.load_adapter(sixteen_bit, adapter_dir).merge_and_unload()
+def write_merged(
+    recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str, dtype: str = MERGED_DTYPE
+) -> None:
+    """The adapter merged into the ``base`` weights in fp32 (or, with ``adapter_dir`` None, the base
+    alone) and rounded once into ``dtype``, saved with its tokenizer (chat template included) and
+    generation config; export builds on it (a GGUF from the fp32 folder: rounded once, into its type)."""
+    merged = merged_model(recipe, adapter_dir, base).to(getattr(torch, dtype))
     _restore_conv1d(merged, recipe.model.trust_remote_code)
     # A plain checkpoint: no quantization config left behind, the KV cache back on for inference.
     if hasattr(merged.config, "quantization_config"):
@@ -158,9 +154,8 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     references = _log_probs(trained, batches)
     del trained
     _free_device_memory()
-    merged = AutoModelForCausalLM.from_pretrained(
-        merged_dir, dtype=getattr(torch, recipe.quant.compute_dtype), device_map=model.device_map()
-    )
+    # in the dtype it was saved in (a server's "auto"): loading it into the compute dtype would round it again
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype="auto", device_map=model.device_map())
     candidates = _log_probs(merged, batches)
     kl_sum, agree, positions = 0.0, 0, 0
     for reference, candidate in zip(references, candidates, strict=True):

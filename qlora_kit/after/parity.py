@@ -1,12 +1,15 @@
 """The parity report: does what a user serves behave like what was trained?
 
 The reference is the trained model itself (the 4-bit base with the adapter, as ``load_trained`` builds
-it) on held-out prompts (the run's validation rows, or a prompts file): its logits on the answer tokens,
-its greedy continuation of N tokens, and the prompt as training tokenized it. Each export is read back by
-a reader that shares no code with the writer (transformers' own loaders for safetensors and for GGUF,
-llama.cpp through ``llama-cpp-python`` where it is installed) and compared with it: max and mean
-|Δ logit| on the answer tokens, greedy-token agreement, and the rendered chat prompt (template and
-BOS) byte for byte. One model is in memory at a time; the reference's figures are kept on the host.
+it) on prompts with answers (the run's validation rows, a fixed seeded sample of its training rows, or a
+prompts file answered by the trained model itself): its logits at each answer position under teacher
+forcing, its greedy continuation of N tokens, and the prompt as training tokenized it. Each export is
+read back by a reader that shares no code with the writer (transformers' own loaders for safetensors and
+for GGUF, llama.cpp itself where node-llama-cpp is installed: ``llama_cpp_reader``) and compared with it:
+top-1 agreement and mean KL(trained || export) at the answer positions (what is judged), |Δ logit|, the
+free-running greedy agreement (shown: one early flip there parts every later token), and the rendered chat
+prompt (template and BOS) byte for byte. One model is in memory at a time; the reference's figures are
+kept on the host.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ class Reference:
     greedy: list[list[int]]
     prompt_texts: list[str]
     rendered: str | None  # the tokenizer's chat template on PROBE, generation prompt added
+    source: str = "validation rows"  # where the prompts came from, named in the report
 
 
 @dataclass
@@ -46,10 +50,14 @@ class Comparison:
     export: str  # which file or folder
     reader: str  # transformers or llama.cpp
     against: str  # trained (the adapter on the 4-bit base) or merged (the dequantized merged model)
+    top1_agreement: float  # the same argmax at each answer position, under teacher forcing
+    mean_kl: float  # KL(reference || export) per answer position
+    positions: int
     max_abs_logit: float
     mean_abs_logit: float
-    greedy_agreement: float
+    greedy_agreement: float  # free-running: shown, not judged
     tokens: int
+    floor: dict | None = None  # the figures of the export's own type, and what was allowed
     prompt_ids_match: bool | None = None
     template_match: bool | None = None
     failures: list[str] = field(default_factory=list)
@@ -79,28 +87,43 @@ def _compute_reference(
     adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int
 ) -> Reference:
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
-    if prompts:
-        pairs = [(wrap_prompt(text, recipe.data, tokenizer), None) for text in prompts[:count]]
-    else:
-        prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-        examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
-        if not examples:
-            raise RecipeError(
-                "export: the parity report needs validation rows in the run's recipe, or --prompts"
-            )
-        pairs = [(ex.prompt, ex.reference) for ex in examples]
-    reader = _TransformersModel(trained, tokenizer)
+    pairs, source = prompt_pairs(recipe, tokenizer, prompts, count)
+    reader = TransformersModel(trained, tokenizer)
     ids = [_training_ids(tokenizer, text) for text, _ in pairs]
-    greedy = [reader.greedy(p, tokens) for p in ids]
+    # with no reference answer (--prompts), the trained model's own greedy answer is teacher-forced
+    length = max(tokens, 8)
+    greedy = [
+        reader.greedy(p, max(tokens, 0 if answer else length))
+        for p, (_, answer) in zip(ids, pairs, strict=True)
+    ]
     answers = [
-        tokenizer(answer, add_special_tokens=False)["input_ids"] if answer else own
+        tokenizer(answer, add_special_tokens=False)["input_ids"] if answer else own[:length]
         for (_, answer), own in zip(pairs, greedy, strict=True)
     ]
+    greedy = [g[:tokens] for g in greedy]
     logits = [reader.answer_logits(p, a) for p, a in zip(ids, answers, strict=True)]
     rendered = _render(tokenizer)
     del trained, reader
     free_memory()
-    return Reference(ids, answers, logits, greedy, [text for text, _ in pairs], rendered)
+    return Reference(ids, answers, logits, greedy, [text for text, _ in pairs], rendered, source)
+
+
+def prompt_pairs(recipe, tokenizer, prompts: list[str] | None, count: int) -> tuple[list, str]:
+    """(prompt text, reference answer or None) pairs, and where they came from: ``--prompts`` first, then
+    the validation rows; a run without either has its own training prompts, a fixed seeded sample (the
+    report measures the export's fidelity to the trained model, not generalization)."""
+    if prompts:
+        return [(wrap_prompt(text, recipe.data, tokenizer), None) for text in prompts[:count]], "--prompts"
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
+    source = "validation rows"
+    if not examples:
+        examples, source = prepare.training_prompt_examples(recipe.data, tokenizer, count, recipe.train.seed)
+    if not examples:
+        raise RecipeError(
+            "export: the run's recipe names no rows to take parity prompts from; pass --prompts"
+        )
+    return [(ex.prompt, ex.reference) for ex in examples], source
 
 
 def reference_from_reader(reference: Reference, reader) -> Reference:
@@ -109,32 +132,77 @@ def reference_from_reader(reference: Reference, reader) -> Reference:
     logits = [reader.answer_logits(p, a) for p, a in zip(reference.prompts, reference.answers, strict=True)]
     greedy = [reader.greedy(p, len(g)) for p, g in zip(reference.prompts, reference.greedy, strict=True)]
     return Reference(
-        reference.prompts, reference.answers, logits, greedy, reference.prompt_texts, reference.rendered
+        reference.prompts,
+        reference.answers,
+        logits,
+        greedy,
+        reference.prompt_texts,
+        reference.rendered,
+        reference.source,
     )
 
 
 def compare(reference: Reference, reader, export: str, against: str) -> Comparison:
     """One reader of one export against the reference's figures."""
-    deltas = []
+    deltas, kl, agree = [], [], 0
     for prompt, answer, expected in zip(reference.prompts, reference.answers, reference.logits, strict=True):
-        deltas.append((reader.answer_logits(prompt, answer) - expected).abs())
-    agree = total = 0
+        got = reader.answer_logits(prompt, answer).float()
+        deltas.append((got - expected).abs().flatten())
+        kl.append(kl_per_position(expected, got))
+        agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
+    greedy_agree = total = 0
     for prompt, expected in zip(reference.prompts, reference.greedy, strict=True):
         got = reader.greedy(prompt, len(expected))
-        agree += sum(a == b for a, b in zip(got, expected, strict=False))
+        greedy_agree += sum(a == b for a, b in zip(got, expected, strict=False))
         total += len(expected)
-    every = torch.cat([d.flatten() for d in deltas])
+    every, kls = torch.cat(deltas), torch.cat(kl)
     result = Comparison(
-        export, reader.name, against, float(every.max()), float(every.mean()), agree / max(total, 1), total
+        export,
+        reader.name,
+        against,
+        top1_agreement=agree / max(len(kls), 1),
+        mean_kl=float(kls.mean()),
+        positions=len(kls),
+        max_abs_logit=float(every.max()),
+        mean_abs_logit=float(every.mean()),
+        greedy_agreement=greedy_agree / max(total, 1),
+        tokens=total,
     )
-    if against == "trained":
+    if against == "trained" and hasattr(reader, "served_ids"):
         result.prompt_ids_match = all(
             reader.served_ids(text) == ids
             for text, ids in zip(reference.prompt_texts, reference.prompts, strict=True)
         )
         rendered = reader.render()
-        result.template_match = None if reference.rendered is None else rendered == reference.rendered
+        result.template_match = (
+            None if reference.rendered is None or rendered is None else rendered == reference.rendered
+        )
     return result
+
+
+class ReplayReader:
+    """A reference's figures as a reader (the floor model's, computed once): no served prompt of its own."""
+
+    def __init__(self, reference: Reference, name: str) -> None:
+        self.name = name
+        self._logits = {
+            (tuple(p), tuple(a)): x
+            for p, a, x in zip(reference.prompts, reference.answers, reference.logits, strict=True)
+        }
+        self._greedy = {tuple(p): g for p, g in zip(reference.prompts, reference.greedy, strict=True)}
+
+    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+        return self._logits[(tuple(prompt), tuple(answer))]
+
+    def greedy(self, prompt: list[int], count: int) -> list[int]:
+        return self._greedy[tuple(prompt)][:count]
+
+
+def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """KL(reference || other) at each position, (T,), from two (T, V) logit tensors."""
+    p = torch.log_softmax(reference_logits.float(), dim=-1)
+    q = torch.log_softmax(logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)
 
 
 def free_memory() -> None:
@@ -155,7 +223,7 @@ def _render(tokenizer) -> str | None:
     return tokenizer.apply_chat_template(PROBE, tokenize=False, add_generation_prompt=True)
 
 
-class _TransformersModel:
+class TransformersModel:
     """A transformers model and its tokenizer as a reader: logits, greedy tokens, served prompt ids."""
 
     name = "transformers"
@@ -201,7 +269,7 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else None
     tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
-    return _TransformersModel(lm, tokenizer)
+    return TransformersModel(lm, tokenizer)
 
 
 # Keys the GGUF states that transformers' GGUF loader (integrations/ggml.py) does not map to the config, or
@@ -233,56 +301,17 @@ def _gguf_config(folder: Path, gguf_file: str):
 
 
 def llama_cpp_installed() -> bool:
-    import importlib.util
+    from qlora_kit.after import llama_cpp_reader
 
-    return importlib.util.find_spec("llama_cpp") is not None
-
-
-def llama_cpp_reader(path: Path, lora: Path | None = None):
-    """llama.cpp itself, through llama-cpp-python (with a LoRA GGUF applied); None where it is not installed."""
-    try:
-        import llama_cpp
-    except ImportError:
-        return None
-    return _LlamaCppModel(llama_cpp, path, lora)
+    return llama_cpp_reader.entry_point() is not None
 
 
-class _LlamaCppModel:
-    name = "llama.cpp"
+def llama_cpp_reader(path: Path, reference: Reference, lora: Path | None = None):
+    """llama.cpp itself (node-llama-cpp) reading the GGUF at ``path`` (with a LoRA GGUF applied) on the
+    reference's prompts; None where it is not installed."""
+    from qlora_kit.after import llama_cpp_reader as reader
 
-    def __init__(self, llama_cpp, path: Path, lora: Path | None) -> None:
-        self.llm = llama_cpp.Llama(
-            str(path),
-            n_ctx=512,
-            logits_all=True,
-            verbose=False,
-            n_threads=2,
-            lora_path=str(lora) if lora else None,
-        )
-
-    def _logits(self, ids: list[int]) -> torch.Tensor:
-        self.llm.reset()
-        self.llm.eval(ids)
-        return torch.tensor(self.llm.scores[: len(ids)], dtype=torch.float32)
-
-    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
-        logits = self._logits(prompt + answer)
-        return logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
-
-    def greedy(self, prompt: list[int], count: int) -> list[int]:
-        ids = list(prompt)
-        for _ in range(count):
-            ids.append(int(self._logits(ids)[-1].argmax()))
-        return ids[len(prompt) :]
-
-    def served_ids(self, text: str) -> list[int]:
-        return self.llm.tokenize(text.encode("utf-8"), add_bos=self.llm._model.add_bos_token(), special=True)
-
-    def render(self) -> str | None:
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        if template is None:
-            return None
-        formatter = Jinja2ChatFormatter(template, eos_token="", bos_token="", add_generation_prompt=True)
-        return formatter(messages=PROBE).prompt
+    items = [
+        (p, a, len(g)) for p, a, g in zip(reference.prompts, reference.answers, reference.greedy, strict=True)
+    ]
+    return reader.read(path, items, reference.prompt_texts, lora)

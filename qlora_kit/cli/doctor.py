@@ -68,7 +68,7 @@ def diagnose(
     """Every check, in order; a check that raises is a failed row, and the rest still run when they can.
     ``console``: where the tiny run shows its progress (the run console of ``qlora-kit train``); none
     shows nothing of it, never the Trainer's printed log dicts and bars."""
-    checks = [_versions(), _device(), _driver()]
+    checks = [_versions(), _device(), _driver(), _llama_cpp()]
     console = console if console is not None else Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
         run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder), console))
@@ -103,6 +103,13 @@ def _versions() -> Check:
     native = _bitsandbytes_native()
     ok = "MISSING" not in " ".join(found) and native is None and sys.version_info >= (3, 10)
     return Check("versions", ok, ", ".join(found) + ("" if native is None else f"; {native}"))
+
+
+def _llama_cpp() -> Check:
+    """Whether llama.cpp itself can read GGUF exports in the parity report (optional: a pass either way)."""
+    from qlora_kit.after import llama_cpp_reader
+
+    return Check("llama.cpp reader", True, llama_cpp_reader.describe())
 
 
 def _bitsandbytes_native() -> str | None:

@@ -35,6 +35,9 @@ def merge(
         str, typer.Option(help="dequantized (what the adapter trained against) or original.")
     ] = "dequantized",
     force: Annotated[bool, typer.Option(help="Export even when the drift check fails.")] = False,
+    dtype: Annotated[
+        str, typer.Option(help="The merged weights' dtype: float16, bfloat16 or float32 (merged in fp32).")
+    ] = "float16",
     max_kl: Annotated[float, typer.Option(help="Largest mean KL(adapter || merged) accepted.")] = 0.02,
     min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement accepted.")] = 0.98,
 ) -> None:
@@ -46,7 +49,9 @@ def merge(
     if base not in ("dequantized", "original"):
         raise RecipeError(f"--base: must be dequantized or original (got {base!r})")
     try:
-        result = merge_adapter(adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force)
+        result = merge_adapter(
+            adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force, dtype=dtype
+        )
     except MergeDriftError as exc:
         errors.print(f"[bold red]refused:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(GUARD_STOP) from None
@@ -83,6 +88,11 @@ def export(
     check: Annotated[
         Path | None, typer.Option("--check", help="Re-run the parity report on an earlier export folder.")
     ] = None,
+    dtype: Annotated[
+        str,
+        typer.Option(help="--to merged: the weights' dtype, float16, bfloat16 or float32 (merged in fp32)."),
+    ] = "float16",
+    force: Annotated[bool, typer.Option(help="Write the export even when the parity report fails.")] = False,
 ) -> None:
     """Export the run for serving and prove it behaves like the trained adapter (export_report.json)."""
     configure_logging(errors)
@@ -96,7 +106,9 @@ def export(
             report = exporting.check_export(adapter, check, prompts=texts)
             folder = check
         else:
-            result = exporting.export(adapter, to, out, type_, lora_only, onto, prompts=texts)
+            result = exporting.export(
+                adapter, to, out, type_, lora_only, onto, prompts=texts, dtype=dtype, force=force
+            )
             report, folder = result.report, result.output_dir
     except ExportError as exc:
         errors.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
@@ -108,6 +120,7 @@ def export(
     if report["failures"]:
         for line in report["failures"]:
             errors.print(f"[bold red]parity:[/] {escape(line)}", highlight=False, soft_wrap=True)
-        raise typer.Exit(GUARD_STOP)
+        if not force or check is not None:
+            raise typer.Exit(GUARD_STOP)
     done = "checked" if check is not None else "written to"
     console.print(f"export {done} [bold]{escape(str(folder))}[/]", highlight=False)

@@ -322,14 +322,20 @@ def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) ->
 
 
 def show_export(console: Console, report: dict) -> None:
-    """The parity report of ``qlora-kit export``: one row per reader and comparison."""
-    table = Table(title=f"parity: {report['prompts']} prompts, {report['tokens']} greedy tokens each")
+    """The parity report of ``qlora-kit export``: one row per reader and comparison; top-1 and KL at the
+    answer positions (teacher forcing) are judged against the floor of the export's type, the free-running
+    greedy agreement is shown."""
+    source = report.get("prompts_from", "validation rows")
+    table = Table(
+        title=f"parity: {report['prompts']} prompts from the {source}, {report['tokens']} greedy tokens each"
+    )
     for column in (
         "export",
         "reader",
         "against",
-        "max |Δ logit|",
-        "mean |Δ logit|",
+        "top-1",
+        "mean KL",
+        "allowed",
         "greedy",
         "prompt",
         "template",
@@ -337,12 +343,14 @@ def show_export(console: Console, report: dict) -> None:
         table.add_column(column)
     for c in report["comparisons"]:
         marks = {True: "same", False: "DIFFERS", None: "-"}
+        allowed = c.get("floor")
         table.add_row(
             plain(c["export"]),
             plain(c["reader"]),
             plain(c["against"]),
-            f"{c['max_abs_logit']:.3g}",
-            f"{c['mean_abs_logit']:.3g}",
+            f"{c['top1_agreement']:.1%}",
+            f"{c['mean_kl']:.3g}",
+            f">= {allowed['min_top1']:.1%}, <= {allowed['max_kl']:.3g}" if allowed else "-",
             f"{c['greedy_agreement']:.1%}",
             marks[c["prompt_ids_match"]],
             marks[c["template_match"]],

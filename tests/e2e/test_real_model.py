@@ -193,3 +193,30 @@ def test_the_plan_is_within_5_percent_of_the_measured_saved_bytes(real_run):
     (none,) = [p for p in plan["policies"] if p["policy"] == "none"]
     predicted = none["activations"] / 2**20
     assert abs(predicted / measured - 1) <= 0.05, (predicted, measured)
+
+
+def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
+    """The real model through the CLI to a q8_0 GGUF (refused before its report was judged against its
+    type's floor), and merged and f16 through the API on 4 prompts: each passes; the f16 file rewritten
+    with the LoRA update scaled by 0.5 fails the same report."""
+    import shutil
+
+    from qlora_kit import export
+    from qlora_kit.after.export import check_export
+    from tests.test_export import write_halved_gguf
+
+    folder, _ = real_run
+    result = qlora_kit(
+        "export", "--adapter", "out", "--to", "gguf", "--type", "q8_0", "--out", "q8", cwd=folder
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((folder / "q8" / "export_report.json").read_text())
+    assert report["failures"] == [] and report["prompts_from"] == "validation rows"
+    small = {"prompt_count": 4, "tokens": 8}
+    for to, qtype in (("merged", "f16"), ("gguf", "f16")):
+        done = export(folder / "out", to, out=tmp_path / to, qtype=qtype, **small)
+        assert done.report["failures"] == [], (to, done.report["failures"])
+    wrong = shutil.copytree(tmp_path / "gguf", tmp_path / "wrong")
+    write_halved_gguf(folder / "out", wrong / "model.gguf", "f16")
+    failures = check_export(folder / "out", wrong, **small)["failures"]
+    assert any("against the trained model: mean KL" in line for line in failures), failures

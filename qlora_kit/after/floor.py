@@ -1,0 +1,83 @@
+"""The merge in fp32, and the floor an export's type sets.
+
+The adapter was trained against the dequantized 4-bit weights W (exact in the compute dtype), so the
+trained model's effective weight is W + (alpha / r) * B @ A. ``merged_model`` computes it in fp32 and
+rounds nothing: each export then rounds it once, into its own type (a merged folder's dtype, a GGUF's
+f16, bf16 or q8_0). Rounding the sum into bf16 first and then writing a GGUF from that folder rounded
+twice, and bf16's 8-bit mantissa is coarse against an update that is a small fraction of W (measured in
+benchmarks/results/export-precision-real-cpu.md).
+
+``round_into`` makes that rounding in memory, as the writers store it, so the report can measure what
+a correct export of that type must lose (its floor) and judge the export against it, not against a
+fixed number set on another model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from qlora_kit.model import adapters
+from qlora_kit.model import loading as model
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+MERGED_DTYPES = ("float16", "bfloat16", "float32")
+GGUF_TYPES = ("f16", "bf16", "q8_0")
+
+
+def merged_model(recipe, adapter_dir: Path | None, base: str):
+    """The adapter merged into the ``base`` weights in fp32 (with ``adapter_dir`` None, the base alone):
+    ``dequantized`` the 4-bit base dequantized (what the adapter trained against), ``original`` the
+    checkpoint the 4-bit base came from. peft's merge on a model still in 4-bit would re-quantize
+    W + BA and lose most of the update, so the base is dequantized first."""
+    from transformers import AutoModelForCausalLM
+
+    if base == "dequantized":
+        # dequantize() gives the compute dtype, which holds NF4's values exactly; fp32 then loses nothing
+        sixteen_bit = model.load_base_model(recipe.model, recipe.quant).dequantize()
+    elif base == "original":
+        sixteen_bit = AutoModelForCausalLM.from_pretrained(
+            model.resolve_model_path(recipe.model),
+            dtype=torch.float32,
+            trust_remote_code=recipe.model.trust_remote_code,
+            revision=recipe.model.revision,
+        )
+    else:
+        raise ValueError(f"--base: must be dequantized or original (got {base!r})")
+    merged = sixteen_bit.float()
+    if adapter_dir is not None:
+        merged = adapters.load_adapter(merged, adapter_dir).merge_and_unload()
+    return merged.float().eval()
+
+
+def round_into(lm, kind: str):
+    """``lm``'s weights rounded in place as an export of ``kind`` stores them: a merged dtype rounds
+    every tensor; a GGUF type rounds each matrix (norms and biases stay F32, as the writer keeps them;
+    a q8_0 matrix whose rows do not tile 32-value blocks is F16, the writer's fallback)."""
+    with torch.no_grad():
+        for _, parameter in lm.named_parameters():  # a tied head is one parameter: rounded once
+            parameter.copy_(rounded(parameter.data, kind))
+    return lm
+
+
+def rounded(tensor: torch.Tensor, kind: str) -> torch.Tensor:
+    """One tensor as an export of ``kind`` stores it, back in fp32."""
+    if kind in MERGED_DTYPES:
+        return tensor.to(getattr(torch, kind)).float()
+    if tensor.ndim < 2:
+        return tensor.float()
+    if kind in ("f16", "bf16"):
+        return tensor.to(torch.float16 if kind == "f16" else torch.bfloat16).float()
+    if kind == "q8_0":
+        if tensor.shape[-1] % 32:
+            return tensor.to(torch.float16).float()
+        import gguf
+
+        data = tensor.float().cpu().numpy()
+        qtype = gguf.GGMLQuantizationType.Q8_0
+        back = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
+        return torch.from_numpy(back.reshape(data.shape)).to(tensor.device)
+    raise ValueError(f"unknown export type {kind!r}")
