@@ -293,3 +293,54 @@ def lora_targets(model, target_modules, experts: bool) -> dict:
         arguments["target_parameters"] = [f"{family.experts}.{name}" for name in EXPERT_PARAMETERS]
         arguments["custom"] = {type(m): LoraExperts for _, m in modules}
     return arguments
+
+
+KINDS = ("attention", "experts", "shared experts", "router", "embeddings", "other")
+
+
+def kind_of(name: str) -> str:
+    """Which part of a decoder a parameter or buffer name belongs to (LoRA matrices by what they adapt)."""
+    if ".experts." in name:
+        return "experts"
+    if "shared_expert" in name:
+        return "shared experts"
+    if ".mlp.gate." in name or "router" in name:
+        return "router"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if "embed" in name or "lm_head" in name or ".wte." in name or ".wpe." in name:
+        return "embeddings"
+    return "other"
+
+
+def bytes_by_kind(model) -> dict[str, int]:
+    """Bytes of the loaded model's tensors (parameters, buffers, 4-bit statistics) by kind: a 4-bit load that
+    kept the experts in 16 bits shows at a glance."""
+    sizes = dict.fromkeys(KINDS, 0)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        nbytes = tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)  # a Linear4bit's absmax lives beside its weight
+        if state is not None:
+            nbytes += sum(t.numel() * t.element_size() for t in _state_tensors(state))
+        sizes[kind_of(name)] += nbytes
+    return {kind: size for kind, size in sizes.items() if size}
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.state2.absmax, state.state2.code]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def trainable_by_kind(model) -> dict[str, int]:
+    """Trainable parameters by kind (attention, experts, router, shared experts, ...)."""
+    counts = dict.fromkeys(KINDS, 0)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            counts[kind_of(name)] += param.numel()
+    return counts
+
+
+def describe_sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {size / 2**20:,.2f} MiB" for kind, size in sizes.items())
