@@ -66,8 +66,14 @@ TINY_ARCHITECTURES = {
     "tiny-gpt2": ("GPT2Config", {}),
     "tiny-olmo2": ("Olmo2Config", {}),
     # Mixtures of experts (fused 3-D experts, packed in 4 bits by moe_experts.py): 8 experts, 2 per token.
-    "tiny-qwen3-moe": ("Qwen3MoeConfig", {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128}),
-    "tiny-mixtral": ("MixtralConfig", {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 128}),
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    ),
+    "tiny-mixtral": (
+        "MixtralConfig",
+        {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
 }
 TINY_SHAPE = {
     "hidden_size": 128,

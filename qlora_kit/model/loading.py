@@ -114,7 +114,9 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         base = _from_pretrained(model, quant, path, kernel)
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
-        log.info("experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant)
+        log.info(
+            "experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant
+        )
     log.info("weights by kind: %s", moe_experts.describe_sizes(moe_experts.bytes_by_kind(base)))
     if kernel is not None and base.config._attn_implementation != kernel:
         # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers

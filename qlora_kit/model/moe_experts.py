@@ -254,9 +254,13 @@ class LoraExperts(ParamWrapper):
         layer = self
         while isinstance(layer, LoraExperts):
             if layer.merged:
-                raise RuntimeError("LoraExperts: merged adapters are not supported; merge into the 16-bit model")
+                raise RuntimeError(
+                    "LoraExperts: merged adapters are not supported; merge into the 16-bit model"
+                )
             if not layer.disable_adapters:
-                factors[layer.parameter_name] = [layer.low_rank_factors(a) for a in layer.active_adapters if a in layer.lora_A]
+                factors[layer.parameter_name] = [
+                    layer.low_rank_factors(a) for a in layer.active_adapters if a in layer.lora_A
+                ]
             layer = layer.base_layer
         return experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=factors)
 
@@ -264,7 +268,11 @@ class LoraExperts(ParamWrapper):
         """(A (E, r, in), B (out, r, E), scaling), peft's layout of the stacked factors (get_delta_weight)."""
         a = self.lora_A[adapter].weight
         b = self.lora_B[adapter].weight
-        return a.reshape(self.num_experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, self.num_experts), self.scaling[adapter]
+        return (
+            a.reshape(self.num_experts, -1, a.shape[-1]),
+            b.reshape(b.shape[0], -1, self.num_experts),
+            self.scaling[adapter],
+        )
 
 
 # peft tells its parameter wrappers apart by class name (tuners_utils.BaseTuner._inject_parameters: nesting a

@@ -98,7 +98,9 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
     rows += memory_rows(peaks, [row[keys.SAVED_MIB] for row in record.rows_with(keys.SAVED_MIB)])
     if manifest.get("weight_bytes"):  # the loaded model by kind: experts kept in 16 bits would show here
         sizes = manifest["weight_bytes"]
-        rows.append(("weights (MiB)", ", ".join(f"{kind} {size / 2**20:,.2f}" for kind, size in sizes.items())))
+        rows.append(
+            ("weights (MiB)", ", ".join(f"{kind} {size / 2**20:,.2f}" for kind, size in sizes.items()))
+        )
     versions = manifest.get("versions", {})
     if versions:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))
