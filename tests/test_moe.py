@@ -99,6 +99,7 @@ def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path):
     carries no LoRA."""
     recipe = moe_recipe()
     base = model.load_base_model(recipe.model, recipe.quant)
+    reference = dequantized_16bit(base, recipe)  # before peft wraps the base's layers in place
     peft_model = adapters.attach_lora(base, recipe.lora)
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -110,15 +111,16 @@ def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path):
     counts = moe_experts.trainable_by_kind(peft_model)
     assert counts["experts"] > 0 and counts["attention"] > 0 and counts["router"] == 0
 
-    plain = PeftModel.from_pretrained(dequantized_16bit(base, recipe), str(tmp_path)).eval()
+    plain = PeftModel.from_pretrained(reference, str(tmp_path)).eval()
     assert type(plain.base_model.model.model.layers[0].mlp.experts).__module__ == "peft.tuners.lora.layer"
     ids = batch(base)
     with torch.no_grad():
         ours, theirs = peft_model.eval()(ids).logits.float(), plain(ids).logits.float()
         with plain.disable_adapter():
             without = plain(ids).logits.float()
-    assert (ours - theirs).abs().max() < 0.03  # bf16 rounding of the same sums, in another order
-    assert (theirs - without).abs().max() > 0.3  # the experts' LoRA moves the logits
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() < 0.1 * scale  # the dense models' tolerance (test_after_training)
+    assert (theirs - without).abs().max() > 0.3 * scale  # the LoRA moves the logits more than that
 
 
 class LargestTensor(TorchDispatchMode):
