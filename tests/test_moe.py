@@ -93,6 +93,7 @@ def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_
     assert torch.equal(ours, theirs)
 
 
+@pytest.mark.slow  # two models loaded
 def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path):
     """The adapter trained on packed experts is peft's own target_parameters format: plain
     PeftModel.from_pretrained on the 16-bit model (peft's ParamWrapper) gives the same logits; the router
@@ -138,6 +139,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow  # every operation of a forward and backward watched
 def test_lora_on_experts_never_materializes_the_update_of_the_stack():
     """Forward and backward with LoRA on the experts create no floating tensor as large as an expert
     stack: the update goes through the rank-r bottleneck, per expert, for its tokens only (peft's own
