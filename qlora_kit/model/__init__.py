@@ -2,6 +2,7 @@
 
 - ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
 - ``adapters``: attach LoRA with peft, save it, load it back; ``layers``: what a linear layer is;
+- ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;

@@ -12,12 +12,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftConfig, PeftModel, get_peft_model
 from peft.utils.error import NoMatchingPeftModuleError
 from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as base_model
+from qlora_kit.model import moe_experts
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
@@ -33,25 +34,37 @@ log = logging.getLogger(__name__)
 PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora": "olora"}
 
 
-def lora_config(lora: LoraSection):
-
-    return LoraConfig(
+def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
+    """peft's LoraConfig for the recipe's lora section; on a mixture-of-experts ``model`` with lora.experts,
+    the experts' fused weights too (peft's target_parameters, run in low-rank form: moe_experts.py)."""
+    experts = moe_experts.lora_targets(model, lora.target_modules, lora.experts) if model is not None else {}
+    if "target_parameters" in experts and lora.dropout:
+        raise RecipeError(
+            f"lora.dropout: LoRA on a mixture of experts' experts takes no dropout (got {lora.dropout}): the "
+            "update of each expert's tokens cannot be factored out of it (peft's rule for target_parameters); "
+            "set lora.dropout 0, or lora.experts false"
+        )
+    config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=lora.target_modules,
+        target_modules=experts.get("target_modules", lora.target_modules),
         bias=lora.bias,
         use_rslora=lora.rslora,
         use_dora=lora.dora,
         init_lora_weights=PEFT_INIT[lora.init],
         task_type="CAUSAL_LM",
+        target_parameters=experts.get("target_parameters"),
     )
+    if "custom" in experts:
+        config._register_custom_module(experts["custom"])
+    return config
 
 
 def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
     try:
-        return get_peft_model(model, lora_config(lora))
+        return get_peft_model(model, lora_config(lora, model))
     except NoMatchingPeftModuleError:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m)})
         raise RecipeError(
@@ -91,9 +104,14 @@ def load_adapter(
     model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False, flag: str = "--adapter"
 ) -> PeftModel:
     """``adapter_dir``'s adapter on ``model``; an adapter of another architecture (layers this model has
-    not, or of other shapes) is a one-line RecipeError naming the base it was trained on."""
+    not, or of other shapes) is a one-line RecipeError naming the base it was trained on. LoRA on fused
+    experts runs in low-rank form (moe_experts.LoraExperts)."""
     try:
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable)
+        config = PeftConfig.from_pretrained(str(adapter_dir))
+        experts = moe_experts.lora_targets(model, config.target_modules, True)
+        if experts and getattr(config, "target_parameters", None):
+            config._register_custom_module(experts["custom"])
+        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable, config=config)
     except (ValueError, RuntimeError) as exc:  # peft's NoMatchingPeftModuleError, torch's size mismatch
         text = str(exc)
         if not (isinstance(exc, NoMatchingPeftModuleError) or "size mismatch" in text or "not found" in text):

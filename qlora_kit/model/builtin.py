@@ -49,6 +49,18 @@ CHAT_TEMPLATE = (
 # every linear is a multiple of 64 wide, so 4-bit blocks (64 values) tile it exactly.
 # One builtin per family of the families table (registries/families.py): name -> (config class, extras).
 TINY_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values()}
+# Mixtures of experts (fused 3-D experts, packed in 4 bits by moe_experts.py): 8 experts, 2 per token. Apart
+# from the dense families above: the planner does not count experts yet, and their LoRA takes no dropout.
+TINY_MOE_ARCHITECTURES = {
+    "tiny-qwen3-moe": (
+        "Qwen3MoeConfig",
+        {"head_dim": 32, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 128},
+    ),
+    "tiny-mixtral": (
+        "MixtralConfig",
+        {"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+    ),
+}
 TINY_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -75,8 +87,8 @@ def cache_root() -> Path:
 
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
-    if name not in TINY_ARCHITECTURES:
-        known = [*TINY_ARCHITECTURES, "smollm2-135m-instruct"]
+    if name not in TINY_ARCHITECTURES and name not in TINY_MOE_ARCHITECTURES:
+        known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, "smollm2-135m-instruct"]
         raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
     shape = {**TINY_SHAPE, **shape_overrides}
     key = _cache_key(name, shape)
@@ -114,7 +126,7 @@ def _cache_key(name: str, shape: dict) -> str:
 
 def _build(name: str, shape: dict, folder: Path) -> None:
     tokenizer = build_tokenizer()
-    config_class, extra = TINY_ARCHITECTURES[name]
+    config_class, extra = {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name]
     shape = dict(shape)
     config = getattr(transformers, config_class)(
         vocab_size=shape.pop("vocab_size", _tokens_as_loaded(tokenizer, config_class)),  # benchmarks widen it

@@ -3,7 +3,8 @@
 Quantization goes through transformers' ``BitsAndBytesConfig``: every ``nn.Linear`` in the decoder
 becomes a ``bitsandbytes.nn.Linear4bit`` holding packed NF4/FP4 weights (blocks of 64 values, one
 absmax each, the absmax themselves 8-bit quantized with double quantization). Embeddings, norms and
-the output head stay in ``quant.compute_dtype``.
+the output head stay in ``quant.compute_dtype``. A mixture of experts' fused 3-D expert weights, which
+bitsandbytes does not see, are packed into 4 bits by ``moe_experts.quantize_experts``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import builtin, hub, pretrained
+from qlora_kit.model import builtin, hub, moe_experts, pretrained
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -112,6 +113,11 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
     with _model_path_errors(path, revision=model.revision):
         base = _from_pretrained(model, quant, path, kernel)
     disable_cpu_weight_repacking(base)
+    if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
+        log.info(
+            "experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant
+        )
+    log.info("weights by kind: %s", moe_experts.describe_sizes(moe_experts.bytes_by_kind(base)))
     if kernel is not None and base.config._attn_implementation != kernel:
         # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
         # 5.24); the recipe's kernel is the one that runs, always.

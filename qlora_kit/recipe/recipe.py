@@ -106,6 +106,8 @@ class LoraSection(Section):
     """Weight-decomposed LoRA (Liu et al. 2024): trains a magnitude vector too; slower."""
     init: Literal["default", "gaussian", "pissa", "olora"] = "default"
     """Adapter initialisation passed to peft (default: A Kaiming-uniform, B zero)."""
+    experts: bool = True
+    """On a mixture-of-experts model, LoRA on every expert too (their fused weights, in low-rank form; needs dropout 0); false leaves the experts frozen."""
 
 
 class OptimizerSection(Section):

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from filelock import FileLock, Timeout
 
 from qlora_kit.errors import OutputDirError
+from qlora_kit.model import moe_experts
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.registries.optimizers import OPTIMIZERS
 from qlora_kit.training.manifest import build_manifest, write_manifest
@@ -303,6 +304,7 @@ def prepare_run_folder(
             truncate_metrics(output_dir, checkpoint_step(checkpoint))
             log.info("resuming from %s", checkpoint or "the start: no complete checkpoint was written")
         manifest = build_manifest(recipe, resolve_model_path(recipe.model))
+        manifest["weight_bytes"] = moe_experts.bytes_by_kind(peft_model)  # `qlora-kit show` reads it back
         log.info("run manifest: %s", write_manifest(output_dir, manifest))
         (output_dir / "recipe.yaml").write_text(recipe.to_yaml(), encoding="utf-8")
     except BaseException:

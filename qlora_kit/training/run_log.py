@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from qlora_kit.data.prepare import PreparedData, pad_shares
 from qlora_kit.memory.optimizers import optimizer_state_report
+from qlora_kit.model import moe_experts
 from qlora_kit.model.adapters import trainable_parameter_count
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
@@ -25,6 +26,16 @@ def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recip
     log.info(
         "trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total
     )
+    if moe_experts.fused_experts(peft_model):  # a mixture of experts: where the adapter sits, by kind
+        counts = moe_experts.trainable_by_kind(peft_model)
+        log.info("trainable parameters by kind: %s", ", ".join(f"{k} {v:,}" for k, v in counts.items()))
+        config = peft_model.get_base_model().config  # transformers adds the aux loss when the config says so
+        aux = (
+            f"on, x{config.router_aux_loss_coef:g}"
+            if getattr(config, "output_router_logits", False)
+            else "off"
+        )
+        log.info("router: frozen; auxiliary load-balancing loss (the model config's): %s", aux)
     log.info("checkpointed decoder layers: %s", checkpointed or "none")
     for report in prepared.reports:
         log.info("data %s", report.summary())

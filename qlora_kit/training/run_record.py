@@ -97,6 +97,11 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
     rows += oom_rows(record.metrics)
     peaks = [row[key] for row in record.metrics for key in keys.PEAK_KEYS if key in row]
     rows += memory_rows(peaks, [row[keys.SAVED_MIB] for row in record.rows_with(keys.SAVED_MIB)])
+    if manifest.get("weight_bytes"):  # the loaded model by kind: experts kept in 16 bits would show here
+        sizes = manifest["weight_bytes"]
+        rows.append(
+            ("weights (MiB)", ", ".join(f"{kind} {size / 2**20:,.2f}" for kind, size in sizes.items()))
+        )
     versions = manifest.get("versions", {})
     if versions:
         rows.append(("versions", ", ".join(f"{name} {version}" for name, version in versions.items())))

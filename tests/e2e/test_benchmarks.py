@@ -100,6 +100,10 @@ TABLES = {
         (PLANNER_COLUMNS, 9),
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
     ]),
+    "moe.py": ("moe-cpu.md", [(
+        [("experts", r"4-bit experts \(qlora_kit\)|16-bit experts, same loop|transformers' experts \+ peft's ParamWrapper"),
+         ("median forward+backward (s)", SECONDS), ("vs 16-bit, same loop", rf"{N}x"), ("vs transformers'", rf"{N}x")], 3,
+    )]),
     "vs_trl.py": ("vs-trl-cpu.md", [(
         [("comparison", r"equal settings \(padded batches\)|defaults \(qlora_kit packs\)"),
          ("system", "qlora_kit|TRL SFTTrainer"), ("median step (s)", SECONDS), ("trained tokens/s", N),

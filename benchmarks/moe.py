@@ -1,0 +1,145 @@
+"""Mixture-of-experts QLoRA: the experts' bytes in 4 bits, and the step time of 4-bit experts against 16-bit
+experts and against transformers' own experts implementation, with LoRA on the experts at equal settings.
+
+One Qwen3-MoE decoder layer at a realistic size (hidden 2048, 128 experts of intermediate 768, top-8: the
+shape of Qwen3-30B-A3B's layers), random weights saved to a folder and loaded through qlora_kit's loading
+path (``loading.load_base_model``: transformers + bitsandbytes, then ``moe_experts.quantize_experts``), LoRA
+r=16 by ``adapters.attach_lora`` (attention and every expert). Three settings, stepped in turn on the same
+tokens (forward + backward):
+
+- 4-bit experts: NF4 + double quant, each routed expert dequantized for its tokens only (moe_experts.py);
+- 16-bit experts, the same loop: quant.bits 16, the experts' LoRA in low-rank form as above;
+- transformers' experts: quant.bits 16, transformers' experts implementation (grouped_mm where it runs)
+  with peft's own ParamWrapper, which adds B @ A to the whole stack at every forward.
+
+    python benchmarks/moe.py [--tokens 512 --steps 3]
+    python benchmarks/moe.py --smoke --out /tmp/x   # hidden 128, 8 experts, 64 tokens, one step each
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from common import markdown_table, parser, write_result
+
+REALISTIC = {
+    "hidden_size": 2048,
+    "num_experts": 128,
+    "moe_intermediate_size": 768,
+    "num_experts_per_tok": 8,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+}
+SMOKE = {
+    "hidden_size": 128,
+    "num_experts": 8,
+    "moe_intermediate_size": 64,
+    "num_experts_per_tok": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+SETTINGS = (
+    "4-bit experts (qlora_kit)",
+    "16-bit experts, same loop",
+    "transformers' experts + peft's ParamWrapper",
+)
+
+
+def save_layer(shape: dict, folder: Path) -> None:
+    import transformers
+
+    from qlora_kit.model import builtin
+
+    tokenizer = builtin.build_tokenizer()
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=len(tokenizer) + 1,
+        num_hidden_layers=1,
+        intermediate_size=shape["moe_intermediate_size"],
+        **shape,
+    )
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+
+
+def load(setting: str, folder: Path):
+    from qlora_kit import Recipe
+    from qlora_kit.model import adapters, moe_experts
+    from qlora_kit.model import loading as model
+
+    bits = 4 if setting.startswith("4-bit") else 16
+    recipe = Recipe.from_dict(
+        {"model": {"path": str(folder)}, "quant": {"bits": bits}, "lora": {"dropout": 0.0}}
+    )
+    base = model.load_base_model(recipe.model, recipe.quant)
+    expert_bytes = moe_experts.bytes_by_kind(base)["experts"]  # before LoRA is attached
+    if setting.startswith("transformers"):
+        config = adapters.lora_config(recipe.lora, base)
+        config._custom_modules = None  # peft's own ParamWrapper on the experts
+        from peft import get_peft_model
+
+        return expert_bytes, get_peft_model(base, config).train()
+    return expert_bytes, adapters.attach_lora(base, recipe.lora).train()
+
+
+def step(peft_model, ids) -> float:
+    start = time.perf_counter()
+    peft_model(input_ids=ids, labels=ids).loss.backward()
+    peft_model.zero_grad(set_to_none=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    options = parser(__doc__)
+    options.add_argument("--tokens", type=int, default=512)
+    options.add_argument("--steps", type=int, default=3)
+    args = options.parse_args()
+    shape, tokens, steps = (SMOKE, 64, 1) if args.smoke else (REALISTIC, args.tokens, args.steps)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_layer(shape, Path(tmp))
+        models = {setting: load(setting, Path(tmp)) for setting in SETTINGS}
+        packed, bf16 = models[SETTINGS[0]][0], models[SETTINGS[1]][0]
+        ids = torch.randint(5, 600, (1, tokens), generator=torch.Generator().manual_seed(0))
+        times = {setting: [] for setting in SETTINGS}
+        for setting in SETTINGS:  # a warm-up step each
+            step(models[setting][1], ids)
+        for _ in range(steps):
+            for setting in SETTINGS:
+                times[setting].append(step(models[setting][1], ids))
+    medians = {setting: statistics.median(t) for setting, t in times.items()}
+    rows = [
+        [
+            setting,
+            f"{medians[setting]:.3f}",
+            f"{medians[setting] / medians[SETTINGS[1]]:.2f}x",
+            f"{medians[setting] / medians[SETTINGS[2]]:.2f}x",
+        ]
+        for setting in SETTINGS
+    ]
+    table = markdown_table(
+        ["experts", "median forward+backward (s)", "vs 16-bit, same loop", "vs transformers'"], rows
+    )
+    size = (
+        f"Expert bytes: {packed / 2**20:,.1f} MiB in 4 bits (packed values and their statistics) vs "
+        f"{bf16 / 2**20:,.1f} MiB in bf16 (as loaded with quant.bits 16): {packed / bf16:.3f}x."
+    )
+    write_result(
+        "moe-cpu",
+        "Mixture-of-experts QLoRA: 4-bit experts, bytes and step time (CPU)",
+        f"{size}\n\n{table}",
+        f"One Qwen3-MoE layer: hidden {shape['hidden_size']}, {shape['num_experts']} experts of intermediate "
+        f"{shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}; {tokens} tokens a step; LoRA r=16 on "
+        f"attention and every expert; bf16 weights, no autocast; median of {steps} steps after one warm-up, "
+        "settings stepped in turn.",
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Model stage: the experts of a mixture-of-experts model in 4 bits, and LoRA on them in low-rank form.
+
+transformers 5 stores a MoE layer's experts as two fused 3-D ``nn.Parameter``s (``gate_up_proj``: experts x
+2*intermediate x hidden, ``down_proj``: experts x hidden x intermediate), not as ``nn.Linear``. bitsandbytes
+quantizes only ``nn.Linear``, so a 4-bit load keeps the experts, most of the model, in 16 bits
+(bitsandbytes#1849). ``quantize_experts`` (called by ``loading.load_base_model``) packs every expert with
+bitsandbytes' own ``quantize_4bit`` and the recipe's quant settings, one expert at a time, and registers
+``experts_forward`` with transformers' experts interface: it runs each expert the batch routes to, one at a
+time, dequantizing that expert only (``bnb.matmul_4bit``, whose backward dequantizes again instead of
+keeping the 16-bit weight). The router stays in the compute dtype.
+
+LoRA on the experts is peft's own ``target_parameters`` (``ParamWrapper``, its saved format), with one
+change: ``LoraExperts`` applies expert e's update as ``x @ A_e.T @ B_e.T`` to the tokens routed to e,
+never materialising ``B @ A`` for the whole stack at every forward as peft's wrapper does.
+
+What a family is, for this module, is ``MOE_FAMILIES`` (one entry per model_type; the families table
+of the future ``registries/families.py`` takes it over).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import torch
+from peft.tuners.lora.layer import ParamWrapper
+from transformers.integrations.moe import ExpertsInterface
+
+from qlora_kit.errors import RecipeError
+from qlora_kit.model.layers import is_linear
+
+log = logging.getLogger(__name__)
+
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused 3-D weights, as transformers names them
+BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as for Linear4bit
+IMPLEMENTATION = "qlora_kit_4bit"  # our entry in transformers' ExpertsInterface
+
+
+@dataclass(frozen=True)
+class MoeFamily:
+    """What qlora_kit knows of one model_type's mixture-of-experts layers."""
+
+    experts: str = "mlp.experts"  # the fused experts module, under each decoder layer
+    router: str = "mlp.gate"  # the router (a 3-D-free parameter module, never a linear layer)
+    shared: str | None = None  # a shared expert: an ordinary MLP of linear layers (4 bits by bitsandbytes)
+    refused: str | None = None  # why qlora_kit cannot quantize these experts, or None when it can
+
+
+MOE_FAMILIES: dict[str, MoeFamily] = {
+    "qwen3_moe": MoeFamily(),
+    "mixtral": MoeFamily(),
+    "olmoe": MoeFamily(),
+    "qwen2_moe": MoeFamily(
+        shared="mlp.shared_expert",
+        refused="its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
+        "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
+    ),
+    "gpt_oss": MoeFamily(
+        refused="its experts carry biases and store gate/up interleaved and transposed "
+        "(in x out), a layout qlora_kit does not quantize yet"
+    ),
+}
+
+
+def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of every module holding fused 3-D expert weights (in any dtype)."""
+    found = []
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if any(n in params and params[n].dim() == 3 for n in EXPERT_PARAMETERS) or hasattr(
+            module, "gate_up_proj_4bit"
+        ):
+            found.append((name, module))
+    return found
+
+
+def family_of(model) -> tuple[str, MoeFamily | None]:
+    model_type = getattr(model.config, "model_type", "?")
+    return model_type, MOE_FAMILIES.get(model_type)
+
+
+def quantize_experts(model, quant) -> int:
+    """Pack every fused expert weight of ``model`` into 4 bits (quant: the recipe's quant section);
+    returns how many experts modules were packed. A family whose layout is not handled is refused in one
+    line: its experts would otherwise stay in 16 bits, silently."""
+    modules = fused_experts(model)
+    if not modules:
+        return 0
+    model_type, family = family_of(model)
+    if family is None or family.refused:
+        why = family.refused if family else "qlora_kit has not been checked against its experts' layout"
+        raise RecipeError(
+            f"model.path: {model_type} is a mixture of experts whose experts cannot be loaded in 4 bits: "
+            f"{why} (quant.bits 16 loads it with the experts in 16 bits)"
+        )
+    dtype = getattr(torch, quant.compute_dtype)
+    for _, experts in modules:
+        _check_layout(model_type, experts)
+        for name in EXPERT_PARAMETERS:
+            _pack(experts, name, quant, dtype)
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
+    check_no_16bit_experts(model)
+    return len(modules)
+
+
+def _check_layout(model_type: str, experts) -> None:
+    layout = {
+        "has_gate": True,
+        "has_bias": False,
+        "is_transposed": False,
+        "is_concatenated": True,
+        "has_post_expert_norm": False,
+    }
+    wrong = [k for k, v in layout.items() if getattr(experts, k, v) != v]
+    if wrong:
+        raise RecipeError(
+            f"model.path: {model_type}'s experts have a layout qlora_kit does not quantize ({', '.join(wrong)})"
+        )
+
+
+def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
+    """Replace the 3-D parameter ``name`` with its packed 4-bit form (experts x values/2, uint8) and the
+    per-expert quantization statistics beside it (``<name>_4bit``)."""
+    weight = getattr(experts, name).data  # (E, O, I)
+    if weight.shape[1] * weight.shape[2] % BLOCKSIZE:
+        raise RecipeError(
+            f"model.path: an expert's {name} has {weight.shape[1]}x{weight.shape[2]} values, not a multiple "
+            f"of the 4-bit block ({BLOCKSIZE})"
+        )
+    packed, states = [], []
+    for e in range(weight.shape[0]):  # one expert at a time: the 16-bit copy never doubles
+        data, state = bnbf.quantize_4bit(
+            weight[e].to(dtype),
+            blocksize=BLOCKSIZE,
+            compress_statistics=quant.double_quant,
+            quant_type=quant.quant_type,
+            quant_storage=torch.uint8,
+        )
+        packed.append(data.view(-1))
+        states.append(state)
+    shape = tuple(weight.shape)
+    del weight
+    setattr(experts, name, torch.nn.Parameter(torch.stack(packed), requires_grad=False))
+    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, dtype))
+
+
+class ExpertStats(torch.nn.Module):
+    """The 4-bit statistics of one packed expert stack: per-expert absmax (8-bit with double
+    quantization, then with their own absmax and offset), the code books, and the logical shape."""
+
+    def __init__(self, states: list, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+        super().__init__()
+        first = states[0]
+        self.shape, self.dtype = shape, dtype
+        self.quant_type, self.blocksize, self.nested = first.quant_type, first.blocksize, first.nested
+        self.register_buffer("absmax", torch.stack([s.absmax for s in states]))
+        self.register_buffer("code", first.code)
+        if self.nested:
+            self.register_buffer("absmax2", torch.stack([s.state2.absmax for s in states]))
+            self.register_buffer("offset", torch.stack([s.offset.reshape(()) for s in states]))
+            self.register_buffer("code2", first.state2.code)
+            self.blocksize2 = first.state2.blocksize
+
+    def state(self, expert: int) -> bnbf.QuantState:
+        """bitsandbytes' QuantState of one expert: views of the stacked statistics, nothing copied."""
+        nested = None
+        if self.nested:
+            nested = bnbf.QuantState(
+                absmax=self.absmax2[expert], code=self.code2, blocksize=self.blocksize2, dtype=torch.float32
+            )
+        return bnbf.QuantState(
+            absmax=self.absmax[expert],
+            shape=self.shape[1:],
+            code=self.code,
+            blocksize=self.blocksize,
+            quant_type=self.quant_type,
+            dtype=self.dtype,
+            offset=self.offset[expert] if self.nested else None,
+            state2=nested,
+        )
+
+
+def check_no_16bit_experts(model) -> None:
+    """Raise when any fused expert weight is still a floating-point tensor after quantize_experts."""
+    for name, experts in fused_experts(model):
+        for param in EXPERT_PARAMETERS:
+            tensor = getattr(experts, param, None)
+            if tensor is not None and tensor.is_floating_point():
+                raise RuntimeError(f"{name}.{param} is still {tensor.dtype} after 4-bit loading")
+
+
+def logical_shape(experts, name: str) -> tuple[int, int, int]:
+    """(experts, out, in) of a fused weight, packed or not."""
+    stats = getattr(experts, f"{name}_4bit", None)
+    return stats.shape if stats is not None else tuple(getattr(experts, name).shape)
+
+
+def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=None):
+    """transformers' experts contract, (T, H) states and (T, K) routing in, (T, H) out: each expert the
+    batch routes to runs on its tokens only, its weight dequantized for that matmul alone. ``lora``:
+    {parameter name: [(A (E, r, in), B (out, r, E), scaling)]} from LoraExperts."""
+    out = torch.zeros_like(hidden_states)
+    k = top_k_index.shape[-1]
+    with torch.no_grad():
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0 or expert >= experts.num_experts:
+            start += count
+            continue
+        picks = order[start : start + count]
+        start += count
+        tokens, slots = picks // k, picks % k
+        x = hidden_states[tokens]
+        h = experts._apply_gate(_project(experts, "gate_up_proj", expert, x, lora))
+        y = _project(experts, "down_proj", expert, h, lora) * top_k_weights[tokens, slots, None]
+        out.index_add_(0, tokens, y.to(out.dtype))
+    return out
+
+
+def _project(experts, name: str, expert: int, x: torch.Tensor, lora) -> torch.Tensor:
+    """x @ W_e.T (+ scaling * x @ A_e.T @ B_e.T for each LoRA factor pair of ``name``)."""
+    weight = getattr(experts, name)
+    stats = getattr(experts, f"{name}_4bit", None)
+    if stats is None:
+        y = torch.nn.functional.linear(x, weight[expert])
+    else:
+        y = bnb.matmul_4bit(x, weight[expert], quant_state=stats.state(expert))
+    for a, b, scaling in (lora or {}).get(name, ()):
+        low = x.to(a.dtype) @ a[expert].t()  # (n, r): the rank-r bottleneck, never B @ A
+        y = y + (low @ b[:, :, expert].t() * scaling).to(y.dtype)
+    return y
+
+
+class LoraExperts(ParamWrapper):
+    """peft's ParamWrapper for a fused expert weight (same parameters, same saved names, same config), whose
+    forward applies the update in low-rank form to the routed tokens only. The outermost wrapper of a
+    nest (one per targeted parameter) runs the experts with the factors of all of them."""
+
+    def _get_in_out_features(self, module):
+        # the logical (experts, out, in) shape, not the packed one; peft reads a stack as (experts, in,
+        # out) here and swaps the two for untransposed stacks in update_layer, so they go back as they are
+        self.num_experts, first, second = logical_shape(self.get_base_layer(), self.parameter_name)
+        self._param_ndim = 3
+        return first, second
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        experts, factors = self.get_base_layer(), {}
+        layer = self
+        while isinstance(layer, LoraExperts):
+            if layer.merged:
+                raise RuntimeError(
+                    "LoraExperts: merged adapters are not supported; merge into the 16-bit model"
+                )
+            if not layer.disable_adapters:
+                factors[layer.parameter_name] = [
+                    layer.low_rank_factors(a) for a in layer.active_adapters if a in layer.lora_A
+                ]
+            layer = layer.base_layer
+        return experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=factors)
+
+    def low_rank_factors(self, adapter: str):
+        """(A (E, r, in), B (out, r, E), scaling), peft's layout of the stacked factors (get_delta_weight)."""
+        a = self.lora_A[adapter].weight
+        b = self.lora_B[adapter].weight
+        return (
+            a.reshape(self.num_experts, -1, a.shape[-1]),
+            b.reshape(b.shape[0], -1, self.num_experts),
+            self.scaling[adapter],
+        )
+
+
+# peft tells its parameter wrappers apart by class name (tuners_utils.BaseTuner._inject_parameters: nesting a
+# second wrapper on the same experts, or a second adapter); LoraExperts is one, under peft's name.
+LoraExperts.__name__ = ParamWrapper.__name__
+
+
+def lora_targets(model, target_modules, experts: bool) -> dict:
+    """peft LoraConfig arguments for a mixture-of-experts ``model`` ({} for a dense one).
+
+    On transformers 5 MoE models peft rewrites a string target_modules ("all-linear") for checkpoints of
+    transformers 4 (peft's utils/transformers_weight_conversion): it adds the router (``gate.weight``) and
+    the fused experts, at twice the rank. The router stays frozen here, so all-linear is spelled out as
+    the linear layers' names, and the experts come as target_parameters when ``experts`` is on."""
+    modules = fused_experts(model)
+    if not modules:
+        return {}
+    _, family = family_of(model)
+    if target_modules == "all-linear":
+        output = model.get_output_embeddings()
+        target_modules = sorted(
+            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m) and m is not output}
+        )
+    arguments = {"target_modules": target_modules}
+    if experts:
+        arguments["target_parameters"] = [f"{family.experts}.{name}" for name in EXPERT_PARAMETERS]
+        arguments["custom"] = {type(m): LoraExperts for _, m in modules}
+    return arguments
+
+
+KINDS = ("attention", "experts", "shared experts", "router", "embeddings", "other")
+
+
+def kind_of(name: str) -> str:
+    """Which part of a decoder a parameter or buffer name belongs to (LoRA matrices by what they adapt)."""
+    if ".experts." in name:
+        return "experts"
+    if "shared_expert" in name:
+        return "shared experts"
+    if ".mlp.gate." in name or "router" in name:
+        return "router"
+    if "attn" in name or "attention" in name:
+        return "attention"
+    if "embed" in name or "lm_head" in name or ".wte." in name or ".wpe." in name:
+        return "embeddings"
+    return "other"
+
+
+def bytes_by_kind(model) -> dict[str, int]:
+    """Bytes of the loaded model's tensors (parameters, buffers, 4-bit statistics) by kind: a 4-bit load that
+    kept the experts in 16 bits shows at a glance."""
+    sizes = dict.fromkeys(KINDS, 0)
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        nbytes = tensor.numel() * tensor.element_size()
+        state = getattr(tensor, "quant_state", None)  # a Linear4bit's absmax lives beside its weight
+        if state is not None:
+            nbytes += sum(t.numel() * t.element_size() for t in _state_tensors(state))
+        sizes[kind_of(name)] += nbytes
+    return {kind: size for kind, size in sizes.items() if size}
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    tensors = [state.absmax, state.code]
+    if state.nested:
+        tensors += [state.state2.absmax, state.state2.code]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
+def trainable_by_kind(model) -> dict[str, int]:
+    """Trainable parameters by kind (attention, experts, router, shared experts, ...)."""
+    counts = dict.fromkeys(KINDS, 0)
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            counts[kind_of(name)] += param.numel()
+    return counts
+
+
+def describe_sizes(sizes: dict[str, int]) -> str:
+    return ", ".join(f"{kind} {size / 2**20:,.2f} MiB" for kind, size in sizes.items())

@@ -1,0 +1,220 @@
+"""Mixtures of experts: the fused 3-D experts really in 4 bits, LoRA on them in low-rank form in peft's own
+format, and the families qlora_kit cannot pack refused at load (model/moe_experts.py)."""
+
+from __future__ import annotations
+
+import json
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import pytest
+import torch
+import transformers
+from peft import PeftModel
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from qlora_kit import Recipe
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import adapters, builtin, moe_experts
+from qlora_kit.model import loading as model
+
+from .conftest import quick_recipe
+
+MOE_BUILTINS = ["tiny-qwen3-moe", "tiny-mixtral"]
+
+
+def moe_recipe(name: str = "tiny-qwen3-moe", **values) -> Recipe:
+    return Recipe.from_dict({"model": {"path": f"builtin:{name}"}, "lora": {"dropout": 0.0}, **values})
+
+
+def dequantized_16bit(four_bit, recipe: Recipe):
+    """The recipe's model in 16 bits whose every weight is the 4-bit model's, dequantized: the base a
+    merged or plain-peft reload compares against."""
+    path = model.resolve_model_path(recipe.model)
+    base = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.bfloat16, device_map={"": "cpu"}
+    )
+    modules = dict(base.named_modules())
+    for name, module in four_bit.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = module.weight
+            modules[name].weight.data.copy_(bnbf.dequantize_4bit(weight.data, weight.quant_state))
+        for param in moe_experts.EXPERT_PARAMETERS:
+            stats = getattr(module, f"{param}_4bit", None)
+            if stats is not None:
+                packed = getattr(module, param)
+                expert_weights = [
+                    bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])
+                ]
+                getattr(modules[name], param).data.copy_(torch.stack(expert_weights))
+    return base.eval()
+
+
+def batch(model_, rows: int = 2, length: int = 24):
+    ids = torch.randint(5, 600, (rows, length), generator=torch.Generator().manual_seed(3))
+    return ids.to(model_.device)
+
+
+@pytest.mark.parametrize("name", MOE_BUILTINS)
+def test_experts_are_loaded_in_4_bits(name):
+    """From the loaded tensors: every fused expert weight is packed uint8 (two values a byte), none is left
+    in 16 bits, and the experts take at most 0.30x their bf16 bytes; the router stays in bf16."""
+    recipe = moe_recipe(name)
+    base = model.load_base_model(recipe.model, recipe.quant)
+    experts = moe_experts.fused_experts(base)
+    assert len(experts) == base.config.num_hidden_layers
+    for _, module in experts:
+        for param in moe_experts.EXPERT_PARAMETERS:
+            packed = getattr(module, param)
+            e, out_features, in_features = moe_experts.logical_shape(module, param)
+            assert packed.dtype == torch.uint8 and packed.shape == (e, out_features * in_features // 2)
+    floating = [n for n, p in base.named_parameters() if ".experts." in n and p.is_floating_point()]
+    assert floating == []
+    sizes = moe_experts.bytes_by_kind(base)
+    bf16 = sum(
+        2 * e * o * i
+        for _, m in experts
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+    )
+    assert sizes["experts"] <= 0.30 * bf16
+    routers = [p for n, p in base.named_parameters() if moe_experts.kind_of(n) == "router"]
+    assert routers and all(p.dtype == torch.bfloat16 for p in routers)
+
+
+def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_weights():
+    """The routed loop over packed experts gives exactly the logits of transformers' own experts
+    implementation on the same weights dequantized (nothing is routed to the wrong expert or slot)."""
+    recipe = moe_recipe()
+    four_bit = model.load_base_model(recipe.model, recipe.quant).eval()
+    reference = dequantized_16bit(four_bit, recipe)
+    ids = batch(four_bit)
+    with torch.no_grad():
+        ours, theirs = four_bit(ids).logits, reference(ids).logits
+    assert torch.equal(ours, theirs)
+
+
+@pytest.mark.slow  # two models loaded
+def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path):
+    """The adapter trained on packed experts is peft's own target_parameters format: plain
+    PeftModel.from_pretrained on the 16-bit model (peft's ParamWrapper) gives the same logits; the router
+    carries no LoRA."""
+    recipe = moe_recipe()
+    base = model.load_base_model(recipe.model, recipe.quant)
+    reference = dequantized_16bit(base, recipe)  # before peft wraps the base's layers in place
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    with torch.no_grad():
+        for name, param in peft_model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+    adapters.save_adapter(peft_model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
+    counts = moe_experts.trainable_by_kind(peft_model)
+    assert counts["experts"] > 0 and counts["attention"] > 0 and counts["router"] == 0
+
+    plain = PeftModel.from_pretrained(reference, str(tmp_path)).eval()
+    assert type(plain.base_model.model.model.layers[0].mlp.experts).__module__ == "peft.tuners.lora.layer"
+    ids = batch(base)
+    with torch.no_grad():
+        ours, theirs = peft_model.eval()(ids).logits.float(), plain(ids).logits.float()
+        with plain.disable_adapter():
+            without = plain(ids).logits.float()
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() < 0.1 * scale  # the dense models' tolerance (test_after_training)
+    assert (theirs - without).abs().max() > 0.3 * scale  # the LoRA moves the logits more than that
+
+
+class LargestTensor(TorchDispatchMode):
+    """The most elements any operation outputs (a materialized B @ A for every expert would show)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point():
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+@pytest.mark.slow  # every operation of a forward and backward watched
+def test_lora_on_experts_never_materializes_the_update_of_the_stack():
+    """Forward and backward with LoRA on the experts create no floating tensor as large as an expert
+    stack: the update goes through the rank-r bottleneck, per expert, for its tokens only (peft's own
+    ParamWrapper adds B @ A for all experts at every forward). 16-bit experts, where peft's wrapper runs."""
+    recipe = moe_recipe(quant={"bits": 16})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    peft_model = adapters.attach_lora(base, recipe.lora).train()
+    stack = min(
+        e * o * i
+        for _, m in moe_experts.fused_experts(base)
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+    )
+    ids = batch(base)
+    with LargestTensor() as seen:
+        peft_model(input_ids=ids, labels=ids).loss.backward()
+    assert 0 < seen.largest < stack
+    grads = [p.grad for n, p in peft_model.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_lora_on_experts_takes_no_dropout():
+    recipe = moe_recipe(lora={"dropout": 0.05})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError, match=r"^lora\.dropout: .*lora\.experts false"):
+        adapters.attach_lora(base, recipe.lora)
+
+
+def test_experts_can_be_left_out():
+    recipe = moe_recipe(lora={"dropout": 0.05, "experts": False})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    counts = moe_experts.trainable_by_kind(adapters.attach_lora(base, recipe.lora))
+    assert counts["experts"] == 0 and counts["router"] == 0 and counts["attention"] > 0
+
+
+def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
+    """gpt-oss keeps biases and a transposed layout in its experts: refused in one line naming the family,
+    never loaded with its experts silently in 16 bits."""
+    config = transformers.GptOssConfig(
+        vocab_size=640,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    builtin.build_tokenizer().save_pretrained(tmp_path)
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
+    with pytest.raises(RecipeError, match=r"^model\.path: gpt_oss is a mixture of experts .*biases"):
+        model.load_base_model(recipe.model, recipe.quant)
+
+
+@pytest.mark.slow
+def test_moe_trains_through_the_trainer_under_bf16_autocast(tmp_path):
+    """The MoE demo's path, short: the Trainer under accelerate's bf16 autocast (a GPU's default), experts in
+    4 bits; the loss falls and the experts' LoRA matrices move."""
+    from qlora_kit import train
+
+    recipe = quick_recipe(
+        tmp_path / "out",
+        **{
+            "model.path": "builtin:tiny-qwen3-moe",
+            "train.max_steps": 12,
+            "train.logging_steps": 4,
+            "train.mixed_precision": "bf16",
+            "memory.checkpointing": "none",
+        },
+    )
+    result = train(recipe)
+    assert result.train_losses[-1] < result.train_losses[0] - 0.5
+    moved = [p for n, p in result.model.named_parameters() if ".experts." in n and "lora_B" in n]
+    assert moved and all(p.abs().sum() > 0 for p in moved)
+    moe_experts.check_no_16bit_experts(result.model)
+    manifest = json.loads((result.output_dir / "manifest.json").read_text())
+    assert set(manifest["weight_bytes"]) >= {"attention", "experts", "router", "embeddings"}
