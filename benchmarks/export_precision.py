@@ -86,22 +86,22 @@ def main() -> None:
     from qlora_kit.after import floor, parity
     from qlora_kit.model import adapters
 
-    opts = PARSER.parse_args()
-    if opts.run is None:
+    args = PARSER.parse_args()
+    if args.run is None:
         import tempfile
 
-        opts.run = trained_run(
-            Path(tempfile.mkdtemp(prefix="export-precision-")), opts.real_model, opts.smoke
+        args.run = trained_run(
+            Path(tempfile.mkdtemp(prefix="export-precision-")), args.real_model, args.smoke
         )
-    recipe, tokenizer, trained = adapters.load_trained(opts.run)
-    pairs, source = parity.prompt_pairs(recipe, tokenizer, None, 2 if opts.smoke else PROMPTS)
+    recipe, tokenizer, trained = adapters.load_trained(args.run)
+    pairs, source = parity.prompt_pairs(recipe, tokenizer, None, 2 if args.smoke else PROMPTS)
     prompts = [parity._training_ids(tokenizer, text) for text, _ in pairs]
     answers = [tokenizer(answer, add_special_tokens=False)["input_ids"] for _, answer in pairs]
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
     starts = [len(p) for p in prompts]
     reference = sequence_logits(trained.eval(), sequences)
     del trained
-    merged = floor.merged_model(recipe, opts.run, "dequantized")
+    merged = floor.merged_model(recipe, args.run, "dequantized")
     base = floor.merged_model(recipe, None, "dequantized")
     effective = {name: p.detach().clone() for name, p in merged.named_parameters()}
     halved = {name: b.detach() + 0.5 * (effective[name] - b.detach()) for name, b in base.named_parameters()}
@@ -130,19 +130,19 @@ def main() -> None:
         )
         print(rows[-1], flush=True)
     positions = sum(len(a) for a in answers)
-    model = REAL_MODEL if opts.real_model or "smollm" in recipe.model.path else recipe.model.path
+    model = REAL_MODEL if args.real_model or "smollm" in recipe.model.path else recipe.model.path
     table = markdown_table(
         ["weights", "answer top-1", "answer mean KL", "all-position top-1", "all-position mean KL"], rows
     )
     notes = (
-        f"{model}, run {opts.run.name}: {len(sequences)} prompts from the {source}, {positions} answer "
+        f"{model}, run {args.run.name}: {len(sequences)} prompts from the {source}, {positions} answer "
         f"positions, {sum(len(s) - 1 for s in sequences)} positions in all; reference: the trained model "
         "(NF4 base + LoRA, compute in bf16 on the CPU). Each row's weights are read by transformers in fp32."
     )
     device = "cpu" if not torch.cuda.is_available() else "gpu"
-    name = f"export-precision{'-real' if opts.real_model else ''}-{device}"
+    name = f"export-precision{'-real' if args.real_model else ''}-{device}"
     write_result(
-        name, "Export precision: where agreement with the trained model is lost", table, notes, opts.out
+        name, "Export precision: where agreement with the trained model is lost", table, notes, args.out
     )
 
 

@@ -55,6 +55,7 @@ def test_the_evaluation_doctor_record_and_export_views(tmp_path):
     assert_shown_as_typed(printed(views.show_record, record))
     comparison = {"export": MARKUP, "reader": MARKUP, "against": MARKUP, "max_abs_logit": 0.0}
     comparison |= {"mean_abs_logit": 0.0, "greedy_agreement": 1.0, "prompt_ids_match": True}
+    comparison |= {"top1_agreement": 1.0, "mean_kl": 0.0, "floor": {"min_top1": 0.98, "max_kl": 0.002}}
     report = {"prompts": 1, "tokens": 1, "comparisons": [comparison | {"template_match": None}]}
     assert_shown_as_typed(printed(views.show_export, report), count=3)
 

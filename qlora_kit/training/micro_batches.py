@@ -46,7 +46,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
         f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
         f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
     )
-    if recipe.train.objective == "grpo":  # the rollouts' peak and the policy step's (grpo_oom.py)
+    if objectives.of(recipe).rollouts:  # the rollouts' peak and the policy step's (grpo_oom.py)
         grpo = recipe.grpo
         levers = (
             f"a lower grpo.max_completion_length (now {grpo.max_completion_length}; both peaks), fewer "

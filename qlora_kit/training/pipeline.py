@@ -292,7 +292,7 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     if ranks.is_main:
         run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
         run_log.log_optimizer_state(setup.model, setup.recipe)
-        if setup.recipe.train.objective == "grpo":  # its two peaks (grpo_oom.py)
+        if objectives.of(setup.recipe).rollouts:  # its two peaks (grpo_oom.py)
             run_log.log_grpo_peaks(setup.recipe, setup.trainer.args.device.type)
         # read back from accelerate, not the recipe: the autocast the forward will actually run under
         log.info("mixed precision: %s", setup.trainer.accelerator.mixed_precision)
