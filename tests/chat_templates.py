@@ -89,3 +89,14 @@ FAMILIES = {
     "generation-markers": (GENERATION_MARKERS, CHATML_TOKENS, "<|im_end|>", True),
     "tools-chatml": (TOOLS_CHATML, CHATML_TOKENS, "<|im_end|>", True),
 }
+
+
+def family_tokenizer(demo_tokenizer, family: str):
+    """The demo tokenizer (conftest's ``tokenizer``) with a family's chat template and special tokens."""
+    import copy
+
+    template, tokens, _, _ = FAMILIES[family]
+    tokenizer = copy.deepcopy(demo_tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
+    tokenizer.chat_template = template
+    return tokenizer

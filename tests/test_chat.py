@@ -12,9 +12,8 @@ from qlora_kit.data import formats, prepare
 from qlora_kit.data.chat import apply_system_prompt_mode, apply_template, render_chat
 from qlora_kit.data.formats import IGNORE_INDEX, RowError
 from qlora_kit.errors import DataError
-from qlora_kit.model import loading as model
 
-from .chat_templates import FAMILIES
+from .chat_templates import FAMILIES, family_tokenizer
 
 SYSTEM = {"role": "system", "content": "Answer in one word."}
 ONE_TURN = [
@@ -32,19 +31,6 @@ CASES = [
     for turns in ("1-turn", "multi-turn")
     for system in (False, True)
 ]
-
-
-@pytest.fixture(scope="module")
-def demo_tokenizer():
-    return model.load_tokenizer(Recipe().model)
-
-
-def family_tokenizer(demo_tokenizer, family: str):
-    template, tokens, _, _ = FAMILIES[family]
-    tokenizer = copy.deepcopy(demo_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
-    tokenizer.chat_template = template
-    return tokenizer
 
 
 def conversation(turns: str, system: bool) -> list[dict[str, str]]:
@@ -77,8 +63,8 @@ def rendered_reply(family: str, messages: list[dict[str, str]], index: int) -> s
     CASES,
     ids=[f"{f}-{t}-{'system' if s else 'no-system'}" for f, t, s in CASES],
 )
-def test_each_reply_and_its_end_marker_are_trained_and_nothing_else(demo_tokenizer, family, turns, system):
-    tokenizer = family_tokenizer(demo_tokenizer, family)
+def test_each_reply_and_its_end_marker_are_trained_and_nothing_else(tokenizer, family, turns, system):
+    tokenizer = family_tokenizer(tokenizer, family)
     _, _, marker, takes_system = FAMILIES[family]
     mode = "keep" if takes_system or not system else "merge_into_first_user"
     messages = conversation(turns, system)
@@ -98,8 +84,8 @@ def test_each_reply_and_its_end_marker_are_trained_and_nothing_else(demo_tokeniz
         assert formats.prompt_text(segments) == apply_template(tokenizer, shown[:-1], generation_prompt=True)
 
 
-def test_a_template_without_a_system_role_is_one_line_with_the_way_out(demo_tokenizer, tmp_path):
-    tokenizer = family_tokenizer(demo_tokenizer, "gemma")
+def test_a_template_without_a_system_role_is_one_line_with_the_way_out(tokenizer, tmp_path):
+    tokenizer = family_tokenizer(tokenizer, "gemma")
     with pytest.raises(
         RowError,
         match=r"^the chat template refuses this conversation: System role not supported; set data\.system_prompt_mode",
@@ -118,15 +104,15 @@ def test_a_template_without_a_system_role_is_one_line_with_the_way_out(demo_toke
     assert "Answer in one word." not in "".join(s.text for s in dropped)
 
 
-def test_strict_alternation_is_the_templates_own_message(demo_tokenizer):
-    tokenizer = family_tokenizer(demo_tokenizer, "gemma")
+def test_strict_alternation_is_the_templates_own_message(tokenizer):
+    tokenizer = family_tokenizer(tokenizer, "gemma")
     twice = [ONE_TURN[0], ONE_TURN[0], ONE_TURN[1]]
     with pytest.raises(RowError, match=r"refuses this conversation: Conversation roles must alternate"):
         render_chat(twice, tokenizer)
 
 
-def test_a_template_that_rewrites_a_reply_names_the_message(demo_tokenizer):
-    tokenizer = copy.deepcopy(demo_tokenizer)
+def test_a_template_that_rewrites_a_reply_names_the_message(tokenizer):
+    tokenizer = copy.deepcopy(tokenizer)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
     )
@@ -136,10 +122,10 @@ def test_a_template_that_rewrites_a_reply_names_the_message(demo_tokenizer):
         render_chat(ONE_TURN, tokenizer)
 
 
-def test_generation_markers_and_the_rendered_text_must_agree(demo_tokenizer):
+def test_generation_markers_and_the_rendered_text_must_agree(tokenizer):
     """The marker template agrees (checked inside render_chat); a template whose markers cover only the
     reply while the turn ends with <|im_end|> is refused."""
-    tokenizer = family_tokenizer(demo_tokenizer, "generation-markers")
+    tokenizer = family_tokenizer(tokenizer, "generation-markers")
     render_chat(MULTI_TURN, tokenizer)  # agrees: no error
     tokenizer.chat_template = tokenizer.chat_template.replace(
         "{{ m['content'] }}<|im_end|>{% endgeneration %}", "{{ m['content'] }}{% endgeneration %}<|im_end|>"
@@ -166,10 +152,10 @@ def test_system_prompt_mode_only_applies_to_chat():
         ("Who are you?", "assistant"),
     ],
 )
-def test_a_reply_is_found_in_its_own_turn_not_earlier(demo_tokenizer, question, reply):
+def test_a_reply_is_found_in_its_own_turn_not_earlier(tokenizer, question, reply):
     """A short reply that also occurs in the question, the system prompt or a header (``<|im_start|>``
     holds an 'a'; ``assistant`` is the header's word) is trained where the reply is."""
-    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    tokenizer = family_tokenizer(tokenizer, "qwen2.5")
     messages = [{"role": "user", "content": question}, {"role": "assistant", "content": reply}]
     segments = render_chat(messages, tokenizer)
     trained = [s.text for s in segments if s.trained]
@@ -178,8 +164,8 @@ def test_a_reply_is_found_in_its_own_turn_not_earlier(demo_tokenizer, question, 
     assert untrained.endswith("<|im_start|>assistant\n") or untrained.endswith("<|im_start|>assistant\n\n")
 
 
-def test_an_end_marker_after_a_newline_is_trained_and_headers_are_not_markers(demo_tokenizer):
-    tokenizer = copy.deepcopy(demo_tokenizer)
+def test_an_end_marker_after_a_newline_is_trained_and_headers_are_not_markers(tokenizer):
+    tokenizer = copy.deepcopy(tokenizer)
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|EOT|>", "<|user|>"]})
     # DeepSeek-Coder-style: "\n<|EOT|>" after each reply
     tokenizer.chat_template = (
@@ -192,8 +178,8 @@ def test_an_end_marker_after_a_newline_is_trained_and_headers_are_not_markers(de
     assert [s.text for s in render_chat(MULTI_TURN[:3], tokenizer) if s.trained] == ["moo"]
 
 
-def test_an_empty_reply_says_so(demo_tokenizer):
-    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+def test_an_empty_reply_says_so(tokenizer):
+    tokenizer = family_tokenizer(tokenizer, "qwen2.5")
     with pytest.raises(RowError, match=r"^messages\[1\]: the assistant message is empty"):
         render_chat([ONE_TURN[0], {"role": "assistant", "content": ""}], tokenizer)
 
@@ -207,10 +193,8 @@ def labelled(data_fields: dict, rows: list[dict], tokenizer, tmp_path, name: str
 
 
 @pytest.mark.parametrize("family", ["qwen2.5", "llama3", "mistral-v0.3"])
-def test_sharegpt_trains_token_for_token_what_the_same_chat_as_messages_trains(
-    demo_tokenizer, family, tmp_path
-):
-    tokenizer = family_tokenizer(demo_tokenizer, family)
+def test_sharegpt_trains_token_for_token_what_the_same_chat_as_messages_trains(tokenizer, family, tmp_path):
+    tokenizer = family_tokenizer(tokenizer, family)
     messages = [SYSTEM, *MULTI_TURN[:3], {"role": "assistant", "content": "meow"}]
     speaker = {"system": "system", "user": "human", "assistant": "gpt"}
     sharegpt = [{"from": speaker[m["role"]], "value": m["content"]} for m in messages]
@@ -221,8 +205,8 @@ def test_sharegpt_trains_token_for_token_what_the_same_chat_as_messages_trains(
     assert any(label != IGNORE_INDEX for label in as_chat[0]["labels"])
 
 
-def test_sharegpt_role_names_are_configurable_and_an_unknown_one_names_the_row(demo_tokenizer, tmp_path):
-    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+def test_sharegpt_role_names_are_configurable_and_an_unknown_one_names_the_row(tokenizer, tmp_path):
+    tokenizer = family_tokenizer(tokenizer, "qwen2.5")
     rows = [{"conversations": [{"from": "customer", "value": "Hi?"}, {"from": "agent", "value": "hello"}]}]
     mapped = labelled(
         {"format": "sharegpt", "roles": {"customer": "user", "agent": "assistant"}}, rows, tokenizer, tmp_path
@@ -260,9 +244,9 @@ TOOL_CHAT = [
 
 @pytest.mark.parametrize("tools_as", ["list", "json"])
 def test_tool_calls_and_replies_are_trained_and_tool_results_and_schemas_are_not(
-    demo_tokenizer, tools_as, tmp_path
+    tokenizer, tools_as, tmp_path
 ):
-    tokenizer = family_tokenizer(demo_tokenizer, "tools-chatml")
+    tokenizer = family_tokenizer(tokenizer, "tools-chatml")
     tools = [TOOL] if tools_as == "list" else json.dumps([TOOL])
     example = labelled({"format": "chat"}, [{"messages": TOOL_CHAT, "tools": tools}], tokenizer, tmp_path)[0]
     runs = [tokenizer.decode(run) for run in trained_runs(example["labels"])]
@@ -273,12 +257,10 @@ def test_tool_calls_and_replies_are_trained_and_tool_results_and_schemas_are_not
     assert rendered == apply_template(tokenizer, TOOL_CHAT, generation_prompt=False, tools=[TOOL])
 
 
-def test_a_system_prompt_is_added_where_a_row_has_none_and_prompts_at_inference_match(
-    demo_tokenizer, tmp_path
-):
+def test_a_system_prompt_is_added_where_a_row_has_none_and_prompts_at_inference_match(tokenizer, tmp_path):
     from qlora_kit.after.generate import wrap_prompt
 
-    tokenizer = family_tokenizer(demo_tokenizer, "qwen2.5")
+    tokenizer = family_tokenizer(tokenizer, "qwen2.5")
     system = "You answer in one word."
     fields = {"format": "chat", "system_prompt": system}
     chats = labelled(fields, [{"messages": ONE_TURN}, {"messages": [SYSTEM, *ONE_TURN]}], tokenizer, tmp_path)

@@ -13,12 +13,11 @@ from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory import checkpointing, max_length, tiled_mlp
 from qlora_kit.memory.accounting import SavedTensors
-from qlora_kit.model import adapters, builtin
+from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
 from qlora_kit.registries import attention
 from qlora_kit.training import pipeline
 
-ARCHITECTURES = sorted(builtin.TINY_ARCHITECTURES)
 BATCH, SEQ = 2, 64
 
 
@@ -85,9 +84,14 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_bit_for_bit(poli
     assert offloaded.total == saved.total - layers * layer_input
 
 
+# One family per MLP shape: gated (Llama; Gemma-2 with post-norms and GeLU), fused gate-up (Phi-3), plain
+# with a Conv1D (GPT-2) and with a Linear and LayerNorm (GPT-NeoX); the other gated families repeat Llama's.
+MLP_SHAPES = ["tiny-llama", "tiny-gemma2", "tiny-phi3", "tiny-gpt2", "tiny-gptneox"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_a_tiled_mlp_gives_the_same_loss_and_lora_gradients_on_every_family(arch):
+@pytest.mark.parametrize("arch", MLP_SHAPES)
+def test_a_tiled_mlp_gives_the_same_loss_and_lora_gradients_on_every_mlp_shape(arch):
     # without dropout: tiles draw their dropout masks tile by tile, so with it the masks differ (as valid)
     loss, grads, saved, _ = run_once(arch, dropout=0.0, checkpointing="full")
     tiled_loss, tiled_grads, tiled, tiled_model = run_once(
@@ -105,7 +109,7 @@ def test_a_tiled_mlp_gives_the_same_loss_and_lora_gradients_on_every_family(arch
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["full", "selective", "none"])
+@pytest.mark.parametrize("policy", ["full", "none"])
 def test_each_tile_replays_the_dropout_masks_of_its_forward(policy, monkeypatch):
     """With dropout on, the tiles recomputed in backward must draw the masks their forward drew: the same
     loss and gradients, bit for bit, as the tiles run once under autograd with nothing recomputed."""

@@ -5,15 +5,12 @@ The families' templates are tests/chat_templates.py's (on the demo tokenizer) an
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
 from qlora_kit.after import modelfile
 from qlora_kit.model import loading as model
-from qlora_kit.recipe.recipe import Recipe
 
-from .chat_templates import FAMILIES
+from .chat_templates import FAMILIES, family_tokenizer
 from .go_template import render
 
 CONVERSATIONS = {
@@ -41,19 +38,6 @@ CONVERSATIONS = {
 PIECEWISE = ["llama3", "qwen2.5", "phi3", "gemma", "qwen3", "generation-markers", "tools-chatml"]
 
 
-@pytest.fixture(scope="module")
-def demo_tokenizer():
-    return model.load_tokenizer(Recipe().model)
-
-
-def family_tokenizer(demo_tokenizer, family: str):
-    template, tokens, _, _ = FAMILIES[family]
-    tokenizer = copy.deepcopy(demo_tokenizer)
-    tokenizer.add_special_tokens({"additional_special_tokens": tokens})
-    tokenizer.chat_template = template
-    return tokenizer
-
-
 def check_template(tokenizer, end_of_turn: str, system: bool = True) -> None:
     pieces = modelfile.chat_pieces(tokenizer)
     assert pieces is not None
@@ -68,13 +52,13 @@ def check_template(tokenizer, end_of_turn: str, system: bool = True) -> None:
 
 
 @pytest.mark.parametrize("family", PIECEWISE)
-def test_the_template_renders_conversations_as_the_chat_template_does(demo_tokenizer, family):
+def test_the_template_renders_conversations_as_the_chat_template_does(tokenizer, family):
     _, _, end_of_turn, system = FAMILIES[family]
-    check_template(family_tokenizer(demo_tokenizer, family), end_of_turn, system)
+    check_template(family_tokenizer(tokenizer, family), end_of_turn, system)
 
 
-def test_a_template_that_is_not_per_role_pieces_is_not_translated(demo_tokenizer):
-    assert modelfile.chat_pieces(family_tokenizer(demo_tokenizer, "mistral-v0.3")) is None
+def test_a_template_that_is_not_per_role_pieces_is_not_translated(tokenizer):
+    assert modelfile.chat_pieces(family_tokenizer(tokenizer, "mistral-v0.3")) is None
 
 
 @pytest.mark.slow

@@ -82,9 +82,14 @@ class GuardedDPOTrainer(GuardedTrainer, DPOTrainer):
         pass
 
     def reference_description(self, adapter: str | None) -> str:
-        if adapter is None:
-            return "the base model (the reference adapter is the new adapter's start, B = 0)"
-        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+        return describe_reference(adapter)
+
+
+def describe_reference(adapter: str | None) -> str:
+    """What the frozen reference policy is (DPO's and KTO's: a second adapter on the same 4-bit base)."""
+    if adapter is None:
+        return "the base model (the reference adapter is the new adapter's start, B = 0)"
+    return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
 
 
 def _policy_back_to_fp32(model) -> int:

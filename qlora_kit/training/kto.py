@@ -29,7 +29,7 @@ from qlora_kit.data import sources
 from qlora_kit.errors import DataError, RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.registries.formats import system_text
-from qlora_kit.training.dpo import REFERENCE, _policy_back_to_fp32
+from qlora_kit.training.dpo import _policy_back_to_fp32, describe_reference
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
@@ -145,6 +145,4 @@ class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
         pass
 
     def reference_description(self, adapter: str | None) -> str:
-        if adapter is None:
-            return "the base model (the reference adapter is the new adapter's start, B = 0)"
-        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+        return describe_reference(adapter)
