@@ -51,6 +51,10 @@ TABLES = {
         [("mode", "padding|group_by_length|packing"), ("pad share", rf"{N}%"), ("median step (s)", SECONDS),
          ("real tokens/s", N), ("vs padding", rf"{N}x")], 3,
     )]),
+    "export_precision.py": ("export-precision-cpu.md", [(
+        [("weights", ".+"), ("answer top-1", rf"{N}%"), ("answer mean KL", N), ("all-position top-1", rf"{N}%"),
+         ("all-position mean KL", N)], 9,
+    )]),
     "fsdp_check.py": ("fsdp-cpu.md", [(
         [("run", ".+"), ("exit", r"-?\d+"), ("wall s", SECONDS),
          ("losses (or last line)", rf"{N}( {N})*|killed after step \d+"),
