@@ -197,5 +197,5 @@ def test_plan_max_seq_len_from_the_shell(tmp_path):
     )
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines() == [
-        "plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)"
+        "error: plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)"
     ]
