@@ -460,6 +460,9 @@ def _merged_weight(folder, key):
 
 @pytest.mark.slow
 @ONE_RUN
+# OPEN (issue 46): never run before the merge; the suite's run names its data where this test does not look
+# (data.path is None there): the test must find the run's training file another way
+@pytest.mark.xfail(reason="the test does not find the run's training file yet, issue 46", strict=False)
 def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_training_prompts(
     exports, tmp_path, monkeypatch, capsys
 ):
