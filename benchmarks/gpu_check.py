@@ -50,6 +50,7 @@ from common import budget_between, parser, uniform_fitting
 
 GIB = 1024**3
 LONG_CONTEXT_GIB = 8.0  # the long-context row's budget: its longest row trains in seconds on an H100/H200
+TINY_LONG_CONTEXT = 2048  # --tiny: the tokens whose planned peak is the budget
 FULL_SHAPE = {
     "hidden_size": 2048,
     "intermediate_size": 5632,
@@ -315,12 +316,14 @@ def long_context_row(folder: Path, rows_folder: Path, tiny: bool) -> dict:
     """The longest row ``qlora-kit plan --max-seq-len`` gives for full checkpointing + offload + MLP tiles
     in a budget (``LONG_CONTEXT_GIB``; tiny: a few MiB, so it stays short on a CPU), trained for two steps:
     the measured peak against the plan's."""
-    from qlora_kit.memory.max_length import WAYS, longest_fit
+    from qlora_kit.memory.max_length import WAYS, _row, longest_fit
 
-    budget = 0.012 if tiny else LONG_CONTEXT_GIB
-    memory = {**WAYS["full + offload + tiles"], "budget_gb": budget}
-    probe = recipe_for(folder, text_rows(rows_folder, 64, 2), memory, 1, 64, 1)
-    fit = longest_fit(probe, "full + offload + tiles", budget, "cuda" if torch.cuda.is_available() else "cpu")
+    way, device = "full + offload + tiles", "cuda" if torch.cuda.is_available() else "cpu"
+    probe = recipe_for(folder, text_rows(rows_folder, 64, 2), dict(WAYS[way]), 1, 64, 1)
+    # tiny: the budget that 2,048 tokens plan to, so the row stays short on a CPU (a few MiB)
+    budget = _row(probe, WAYS[way], TINY_LONG_CONTEXT, device).peak / GIB if tiny else LONG_CONTEXT_GIB
+    memory = {**WAYS[way], "budget_gb": budget}
+    fit = longest_fit(probe, way, budget, device)
     usage = train(recipe_for(folder, text_rows(rows_folder, fit.seq, 4), memory, 1, fit.seq, 2))
     peaks = [usage.get(f"peak_{phase}_gib", 0.0) for phase in ("forward", "backward", "optimizer")]
     return {
@@ -349,7 +352,7 @@ def print_table(report: dict, batch: int, seq: int, long_seq: int) -> None:
     )
     lc = report["long_context"]
     print(
-        f"long context in {lc['budget_gib']:g} GiB (full + offload + tiles): {lc['seq']:,} tokens, peak "
+        f"long context in {lc['budget_gib']:.3g} GiB (full + offload + tiles): {lc['seq']:,} tokens, peak "
         f"{lc['measured_peak_gib']:.2f} GiB (planned {lc['planned_peak_gib']:.2f}), host {lc['host_gib']:.2f} GiB"
     )
     for r in report["optimizers"]:

@@ -43,8 +43,8 @@ def test_gpu_check_tiny_runs_and_reports_every_setting(tmp_path):
     assert repaged[1] == 0 and (repaged[0] == 0 or torch.cuda.is_available()), repaged
     assert "long sequence" in result.stdout
     # the longest row the plan gives in the budget trained (on the CPU no peak is measured)
-    assert report["long_context"]["seq"] >= 1024 and report["long_context"]["host_gib"] > 0
-    assert "long context in 0.012 GiB" in result.stdout
+    assert report["long_context"]["seq"] >= 2048 and report["long_context"]["host_gib"] > 0
+    assert "long context in " in result.stdout
     # the real out-of-memory case needs a GPU's memory (and a model bigger than the tiny one): skipped
     assert "skipped" in report["oom"] and "out of memory (real): skipped" in result.stdout
 
