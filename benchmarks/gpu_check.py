@@ -316,12 +316,12 @@ def long_context_row(folder: Path, rows_folder: Path, tiny: bool) -> dict:
     """The longest row ``qlora-kit plan --max-seq-len`` gives for full checkpointing + offload + MLP tiles
     in a budget (``LONG_CONTEXT_GIB``; tiny: a few MiB, so it stays short on a CPU), trained for two steps:
     the measured peak against the plan's."""
-    from qlora_kit.memory.max_length import WAYS, _row, longest_fit
+    from qlora_kit.memory.max_length import WAYS, longest_fit, planned_at
 
     way, device = "full + offload + tiles", "cuda" if torch.cuda.is_available() else "cpu"
     probe = recipe_for(folder, text_rows(rows_folder, 64, 2), dict(WAYS[way]), 1, 64, 1)
     # tiny: the budget that 2,048 tokens plan to, so the row stays short on a CPU (a few MiB)
-    budget = _row(probe, WAYS[way], TINY_LONG_CONTEXT, device).peak / GIB if tiny else LONG_CONTEXT_GIB
+    budget = planned_at(probe, WAYS[way], TINY_LONG_CONTEXT, device).peak / GIB if tiny else LONG_CONTEXT_GIB
     memory = {**WAYS[way], "budget_gb": budget}
     fit = longest_fit(probe, way, budget, device)
     usage = train(recipe_for(folder, text_rows(rows_folder, fit.seq, 4), memory, 1, fit.seq, 2))

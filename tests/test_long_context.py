@@ -174,8 +174,8 @@ def test_the_longest_fit_fits_and_one_step_more_does_not():
     fit = max_length.longest_fit(recipe, "full + offload + tiles", budget_gb=0.02)
     fields = max_length.WAYS["full + offload + tiles"]
     assert fit.seq > 0 and fit.seq % max_length.STEP == 0
-    assert max_length._row(recipe, fields, fit.seq, "cuda").peak <= 0.02 * 1024**3
-    assert max_length._row(recipe, fields, fit.seq + max_length.STEP, "cuda").peak > 0.02 * 1024**3
+    assert max_length.planned_at(recipe, fields, fit.seq, "cuda").peak <= 0.02 * 1024**3
+    assert max_length.planned_at(recipe, fields, fit.seq + max_length.STEP, "cuda").peak > 0.02 * 1024**3
     full = max_length.longest_fit(recipe, "full", budget_gb=0.02)
     assert fit.seq > full.seq  # offload and tiles leave room for longer rows than full checkpointing alone
     assert fit.host == 4 * fit.seq * 128 * 2  # every layer's input (hidden 128, bf16) waits in host memory

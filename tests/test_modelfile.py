@@ -69,4 +69,4 @@ def test_the_real_models_chatml_with_its_default_system_prompt():
     tokenizer = model.load_tokenizer(ModelSection(path="builtin:smollm2-135m-instruct"))
     check_template(tokenizer, "<|im_end|>")
     pieces = modelfile.chat_pieces(tokenizer)
-    assert "You are a helpful AI assistant named SmolLM" in pieces["first_user_pre"]
+    assert "You are a helpful AI assistant named SmolLM" in pieces["user_start"]

@@ -43,10 +43,17 @@ REPORT = "export_report.json"
 # A correct export matches its floor up to the reader's float order; calibrated on SmolLM2-135M and the
 # tiny families (benchmarks/results/export-precision-real-cpu.md), a wrong one (the LoRA update halved)
 # is many times past it.
-TOP1_SLACK = 0.02  # top-1 agreement with the trained model at most this far below the floor's
+# Top-1 over a report's ~80 answer positions moves in steps of over a point, and llama.cpp's q8_0 matmul
+# also rounds the activations to 8 bits, which the floor (read by transformers) does not: the real model's
+# q8_0 file read by llama.cpp agreed 95.5% against its floor's 98.5% in CI. Mean KL is what parts a wrong
+# export from a right one (the halved update: 0.11 against the floor's 0.002), so top-1 is given room.
+TOP1_SLACK = 0.05  # top-1 agreement with the trained model at most this far below the floor's
 KL_FACTOR, KL_SLACK = 1.5, 0.005  # mean KL(trained || export) at most floor * 1.5 + 0.005
-# Against the floor itself (the same weights, read from the file): only the writer's own errors show.
-FLOOR_TOP1, FLOOR_KL = 0.98, 0.002
+# Against the floor itself (the same weights, read from the file): the writer's own errors, and the
+# reader's arithmetic: llama.cpp's q8_0 dot products round the activations to 8 bits too (the real model's
+# q8_0 file read by llama.cpp: mean KL 0.0021 against its floor, where transformers reads 0.001; a writer's
+# error, such as the halved update, is 0.1 and more).
+FLOOR_TOP1, FLOOR_KL = 0.95, 0.005
 
 
 @dataclass

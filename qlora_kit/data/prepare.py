@@ -112,25 +112,16 @@ def prepare_datasets(
     val_rows, val_format = None, data.format
     for source in data.source_list():
         fmt = data.format_of(source)
-        train_source, own_val = sources.split_of(source.path)
-        rows = sources.load_rows(train_source, data, source)
-        split = None
-        if own_val is None and data.val_path is None and data.val_fraction > 0 and len(rows) > 1:
-            numbered = rows.add_column(ROW, list(range(1, len(rows) + 1)))
-            halves = numbered.train_test_split(test_size=data.val_fraction, seed=seed)
-            rows, split = halves["train"], halves["test"]
-        tokenized, report = _tokenized(rows, data, fmt, tokenizer, train_source)
+        split = sources.split_source(source, data, seed, number_as=ROW)
+        tokenized, report = _tokenized(split.rows, data, fmt, tokenizer, split.train_from)
         parts.append(tokenized)
         train_reports.append(report)
-        held_out = (
-            split if split is not None else (sources.load_rows(own_val, data, source) if own_val else None)
-        )
-        if held_out is not None and data.val_path is None:
-            val, val_report = _tokenized(held_out, data, fmt, tokenizer, own_val or train_source)
+        if split.held_out is not None:
+            val, val_report = _tokenized(split.held_out, data, fmt, tokenizer, split.held_from)
             val_parts.append(val)
             val_reports.append(val_report)
             if val_rows is None:
-                val_rows, val_format = held_out, fmt
+                val_rows, val_format = split.held_out, fmt
     if data.val_path is not None:
         main = SourceSection(path=data.val_path, config_name=data.config_name, fields=data.fields)
         val_rows = sources.load_rows(data.val_path, data, main)

@@ -39,21 +39,16 @@ def prepare_prompts(data: DataSection, tokenizer, seed: int, completion_tokens: 
     val_rows, val_format = None, data.format
     for source in data.source_list():
         fmt = data.format_of(source)
-        train_source, own_val = sources.split_of(source.path)
-        rows = sources.load_rows(train_source, data, source)
-        held_out = sources.load_rows(own_val, data, source) if own_val and data.val_path is None else None
-        if held_out is None and data.val_path is None and data.val_fraction > 0 and len(rows) > 1:
-            halves = rows.train_test_split(test_size=data.val_fraction, seed=seed)
-            rows, held_out = halves["train"], halves["test"]
-        part, report = _prompts(rows, fmt, data, tokenizer, train_source, budget)
+        split = sources.split_source(source, data, seed)
+        part, report = _prompts(split.rows, fmt, data, tokenizer, split.train_from, budget)
         train_parts.append(part)
         train_reports.append(report)
-        if held_out is not None:
-            part, report = _prompts(held_out, fmt, data, tokenizer, own_val or train_source, budget)
+        if split.held_out is not None:
+            part, report = _prompts(split.held_out, fmt, data, tokenizer, split.held_from, budget)
             val_parts.append(part)
             val_reports.append(report)
             if val_rows is None:
-                val_rows, val_format = held_out, fmt
+                val_rows, val_format = split.held_out, fmt
     if data.val_path is not None:
         main = data.source_list()[0]
         val_rows = sources.load_rows(data.val_path, data, main)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -30,6 +31,38 @@ def split_of(path: str) -> tuple[str, str | None]:
         train_file, val_file = demo.demo_data_files(path)
         return str(train_file), str(val_file)
     return path, None
+
+
+@dataclass
+class SourceSplit:
+    """One source's training rows and the rows it holds out for validation (``held_from``: where they
+    were read, for the data report's lines)."""
+
+    train_from: str
+    rows: Dataset
+    held_out: Dataset | None = None
+    held_from: str | None = None
+
+
+def split_source(
+    section: SourceSection, data: DataSection, seed: int, number_as: str | None = None
+) -> SourceSplit:
+    """A source's rows and what it holds out: its own validation file (builtin sets bring one), else
+    ``data.val_fraction`` of its rows split off with the seed; nothing where ``data.val_path`` holds out
+    for every source. ``number_as``: a column numbering the rows from 1 before the split, so a bad row
+    is still named by its line in the file."""
+    train_from, own_val = split_of(section.path)
+    rows = load_rows(train_from, data, section)
+    if data.val_path is not None:
+        return SourceSplit(train_from, rows)
+    if own_val is not None:
+        return SourceSplit(train_from, rows, load_rows(own_val, data, section), own_val)
+    if data.val_fraction > 0 and len(rows) > 1:
+        if number_as:
+            rows = rows.add_column(number_as, list(range(1, len(rows) + 1)))
+        halves = rows.train_test_split(test_size=data.val_fraction, seed=seed)
+        return SourceSplit(train_from, halves["train"], halves["test"], train_from)
+    return SourceSplit(train_from, rows)
 
 
 def load_rows(source: str, data: DataSection, section: SourceSection | None = None) -> Dataset:

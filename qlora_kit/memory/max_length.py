@@ -44,7 +44,8 @@ class LongestFit:
     activations: int
 
 
-def _row(recipe: Recipe, fields: dict, seq: int, device: str) -> PolicyPlan:
+def planned_at(recipe: Recipe, fields: dict, seq: int, device: str) -> PolicyPlan:
+    """The plan of one row of ``seq`` tokens with the memory ``fields`` of one way set."""
     # one long row: no packing (its block-diagonal mask grows with the square of the row)
     way = recipe.with_overrides({"data.packing": False, **{f"memory.{k}": v for k, v in fields.items()}})
     return plan(way, batch=1, seq=seq, device=device).chosen(way)
@@ -54,14 +55,14 @@ def longest_fit(recipe: Recipe, way: str, budget_gb: float, device: str = "cuda"
     """The longest multiple of ``STEP`` tokens that ``way`` fits in ``budget_gb`` at micro-batch 1: the
     last traced length that fits, with one ``STEP`` more traced and found not to."""
     fields, room = WAYS[way], budget_gb * GIB
-    rows = {seq: _row(recipe, fields, seq, device) for seq in PROBES}
+    rows = {seq: planned_at(recipe, fields, seq, device) for seq in PROBES}
     for _ in range(MAX_TRIES):
         (short, low), (long, high) = sorted(rows.items())[-2:] if len(rows) == 2 else _nearest(rows, room)
         per_token = max((high.peak - low.peak) / (long - short), 1.0)
         seq = max(STEP, int(long + (room - high.peak) / per_token) // STEP * STEP)
         for candidate in (seq, seq + STEP):
             if candidate not in rows:
-                rows[candidate] = _row(recipe, fields, candidate, device)
+                rows[candidate] = planned_at(recipe, fields, candidate, device)
         if rows[seq].peak <= room < rows[seq + STEP].peak:
             break
     fitting = [seq for seq, row in rows.items() if row.peak <= room]

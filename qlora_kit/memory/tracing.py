@@ -140,7 +140,9 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
                 "quant": True,
                 "lora": True,
                 "data": True,
-                "memory": True,
+                # not memory.checkpointing: every trace sets its own policy (_trace_both traces all three),
+                # so plans that differ only there (plan --max-seq-len's ways) share their traces
+                "memory": set(type(recipe.memory).model_fields) - {"checkpointing"},
                 "train": {"objective"},
             }
         ),

@@ -47,16 +47,11 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     train_parts, val_parts, reports = [], [], []
     val_rows = None
     for source in section.source_list():
-        train_file, own_val = sources.split_of(source.path)
-        rows = sources.load_rows(train_file, section, source)
-        held = sources.load_rows(own_val, section, source) if own_val and section.val_path is None else None
-        if held is None and section.val_path is None and section.val_fraction > 0 and len(rows) > 1:
-            halves = rows.train_test_split(test_size=section.val_fraction, seed=seed)
-            rows, held = halves["train"], halves["test"]
-        train_parts.append(_texts(rows, section, train_file))
-        if held is not None:
-            val_parts.append(_texts(held, section, own_val or train_file))
-            val_rows = val_rows if val_rows is not None else held
+        split = sources.split_source(source, section, seed)
+        train_parts.append(_texts(split.rows, section, split.train_from))
+        if split.held_out is not None:
+            val_parts.append(_texts(split.held_out, section, split.held_from))
+            val_rows = val_rows if val_rows is not None else split.held_out
     if section.val_path is not None:
         val_rows = sources.load_rows(section.val_path, section, section.source_list()[0])
         val_parts = [_texts(val_rows, section, section.val_path)]

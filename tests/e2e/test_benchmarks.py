@@ -83,7 +83,7 @@ TABLES = {
     "long_context.py": ("long-context-cpu.md", [
         ([("model, GPU", ".+"), ("memory", r"none|selective|full|full \+ offload|full \+ offload \+ tiles"),
           ("longest row (tokens)", r"[\d,]+"), ("device peak (GiB)", N), ("host (GiB)", rf"{N}|-"),
-          ("published", ".+")], 5),
+          ("published", ".+")], 1),
         ([("tokens", r"[\d,]+"), ("memory", r"none|full|full \+ offload|full \+ offload \+ tiles"),
           ("saved on device (MiB)", N), ("planned (MiB, error)", WITH_ERROR), ("host (MiB)", rf"{N}|-"),
           ("forward + backward (s)", SECONDS), ("time vs full", rf"{N}x")], 4),

@@ -20,6 +20,7 @@ from qlora_kit.data import prepare
 from qlora_kit.model import loading as model
 from qlora_kit.training.pipeline import build, check_runnable
 
+from ..conftest import gpu_compute_under_bf16
 from ..probes import EXPECTED_AUTOCAST, AutocastProbe
 from ..test_after_training import interrupted_then_resumed
 
@@ -31,7 +32,7 @@ DEMO_DPO = ROOT / "recipes" / "demo-dpo.yaml"
 
 def dpo_recipe(output_dir: Path, **overrides) -> Recipe:
     values = {"train.output_dir": str(output_dir), "train.sample_prompts": 0, "train.eval_steps": None}
-    return Recipe.from_yaml(DEMO_DPO, overrides={**values, **overrides})
+    return Recipe.from_yaml(DEMO_DPO, overrides=gpu_compute_under_bf16({**values, **overrides}))
 
 
 def four_bit_storage(module: torch.nn.Module) -> dict[int, int]:

@@ -29,6 +29,8 @@ def recipe_file(folder: Path) -> Path:
     recipe = folder / "recipe.yaml"
     recipe.write_text(
         f"data:\n  path: {train_file}\n  val_path: {folder / 'wrong.jsonl'}\n  max_seq_len: 64\n"
+        # float32 compute: a CPU without AVX512-BF16 emulates bfloat16 matmuls (11x slower)
+        "quant:\n  compute_dtype: float32\n"
         "lora:\n  dropout: 0.0\noptimizer:\n  lr: 1.0e-3\n"
         "train:\n  max_steps: 60\n  micro_batch_size: 16\n  eval_steps: 4\n  save_steps: 4\n  logging_steps: 4\n"
         "  keep_best: eval_loss\n  early_stopping_patience: 2\n"

@@ -83,6 +83,9 @@ def real_run(tmp_path_factory):
     (folder / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[24:]))
     recipe = {
         "model": {"path": MODEL},
+        # these CPUs lack AVX512-BF16: bfloat16 matmuls are emulated, 11x slower than float32 (a GPU's
+        # bfloat16 compute runs in the suite's bf16 autocast tests on the tiny models)
+        "quant": {"compute_dtype": "float32"},
         "lora": {"rank": 8, "dropout": 0.0},
         "memory": {"checkpointing": "none"},
         "optimizer": {"lr": 1e-3, "warmup_ratio": 0.0},
@@ -155,9 +158,9 @@ def test_the_adapter_reloads_with_plain_peft_to_the_same_logits(real_run):
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_compute_dtype=torch.float32,  # the run's quant.compute_dtype (real_run)
         ),
-        dtype=torch.bfloat16,
+        dtype=torch.float32,
     )
     # bitsandbytes' CPU quirk (model/loading.disable_cpu_weight_repacking): without this, eval under no_grad
     # repacks the 4-bit weights for another CPU kernel, whose numerics differ; no GPU has it

@@ -87,6 +87,8 @@ def test_installed_wheel_lists_copies_and_trains_the_demo(wheel, tmp_path):
     copied = run(cli, "recipes", "copy", "demo", cwd=empty, env=env)
     assert (empty / "demo.yaml").read_text() == (ROOT / "recipes" / "demo.yaml").read_text(), copied.stdout
 
-    trained = run(cli, "train", "demo.yaml", *SHORT, "--output-dir", "out", cwd=empty, env=env)
+    # by its shipped name: the recipe read from inside the installed wheel, not from the copy beside it
+    (empty / "demo.yaml").unlink()
+    trained = run(cli, "train", "demo", *SHORT, "--output-dir", "out", cwd=empty, env=env)
     assert (empty / "out" / "adapter_model.safetensors").is_file(), trained.stdout
     assert "adapter written to" in trained.stdout
