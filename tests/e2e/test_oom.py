@@ -115,6 +115,30 @@ def test_the_split_keeps_steps_examples_and_losses(reference, capped):
     assert not (out / f"checkpoint-{k - 1}" / "micro_batch_split.json").exists()
 
 
+def test_an_out_of_memory_error_in_the_second_micro_batch_of_an_accumulating_step(tmp_path, monkeypatch):
+    """grad_accum 2, dropout on: step 1's first micro-batch has run (its gradients accumulated, its dropout
+    drawn) when the second, holding the long row, runs out of memory. The redone step trains what the
+    uncapped run trains: the same tokens, and its loss and gradient norm, step by step."""
+    # train.seed 2 puts the long row in step 1's second micro-batch (the order of the injector's peaks);
+    # without the worst-batch probe, which would split before step 1 and never meet the error in a step
+    settings = {
+        "train.micro_batch_size": 4, "train.grad_accum": 2, "train.seed": 2, "train.max_steps": 3,
+        "train.probe_worst_batch": False,
+    }  # fmt: skip
+    free = run(tmp_path / "free", monkeypatch, cap=10**15, **settings)
+    peaks = list(oom_faults.INJECTOR.peaks)
+    assert max(range(len(peaks)), key=peaks.__getitem__) == 1, peaks
+    capped = run(tmp_path / "capped", monkeypatch, cap=int(0.75 * max(peaks)), **settings)
+    [split] = splits(capped.output_dir)
+    assert split["step"] == 1
+    assert (
+        split[keys.OOM_SPLIT][keys.MICRO_BATCH_BEFORE] == 4 and split[keys.OOM_SPLIT][keys.MICRO_BATCH] == 2
+    )
+    for key in (keys.TRAINED_TOKENS, "grad_norm", "loss"):
+        got, want = ([r[key] for r in metrics(x.output_dir) if key in r] for x in (capped, free))
+        assert len(got) == 3 and got == pytest.approx(want, rel=1e-2), key
+
+
 def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
     (_, cap), (_, folder) = reference, capped
     k = splits(folder / "out")[0]["step"]
@@ -222,6 +246,27 @@ def test_evaluation_out_of_memory_splits_the_evaluation_batch_only(tmp_path, mon
     assert events and all(e["phase"] == "eval" for e in events), "training's micro-batch is never split"
     assert capped.train_losses == free.train_losses  # training untouched, bit for bit
     assert capped.eval_losses == pytest.approx(free.eval_losses, rel=1e-4)  # the same rows, in parts
+
+
+def test_the_probe_meets_an_evaluation_out_of_memory_error_before_step_1(tmp_path, monkeypatch):
+    """An evaluation that cannot fit is met before step 1 and split there, training untouched. Two paths
+    meet it: the evaluation at the start (eval_on_start) and the worst-batch probe's largest evaluation
+    batch under no-grad (what a run without the start evaluation relies on). Red only when neither does
+    (both turned off: the split came at step 2's evaluation); each alone keeps it green."""
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps(r) + "\n" for r in rows()[16:24]))  # the long row among them
+    settings = {
+        "data.val_path": str(val), "train.eval_steps": 2, "train.max_steps": 2, "train.probe_worst_batch": True,
+    }  # fmt: skip
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(10**15))  # armed, never reached: measures
+    oom_faults.INJECTOR.eval_peaks.clear()
+    free = run(tmp_path / "free", monkeypatch, **settings)
+    monkeypatch.setenv(oom_faults.EVAL_ENV, str(int(0.75 * max(oom_faults.INJECTOR.eval_peaks))))
+    capped = run(tmp_path / "capped", monkeypatch, **settings)
+    [split] = splits(capped.output_dir)
+    assert split["step"] == 0 and split[keys.OOM_SPLIT]["phase"] == "eval", split
+    assert capped.train_losses == free.train_losses
+    assert capped.eval_losses == pytest.approx(free.eval_losses, rel=1e-4)
 
 
 def test_out_of_memory_in_the_recompute_leaves_no_partial_gradient(tmp_path, monkeypatch):
