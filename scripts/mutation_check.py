@@ -200,7 +200,7 @@ MUTATIONS = [
         "qlora_kit/after/gguf_writer.py",
         "        alpha *= math.sqrt(rank)\n",
         "        pass\n",
-        ["tests/test_export.py::test_lora_only_gguf_holds_every_adapter_matrix"],
+        ["tests/test_export.py::test_the_lora_gguf_carries_the_adapters_scale_as_llama_cpp_reads_it[True]"],
     ),
     (
         "the GGUF keeps Q/K rows in Hugging Face's order",

@@ -56,6 +56,31 @@ def test_gguf_reads_back_as_the_model_it_was_written_from(name, tmp_path):
     ) == tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
+@pytest.mark.parametrize("rslora", [False, True])
+def test_the_lora_gguf_carries_the_adapters_scale_as_llama_cpp_reads_it(finished_run, tmp_path, rslora):
+    """llama.cpp scales a LoRA GGUF's update by alpha / rank; rsLoRA trains with alpha / sqrt(rank), which
+    the file must carry as alpha * sqrt(rank) (or the update llama.cpp applies is off by sqrt(rank))."""
+    import math
+
+    from transformers import AutoConfig
+
+    from qlora_kit.after import gguf_writer
+    from qlora_kit.model import adapters
+    from qlora_kit.model import loading as model
+    from tests.conftest import copy_run
+
+    run = copy_run(finished_run, tmp_path)
+    settings = json.loads((run / "adapter_config.json").read_text())
+    settings["use_rslora"] = rslora
+    (run / "adapter_config.json").write_text(json.dumps(settings))
+    config = AutoConfig.from_pretrained(model.resolve_model_path(adapters.recipe_of(run).model))
+    gguf_writer.write_lora_gguf(run, config, tmp_path / "adapter.gguf")
+    alpha = gguf.GGUFReader(tmp_path / "adapter.gguf").fields["adapter.lora.alpha"].contents()
+    rank = settings["r"]
+    trained_scale = settings["lora_alpha"] / (math.sqrt(rank) if rslora else rank)
+    assert alpha / rank == pytest.approx(trained_scale)
+
+
 def test_q8_0_tensors_are_quantized_and_norms_stay_f32(tmp_path):
     from qlora_kit.after import gguf_writer
     from qlora_kit.model.builtin import ensure_tiny_model
