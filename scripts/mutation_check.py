@@ -164,6 +164,15 @@ MUTATIONS = [
         ["tests/e2e/test_oom.py::test_the_split_keeps_steps_examples_and_losses"],
     ),
     (
+        "the OOM split redoes the step with the random state moved on",
+        "qlora_kit/training/oom_recovery.py",
+        "            set_rng_state(self._step_rng)\n",
+        "            pass\n",
+        [
+            "tests/e2e/test_oom.py::test_an_out_of_memory_error_in_the_second_micro_batch_of_an_accumulating_step"
+        ],
+    ),
+    (
         "the OOM split keeps the partial gradients of the step's earlier micro-batches",
         "qlora_kit/training/oom_recovery.py",
         "        model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far\n",

@@ -118,7 +118,8 @@ def test_the_split_keeps_steps_examples_and_losses(reference, capped):
 def test_an_out_of_memory_error_in_the_second_micro_batch_of_an_accumulating_step(tmp_path, monkeypatch):
     """grad_accum 2, dropout on: step 1's first micro-batch has run (its gradients accumulated, its dropout
     drawn) when the second, holding the long row, runs out of memory. The redone step trains what the
-    uncapped run trains: the same tokens, and its loss and gradient norm, step by step."""
+    uncapped run trains: the same tokens, and its loss and gradient norm, step by step; and it draws its
+    dropout from the step's random state, wherever in the failed attempt the error came."""
     # train.seed 2 puts the long row in step 1's second micro-batch (the order of the injector's peaks);
     # without the worst-batch probe, which would split before step 1 and never meet the error in a step
     settings = {
@@ -137,6 +138,16 @@ def test_an_out_of_memory_error_in_the_second_micro_batch_of_an_accumulating_ste
     for key in (keys.TRAINED_TOKENS, "grad_norm", "loss"):
         got, want = ([r[key] for r in metrics(x.output_dir) if key in r] for x in (capped, free))
         assert len(got) == 3 and got == pytest.approx(want, rel=1e-2), key
+    # A lower cap fails the same micro-batch earlier in its forward pass, after fewer dropout draws. The
+    # redone step starts from the step's random state either way, so the two capped runs are identical
+    # bit for bit (the uncapped run cannot be that oracle: its masks have the unsplit shapes).
+    early = run(tmp_path / "early", monkeypatch, cap=int(0.55 * max(peaks)), **settings)
+    [early_split] = splits(early.output_dir)
+    assert early_split["step"] == 1 and early_split[keys.OOM_SPLIT][keys.MICRO_BATCH] == 2
+    assert early_split[keys.OOM_SPLIT]["error"] != split[keys.OOM_SPLIT]["error"], "the same failure point"
+    for key in ("grad_norm", "loss"):
+        got, want = ([r[key] for r in metrics(x.output_dir) if key in r] for x in (early, capped))
+        assert got == want, key
 
 
 def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
