@@ -135,6 +135,7 @@ def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tm
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
     from qlora_kit.data import prepare
     from qlora_kit.training.objectives import build_trainer
+    from qlora_kit.training.resolved import ResolvedRun
 
     recipe = quick_recipe(tmp_path, **{"train.max_steps": 3, "memory.checkpointing": "none"})
     base = model.load_base_model(recipe.model, recipe.quant)
@@ -144,7 +145,9 @@ def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, seed=0)
-    trainer = build_trainer(recipe, peft_model, tokenizer, prepared.train, None, tmp_path)
+    trainer = build_trainer(
+        ResolvedRun.as_given(recipe, tmp_path), peft_model, tokenizer, prepared.train, None
+    )
     with pytest.raises(
         TrainingGuardError, match=r"step 1: 7 LoRA tensors got no gradient .* in model\.layers\.0\."
     ):

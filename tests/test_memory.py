@@ -10,6 +10,7 @@ from qlora_kit.memory import checkpointing, optimizers
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
 from qlora_kit.training.objectives import build_trainer
+from qlora_kit.training.resolved import ResolvedRun
 
 
 def base_with(**memory_fields):
@@ -54,7 +55,7 @@ def test_every_lora_tensor_gets_finite_nonzero_gradients_through_checkpointed_la
     tokenizer = model.load_tokenizer(recipe.model)
     train_set = prepare.prepare_datasets(recipe.data, tokenizer, seed=0).train
     recipe = recipe.with_overrides({"train.max_steps": 1, "train.output_dir": str(tmp_path)})
-    trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
+    trainer = build_trainer(ResolvedRun.as_given(recipe, tmp_path), peft_model, tokenizer, train_set, None)
     batch = next(iter(trainer.get_train_dataloader()))
 
     def grads():
@@ -78,7 +79,7 @@ def test_trainer_builds_the_paged_8bit_optimizer_with_the_recipe_lr(tmp_path):
     peft_model = adapters.attach_lora(base, recipe.lora)
     tokenizer = model.load_tokenizer(recipe.model)
     train_set = prepare.prepare_datasets(recipe.data, tokenizer, seed=0).train
-    trainer = build_trainer(recipe, peft_model, tokenizer, train_set, None, tmp_path)
+    trainer = build_trainer(ResolvedRun.as_given(recipe, tmp_path), peft_model, tokenizer, train_set, None)
     optimizer = trainer.create_optimizer()
     assert type(optimizer) is bnb.optim.PagedAdamW8bit
     assert optimizer.args.optim_bits == 8 and optimizer.is_paged

@@ -1,8 +1,12 @@
 """The training family: a run from recipe to saved adapter, and everything that watches it.
 
 - ``pipeline``: ``build(recipe)`` sets a run up stage by stage, ``run(recipe)`` trains and saves;
+- ``resolved``: what a recipe leaves to the machine, data or launch (precision, layout, checkpointing
+  auto, the objective, the launch), resolved once into one object every later stage reads;
 - ``sample_prompts``: the validation prompts a run answers before and after training;
 - ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
+- ``step``: one training step in the order it runs (the micro-batch's code) and every callback, in order;
+  ``private_hooks``: the private Trainer and TRL methods overridden, why, and a check at import;
 - each objective's module (the objective table's, registries/objectives.py: its data, arguments, Trainer):
   ``sft`` on ``GuardedTrainer`` (``trainer``: it and the Trainer's arguments); ``dpo``: TRL's DPOTrainer with the same;
   ``grpo``: TRL's GRPOTrainer with the same (its reward functions: data/rewards.py; ``reward_checks``

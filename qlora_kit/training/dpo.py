@@ -30,6 +30,7 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from qlora_kit.data import prepare as data
+from qlora_kit.training import private_hooks
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
@@ -66,6 +67,7 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     return GuardedDPOTrainer, args, TrainingGuard, {"data_collator": None}
 
 
+@private_hooks.checked
 class GuardedDPOTrainer(GuardedTrainer, DPOTrainer):
     """DPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 

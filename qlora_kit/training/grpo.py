@@ -40,6 +40,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
+from qlora_kit.training import private_hooks
 from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.grpo_oom import GrpoSplitOnOom
 from qlora_kit.training.guards import TrainingGuard, _all_zero
@@ -102,6 +103,7 @@ def check_batch(recipe: Recipe, processes: int) -> None:
         )
 
 
+@private_hooks.checked
 class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
     """GRPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 
@@ -116,10 +118,6 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
                 self.policy_restored += 1
         # TRL's generation toggles checkpointing when this says True (see the module docstring)
         self.model.is_gradient_checkpointing = False
-        args = self.args
-        self.add_callback(
-            GrpoExplainer(self.reward_func_names, args.beta, args.num_iterations, args.num_generations)
-        )
 
     # GRPOTrainer.training_step receives prompt rows and samples the rollouts inside it: the throughput
     # counts the rollout the loss is computed on, here, not the rows the step was handed.
@@ -234,4 +232,8 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments: the reward
     functions and the explaining callback; TRL collates nothing)."""
     args = grpo_arguments(recipe, output_dir, has_eval, precision)
-    return GuardedGRPOTrainer, args, RewardGuard, trainer_extras(recipe)
+    extras = trainer_extras(recipe)
+    # the names TRL gives function rewards in its logs (GRPOTrainer.reward_func_names)
+    names = [function.__name__ for function in extras["reward_funcs"]]
+    explainer = GrpoExplainer(names, args.beta, args.num_iterations, args.num_generations)
+    return GuardedGRPOTrainer, args, RewardGuard, {**extras, "callbacks": [explainer]}

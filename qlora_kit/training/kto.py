@@ -29,6 +29,7 @@ from qlora_kit.data import sources
 from qlora_kit.errors import DataError, RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.registries.formats import system_text
+from qlora_kit.training import private_hooks
 from qlora_kit.training.dpo import _policy_back_to_fp32, describe_reference
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
@@ -127,6 +128,7 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     return GuardedKTOTrainer, kto_arguments(recipe, output_dir, has_eval, precision), TrainingGuard, {}
 
 
+@private_hooks.checked
 class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
     """KTOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 

@@ -5,14 +5,12 @@ its Trainer's class and arguments: SFT runs on ``GuardedTrainer`` (sft.py, train
 ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer under the same additions), GRPO on ``GuardedGRPOTrainer``
 (grpo.py, TRL's GRPOTrainer, with the reward functions of data/rewards.py and the explanations of
 grpo_explain.py). All get the same callbacks, in the order that lets the memory and throughput
-figures reach every log: the memory monitor, throughput, the metrics file, the guards, the trackers,
-early stopping, then the caller's.
+figures reach every log (step.py's ``callbacks``).
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -21,8 +19,8 @@ from transformers import EarlyStoppingCallback
 from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
-from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import objectives
+from qlora_kit.training import step
 from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 from qlora_kit.training.throughput import Throughput, peak_tflops
 from qlora_kit.training.trackers import tracker_callbacks
@@ -30,6 +28,7 @@ from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
+    from qlora_kit.training.resolved import ResolvedRun
 
 
 def builder(recipe: Recipe) -> ModuleType:
@@ -38,27 +37,24 @@ def builder(recipe: Recipe) -> ModuleType:
 
 
 def build_trainer(
-    recipe: Recipe,
+    run: ResolvedRun,
     peft_model,
     tokenizer,
     train_set,
     val_set,
-    output_dir: Path,
     callbacks: list | None = None,
     guards: bool = True,
-    as_written: Recipe | None = None,
 ) -> GuardedTrainer:
-    """``guards=False`` leaves out the loss and gradient guards (benchmarks/guards.py measures their cost).
-    ``train.objective: dpo`` builds TRL's DPOTrainer with the same additions (dpo.py). ``as_written``:
-    the recipe as the run writes it to recipe.yaml (``data.packing: auto`` unresolved), which the
-    trackers log; ``recipe`` is the one resolved for this run's data."""
-    precision = resolve_mixed_precision(recipe)
+    """The run's Trainer, as resolved (resolved.py). ``guards=False`` leaves out the loss and gradient
+    guards (benchmarks/guards.py measures their cost)."""
+    recipe, output_dir = run.recipe, run.output_dir
     has_eval = val_set is not None
     # the objective's own module builds its Trainer's class, arguments and extras (TRL loads only for
     # the objectives that run on it)
-    trainer_class, args, guard_class, extra = builder(recipe).trainer_parts(
-        recipe, tokenizer, output_dir, has_eval, precision
+    trainer_class, args, guard_class, extra = importlib.import_module(run.objective.module).trainer_parts(
+        recipe, tokenizer, output_dir, has_eval, run.precision
     )
+    objective_callbacks = extra.pop("callbacks", [])
     pin_to_one_device(args)
     guard = guard_class(peft_model) if guards else None
     metrics_log = MetricsLog(output_dir / "metrics.jsonl")
@@ -76,15 +72,16 @@ def build_trainer(
         **extra,  # grpo: the reward functions and the explaining callback (TRL collates nothing)
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
-        callbacks=[
-            monitor,  # first, with the next: they add their figures to the logs the others write
+        callbacks=step.callbacks(
+            monitor,
             throughput,
             metrics_log,
-            *([guard] if guard is not None else []),
-            *tracker_callbacks(as_written or recipe, output_dir),
-            *stopping,
-            *(callbacks or []),
-        ],
+            guard,
+            trackers=tracker_callbacks(run.as_written, output_dir),
+            stopping=stopping,
+            objective=objective_callbacks,
+            callers=callbacks or [],
+        ),
         memory_monitor=monitor,
         metrics_log=metrics_log,
         throughput=throughput,

@@ -101,7 +101,9 @@ class SplitOnOom:
         self._step_rng = rng_state() if self.oom_policy.on_oom == "split" else None
         return batches, num_items
 
-    def training_step(self, model, inputs, num_items_in_batch=None):
+    def train_in_parts(self, model, inputs, num_items_in_batch=None):
+        """The micro-batch's forward and backward passes, in ``parts`` chunks (step.py's item b); on an
+        out-of-memory error the step's micro-batches so far again, in twice the parts."""
         started = time.perf_counter()
         loss, failure = self._attempt(model, [inputs], num_items_in_batch)
         if failure is None:

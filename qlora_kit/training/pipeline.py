@@ -36,7 +36,7 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import run_log, sample_prompts, trackers
+from qlora_kit.training import run_log, sample_prompts, step, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
 from qlora_kit.training.manifest import utc_now, write_manifest
@@ -55,7 +55,7 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
-from qlora_kit.training.run_console import replace_trainer_output
+from qlora_kit.training.resolved import ResolvedRun
 from qlora_kit.training.run_record import tokens_per_s
 from qlora_kit.training.trainer import GuardedTrainer
 
@@ -79,6 +79,7 @@ class Setup:
     model: PeftModel
     trainer: GuardedTrainer
     checkpointed_layers: list[int]
+    run: ResolvedRun  # what the recipe left to the machine, the data or the launch, resolved once
 
 
 @dataclass
@@ -104,10 +105,10 @@ class TrainResult:
         return [row["loss"] for row in self.metrics if "loss" in row]
 
 
-def check_runnable(recipe: Recipe) -> None:
+def check_runnable(recipe: Recipe) -> tuple[dict[str, str] | None, str]:
     """What can be refused before any work: missing local paths, a base-model folder that cannot load, an
     output folder that cannot be written, a launch the recipe does not match, a mixed precision this
-    machine cannot run."""
+    machine cannot run. Returns the launch and the mixed precision, resolved (resolved.py)."""
     recipe.check_paths()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     check_output_folder(output_dir, "train.output_dir")
@@ -130,11 +131,12 @@ def check_runnable(recipe: Recipe) -> None:
             "--config_file recipes/accelerate/fsdp-qlora.yaml --num_processes N -m qlora_kit train RECIPE"
         )
     check_fsdp_launch(recipe, launch)
-    resolve_mixed_precision(recipe)
+    precision = resolve_mixed_precision(recipe)
     unavailable = attention.check_installed(recipe.model.attn_implementation, torch.cuda.is_available())
     unavailable = unavailable or trackers.check_installed(recipe.train.report_to)
     if unavailable:
         raise RecipeError(unavailable)
+    return launch, precision
 
 
 def build(
@@ -143,18 +145,20 @@ def build(
     """Everything a run trains with; nothing is written. ``output_dir`` defaults to the recipe's;
     ``callbacks`` are extra ``transformers.TrainerCallback`` objects; ``guards=False`` drops the loss and
     gradient guards (for measuring what they cost; never for a run)."""
-    check_runnable(recipe)
-    return _build_checked(recipe, output_dir, callbacks, guards)
+    checked = check_runnable(recipe)
+    return _build_checked(recipe, checked, output_dir, callbacks, guards)
 
 
 def _build_checked(
     recipe: Recipe,
+    checked: tuple[dict[str, str] | None, str],
     output_dir: Path | None,
     callbacks: list | None,
     guards: bool,
     checkpoint: Path | None = None,
 ) -> Setup:
-    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder); ``checkpoint``:
+    """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder), with the
+    launch and precision it resolved; ``checkpoint``:
     the one a resumed run continues (checkpointing auto chooses with the costs it measured)."""
     output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
@@ -173,6 +177,8 @@ def _build_checked(
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
     memory, costs = auto.resolve_auto(recipe, checkpoint, share)
+    launch, precision = checked
+    resolved = ResolvedRun(recipe, as_written, spec, launch, precision, memory, costs, output_dir)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
     if recipe.data.preflight.enabled and spec.preflight:
         collator = (
@@ -183,7 +189,7 @@ def _build_checked(
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
     attention_fit.check_attention_fits(recipe, base.config)
-    checkpointed = checkpointing.enable_checkpointing(base, memory)
+    checkpointed = checkpointing.enable_checkpointing(base, resolved.memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(
             base, Path(recipe.model.adapter).expanduser(), True, "model.adapter"
@@ -191,17 +197,15 @@ def _build_checked(
         adapters.log_continued_shape(peft_model, recipe)
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
-    trainer = build_trainer(
-        recipe, peft_model, tokenizer, prepared.train, prepared.val, output_dir, callbacks, guards, as_written
-    )
-    trainer.layer_costs = costs  # into every checkpoint, for --resume
+    trainer = build_trainer(resolved, peft_model, tokenizer, prepared.train, prepared.val, callbacks, guards)
+    trainer.layer_costs = resolved.layer_costs  # into every checkpoint, for --resume
     if spec.reference:
         log.info(
             "%s: the reference policy is %s", spec.name, trainer.reference_description(recipe.model.adapter)
         )
     if spec.disables_dropout:  # TRL's disable_dropout: policy and reference score the same answer alike
         log.info("%s: dropout is off, lora.dropout included (TRL's default)", spec.name)
-    return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed)
+    return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed, resolved)
 
 
 def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Recipe, prepare.PreparedData]:
@@ -232,14 +236,14 @@ def run(
     checkpoint. ``callbacks`` and ``guards`` as for ``build``. ``console``: show progress there
     (run_console.py) instead of the Trainer's progress bars and printed log dicts.
     """
-    check_runnable(recipe)
+    checked = check_runnable(recipe)
     log.debug("the resolved recipe:\n%s", recipe.to_yaml())
     ranks = Ranks()
     output_dir = Path(recipe.train.output_dir).expanduser().resolve()
     with exclusive(output_dir) if ranks.is_main else contextlib.nullcontext():
         checkpoint = _checkpoint_to_resume(output_dir, resume, overwrite)
         stopper = StopOnSignal()
-        setup = _build_checked(recipe, output_dir, [stopper, *(callbacks or [])], guards, checkpoint)
+        setup = _build_checked(recipe, checked, output_dir, [stopper, *(callbacks or [])], guards, checkpoint)
         _announce(setup, ranks, console)
         examples = sample_prompts.examples(setup.data, setup.recipe, setup.tokenizer, ranks)
         before = sample_prompts.answers(setup.model, setup.tokenizer, examples)
@@ -288,7 +292,7 @@ def _checkpoint_to_resume(output_dir: Path, resume: bool | str | Path, overwrite
 def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     """The run console replaces the Trainer's output; the main process logs the setup."""
     if console is not None:
-        replace_trainer_output(setup.trainer, console)
+        step.show_on(setup.trainer, console)
     if ranks.is_main:
         run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
         run_log.log_optimizer_state(setup.model, setup.recipe)

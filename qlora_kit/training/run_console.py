@@ -2,7 +2,7 @@
 (progress, time left, loss, eval loss, GRPO's reward, learning rate, gradient norm, tokens per second, memory), the
 run's log lines above it, and plain periodic lines where stderr is not a terminal (CI, ``nohup``, a
 file): no carriage returns, no escape codes, no raw log dicts. The Trainer's own progress bars and log
-printer are replaced by it (``replace_trainer_output``); every figure still goes to ``metrics.jsonl``
+printer are replaced by it (step.py's ``show_on``); every figure still goes to ``metrics.jsonl``
 and the trackers.
 """
 
@@ -14,7 +14,6 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import TrainerCallback
-from transformers.trainer_callback import PrinterCallback, ProgressCallback
 
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries import objectives
@@ -108,12 +107,3 @@ def remaining(seconds: float, step: int, total: int) -> str:
         return "?"
     left = int(seconds / step * max(total - step, 0))
     return f"{left // 3600}:{left % 3600 // 60:02d}:{left % 60:02d}"
-
-
-def replace_trainer_output(trainer, console: Console) -> RunConsole:
-    """Take the Trainer's progress bars and printed log dicts off and put the run console on."""
-    trainer.remove_callback(ProgressCallback)
-    trainer.remove_callback(PrinterCallback)
-    run_console = RunConsole(console)
-    trainer.add_callback(run_console)
-    return run_console

@@ -1,28 +1,11 @@
-"""The Trainer subclass and its construction from a recipe: arguments, optimizer, collator, callbacks.
+"""The Trainer subclass and its construction from a recipe: arguments, optimizer, collator.
 
 transformers' Trainer runs the loop (accumulation, clipping, scheduling, evaluation, logging,
-checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not, and one
-optimizer step runs in this order (``Trainer._inner_training_loop``, transformers 5.24):
-
-1. per micro-batch: ``training_step`` counts its tokens (throughput), then per part of it (one, unless
-   an out-of-memory error split it: oom_recovery.py) ``compute_loss`` — the forward pass (under
-   accelerate's autocast) with transformers' loss or the chunked loss head (memory/loss_head.py),
-   while ``SavedTensors`` counts the bytes saved for backward;
-2. ``training_step`` — backward; then the micro-batch's loss is folded into the guard's device flag
-   (no host read; under train.objective dpo TRL's loss reads its reward metrics on the host each
-   micro-batch) and the monitor closes the backward phase;
-3. after the last micro-batch: DDP's all-reduce, then the Trainer unscales (fp16) and clips;
-4. ``on_pre_optimizer_step`` — the guard reads its flags once: a non-finite loss or gradient stops the
-   run here, before the optimizer applies it; dead LoRA gradients stop it too (guards.py);
-5. the optimizer step (with a GradScaler under fp16, which skips overflow steps itself), the scheduler;
-6. logging (``MemoryMonitor`` and ``Throughput`` add their figures to the logs ``MetricsLog`` and
-   the trackers write: trackers.py);
-7. a checkpoint when due: ``_save_checkpoint`` stages it and renames it into place.
-
-Private Trainer methods overridden, each safe because ``transformers<6`` is pinned (pyproject.toml):
-``_save_checkpoint`` and ``_get_output_dir`` (atomic checkpoints), ``_load_optimizer_and_scheduler``
-(a resumed paged optimizer pages again, the micro-batch split is read back), ``_run_epoch`` (the
-worst-batch probe, oom_recovery.py); ``save_model`` (public) writes the adapter as the final save does, gathered under FSDP.
+checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not: the step's
+order (step.py: the micro-batch's code and the callbacks), out-of-memory recovery (oom_recovery.py),
+atomic checkpoints, a resumed paged optimizer that pages again, and the adapter saved as the final
+folder holds it. The private Trainer methods it overrides are named, with the reason no public hook
+serves, in private_hooks.py, which checks at import that each still exists.
 """
 
 from __future__ import annotations
@@ -36,15 +19,15 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import layer_costs, oom_faults, optimizers
-from qlora_kit.memory.accounting import SavedTensors
-from qlora_kit.memory.loss_head import chunked_lm_loss
+from qlora_kit.memory import layer_costs, optimizers
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model import adapters
+from qlora_kit.training import private_hooks
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.micro_batches import OomPolicy
 from qlora_kit.training.oom_recovery import SplitOnOom
 from qlora_kit.training.outputs import move_into_place, staging_dir
+from qlora_kit.training.step import TrainingStep
 from qlora_kit.training.throughput import Throughput
 
 if TYPE_CHECKING:
@@ -129,16 +112,15 @@ def pin_to_one_device(args) -> None:
         args._n_gpu = 1
 
 
-class GuardedTrainer(SplitOnOom, Trainer):
-    """The Trainer with qlora_kit's loss head, guards and memory accounting (see the module docstring).
+@private_hooks.checked
+class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
+    """The Trainer with qlora_kit's step, guards and memory accounting (see the module docstring).
 
     ``chunk_tokens``: tokens per chunk of the chunked loss head, or None for transformers' own loss;
     ``guard``: the training guard (None to measure a run without it); ``memory_monitor`` and
     ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``; ``oom_policy``
     and ``probe``: what an out-of-memory error does, and whether the worst batch runs first (oom_recovery.py).
     """
-
-    counts_in_step = True  # training_step counts its micro-batch's tokens (GRPO counts its rollouts instead)
 
     def __init__(
         self,
@@ -165,37 +147,6 @@ class GuardedTrainer(SplitOnOom, Trainer):
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
         self.layer_costs: layer_costs.LayerCosts | None = None  # what checkpointing auto measured (pipeline)
         self._staging: Path | None = None
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:
-            with oom_faults.INJECTOR.evaluation():  # a no-op unless a test caps evaluation's memory
-                return self._loss(model, inputs, return_outputs, num_items_in_batch)
-        counter = SavedTensors(model, inject_faults=True)
-        self.memory_monitor.phase_started()
-        self.memory_monitor.forward_started()
-        with counter.counting():
-            result = self._loss(model, inputs, return_outputs, num_items_in_batch)
-        self.memory_monitor.forward_done(counter.result())
-        self.forward_done()  # out-of-memory in another process stops this one here too (oom_recovery.py)
-        return result
-
-    def _loss(self, model, inputs, return_outputs, num_items_in_batch):
-        if self.chunk_tokens is None or return_outputs:
-            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        causal_lm = self.accelerator.unwrap_model(model).get_base_model()
-        loss = chunked_lm_loss(
-            model,
-            inputs,
-            self.chunk_tokens,
-            num_items_in_batch,
-            causal_lm=causal_lm,
-            autocast=self.accelerator.autocast,
-        )
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            # Trainer.compute_loss scales the models' own loss the same way: num_items_in_batch is the
-            # count over all processes, while DDP averages the gradients over processes.
-            loss = loss * self.accelerator.num_processes
-        return loss
 
     def _save_checkpoint(self, model, trial) -> None:
         # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
@@ -259,12 +210,3 @@ class GuardedTrainer(SplitOnOom, Trainer):
         if checkpoint is not None:
             self.load_split(Path(checkpoint))
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if not self.probing and self.counts_in_step:  # once per micro-batch, however many parts or attempts
-            self.throughput.count(inputs)
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        self.memory_monitor.backward_done()
-        if self.guard is not None:
-            self.guard.record_loss(loss)
-        return loss

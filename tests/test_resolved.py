@@ -1,0 +1,43 @@
+"""One resolved run: what the recipe leaves to the machine, the data or the launch is resolved once, in
+pipeline.build, and every later stage reads that object (training/resolved.py)."""
+
+import re
+from pathlib import Path
+
+from qlora_kit.training.pipeline import build
+
+from .conftest import quick_recipe
+
+TRAINING = Path(__file__).resolve().parents[1] / "qlora_kit" / "training"
+RESOLVERS = ["resolve_mixed_precision", "resolve_layout", "resolve_auto", "launched_fsdp_settings"]
+
+
+def test_the_training_stages_resolve_nothing_again():
+    """Each resolver is called once in training/: by pipeline.build's checks and stages (resolved.py's
+    ``as_given`` serves a Trainer built outside the pipeline)."""
+    calls = {}
+    for path in TRAINING.glob("*.py"):
+        for name in RESOLVERS:
+            for _ in re.finditer(rf"(?<!def )(?<![\w.]){name}\(|\.{name}\(", path.read_text()):
+                calls.setdefault(name, []).append(path.name)
+    for name in RESOLVERS:
+        assert sorted(calls.get(name, [])) == sorted(
+            {"pipeline.py", "resolved.py"} & set(calls.get(name, []))
+        ), calls
+        assert calls.get(name, []).count("pipeline.py") <= 1, (name, calls[name])
+
+
+def test_a_built_run_carries_what_it_resolved_and_the_trainer_runs_it(tmp_path):
+    settings = {
+        "data.packing": "auto", "memory.checkpointing": "auto", "memory.budget_gb": 80,
+        "train.mixed_precision": "bf16", "train.max_steps": 1,
+    }  # fmt: skip
+    setup = build(quick_recipe(tmp_path / "out", **settings))
+    run = setup.run
+    assert run.as_written.data.packing == "auto" and run.recipe.data.packing in (True, False)
+    assert run.memory.checkpointing == "none" and run.recipe.memory.checkpointing == "auto"
+    assert run.objective.name == "sft" and run.launch is None and run.output_dir == tmp_path / "out"
+    args = setup.trainer.args
+    assert (args.bf16, args.fp16) == (run.precision == "bf16", run.precision == "fp16")
+    assert setup.trainer.layer_costs is run.layer_costs
+    assert setup.checkpointed_layers == [], "everything fits 80 GiB: auto chose no checkpointing"
