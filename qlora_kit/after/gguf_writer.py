@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
     arch = getattr(gguf.MODEL_ARCH, family.arch)
     writer = gguf.GGUFWriter(out, gguf.MODEL_ARCH_NAMES[arch])
     writer.add_type(gguf.GGUFType.MODEL)
-    writer.add_name(name)
+    writer.add_name(served_name(name))
     write_parameters(writer, config, family)
     writer.add_file_type(_file_types()[qtype])
     _add_vocabulary(writer, folder, AutoTokenizer.from_pretrained(folder), config.vocab_size)
@@ -59,6 +60,20 @@ def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
                 if tensor is not None:
                     _add_tensor(writer, _gguf_name(names, key), tensor, qtype)
     _write(writer)
+
+
+# llama.cpp keys tokenizer rules on general.name: a name containing "phi-3" or "phi3" (any case) makes it
+# strip the whitespace after every special token and look up </s>, <unk>, <s> and <|endoftext|>,
+# aborting the load ("error loading model vocabulary: _Map_base::at") when one is missing (llama-vocab.cpp,
+# its token attributes). Those rules are Phi-3's SentencePiece vocabulary's; the byte-level BPE
+# vocabularies written here have neither the tokens nor the rule (transformers keeps that whitespace), so
+# a run named after Phi-3 (a Phi-4 fine-tune called phi3-chat, say) gets a name without the trigger.
+NAME_TRIGGERS = re.compile(r"phi-?3", re.IGNORECASE)
+
+
+def served_name(name: str) -> str:
+    """``name`` as general.name, with llama.cpp's Phi-3 trigger broken up ("phi3-chat" -> "phi 3-chat")."""
+    return NAME_TRIGGERS.sub(lambda found: found.group(0)[:3] + " 3", name)
 
 
 def write_lora_gguf(adapter_dir: Path, base_config, out: Path) -> None:
