@@ -132,3 +132,29 @@ def test_a_folder_of_parquet_shards_loads_as_one_dataset(tokenizer, tmp_path):
 def test_impossible_source_settings_are_one_line_naming_the_field(values, message):
     with pytest.raises(RecipeError, match=message):
         Recipe.from_dict({"data": values})
+
+
+def test_the_validation_file_reads_with_datas_own_field_names_for_every_objective(tokenizer, tmp_path):
+    """data.val_path is data's file: its columns are named by data.fields, not by the first source's, alike
+    for SFT's rows and GRPO's prompts (sources.load_val_rows)."""
+    from qlora_kit.data.prompts import prepare_prompts
+
+    renamed = [
+        {"question": r["instruction"], "input": "", "answer": r["output"]} for r in alpaca_rows("a", 20)
+    ]
+    data = Recipe.from_dict(
+        {
+            "data": {
+                "packing": False,
+                "sources": [
+                    {
+                        "path": jsonl(tmp_path / "a.jsonl", renamed),
+                        "fields": {"instruction": "question", "output": "answer"},
+                    }
+                ],
+                "val_path": jsonl(tmp_path / "val.jsonl", alpaca_rows("v", 6)),
+            }
+        }
+    ).data
+    assert len(prepare.prepare_datasets(data, tokenizer, seed=0).val) == 6
+    assert len(prepare_prompts(data, tokenizer, seed=0, completion_tokens=16).val) == 6

@@ -33,7 +33,6 @@ from qlora_kit.data.packing import (
     pack_dataset,
 )
 from qlora_kit.errors import DataError
-from qlora_kit.recipe.data import SourceSection
 from qlora_kit.recipe.recipe import DataSection
 from qlora_kit.registries import attention
 from qlora_kit.registries.formats import FORMATS
@@ -123,8 +122,7 @@ def prepare_datasets(
             if val_rows is None:
                 val_rows, val_format = split.held_out, fmt
     if data.val_path is not None:
-        main = SourceSection(path=data.val_path, config_name=data.config_name, fields=data.fields)
-        val_rows = sources.load_rows(data.val_path, data, main)
+        val_rows = sources.load_val_rows(data)
         val, val_report = _tokenized(val_rows, data, data.format, tokenizer, data.val_path)
         val_parts, val_format, val_reports = [val], data.format, [val_report]
     train = _mix(parts, data, seed, train_reports)

@@ -50,8 +50,7 @@ def prepare_prompts(data: DataSection, tokenizer, seed: int, completion_tokens: 
             if val_rows is None:
                 val_rows, val_format = split.held_out, fmt
     if data.val_path is not None:
-        main = data.source_list()[0]
-        val_rows = sources.load_rows(data.val_path, data, main)
+        val_rows = sources.load_val_rows(data)
         part, report = _prompts(val_rows, data.format, data, tokenizer, data.val_path, budget)
         val_parts, val_reports, val_format = [part], [report], data.format
     train = _concatenate(train_parts).shuffle(seed=seed) if data.sources else _concatenate(train_parts)

@@ -65,6 +65,13 @@ def split_source(
     return SourceSplit(train_from, rows)
 
 
+def load_val_rows(data: DataSection) -> Dataset:
+    """The rows of ``data.val_path``, read with data's own config name and field names (each of
+    ``data.sources`` names its own; the validation file is data's), for every objective alike."""
+    section = SourceSection(path=data.val_path, config_name=data.config_name, fields=data.fields)
+    return load_rows(data.val_path, data, section)
+
+
 def load_rows(source: str, data: DataSection, section: SourceSection | None = None) -> Dataset:
     """Rows of a file, a folder of files (shards), a save_to_disk folder or a hub dataset, with the
     source's field names mapped to the format's. Files are converted once to datasets' memory-mapped

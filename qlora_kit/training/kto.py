@@ -54,7 +54,7 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
             val_parts.append(_texts(split.held_out, section, split.held_from))
             val_rows = val_rows if val_rows is not None else split.held_out
     if section.val_path is not None:
-        val_rows = sources.load_rows(section.val_path, section, section.source_list()[0])
+        val_rows = sources.load_val_rows(section)
         val_parts = [_texts(val_rows, section, section.val_path)]
     train = datasets.concatenate_datasets(train_parts).shuffle(seed=seed)
     val = datasets.concatenate_datasets(val_parts) if val_parts else None
