@@ -96,6 +96,7 @@ def bad_recipes(draw):
     return values, f"error: {field}: "
 
 
+@pytest.mark.slow  # 150 or 60 CLI runs: the full suite runs it
 @settings(
     max_examples=150,
     deadline=None,
@@ -115,6 +116,7 @@ def test_every_bad_recipe_is_one_line_and_exit_2(case, tmp_path, monkeypatch, ca
     assert "Traceback" not in err
 
 
+@pytest.mark.slow  # 150 or 60 CLI runs: the full suite runs it
 @settings(
     max_examples=60,
     deadline=None,

@@ -264,6 +264,7 @@ def test_the_explainer_warns_once_and_only_above_half():
         assert explainer.warned is warned
 
 
+@pytest.mark.slow  # traces a plan: the full suite runs it
 def test_the_plan_counts_the_rollouts_kv_cache_and_logits():
     from qlora_kit.memory.planner import plan
 

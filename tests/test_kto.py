@@ -83,6 +83,7 @@ def test_a_row_without_a_label_is_one_line_naming_the_field(tmp_path, tokenizer)
         )
 
 
+@pytest.mark.slow  # traces a plan: the full suite runs it
 def test_the_planner_counts_each_row_and_its_kl_twin():
     from qlora_kit.memory.planner import plan
 

@@ -12,6 +12,8 @@ from qlora_kit.memory.auto import choose_layers, resolve_auto
 from qlora_kit.memory.layer_costs import LayerCosts
 from qlora_kit.memory.planner import GIB, plan
 
+pytestmark = pytest.mark.slow  # times layers' recomputes: the full suite runs it, the inner loop skips it
+
 # selective dearer than full (this CPU: benchmarks/checkpointing_frontier.py), and cheap (a GPU's shape)
 COSTS = {
     "selective dearer": LayerCosts(selective=0.02, full=0.012, source="given"),

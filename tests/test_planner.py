@@ -131,12 +131,14 @@ def test_auto_picks_the_least_recompute_that_fits():
     assert policy == "full" and "nothing fits" in why
 
 
+@pytest.mark.slow  # traces a plan: the full suite runs it
 def test_chunked_loss_shrinks_the_head_term():
     full = plan(recipe_for("full", 1, "tiny-llama", chunked=False), batch=4, seq=256)
     chunked = plan(recipe_for("full", 1, "tiny-llama", chunked=True), batch=4, seq=256)
     assert chunked.chosen(recipe_for("full", 1, chunked=True)).activations < full.policies[-1].activations
 
 
+@pytest.mark.slow  # traces a plan: the full suite runs it
 def test_fsdp_plans_per_gpu_with_weights_and_optimizer_state_sharded():
     fsdp = Recipe.from_yaml(
         "recipes/llama3-8b-alpaca-fsdp-2x24gb.yaml", overrides={"model.path": "huggyllama/llama-65b"}

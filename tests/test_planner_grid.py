@@ -20,6 +20,8 @@ from qlora_kit.training.pipeline import build
 
 from .conftest import run_cli_output
 
+pytestmark = pytest.mark.slow  # a grid of traced plans: the full suite runs it, the inner loop skips it
+
 WORDS = [
     "the",
     "cat",

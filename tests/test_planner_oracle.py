@@ -14,6 +14,8 @@ from qlora_kit.memory.planner import activation_bytes
 from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model.builtin import ensure_tiny_model
 
+pytestmark = pytest.mark.slow  # traces each family and policy: full suite only
+
 BATCH, SEQ = 2, 32
 N = BATCH * SEQ  # tokens
 C = 2  # bfloat16 compute

@@ -91,6 +91,7 @@ def compare(arch: str, policy: str, packing: bool, layers: list[str] | None = No
         assert nbytes == pytest.approx(saved.per_layer.get(f"layer {index}", 0), rel=0.05), f"layer {index}"
 
 
+@pytest.mark.slow  # traces and plans every layer: the full suite runs it
 def test_selective_matches_no_checkpointing_and_the_plan():
     compare("tiny-llama", "selective", packing=False)
 
@@ -133,6 +134,7 @@ def test_per_layer_needs_its_layer_policies():
         Recipe.from_dict({"memory": {"checkpointing": "per_layer"}})
 
 
+@pytest.mark.slow  # traces and plans every layer: the full suite runs it
 def test_auto_resolves_to_a_per_layer_plan_that_fits(tmp_path):
     """Between selective's peak and every_n's, auto mixes: the recipe it resolves to names each layer,
     the peak fits, and its recompute cost is no more than any uniform policy's that fits (counted FLOPs

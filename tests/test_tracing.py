@@ -17,6 +17,8 @@ from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model import adapters, builtin
 from qlora_kit.model import loading as model
 
+pytestmark = pytest.mark.slow  # traces every architecture and kernel: full suite only
+
 ARCHITECTURES = sorted(builtin.TINY_ARCHITECTURES)  # nine families: Llama ... GPT-2, OLMo-2
 POLICIES = [("none", 1), ("every_n", 2), ("full", 1)]
 BATCH, SEQ = 2, 64
