@@ -69,7 +69,7 @@ def build_trainer(
         args=args,
         train_dataset=train_set,
         eval_dataset=val_set if args.eval_strategy != "no" else None,
-        **extra,  # grpo: the reward functions and the explaining callback (TRL collates nothing)
+        **extra,  # grpo: the reward functions (TRL collates nothing)
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
         callbacks=step.callbacks(
