@@ -54,6 +54,9 @@ KL_FACTOR, KL_SLACK = 1.5, 0.005  # mean KL(trained || export) at most floor * 1
 # q8_0 file read by llama.cpp: mean KL 0.0021 against its floor, where transformers reads 0.001; a writer's
 # error, such as the halved update, is 0.1 and more).
 FLOOR_TOP1, FLOOR_KL = 0.95, 0.005
+# ...and top-1 counts positions: on a report with few answer positions (the real model's sweep: 24, short
+# answers) two near-ties flipped by llama.cpp's 8-bit activations are 8 points (91.7%, KL inside 0.005)
+FLOOR_FLIPS = 2
 
 
 @dataclass
@@ -286,7 +289,7 @@ def _judge(comparison: parity.Comparison, floor: parity.Comparison | None) -> li
     if floor is None:
         return failures
     if comparison.against == "floor":
-        min_top1, max_kl = FLOOR_TOP1, FLOOR_KL
+        min_top1, max_kl = min(FLOOR_TOP1, 1 - FLOOR_FLIPS / max(comparison.positions, 1)), FLOOR_KL
     else:
         min_top1 = floor.top1_agreement - TOP1_SLACK
         max_kl = floor.mean_kl * KL_FACTOR + KL_SLACK
@@ -296,7 +299,7 @@ def _judge(comparison: parity.Comparison, floor: parity.Comparison | None) -> li
         "min_top1": min_top1,
         "max_kl": max_kl,
     }
-    if comparison.top1_agreement < min_top1:
+    if comparison.top1_agreement < min_top1 - 1e-9:  # a count's share against the same count's
         failures.append(
             f"{where}: top-1 agreement {comparison.top1_agreement:.1%} < {min_top1:.1%} (its type's floor {floor.top1_agreement:.1%})"
         )
