@@ -64,7 +64,7 @@ def build_trainer(
     chunked = uses_chunked_loss(recipe, peft_model.get_base_model().config)
     patience = recipe.train.early_stopping_patience
     stopping = [EarlyStoppingCallback(early_stopping_patience=patience)] if patience else []
-    return trainer_class(
+    trainer = trainer_class(
         model=peft_model,
         args=args,
         train_dataset=train_set,
@@ -90,3 +90,5 @@ def build_trainer(
         oom_policy=oom_policy(recipe),
         probe=probes_worst_batch(recipe),
     )
+    trainer.layer_costs = run.layer_costs  # into every checkpoint, for --resume
+    return trainer

@@ -198,7 +198,6 @@ def _build_checked(
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(resolved, peft_model, tokenizer, prepared.train, prepared.val, callbacks, guards)
-    trainer.layer_costs = resolved.layer_costs  # into every checkpoint, for --resume
     if spec.reference:
         log.info(
             "%s: the reference policy is %s", spec.name, trainer.reference_description(recipe.model.adapter)
