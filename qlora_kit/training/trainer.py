@@ -145,9 +145,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         self.guard = guard
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
-        self.layer_costs: layer_costs.LayerCosts | None = (
-            None  # what checkpointing auto measured (resolved.py)
-        )
+        self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (resolved.py)
         self._staging: Path | None = None
 
     def _save_checkpoint(self, model, trial) -> None:
