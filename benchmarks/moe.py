@@ -12,12 +12,17 @@ tokens (forward + backward):
 - transformers' experts: quant.bits 16, transformers' experts implementation (grouped_mm where it runs)
   with peft's own ParamWrapper, which adds B @ A to the whole stack at every forward.
 
+Then ``plan`` on the configs of real mixtures (bundled, so no download): the experts' 4-bit bytes and the
+planned peak on a GPU, beside the figures their trainers publish.
+
     python benchmarks/moe.py [--tokens 512 --steps 3]
     python benchmarks/moe.py --smoke --out /tmp/x   # hidden 128, 8 experts, 64 tokens, one step each
+    python benchmarks/moe.py --compute-dtype float32  # on CPUs without AVX512-BF16 (bf16 matmuls emulated)
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import tempfile
 import time
@@ -68,14 +73,18 @@ def save_layer(shape: dict, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def load(setting: str, folder: Path):
+def load(setting: str, folder: Path, compute_dtype: str):
     from qlora_kit import Recipe
     from qlora_kit.model import adapters, moe_experts
     from qlora_kit.model import loading as model
 
     bits = 4 if setting.startswith("4-bit") else 16
     recipe = Recipe.from_dict(
-        {"model": {"path": str(folder)}, "quant": {"bits": bits}, "lora": {"dropout": 0.0}}
+        {
+            "model": {"path": str(folder)},
+            "quant": {"bits": bits, "compute_dtype": compute_dtype},
+            "lora": {"dropout": 0.0},
+        }
     )
     base = model.load_base_model(recipe.model, recipe.quant)
     expert_bytes = moe_experts.bytes_by_kind(base)["experts"]  # before LoRA is attached
@@ -86,6 +95,47 @@ def load(setting: str, folder: Path):
 
         return expert_bytes, get_peft_model(base, config).train()
     return expert_bytes, adapters.attach_lora(base, recipe.lora).train()
+
+
+# (model, what its trainers publish for a QLoRA run of it)
+PLANNED = (
+    ("Qwen/Qwen3-30B-A3B", "17.5 GB (unsloth's QLoRA)"),
+    ("mistralai/Mixtral-8x7B-v0.1", "-"),
+)
+PLAN_BATCH, PLAN_SEQ = 1, 2048
+GIB = 1024**3
+
+
+def planned_rows() -> list[list[str]]:
+    """``plan`` of each real mixture under full checkpointing, LoRA r=16 on attention and every expert, and
+    on attention alone (``lora.experts: false``)."""
+    from qlora_kit import Recipe
+    from qlora_kit.memory.planner import plan
+
+    rows = []
+    for (path, published), experts in itertools.product(PLANNED, (True, False)):
+        recipe = Recipe.from_dict(
+            {
+                "model": {"path": path},
+                "lora": {"dropout": 0.0, "experts": experts},
+                "memory": {"checkpointing": "full"},
+            }
+        )
+        the_plan = plan(recipe, batch=PLAN_BATCH, seq=PLAN_SEQ, device="cuda")
+        shape, weights = the_plan.shape, the_plan.weights
+        rows.append(
+            [
+                path,
+                "attention and experts" if experts else "attention",
+                f"{shape.expert_values / 1e9:.1f} B ({shape.active_expert_values / 1e9:.1f} B active)",
+                f"{weights.experts / GIB:.2f}",
+                f"{(weights.quantized + weights.unquantized) / GIB:.2f}",
+                f"{weights.lora_values / 1e6:,.0f} M",
+                f"{the_plan.chosen(recipe).peak / GIB:.2f}",
+                published,
+            ]
+        )
+    return rows
 
 
 def step(peft_model, ids) -> float:
@@ -99,12 +149,19 @@ def main() -> None:
     options = parser(__doc__)
     options.add_argument("--tokens", type=int, default=512)
     options.add_argument("--steps", type=int, default=3)
+    options.add_argument(
+        "--compute-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="the weights' and LoRA's compute dtype for all three settings",
+    )
     args = options.parse_args()
     shape, tokens, steps = (SMOKE, 64, 1) if args.smoke else (REALISTIC, args.tokens, args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         save_layer(shape, Path(tmp))
-        models = {setting: load(setting, Path(tmp)) for setting in SETTINGS}
-        packed, bf16 = models[SETTINGS[0]][0], models[SETTINGS[1]][0]
+        models = {setting: load(setting, Path(tmp), args.compute_dtype) for setting in SETTINGS}
+        packed, unpacked = models[SETTINGS[0]][0], models[SETTINGS[1]][0]
+        bf16 = unpacked * 2 // getattr(torch, args.compute_dtype).itemsize  # the 16-bit setting's, as bf16
         ids = torch.randint(5, 600, (1, tokens), generator=torch.Generator().manual_seed(0))
         times = {setting: [] for setting in SETTINGS}
         for setting in SETTINGS:  # a warm-up step each
@@ -127,16 +184,35 @@ def main() -> None:
     )
     size = (
         f"Expert bytes: {packed / 2**20:,.1f} MiB in 4 bits (packed values and their statistics) vs "
-        f"{bf16 / 2**20:,.1f} MiB in bf16 (as loaded with quant.bits 16): {packed / bf16:.3f}x."
+        f"{bf16 / 2**20:,.1f} MiB in bf16 (quant.bits 16's experts at 2 bytes a value): {packed / bf16:.3f}x."
+    )
+    plans = markdown_table(
+        [
+            "model",
+            "LoRA on",
+            "expert weights",
+            "experts in 4 bits (GiB)",
+            "other weights (GiB)",
+            "LoRA parameters",
+            "planned peak (GiB)",
+            "published",
+        ],
+        planned_rows(),
+    )
+    plans_note = (
+        f"Planned by `qlora-kit plan` for a GPU: micro-batch {PLAN_BATCH} x {PLAN_SEQ} tokens, full checkpointing, "
+        "LoRA r=16 (fp32, with its fp32 gradients and 8-bit state), paged 8-bit AdamW; the CUDA context and allocator "
+        "fragmentation come on top. gpt-oss-20b is refused at plan and load alike (its experts carry biases "
+        "and a transposed layout qlora_kit does not pack), as the families table says."
     )
     write_result(
         "moe-cpu",
         "Mixture-of-experts QLoRA: 4-bit experts, bytes and step time (CPU)",
-        f"{size}\n\n{table}",
+        f"{size}\n\n{table}\n\n{plans}\n\n{plans_note}",
         f"One Qwen3-MoE layer: hidden {shape['hidden_size']}, {shape['num_experts']} experts of intermediate "
         f"{shape['moe_intermediate_size']}, top-{shape['num_experts_per_tok']}; {tokens} tokens a step; LoRA r=16 on "
-        f"attention and every expert; bf16 weights, no autocast; median of {steps} steps after one warm-up, "
-        "settings stepped in turn.",
+        f"attention and every expert; {args.compute_dtype} weights and compute, no autocast; median of {steps} "
+        "steps after one warm-up, settings stepped in turn.",
         args.out,
     )
 

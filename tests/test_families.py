@@ -3,6 +3,8 @@ facets are true of the model transformers builds from the family's config."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from qlora_kit.registries import families
@@ -39,20 +41,37 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
 
     from qlora_kit.memory.accounting import decoder_layers
     from qlora_kit.memory.shapes import intermediate_size
-    from qlora_kit.model.builtin import TINY_ARCHITECTURES, TINY_SHAPE
+    from qlora_kit.model import moe_experts
+    from qlora_kit.model.builtin import TINY_ARCHITECTURES, TINY_MOE_ARCHITECTURES, TINY_SHAPE
     from qlora_kit.model.layers import is_linear
 
     entry = FAMILIES[model_type]
-    assert TINY_ARCHITECTURES[entry.tiny] == (entry.config_class, entry.tiny_config)
+    builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES
+    assert builtins[entry.tiny] == (entry.config_class, entry.tiny_config)
     config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
     assert config.model_type == model_type
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     layer = decoder_layers(model)[0]
     assert tuple(name for name, m in layer.named_modules() if is_linear(m)) == entry.linears
-    assert intermediate_size(config) in {w for m in layer.modules() if is_linear(m) for w in _sides(m)}
     routes = any(getattr(config, key, None) for key in families.EXPERT_COUNT_KEYS)
     assert routes == (entry.experts is not None), "a mixture-of-experts family needs its experts facet"
+    if entry.experts is None:
+        assert intermediate_size(config) in {w for m in layer.modules() if is_linear(m) for w in _sides(m)}
+        return
+    # the facet's router and experts are the layer's, and its keys count the experts and their picks
+    facet = entry.experts
+    assert layer.get_submodule(facet.router).weight.shape == (
+        getattr(config, facet.count_key),
+        config.hidden_size,
+    )
+    experts, down = layer.get_submodule(facet.experts), getattr(config, facet.count_key)
+    assert moe_experts.logical_shape(experts, "down_proj") == (
+        down,
+        config.hidden_size,
+        intermediate_size(config),
+    )
+    assert 0 < getattr(config, facet.active_key) < down
 
 
 def _sides(module) -> tuple[int, int]:
@@ -69,5 +88,5 @@ def test_a_family_without_a_gguf_form_is_refused_with_the_tables_reason():
 
     for entry in FAMILIES.values():
         if isinstance(entry.export, NoExport):
-            with pytest.raises(ExportError, match="not supported: transformers' GGUF loader"):
+            with pytest.raises(ExportError, match=re.escape(f"not supported: {entry.export.reason}")):
                 family_of(SimpleNamespace(model_type=entry.model_type))

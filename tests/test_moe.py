@@ -4,6 +4,7 @@ format, and the families qlora_kit cannot pack refused at load (model/moe_expert
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
@@ -15,12 +16,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
+from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model import adapters, builtin, moe_experts
 from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
 
-MOE_BUILTINS = ["tiny-qwen3-moe", "tiny-mixtral"]
+MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # Mixtral, OLMoE, Qwen3-MoE
 
 
 def moe_recipe(name: str = "tiny-qwen3-moe", **values) -> Recipe:
@@ -176,7 +178,7 @@ def test_experts_can_be_left_out():
 
 def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
     """gpt-oss keeps biases and a transposed layout in its experts: refused in one line naming the family,
-    never loaded with its experts silently in 16 bits."""
+    never loaded with its experts silently in 16 bits, and never planned."""
     config = transformers.GptOssConfig(
         vocab_size=640,
         hidden_size=64,
@@ -193,13 +195,18 @@ def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
     recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
     with pytest.raises(RecipeError, match=r"^model\.path: gpt_oss is a mixture of experts .*biases"):
         model.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError, match=r"^model\.path: gpt_oss is a mixture of experts .*biases"):
+        model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
 
 
 @pytest.mark.slow
 def test_moe_trains_through_the_trainer_under_bf16_autocast(tmp_path):
     """The MoE demo's path, short: the Trainer under accelerate's bf16 autocast (a GPU's default), experts in
-    4 bits; the loss falls and the experts' LoRA matrices move."""
-    from qlora_kit import train
+    4 bits, every layer checkpointed; the loss falls and the experts' LoRA matrices move. The routing figures
+    in metrics.jsonl count each training forward's tokens once (top-2: two picks a position), not the
+    forward passes checkpointing recomputes in backward, and the auxiliary loss is logged when the config
+    computes it."""
+    from qlora_kit.training.pipeline import build
 
     recipe = quick_recipe(
         tmp_path / "out",
@@ -208,13 +215,74 @@ def test_moe_trains_through_the_trainer_under_bf16_autocast(tmp_path):
             "train.max_steps": 12,
             "train.logging_steps": 4,
             "train.mixed_precision": "bf16",
-            "memory.checkpointing": "none",
+            "memory.checkpointing": "full",
         },
     )
-    result = train(recipe)
-    assert result.train_losses[-1] < result.train_losses[0] - 0.5
-    moved = [p for n, p in result.model.named_parameters() if ".experts." in n and "lora_B" in n]
+    setup = build(recipe)
+    setup.model.get_base_model().config.output_router_logits = True  # the aux loss, as a config can ask
+    positions = []
+
+    def count(module, args, kwargs):
+        if module.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            positions.append(kwargs["input_ids"].numel())
+
+    setup.model.register_forward_pre_hook(count, with_kwargs=True)
+    setup.trainer.train()
+    rows = [json.loads(line) for line in (setup.run.output_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [row for row in rows if "loss" in row]
+    assert logged[-1]["loss"] < logged[0]["loss"] - 0.5
+    model_ = setup.model
+    moved = [p for n, p in model_.named_parameters() if ".experts." in n and "lora_B" in n]
     assert moved and all(p.abs().sum() > 0 for p in moved)
-    moe_experts.check_no_16bit_experts(result.model)
-    manifest = json.loads((result.output_dir / "manifest.json").read_text())
-    assert set(manifest["weight_bytes"]) >= {"attention", "experts", "router", "embeddings"}
+    moe_experts.check_no_16bit_experts(model_)
+    loads = [row["tokens_per_expert"] for row in logged]
+    assert len(loads) == 3 and all(len(load) == 4 and len(load[0]) == 8 for load in loads)
+    for layer in range(4):
+        assert sum(sum(load[layer]) for load in loads) == 2 * sum(positions)
+    assert all(row["aux_loss"] > 0 and row["max_load"] >= 1.0 and "idle" in row for row in logged)
+
+
+def test_the_chunked_head_adds_the_auxiliary_loss_as_transformers_does():
+    """With the config's output_router_logits, transformers adds router_aux_loss_coef x the load-balancing
+    loss to the loss; the chunked head (which runs the model without labels) adds the same."""
+    from qlora_kit.memory.loss_head import chunked_lm_loss
+
+    recipe = moe_recipe()
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    peft_model.get_base_model().config.output_router_logits = True
+    ids = batch(peft_model)
+    with torch.no_grad():
+        expected = peft_model(input_ids=ids, labels=ids).loss
+        without_aux = peft_model(input_ids=ids, labels=ids, output_router_logits=False).loss
+        chunked = chunked_lm_loss(peft_model, {"input_ids": ids, "labels": ids}, chunk_tokens=16)
+    assert expected > without_aux
+    assert chunked == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_an_expert_without_tokens_for_many_steps_is_warned_of_once(caplog):
+    """The routing figures of a window, and one warning naming the starved expert once it has had no token
+    for IDLE_STEPS optimizer steps (not before, and not again)."""
+    from types import SimpleNamespace
+
+    from qlora_kit.memory.monitor import MetricsLog
+    from qlora_kit.training.expert_load import IDLE_STEPS, ExpertLoad
+
+    recipe = moe_recipe()
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    metrics = MetricsLog(Path("/dev/null"))
+    load = ExpertLoad(peft_model, metrics)
+    assert len(load.routers) == 4 and load.experts == 8
+    routed = torch.arange(8).repeat(4)
+    routed[routed == 5] = 4  # expert 5 gets nothing, expert 4 twice its share
+    warnings = []
+    for step in range(10, 10 * (IDLE_STEPS // 10 + 2), 10):
+        load.counts = [torch.bincount(routed, minlength=8)] * 4
+        logs = {"loss": 1.0}
+        with caplog.at_level("WARNING", logger="qlora_kit.training.pipeline"):
+            load.on_log(None, SimpleNamespace(global_step=step), None, logs=logs)
+        warnings.append(sum("without a token" in r.message for r in caplog.records))
+        assert logs["experts/idle"] == 4 and logs["experts/max_load"] == 2.0
+        assert metrics.attached["tokens_per_expert"][0][5] == 0
+    first = IDLE_STEPS // 10 - 1  # the window that reached IDLE_STEPS steps without a token
+    assert warnings[:first] == [0] * first and warnings[first:] == [1] * (len(warnings) - first)
+    assert "layer 0 expert 5" in caplog.text

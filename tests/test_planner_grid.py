@@ -5,8 +5,8 @@ autocast, a policy), set up by ``pipeline.build`` and trained one step by the re
 the bytes the run itself counted as saved for backward (its ``saved_mib``) are compared with
 ``plan`` at the shape of the batch it trained on. The cases are the settings that once fooled it:
 Gemma-2's soft-capped head (which keeps transformers' loss, not the chunked one), a LayerNorm final
-norm under the chunked head (GPT-NeoX), padded unpacked rows (their attention mask), and LoRA
-dropout 0 under the Trainer's bf16 autocast.
+norm under the chunked head (GPT-NeoX), padded unpacked rows (their attention mask), LoRA
+dropout 0 under the Trainer's bf16 autocast, and mixtures of experts (4-bit experts routed per token).
 """
 
 import json
@@ -47,6 +47,9 @@ CASES = [
     ("tiny-gptneox", "full", "completion", True, 0.0, True, "no", 60),
     ("tiny-llama", "every_n", "text", False, 0.05, False, "no", 30),
     ("tiny-qwen3", "none", "chat", True, 0.0, True, "bf16", 40),
+    # mixtures of experts: the experts' loop traced with its picks spread evenly, the run's routed as they fall
+    ("tiny-qwen3-moe", "none", "chat", True, 0.0, True, "bf16", 40),
+    ("tiny-mixtral", "every_n", "text", False, 0.0, False, "no", 30),
 ]
 
 

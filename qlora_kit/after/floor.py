@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlora_kit.model import adapters
+from qlora_kit.model import adapters, moe_experts
 from qlora_kit.model import loading as model
 
 if TYPE_CHECKING:
@@ -37,7 +37,9 @@ def merged_model(recipe, adapter_dir: Path | None, base: str):
 
     if base == "dequantized":
         # dequantize() gives the compute dtype, which holds NF4's values exactly; fp32 then loses nothing
-        sixteen_bit = model.load_base_model(recipe.model, recipe.quant).dequantize()
+        four_bit = model.load_base_model(recipe.model, recipe.quant)
+        moe_experts.dequantize_experts(four_bit)  # a mixture's packed experts, which dequantize() skips
+        sixteen_bit = four_bit.dequantize()
     elif base == "original":
         sixteen_bit = AutoModelForCausalLM.from_pretrained(
             model.resolve_model_path(recipe.model),

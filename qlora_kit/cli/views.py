@@ -140,6 +140,13 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     bits = 8 * weights.quantized / shape.quantized_values
     values = f"{shape.quantized_values / 1e9:.2f} B values, {bits:.2f} bits each"
     table.add_row(f"{recipe.quant.bits}-bit weights ({values})", size(weights.quantized), "closed form")
+    if shape.expert_stacks:  # a mixture of experts: all of them are held, a token runs through a few
+        bits = 8 * weights.experts / shape.expert_values
+        active = shape.active_expert_values / shape.expert_values
+        what = (
+            f"{shape.expert_values / 1e9:.2f} B values, {bits:.2f} bits each; {active:.0%} active per token"
+        )
+        table.add_row(f"experts ({what})", size(weights.experts), "closed form")
     table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", size(weights.unquantized), "shapes")
     table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", size(weights.lora), "shapes")
     table.add_row("LoRA gradients (during backward)", size(plan.lora_grads), "shapes")
@@ -223,6 +230,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "loss_head_from": plan.head_source,
         "weights_quantized": weights.quantized,
         "weights_unquantized": weights.unquantized,
+        "weights_experts": weights.experts,
         "lora_parameters": weights.lora,
         "lora_gradients": plan.lora_grads,
         "optimizer_state": plan.optimizer_state,

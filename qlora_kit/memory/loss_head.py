@@ -57,12 +57,18 @@ def uses_chunked_loss(recipe, config) -> bool:
 
 def final_hidden_states(model, model_inputs: dict[str, Any], causal_lm) -> torch.Tensor:
     """The model's forward pass with an identity in place of its head: (B, T, H) final hidden states."""
+    return headless_forward(model, model_inputs, causal_lm).logits
+
+
+def headless_forward(model, model_inputs: dict[str, Any], causal_lm):
+    """The model's output with an identity in place of its head: its ``logits`` are the final hidden
+    states (and a mixture of experts' ``aux_loss`` is there as the model computed it)."""
     head = causal_lm.get_output_embeddings()
     # For the forward pass the head is an identity, so the model returns its final hidden states where
     # it would return logits; the real head is then applied chunk by chunk.
     causal_lm.set_output_embeddings(torch.nn.Identity())
     try:
-        return model(**model_inputs, use_cache=False).logits
+        return model(**model_inputs, use_cache=False)
     finally:
         causal_lm.set_output_embeddings(head)
 
@@ -85,7 +91,8 @@ def chunked_lm_loss(
     labels = inputs["labels"]
     model_inputs = {k: v for k, v in inputs.items() if k != "labels"}
     head = causal_lm.get_output_embeddings()
-    hidden = final_hidden_states(model, model_inputs, causal_lm)  # (B, T, H)
+    outputs = headless_forward(model, model_inputs, causal_lm)
+    hidden = outputs.logits  # (B, T, H)
     targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
     trained = targets != IGNORE_INDEX
     # (n, H): only positions whose next token is trained, in the head's dtype (a lossless cast back when
@@ -100,7 +107,11 @@ def chunked_lm_loss(
                 _chunk_loss, head, kept_hidden[start:end], kept_targets[start:end], use_reentrant=False
             )
     denominator = num_items_in_batch if num_items_in_batch is not None else max(kept_targets.numel(), 1)
-    return total / denominator
+    loss = total / denominator
+    aux = getattr(outputs, "aux_loss", None)
+    if aux is not None:  # a mixture of experts' load balancing, added as transformers adds it with labels
+        loss = loss + causal_lm.config.router_aux_loss_coef * aux.to(loss.device)
+    return loss
 
 
 def _chunk_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -105,12 +105,19 @@ class MemoryMonitor(TrainerCallback):
 
 class MetricsLog(TrainerCallback):
     """One JSON object per log event in metrics.jsonl: step, loss, eval_loss, lr, grad_norm, epoch, the
-    memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks) and the throughput
-    (tokens_per_s, trained_tokens, mfu: throughput.py)."""
+    memory figures (saved_mib, saved_mib_head, saved_mib_layers, CUDA peaks), the throughput
+    (tokens_per_s, trained_tokens, mfu: throughput.py) and a mixture of experts' routing (aux_loss,
+    max_load, idle, tokens_per_expert: training/expert_load.py)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.rows: list[dict[str, Any]] = []
+        self.attached: dict[str, Any] = {}  # figures for the next row that the Trainer's log cannot carry
+
+    def attach(self, key: str, value: Any) -> None:
+        """A figure for the next row that is no scalar (the experts' per-layer counts): kept out of the
+        Trainer's log, whose trackers take scalars only."""
+        self.attached[key] = value
 
     def record(self, row: dict[str, Any]) -> None:
         """An event of its own (an out-of-memory split: training/oom_recovery.py), not a log's figures."""
@@ -145,8 +152,12 @@ class MetricsLog(TrainerCallback):
                 row[key.removeprefix(keys.MEMORY)] = round(float(value), 4)
             elif key.startswith(keys.THROUGHPUT):
                 row[key.removeprefix(keys.THROUGHPUT)] = round(float(value), 6)
+            elif key.startswith(keys.EXPERTS):
+                row[key.removeprefix(keys.EXPERTS)] = round(float(value), 6)
         if layers:
             row[keys.SAVED_MIB_LAYERS] = [round(float(v), 4) for v in layers]
+        row.update(self.attached)
+        self.attached = {}
         self.rows.append(row)
         with self.path.open("a", encoding="utf-8") as handle:
             handle.write(json.dumps(row) + "\n")

@@ -5,7 +5,8 @@ is downloaded but the config. The activations each checkpointing policy keeps ar
 model's own code (``tracing.py``); the rest is closed form. Terms, for N = batch x sequence tokens,
 c = bytes of the compute dtype, r = LoRA rank, L layers, V vocabulary:
 
-Weights (``shapes.py``): 4-bit linears with their quantization constants, unquantized layers, LoRA.
+Weights (``shapes.py``): 4-bit linears with their quantization constants, unquantized layers, LoRA; a
+mixture of experts' fused expert stacks, every expert held in 4 bits (``shapes.stack_bytes``).
 - LoRA gradients: as many fp32 values as LoRA parameters; AdamW state 8 bytes per
   value (32-bit) or 2 + 8/256 (8-bit: two uint8 moments and an fp32 absmax per 256-block, plus two
   1 KiB quantization maps per tensor; tensors under 4,096 values stay 32-bit).
@@ -41,7 +42,10 @@ prefetched). With ``memory.mlp_tiles`` the trace runs the tiled MLP, so its inte
 Transients on top of what is kept, whichever is larger: the loss head's logits (N x V x (c + 4 + 4):
 16-bit logits, their fp32 copy, log-probabilities; one chunk of tokens with the chunked loss), or the
 backward pass's recompute spike: one decoder layer's full activations, rematerialised, plus the LoRA
-gradients and two N x hidden x c hidden-state gradients in flight.
+gradients and two N x hidden x c hidden-state gradients in flight; for a mixture of experts in 4 bits, one
+expert's largest weight dequantized (the experts run one at a time, so this is the working set of the
+experts a batch hits: their kept activations are traced, with the batch's picks spread evenly over them,
+which keeps the same bytes as any routing of the same picks; the router's logits and top-k are traced too).
 
 peak = weights + LoRA parameters + optimizer state + kept activations + max(transients).
 
@@ -184,7 +188,7 @@ class Plan:
     @property
     def layer_weights(self) -> int:
         """One decoder layer's weights, 4-bit and LoRA: what FSDP gathers whole to compute it."""
-        return (self.weights.quantized + self.weights.lora) // self.shape.layers
+        return (self.weights.quantized + self.weights.experts + self.weights.lora) // self.shape.layers
 
     @property
     def lora_grads(self) -> int:
@@ -200,13 +204,13 @@ class Plan:
         w = self.weights
         if self.shards == 1:
             return w.total + self.optimizer_state
-        sharded = (w.quantized + w.lora + self.optimizer_state) // self.shards
+        sharded = (w.quantized + w.experts + w.lora + self.optimizer_state) // self.shards
         return sharded + w.unquantized + 2 * self.layer_weights
 
     @property
     def load_peak(self) -> int:
         """What one GPU holds while the model loads: the whole 4-bit model, under FSDP too."""
-        return self.weights.quantized + self.weights.unquantized
+        return self.weights.quantized + self.weights.experts + self.weights.unquantized
 
     def chosen(self, recipe: Recipe) -> PolicyPlan:
         return next(
@@ -261,7 +265,7 @@ class Plan:
         recomputed = sum(p != "none" for p in layers)
         if recomputed:
             backward += max(self.activations("none").per_layer)
-        backward += self.mlp_tile_transient()
+        backward += self.mlp_tile_transient() + self.dequantized_expert()
         host = self.offloaded(recomputed)
         if host:  # the input being recomputed from, back on the device, and the next one prefetched
             backward += 2 * host // recomputed
@@ -282,6 +286,14 @@ class Plan:
         tokens = self.batch * math.ceil(self.seq / tiles)
         c = DTYPE_BYTES[self.recipe.quant.compute_dtype]
         return tokens * (3 * shape.intermediate * c + (2 * shape.hidden + shape.intermediate) * 4)
+
+    def dequantized_expert(self) -> int:
+        """A mixture of experts in 4 bits: the one expert weight dequantized for its tokens' matmul (forward
+        and backward run the experts one at a time, moe_experts.py); 0 for a dense model."""
+        if self.recipe.quant.bits == 16 or not self.shape.expert_stacks:
+            return 0
+        c = DTYPE_BYTES[self.recipe.quant.compute_dtype]
+        return max(s.d_out * s.d_in for s in self.shape.expert_stacks) * c
 
     def offloaded(self, recomputed_layers: int) -> int:
         """Host bytes of offloaded checkpoints: each recomputed layer's input (batch x seq x hidden in the

@@ -9,13 +9,18 @@ is exact and nothing is read but the config. Weight terms:
   code table per tensor): 4.5 or ~4.127 bits per weight.
 - Left unquantized (embeddings, the output head, norms, biases): c bytes per value.
 - LoRA: r x (d_in + d_out) fp32 values per adapted linear.
+- A mixture of experts' fused 3-D expert stacks (``ExpertStack``), packed one expert at a time by
+  ``moe_experts.py``: 0.5 byte per weight, per expert one absmax per 64-weight block (1 byte with double
+  quantization, plus a 4-byte second-level absmax per 256 blocks and a 4-byte offset; 4 bytes without),
+  and per stack the code tables (16 fp32 values, and 256 with double quantization). LoRA on a stack:
+  r x (d_in + d_out) fp32 values per expert.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.model import hub
+from qlora_kit.model import hub, moe_experts
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.paths import first_line
@@ -48,6 +53,21 @@ class LinearShape:
 
 
 @dataclass
+class ExpertStack:
+    """One fused 3-D expert weight (``gate_up_proj`` or ``down_proj`` of one layer's experts)."""
+
+    name: str  # e.g. "model.layers.0.mlp.experts.gate_up_proj"
+    experts: int
+    d_out: int
+    d_in: int
+    active: int  # experts each token is routed to
+
+    @property
+    def values(self) -> int:
+        return self.experts * self.d_out * self.d_in
+
+
+@dataclass
 class ModelShape:
     layers: int
     hidden: int
@@ -61,6 +81,16 @@ class ModelShape:
     quantized_values: int
     quantized_tensors: int
     config: Any = None  # the transformers config, for tracing
+    expert_stacks: list[ExpertStack] = field(default_factory=list)  # of the whole model (a MoE's)
+
+    @property
+    def expert_values(self) -> int:
+        return sum(stack.values for stack in self.expert_stacks)
+
+    @property
+    def active_expert_values(self) -> int:
+        """The expert weights one token runs through."""
+        return sum(stack.values * stack.active // stack.experts for stack in self.expert_stacks)
 
 
 def model_shape(recipe: Recipe) -> ModelShape:
@@ -70,7 +100,12 @@ def model_shape(recipe: Recipe) -> ModelShape:
         meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()
     quantized = [m for m in meta.modules() if is_linear(m) and m is not head]
-    counted: set[int] = set()
+    stacks = expert_stacks(meta, config)
+    if stacks and recipe.quant.bits == 4:
+        moe_experts.check_packable(config.model_type)  # as loading it would be
+    counted: set[int] = {
+        id(p) for _, experts in moe_experts.fused_experts(meta) for p in experts.parameters()
+    }
     unquantized = 0
     for module in meta.modules():
         for param in module.parameters(recurse=False):
@@ -100,7 +135,21 @@ def model_shape(recipe: Recipe) -> ModelShape:
         quantized_values=sum(m.weight.numel() for m in quantized),
         quantized_tensors=len(quantized),
         config=config,
+        expert_stacks=stacks,
     )
+
+
+def expert_stacks(meta, config) -> list[ExpertStack]:
+    """The fused expert weights of a model built from ``config`` (none for a dense model)."""
+    text = config.get_text_config()
+    entry = families.family(getattr(text, "model_type", ""))
+    active = getattr(text, entry.experts.active_key, 1) if entry and entry.experts else 1
+    return [
+        ExpertStack(f"{name}.{param}", *moe_experts.logical_shape(experts, param), active)
+        for name, experts in moe_experts.fused_experts(meta)
+        for param in moe_experts.EXPERT_PARAMETERS
+        if getattr(experts, param, None) is not None
+    ]
 
 
 def intermediate_size(text) -> int:
@@ -134,14 +183,15 @@ def load_config(recipe: Recipe):
 
 @dataclass
 class Weights:
-    quantized: int
+    quantized: int  # the decoder's linears
     unquantized: int
     lora: int
     lora_values: int
+    experts: int = 0  # a mixture of experts' fused stacks, in 4 bits (or 16 with quant.bits 16)
 
     @property
     def total(self) -> int:
-        return self.quantized + self.unquantized + self.lora
+        return self.quantized + self.unquantized + self.lora + self.experts
 
 
 def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
@@ -159,7 +209,24 @@ def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
     if recipe.quant.bits == 16:
         quantized = shape.quantized_values * c
     lora_values = shape.layers * sum(recipe.lora.rank * (li.d_in + li.d_out) for li in targets(shape, recipe))
-    return Weights(quantized, shape.unquantized_values * c, lora_values * 4, lora_values)
+    if recipe.lora.experts:
+        lora_values += sum(s.experts * recipe.lora.rank * (s.d_in + s.d_out) for s in shape.expert_stacks)
+    experts = sum(stack_bytes(s, recipe) for s in shape.expert_stacks)
+    return Weights(quantized, shape.unquantized_values * c, lora_values * 4, lora_values, experts)
+
+
+def stack_bytes(stack: ExpertStack, recipe: Recipe) -> int:
+    """One fused expert stack as ``moe_experts`` packs it (each expert quantized on its own)."""
+    if recipe.quant.bits == 16:
+        return stack.values * DTYPE_BYTES[recipe.quant.compute_dtype]
+    blocks = math.ceil(stack.d_out * stack.d_in / BLOCK)  # per expert
+    code = 16 * 4  # the NF4/FP4 code table
+    if recipe.quant.double_quant:
+        per_expert = blocks + math.ceil(blocks / NESTED_BLOCK) * 4 + 4
+        code += NESTED_BLOCK * 4
+    else:
+        per_expert = blocks * 4
+    return stack.experts * (math.ceil(stack.d_out * stack.d_in / 2) + per_expert) + code
 
 
 def targets(shape: ModelShape, recipe: Recipe) -> list[LinearShape]:

@@ -201,7 +201,7 @@ def _trace(
     """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
     (full, selective)."""
     from qlora_kit.memory import checkpointing
-    from qlora_kit.model import adapters
+    from qlora_kit.model import adapters, moe_experts
 
     kernel = attention.kernel(recipe.model.attn_implementation)
     # Flash and flex kernels cannot run on fake CPU tensors (flex's block mask reads data pointers and
@@ -220,6 +220,8 @@ def _trace(
         )
     model.config.use_cache = False
     model.requires_grad_(False)
+    if recipe.quant.bits == 4 and moe_experts.fused_experts(model):
+        moe_experts.use_routed_loop(model)  # the experts' loop a 4-bit load runs (its matmuls keep the same)
     # The tiled MLP keeps views of one storage however many tiles there are: two tiles trace what any
     # number keeps, and tracing hundreds of tiles costs minutes (one tile's own transient: planner.py)
     tiles = min(tile_count(recipe.memory.mlp_tiles, seq, config.get_text_config().hidden_size), 2)

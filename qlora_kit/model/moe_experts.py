@@ -13,55 +13,30 @@ LoRA on the experts is peft's own ``target_parameters`` (``ParamWrapper``, its s
 change: ``LoraExperts`` applies expert e's update as ``x @ A_e.T @ B_e.T`` to the tokens routed to e,
 never materialising ``B @ A`` for the whole stack at every forward as peft's wrapper does.
 
-What a family is, for this module, is ``MOE_FAMILIES`` (one entry per model_type; the families table
-of the future ``registries/families.py`` takes it over).
+Which mixtures it packs, and where their router and experts are, is the families table's ``experts`` facet
+(registries/families.py); ``EXPERTS_NOT_PACKED`` there names the ones refused, and why.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 from peft.tuners.lora.layer import ParamWrapper
+from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import ExpertsInterface
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model.layers import is_linear
+from qlora_kit.registries import families
 
 log = logging.getLogger(__name__)
 
 EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused 3-D weights, as transformers names them
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as for Linear4bit
 IMPLEMENTATION = "qlora_kit_4bit"  # our entry in transformers' ExpertsInterface
-
-
-@dataclass(frozen=True)
-class MoeFamily:
-    """What qlora_kit knows of one model_type's mixture-of-experts layers."""
-
-    experts: str = "mlp.experts"  # the fused experts module, under each decoder layer
-    router: str = "mlp.gate"  # the router (a 3-D-free parameter module, never a linear layer)
-    shared: str | None = None  # a shared expert: an ordinary MLP of linear layers (4 bits by bitsandbytes)
-    refused: str | None = None  # why qlora_kit cannot quantize these experts, or None when it can
-
-
-MOE_FAMILIES: dict[str, MoeFamily] = {
-    "qwen3_moe": MoeFamily(),
-    "mixtral": MoeFamily(),
-    "olmoe": MoeFamily(),
-    "qwen2_moe": MoeFamily(
-        shared="mlp.shared_expert",
-        refused="its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
-        "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
-    ),
-    "gpt_oss": MoeFamily(
-        refused="its experts carry biases and store gate/up interleaved and transposed "
-        "(in x out), a layout qlora_kit does not quantize yet"
-    ),
-}
 
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -76,9 +51,11 @@ def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     return found
 
 
-def family_of(model) -> tuple[str, MoeFamily | None]:
+def experts_of(model) -> tuple[str, families.Experts | None]:
+    """The model's type and its families-table experts facet (None: not a mixture qlora_kit knows)."""
     model_type = getattr(model.config, "model_type", "?")
-    return model_type, MOE_FAMILIES.get(model_type)
+    entry = families.family(model_type)
+    return model_type, entry.experts if entry else None
 
 
 def quantize_experts(model, quant) -> int:
@@ -88,22 +65,37 @@ def quantize_experts(model, quant) -> int:
     modules = fused_experts(model)
     if not modules:
         return 0
-    model_type, family = family_of(model)
-    if family is None or family.refused:
-        why = family.refused if family else "qlora_kit has not been checked against its experts' layout"
-        raise RecipeError(
-            f"model.path: {model_type} is a mixture of experts whose experts cannot be loaded in 4 bits: "
-            f"{why} (quant.bits 16 loads it with the experts in 16 bits)"
-        )
+    model_type, _ = experts_of(model)
+    check_packable(model_type)
     dtype = getattr(torch, quant.compute_dtype)
     for _, experts in modules:
         _check_layout(model_type, experts)
         for name in EXPERT_PARAMETERS:
             _pack(experts, name, quant, dtype)
-    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
-    model.set_experts_implementation(IMPLEMENTATION)
+    use_routed_loop(model)
     check_no_16bit_experts(model)
     return len(modules)
+
+
+def check_packable(model_type: str) -> None:
+    """RecipeError in one line when qlora_kit cannot pack this mixture's experts in 4 bits (loading and
+    planning it alike)."""
+    entry = families.family(model_type)
+    if entry is None or entry.experts is None:
+        why = families.EXPERTS_NOT_PACKED.get(
+            model_type, "qlora_kit has not been checked against its experts' layout"
+        )
+        raise RecipeError(
+            f"model.path: {model_type} is a mixture of experts whose experts cannot be loaded in 4 bits: "
+            f"{why} (quant.bits 16 loads it with the experts in 16 bits)"
+        )
+
+
+def use_routed_loop(model) -> None:
+    """Run ``model``'s experts through ``experts_forward`` (packed or not: the planner traces it on 16-bit
+    fake weights)."""
+    ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+    model.set_experts_implementation(IMPLEMENTATION)
 
 
 def _check_layout(model_type: str, experts) -> None:
@@ -183,6 +175,29 @@ class ExpertStats(torch.nn.Module):
         )
 
 
+def dequantize_experts(model) -> int:
+    """Unpack every 4-bit expert stack of ``model`` back into its 3-D parameter in the compute dtype, and give
+    the experts back to transformers' own implementation: the 16-bit model merge and export write (the
+    counterpart of transformers' ``dequantize()``, which knows only ``Linear4bit``). Returns the stacks
+    unpacked."""
+    unpacked = 0
+    for _, experts in fused_experts(model):
+        for name in EXPERT_PARAMETERS:
+            stats = getattr(experts, f"{name}_4bit", None)
+            if stats is None:
+                continue
+            packed = getattr(experts, name)
+            weight = torch.stack(
+                [bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])]
+            )
+            setattr(experts, name, torch.nn.Parameter(weight.to(stats.dtype), requires_grad=False))
+            delattr(experts, f"{name}_4bit")
+            unpacked += 1
+    if unpacked:
+        model.set_experts_implementation(None)  # transformers' default for the model's own code
+    return unpacked
+
+
 def check_no_16bit_experts(model) -> None:
     """Raise when any fused expert weight is still a floating-point tensor after quantize_experts."""
     for name, experts in fused_experts(model):
@@ -204,10 +219,7 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=Non
     {parameter name: [(A (E, r, in), B (out, r, E), scaling)]} from LoraExperts."""
     out = torch.zeros_like(hidden_states)
     k = top_k_index.shape[-1]
-    with torch.no_grad():
-        flat = top_k_index.reshape(-1)
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    order, counts = _routing(top_k_index.reshape(-1), experts.num_experts)
     start = 0
     for expert, count in enumerate(counts):
         if count == 0 or expert >= experts.num_experts:
@@ -221,6 +233,19 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=Non
         y = _project(experts, "down_proj", expert, h, lora) * top_k_weights[tokens, slots, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+@torch.no_grad()
+def _routing(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
+    """The (token, slot) picks sorted by expert, and how many each expert got.
+
+    The planner traces this loop on fake tensors, which hold no routing: there the picks are spread evenly.
+    What the loop keeps for backward grows linearly with an expert's tokens and costs nothing for an expert
+    with none, so its total is the same for any routing of the same picks."""
+    if isinstance(flat, FakeTensor):
+        share, extra = divmod(flat.numel(), num_experts)
+        return torch.arange(flat.numel()), [share + (e < extra) for e in range(num_experts)]
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts).tolist()
 
 
 def _project(experts, name: str, expert: int, x: torch.Tensor, lora) -> torch.Tensor:
@@ -290,7 +315,7 @@ def lora_targets(model, target_modules, experts: bool) -> dict:
     modules = fused_experts(model)
     if not modules:
         return {}
-    _, family = family_of(model)
+    _, facet = experts_of(model)
     if target_modules == "all-linear":
         output = model.get_output_embeddings()
         target_modules = sorted(
@@ -298,7 +323,7 @@ def lora_targets(model, target_modules, experts: bool) -> dict:
         )
     arguments = {"target_modules": target_modules}
     if experts:
-        arguments["target_parameters"] = [f"{family.experts}.{name}" for name in EXPERT_PARAMETERS]
+        arguments["target_parameters"] = [f"{facet.experts}.{name}" for name in EXPERT_PARAMETERS]
         arguments["custom"] = {type(m): LoraExperts for _, m in modules}
     return arguments
 

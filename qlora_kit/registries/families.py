@@ -13,8 +13,9 @@ Each ``Family`` says, for its architecture:
   reason (after/gguf_families.py, after/gguf_writer.py, after/parity.py);
 - ``system_role``/``chat_note``: whether its usual chat templates accept a system turn
   (``data.system_prompt_mode``) and what else they do their own way;
-- ``experts``: for a mixture-of-experts family, where its router and experts are (``Experts``); None
-  for a dense one. A family whose config counts experts must have it (tests/test_families.py).
+- ``experts``: for a mixture-of-experts family, where its router and experts are and which config keys
+  count them (``Experts``); None for a dense one. A family whose config counts experts must have it
+  (tests/test_families.py); ``EXPERTS_NOT_PACKED`` names the mixtures whose experts are refused, and why.
 
 Adding a family is one entry here plus its tests: the builtin model, the planner, export and the export
 tests read this table. Standard library only; the GGUF writers named by ``Gguf.parameters`` and
@@ -59,10 +60,10 @@ class NoExport:
 class Experts:
     """A mixture-of-experts layer: its router linear, its experts' module and the config's counts."""
 
-    router: str  # e.g. "mlp.gate"
-    experts: str  # e.g. "mlp.experts"
     count_key: str  # e.g. "num_local_experts"
-    active_key: str  # experts each token is routed to, e.g. "num_experts_per_tok"
+    active_key: str = "num_experts_per_tok"  # experts each token is routed to
+    router: str = "mlp.gate"  # a parameter module (never a linear layer): it stays in 16/32 bits
+    experts: str = "mlp.experts"  # the fused 3-D expert stacks (model/moe_experts.py packs them)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,21 @@ class Family:
 
 # config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+# Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
+# is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
+EXPERTS_NOT_PACKED = {
+    "qwen2_moe": "its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
+    "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
+    "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
+    "qlora_kit does not quantize yet",
+}
+# qlora_kit's GGUF writer writes dense layers only (export --to merged, then llama.cpp's converter, serves)
+MOE_NO_GGUF = NoExport(
+    "qlora_kit's GGUF writer has no expert tensors (llama.cpp's ffn_gate_exps, ffn_up_exps, ffn_down_exps) "
+    "yet; convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
+)
+# the attention linears of a mixture-of-experts layer (its MLP is the router and the fused experts)
+ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 # the attention and MLP linears of a Llama-shaped layer
 LLAMA_LINEARS = (
     "self_attn.q_proj",
@@ -249,6 +265,46 @@ FAMILIES: dict[str, Family] = {
                 "transformers' GGUF loader cannot read an olmo2 GGUF back, so the parity report would "
                 "have no independent reader"
             ),
+        ),
+        # Mixtures of experts (builtins of 8 experts, 2 per token): fused 3-D experts behind a router
+        _family(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            "tiny-qwen3-moe",
+            tiny_config={
+                "head_dim": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 128,
+            },
+            linears=ATTENTION_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=MOE_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
+        ),
+        _family(
+            "mixtral",
+            "MixtralConfig",
+            "tiny-mixtral",
+            tiny_config={"sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2},
+            linears=ATTENTION_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=MOE_NO_GGUF,
+            experts=Experts(count_key="num_local_experts"),
+        ),
+        _family(
+            "olmoe",
+            "OlmoeConfig",
+            "tiny-olmoe",
+            tiny_config={"num_experts": 8, "num_experts_per_tok": 2},
+            linears=ATTENTION_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=MOE_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
         ),
     )
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 MEMORY = "memory/"  # the memory monitor's family prefix in the log
 THROUGHPUT = "throughput/"  # throughput's
+EXPERTS = "experts/"  # a mixture of experts' routing (training/expert_load.py)
 
 SAVED_MIB = "saved_mib"  # bytes saved for backward by the largest forward pass, MiB
 SAVED_MIB_HEAD = "saved_mib_head"  # of which outside the decoder layers (the loss head)
@@ -32,6 +33,11 @@ LOST_SECONDS = "lost_s"  # in it: seconds from the failed attempt's start to the
 TOKENS_PER_S = "tokens_per_s"  # input positions per second over all processes, one logging window
 TRAINED_TOKENS = "trained_tokens"  # trained (labelled) tokens so far, over all processes
 MFU = "mfu"  # model FLOPs utilisation per device
+
+AUX_LOSS = "aux_loss"  # the auxiliary load-balancing loss, mean over the window (when the config computes it)
+MAX_LOAD = "max_load"  # the busiest expert's tokens over the mean expert's, worst layer; 1.0 is balanced
+IDLE = "idle"  # experts (over all layers) that got no token in the window
+TOKENS_PER_EXPERT = "tokens_per_expert"  # in metrics.jsonl: tokens routed to each expert, one list per layer
 
 # the Trainer's per-step keys -> their names in metrics.jsonl
 TRAINER_KEYS = {"loss": "loss", "eval_loss": "eval_loss", "learning_rate": "lr", "grad_norm": "grad_norm"}

@@ -16,6 +16,7 @@
   ``micro_batches``: its parts that need no Trainer (a micro-batch cut in parts, the split file, messages);
   ``grpo_oom``: the same for GRPO's two peaks, the rollouts and the policy step, and its worst batch first;
 - ``throughput``: tokens/s, trained tokens and MFU; ``trackers``: tensorboard, W&B, MLflow, trackio;
+  ``expert_load``: a mixture of experts' routing (tokens per expert, the auxiliary loss, starved experts);
 - ``distributed``: what one process of several does differently (DDP, FSDP2);
 - ``outputs``: the output folder's policy and atomic checkpoints; ``manifest``: what produced an adapter;
 - ``run_log``, ``run_console``, ``run_record``: what a run says, what a person watching sees, and

@@ -20,7 +20,8 @@ from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.registries import objectives
-from qlora_kit.training import step
+from qlora_kit.training import expert_load, step
+from qlora_kit.training.expert_load import ExpertLoad
 from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
 from qlora_kit.training.throughput import Throughput, peak_tflops
 from qlora_kit.training.trackers import tracker_callbacks
@@ -75,6 +76,7 @@ def build_trainer(
         callbacks=step.callbacks(
             monitor,
             throughput,
+            [ExpertLoad(peft_model, metrics_log)] if expert_load.routers(peft_model) else [],
             metrics_log,
             guard,
             trackers=tracker_callbacks(run.as_written, output_dir),

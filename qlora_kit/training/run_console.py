@@ -94,6 +94,8 @@ def figures(logs: dict[str, Any]) -> dict[str, str]:
         shown["grad"] = f"{logs['grad_norm']:.3f}"
     if keys.THROUGHPUT + keys.TOKENS_PER_S in logs:
         shown["tok/s"] = f"{logs[keys.THROUGHPUT + keys.TOKENS_PER_S]:,.0f}"
+    if keys.EXPERTS + keys.MAX_LOAD in logs:  # a mixture of experts: the busiest expert over the mean one
+        shown["expert load"] = f"{logs[keys.EXPERTS + keys.MAX_LOAD]:.2f}x"
     peaks = [logs[keys.MEMORY + key] for key in keys.PEAK_KEYS if keys.MEMORY + key in logs]
     if peaks:  # CUDA: the step's peak allocated memory
         shown["peak"] = f"{max(peaks):.2f} GiB"

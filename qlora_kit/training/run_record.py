@@ -95,6 +95,7 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
         )
     rows += speed_rows(record.metrics)
     rows += oom_rows(record.metrics)
+    rows += expert_rows(record.rows_with(keys.TOKENS_PER_EXPERT))
     peaks = [row[key] for row in record.metrics for key in keys.PEAK_KEYS if key in row]
     rows += memory_rows(peaks, [row[keys.SAVED_MIB] for row in record.rows_with(keys.SAVED_MIB)])
     if manifest.get("weight_bytes"):  # the loaded model by kind: experts kept in 16 bits would show here
@@ -108,6 +109,25 @@ def summary_rows(record: RunRecord) -> list[tuple[str, str]]:
     if manifest.get("git_commit"):
         rows.append(("git commit", str(manifest["git_commit"])))
     return rows
+
+
+def expert_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """A mixture of experts' routing over the whole run: tokens per expert, fewest and most, per layer."""
+    if not rows:
+        return []
+    layers = [[0] * len(counts) for counts in rows[0][keys.TOKENS_PER_EXPERT]]
+    for row in rows:
+        for layer, counts in enumerate(row[keys.TOKENS_PER_EXPERT]):
+            layers[layer] = [total + n for total, n in zip(layers[layer], counts, strict=True)]
+    text = "; ".join(f"layer {i}: {min(counts):,}-{max(counts):,}" for i, counts in enumerate(layers))
+    idle = sum(counts.count(0) for counts in layers)
+    aux = [row[keys.AUX_LOSS] for row in rows if keys.AUX_LOSS in row]
+    rows_out = [
+        ("tokens per expert (fewest-most)", text + (f"; {idle} experts never routed to" if idle else ""))
+    ]
+    if aux:
+        rows_out.append(("auxiliary load-balancing loss", f"{aux[0]:.4f} -> {aux[-1]:.4f}"))
+    return rows_out
 
 
 def oom_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:

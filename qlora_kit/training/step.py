@@ -99,6 +99,7 @@ class TrainingStep:
 def callbacks(
     monitor: MemoryMonitor,
     throughput: Throughput,
+    routing: list[TrainerCallback],
     metrics_log: MetricsLog,
     guard: TrainingGuard | None,
     trackers: list[TrainerCallback],
@@ -106,12 +107,14 @@ def callbacks(
     objective: list[TrainerCallback],
     callers: list[TrainerCallback],
 ) -> list[TrainerCallback]:
-    """Every callback of a run, in the order the Trainer calls them: the memory monitor and the
-    throughput first (they add their figures to the logs the others write), the metrics file, the
-    guard, the trackers, early stopping, the objective's own (GRPO's explanations), the caller's."""
+    """Every callback of a run, in the order the Trainer calls them: the memory monitor, the throughput
+    and a mixture of experts' routing first (they add their figures to the logs the others write), the
+    metrics file, the guard, the trackers, early stopping, the objective's own (GRPO's explanations), the
+    caller's."""
     return [
         monitor,
         throughput,
+        *routing,
         metrics_log,
         *([guard] if guard is not None else []),
         *trackers,

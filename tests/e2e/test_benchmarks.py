@@ -104,10 +104,14 @@ TABLES = {
         (PLANNER_COLUMNS, 9),
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
     ]),
-    "moe.py": ("moe-cpu.md", [(
-        [("experts", r"4-bit experts \(qlora_kit\)|16-bit experts, same loop|transformers' experts \+ peft's ParamWrapper"),
-         ("median forward+backward (s)", SECONDS), ("vs 16-bit, same loop", rf"{N}x"), ("vs transformers'", rf"{N}x")], 3,
-    )]),
+    "moe.py": ("moe-cpu.md", [
+        ([("experts", r"4-bit experts \(qlora_kit\)|16-bit experts, same loop|transformers' experts \+ peft's ParamWrapper"),
+          ("median forward+backward (s)", SECONDS), ("vs 16-bit, same loop", rf"{N}x"), ("vs transformers'", rf"{N}x")], 3),
+        ([("model", r"Qwen/Qwen3-30B-A3B|mistralai/Mixtral-8x7B-v0.1"), ("LoRA on", "attention and experts|attention"),
+          ("expert weights", rf"{N} B \({N} B active\)"),
+          ("experts in 4 bits (GiB)", N), ("other weights (GiB)", N), ("LoRA parameters", rf"{N} M"),
+          ("planned peak (GiB)", N), ("published", ".+")], 4),
+    ]),
     "vs_trl.py": ("vs-trl-cpu.md", [(
         [("comparison", r"equal settings \(padded batches\)|defaults \(qlora_kit packs\)"),
          ("system", "qlora_kit|TRL SFTTrainer"), ("median step (s)", SECONDS), ("trained tokens/s", N),
