@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers
 from peft import PeftModel
+from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_kit import Recipe
@@ -174,6 +175,26 @@ def test_experts_can_be_left_out():
     base = model.load_base_model(recipe.model, recipe.quant)
     counts = moe_experts.trainable_by_kind(adapters.attach_lora(base, recipe.lora))
     assert counts["experts"] == 0 and counts["router"] == 0 and counts["attention"] > 0
+
+
+def test_the_router_is_frozen_unless_asked_and_then_trains_and_saves_whole(tmp_path):
+    """lora.router: each layer's router trains whole (its gradient flows, its copy is saved in the adapter
+    as peft's modules_to_save); by default it carries nothing trainable."""
+    default = moe_recipe()
+    frozen = adapters.attach_lora(model.load_base_model(default.model, default.quant), default.lora)
+    assert moe_experts.trainable_by_kind(frozen)["router"] == 0
+    recipe = moe_recipe(lora={"dropout": 0.0, "router": True})
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    routers = [
+        p for n, p in peft_model.named_parameters() if moe_experts.kind_of(n) == "router" and p.requires_grad
+    ]
+    assert len(routers) == 4 and moe_experts.trainable_by_kind(peft_model)["router"] == 4 * 8 * 128
+    ids = batch(peft_model)
+    peft_model.train()(input_ids=ids, labels=ids).loss.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in routers)
+    adapters.save_adapter(peft_model, tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert sum(".mlp.gate." in key for key in saved) == 4
 
 
 def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):

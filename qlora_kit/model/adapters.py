@@ -37,7 +37,11 @@ PEFT_INIT = {"default": True, "gaussian": "gaussian", "pissa": "pissa", "olora":
 def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
     """peft's LoraConfig for the recipe's lora section; on a mixture-of-experts ``model`` with lora.experts,
     the experts' fused weights too (peft's target_parameters, run in low-rank form: moe_experts.py)."""
-    experts = moe_experts.lora_targets(model, lora.target_modules, lora.experts) if model is not None else {}
+    experts = (
+        moe_experts.lora_targets(model, lora.target_modules, lora.experts, lora.router)
+        if model is not None
+        else {}
+    )
     if "target_parameters" in experts and lora.dropout:
         raise RecipeError(
             f"lora.dropout: LoRA on a mixture of experts' experts takes no dropout (got {lora.dropout}): the "
@@ -55,6 +59,7 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
         init_lora_weights=PEFT_INIT[lora.init],
         task_type="CAUSAL_LM",
         target_parameters=experts.get("target_parameters"),
+        modules_to_save=experts.get("modules_to_save"),
     )
     if "custom" in experts:
         config._register_custom_module(experts["custom"])

@@ -305,13 +305,14 @@ class LoraExperts(ParamWrapper):
 LoraExperts.__name__ = ParamWrapper.__name__
 
 
-def lora_targets(model, target_modules, experts: bool) -> dict:
+def lora_targets(model, target_modules, experts: bool, router: bool = False) -> dict:
     """peft LoraConfig arguments for a mixture-of-experts ``model`` ({} for a dense one).
 
     On transformers 5 MoE models peft rewrites a string target_modules ("all-linear") for checkpoints of
     transformers 4 (peft's utils/transformers_weight_conversion): it adds the router (``gate.weight``) and
     the fused experts, at twice the rank. The router stays frozen here, so all-linear is spelled out as
-    the linear layers' names, and the experts come as target_parameters when ``experts`` is on."""
+    the linear layers' names, and the experts come as target_parameters when ``experts`` is on; with
+    ``router`` each layer's router trains whole (peft's modules_to_save)."""
     modules = fused_experts(model)
     if not modules:
         return {}
@@ -325,6 +326,8 @@ def lora_targets(model, target_modules, experts: bool) -> dict:
     if experts:
         arguments["target_parameters"] = [f"{facet.experts}.{name}" for name in EXPERT_PARAMETERS]
         arguments["custom"] = {type(m): LoraExperts for _, m in modules}
+    if router:  # trained whole: peft keeps a trainable copy and saves it in the adapter
+        arguments["modules_to_save"] = [facet.router]
     return arguments
 
 

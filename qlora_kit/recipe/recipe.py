@@ -108,6 +108,8 @@ class LoraSection(Section):
     """Adapter initialisation passed to peft (default: A Kaiming-uniform, B zero)."""
     experts: bool = True
     """On a mixture-of-experts model, LoRA on every expert too (their fused weights, in low-rank form; needs dropout 0); false leaves the experts frozen."""
+    router: bool = False
+    """On a mixture-of-experts model, train each layer's router too (whole: a small experts x hidden matrix, in the compute dtype, saved in the adapter as peft's modules_to_save); frozen by default (README: Mixtures of experts)."""
 
 
 class OptimizerSection(Section):

@@ -3,7 +3,8 @@
 A router that sends no tokens to an expert leaves that expert's LoRA untrained, and nothing in the loss says
 so. ``ExpertLoad`` counts, for every decoder layer, the tokens its router sends to each expert in the
 training forward passes (not the ones activation checkpointing recomputes in backward, nor evaluation's),
-and at each log adds to it:
+and at each log adds to it (every position the router sees counts, padding included; a step the
+out-of-memory split redoes counts the failed attempt's forward passes too):
 
 - ``experts/aux_loss``: the model's auxiliary load-balancing loss, mean over the window's micro-batches,
   when the model config computes it (``output_router_logits``; its ``router_aux_loss_coef`` times it is in
@@ -52,7 +53,9 @@ class ExpertLoad(TrainerCallback):
     def __init__(self, model, metrics_log) -> None:
         self.routers = routers(model)
         self.metrics_log = metrics_log
-        self.experts = self.routers[0].weight.shape[0] if self.routers else 0
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        _, facet = moe_experts.experts_of(base)
+        self.experts = getattr(base.config, facet.count_key) if self.routers else 0
         self.counts: list[torch.Tensor | None] = [None] * len(self.routers)
         self.aux_sum: torch.Tensor | None = None
         self.aux_batches = 0

@@ -102,6 +102,16 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     assert moved > 0 and (got - expected).abs().max() < 0.05 * moved, (moved, (got - expected).abs().max())
 
 
+def test_a_mixture_of_experts_under_ddp_matches_one_process(tmp_path):
+    """The MoE demo (4-bit experts, LoRA on every expert as one stacked factor per weight, so each LoRA
+    parameter gets a gradient every step whatever the routing) under DDP follows one process."""
+    one, two, _ = one_and_two_processes(tmp_path, recipe="recipes/demo-moe.yaml")
+    expected, got = losses(one), losses(two)
+    assert len(expected) == len(got) == 8 and expected[-1] < expected[0] - 1.0
+    for a, b in zip(expected, got, strict=True):
+        assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
+
+
 def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
     """The GPU's default path on 2 processes: bf16 autocast, the chunked head applying a LoRA lm_head
     outside the forward pass (DDP must not search for unused parameters, or it fails there)."""
