@@ -59,7 +59,7 @@ class GrpoSection(Section):
     rewards: list[RewardSection] = Field(default_factory=list)
     """The reward functions, summed by weight: builtins by name (exact_match, number_match, regex, length) or module:function."""
     seed_each_completion: bool = False
-    """Sample each completion alone under a seed of (train.seed, step, prompt, copy), so rollouts are the same on any number of processes; one generate call per completion instead of per batch: slower rollouts on a GPU."""
+    """Draw each completion's tokens from a random stream seeded by (train.seed, step, prompt, copy), inside the batched generate call: rollouts are the same on any number of processes and across a split generation (an out-of-memory split)."""
 
     @field_validator("num_generations")
     @classmethod

@@ -22,15 +22,14 @@ What this module changes in TRL's behaviour, and why:
 - The dead-gradient guard waits for a step with a reward signal: when every group's completions got the
   same reward and beta is 0, every gradient is exactly zero in a healthy run (``RewardGuard``).
 - TRL's telemetry ping at construction is not sent.
-- ``grpo.seed_each_completion`` (off by default) samples each completion alone under a seed of its own,
-  so the rollouts do not depend on how the prompts are split across processes (``seeded_rollout``).
+- ``grpo.seed_each_completion`` (off by default) samples each row of the batched call from a seed of its
+  own, so the rollouts do not depend on how the prompts are split across processes or generate calls
+  (``row_sampling.py``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,6 +44,7 @@ from qlora_kit.training.grpo_explain import GrpoExplainer
 from qlora_kit.training.grpo_oom import GrpoSplitOnOom
 from qlora_kit.training.guards import TrainingGuard, _all_zero
 from qlora_kit.training.reward_checks import checked
+from qlora_kit.training.row_sampling import rows_seeded
 from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
@@ -143,13 +143,14 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
     def _generate_single_turn(
         self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False
     ):
-        """With ``grpo.seed_each_completion``: one ``generate`` call per completion, each under its own seed.
+        """With ``grpo.seed_each_completion``: each row of the ``generate`` call sampled under its own seed.
 
         TRL samples a process's whole batch in one call after seeding each process differently
         (``set_seed(seed, device_specific=True)`` in ``GRPOTrainer.__init__``), so a completion's random
-        draws depend on the process and on the rows sampled beside it. Alone and under a seed of what the
-        row is (``seeded_rollout``), a completion is the same on one process or several; the cost is the
-        batching that makes rollouts fast on a GPU. Text prompts only (qlora_kit's formats have no images).
+        draws depend on the process and on the rows sampled beside it. Drawn from a seed of what the row is
+        (``rollout_seed``, ``row_sampling.rows_seeded``), a completion is the same on one process or
+        several and in one call or in the parts of a split generation, and the call stays batched. Text
+        prompts only (qlora_kit's formats have no images).
         """
         # This process holds rows [start, start + len) of the step's batch: accelerate hands each
         # process consecutive slices of the sampler's order, where a prompt's num_generations copies
@@ -158,20 +159,21 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
         whole = super()._generate_single_turn
 
         def generate_rows(rows: list[list[int]], first: int):
-            if not self.seed_each_completion:  # one call for the slice (all of it unless split: grpo_oom.py)
+            # one call for the slice (all of it unless split: grpo_oom.py)
+            if not self.seed_each_completion:
                 if len(rows) == len(prompt_ids):
                     return whole(rows, images, multimodal_fields, num_generations, has_tool_images)
                 return whole(rows, None, {}, num_generations)
-            completions, logprobs = [], []
-            for offset, ids in enumerate(rows):
-                copy = (start + first + offset) % num_generations
-                with seeded_rollout(
-                    self.args.seed, self.state.global_step, ids, copy, self.accelerator.device
-                ):
-                    one, one_logprobs = whole([ids], None, {}, num_generations)
-                completions += one
-                logprobs += one_logprobs or []
-            return completions, logprobs or None
+            seeds = [
+                rollout_seed(
+                    self.args.seed, self.state.global_step, ids, (start + first + offset) % num_generations
+                )
+                for offset, ids in enumerate(rows)
+            ]
+            with rows_seeded(
+                self.accelerator.unwrap_model(self.model_wrapped), seeds, self.accelerator.device
+            ):
+                return whole(rows, None, {}, num_generations)
 
         return self.generate_in_parts(prompt_ids, generate_rows)
 
@@ -190,21 +192,6 @@ def rollout_seed(seed: int, step: int, prompt_ids: list[int], copy: int) -> int:
     row in the data) draws the same completions for both of its groups."""
     key = f"{seed}|{step}|{copy}|{','.join(map(str, prompt_ids))}".encode()
     return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & (2**63 - 1)
-
-
-@contextmanager
-def seeded_rollout(
-    seed: int, step: int, prompt_ids: list[int], copy: int, device: torch.device
-) -> Iterator[None]:
-    """Run the block under ``rollout_seed``'s random state, then give the process its own state back, so
-    dropout and the checkpointed rollout random state (resume) are what they would be without it."""
-    accelerators = [device] if device.type != "cpu" else []
-    with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else None):
-        value = rollout_seed(seed, step, prompt_ids, copy)
-        torch.random.default_generator.manual_seed(value)
-        if accelerators:  # the device sampling runs on (torch.manual_seed would reseed every GPU)
-            torch.get_device_module(device.type).manual_seed(value)
-        yield
 
 
 class RewardGuard(TrainingGuard):

@@ -7,11 +7,11 @@ it runs out of memory:
 
 - **Generation**: the process's rollouts run in ``generation_parts`` generate calls of consecutive prompt
   copies (the same prompts, the same completions per prompt); an out-of-memory error doubles the calls and
-  redoes the generation from the random state it began with. Under ``grpo.seed_each_completion`` each
-  completion is already sampled alone under its own seed, so its draws do not depend on the split, and
-  there is nothing smaller to split to: an out-of-memory error there stops the run. Without it TRL draws
-  the whole batch from one random stream, so a split generation samples other (equally distributed)
-  completions than an unsplit one would.
+  redoes the generation from the random state it began with. Under ``grpo.seed_each_completion`` each row
+  is drawn from a seed of its own (row_sampling.py), so the split generation samples exactly the
+  completions one call would, and the rewards are the same. Without it TRL draws the whole batch from one
+  random stream, so a split generation samples other (equally distributed) completions than an unsplit
+  one would.
 - **The policy step**: TRL's ``_prepare_inputs`` turns the prompt rows into the rollout (completions,
   rewards and advantages, computed over each whole group before anything is split), and the rollout is
   what ``SplitOnOom`` splits and redoes like SFT's micro-batch (oom_recovery.py). The parts' losses add
@@ -140,14 +140,9 @@ class GrpoSplitOnOom:
 
         step = self.state.global_step + 1
         where = "the worst-batch probe's rollouts" if self.probing else "generation"
-        per_call = 1 if self.seed_each_completion else size
-        if self.oom_policy.on_oom == "stop" or per_call <= 1:
+        if self.oom_policy.on_oom == "stop" or size <= 1:
             longest = max(len(ids) for ids in prompt_ids)
-            why = (
-                "grpo.seed_each_completion samples one sequence per generate call"
-                if self.seed_each_completion
-                else f"{per_call} sequence{'s' if per_call != 1 else ''} per generate call"
-            )
+            why = f"{size} sequence{'s' if size != 1 else ''} per generate call"
             raise TrainingGuardError(
                 f"step {step}: out of memory in {where} ({failure.message}; {failure.figures}): {why}, "
                 f"prompts of up to {longest} tokens + {self.max_completion_length} completion tokens. "

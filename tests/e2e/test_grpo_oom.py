@@ -36,7 +36,9 @@ def values(out: Path, **train) -> dict:
             "logging_steps": 1, "mixed_precision": "bf16", "report_to": [], "probe_worst_batch": False,
             "sample_prompts": 0, **train,
         },
-        "grpo": {"num_generations": 4, "max_completion_length": 5, "rewards": [{"name": "length", "max_chars": 12}]},
+        # each row drawn from its own seed: a split generation samples what one call does (row_sampling.py)
+        "grpo": {"num_generations": 4, "max_completion_length": 5, "seed_each_completion": True,
+                 "rewards": [{"name": "length", "max_chars": 12}]},
     }  # fmt: skip
 
 
@@ -100,7 +102,7 @@ def test_a_policy_step_over_the_cap_splits_and_keeps_the_rewards(reference, tmp_
 
 
 def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path):
-    (_, (_, generation_peak)) = reference
+    (ref, (_, generation_peak)) = reference
     result = run(tmp_path, generation_cap=int(0.75 * generation_peak), save_steps=1)
     [split] = splits(result.output_dir)
     event = split[keys.OOM_SPLIT]
@@ -109,6 +111,11 @@ def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path):
     assert "generation" in event["error"]
     first, *redone = result.generation_peaks  # the failed call's, then every call since
     assert first > int(0.75 * generation_peak) >= max(redone)
+    # the same completions as the uncapped run's single call, so the same rewards exactly
+    assert logged(result.output_dir, "reward") == logged(ref.output_dir, "reward")
+    assert logged(result.output_dir, "completions/mean_length") == logged(
+        ref.output_dir, "completions/mean_length"
+    )
     # every step still samples 2 prompts x 4 completions (the rewards are over whole groups)
     assert len(logged(result.output_dir, "reward")) == STEPS
     saved = json.loads((result.output_dir / "checkpoint-1" / "micro_batch_split.json").read_text())
