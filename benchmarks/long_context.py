@@ -56,7 +56,9 @@ def planned_lengths(smoke: bool) -> list[list[str]]:
     return rows
 
 
-def measure(model_path: str, seq: int, fields: dict, out: str) -> tuple[int, int, int, float]:
+def measure(
+    model_path: str, seq: int, fields: dict, out: str, bf16: bool = True
+) -> tuple[int, int, int, float]:
     """(device bytes saved for backward, host bytes, planned device bytes, seconds) of one forward and
     backward of one row of ``seq`` tokens."""
     from qlora_kit import Recipe
@@ -70,7 +72,8 @@ def measure(model_path: str, seq: int, fields: dict, out: str) -> tuple[int, int
             "lora": {"rank": 16, "dropout": 0.0},
             "data": {"max_seq_len": seq, "packing": False},
             "memory": fields,
-            "train": {"output_dir": out, "micro_batch_size": 1, "mixed_precision": "bf16"},
+            "quant": {"compute_dtype": "bfloat16" if bf16 else "float32"},
+            "train": {"output_dir": out, "micro_batch_size": 1, "mixed_precision": "bf16" if bf16 else "no"},
         }
     )
     setup = pipeline.build(recipe)
@@ -80,7 +83,7 @@ def measure(model_path: str, seq: int, fields: dict, out: str) -> tuple[int, int
     batch = {"input_ids": ids, "labels": ids}
     counter = SavedTensors(model)
     start = time.perf_counter()
-    with counter.counting(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with counter.counting(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         loss = model(**batch).loss
     loss.backward()
     seconds = time.perf_counter() - start
@@ -89,13 +92,13 @@ def measure(model_path: str, seq: int, fields: dict, out: str) -> tuple[int, int
     return saved.total, saved.host, planned, seconds
 
 
-def measured_rows(model_path: str, lengths: list[int]) -> list[list[str]]:
+def measured_rows(model_path: str, lengths: list[int], bf16: bool) -> list[list[str]]:
     rows = []
     for seq in lengths:
         figures = {}
         for way, fields in WAYS.items():
             with tempfile.TemporaryDirectory() as out:
-                figures[way] = measure(model_path, seq, {"chunked_loss": False, **fields}, out)
+                figures[way] = measure(model_path, seq, {"chunked_loss": False, **fields}, out, bf16)
         full_seconds = figures["full"][3]
         for way, (device, host, planned, seconds) in figures.items():
             error = (planned - device) / device * 100
@@ -116,6 +119,11 @@ def measured_rows(model_path: str, lengths: list[int]) -> list[list[str]]:
 def main() -> None:
     args = parser(__doc__)
     args.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
+    args.add_argument(
+        "--float32",
+        action="store_true",
+        help="table 2 in float32 without autocast (CPUs without AVX512-BF16 emulate bf16 matmuls: 11x slower)",
+    )
     args = args.parse_args()
     if args.smoke:
         lengths, model_path, label = [256], "builtin:tiny-llama", "tiny Llama (4 layers, hidden 128)"
@@ -137,13 +145,15 @@ def main() -> None:
             "forward + backward (s)",
             "time vs full",
         ],
-        measured_rows(model_path, lengths),
+        measured_rows(model_path, lengths, bf16=not args.float32),
     )
     name = "long-context-real-cpu" if args.real_model else "long-context-cpu"
     notes = (
         "Table 1 is planned, traced at each length it shows, for a GPU under bf16 autocast (micro-batch 1, one "
         "unpacked row, sdpa, LoRA r=16 on every linear, the chunked loss head). Table 2 is measured on "
-        f"{label}, one row per length under bf16 autocast, LoRA dropout 0, transformers' loss (no chunked head)."
+        f"{label}, one row per length "
+        + ("in float32, no autocast" if args.float32 else "under bf16 autocast")
+        + ", LoRA dropout 0, transformers' loss (no chunked head)."
     )
     write_result(
         name,

@@ -112,9 +112,13 @@ def test_a_model_without_a_checked_gguf_form_is_refused_by_name(name, overrides,
     from qlora_kit.after import gguf_writer
     from qlora_kit.errors import ExportError
     from qlora_kit.model.builtin import ensure_tiny_model
+    from qlora_kit.model.builtin_vision import TINY_VISION_ARCHITECTURES, ensure_tiny_vlm
 
+    folder = (
+        ensure_tiny_vlm(name) if name in TINY_VISION_ARCHITECTURES else ensure_tiny_model(name, **overrides)
+    )
     with pytest.raises(ExportError, match=line) as refusal:
-        gguf_writer.write_model_gguf(ensure_tiny_model(name, **overrides), tmp_path / "m.gguf", "f16", "x")
+        gguf_writer.write_model_gguf(folder, tmp_path / "m.gguf", "f16", "x")
     assert len(str(refusal.value).splitlines()) == 1
     assert not (tmp_path / "m.gguf").exists()
 

@@ -46,13 +46,24 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
     from qlora_kit.model.layers import is_linear
 
     entry = FAMILIES[model_type]
-    builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES
-    assert builtins[entry.tiny] == (entry.config_class, entry.tiny_config)
-    config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
-    assert config.model_type == model_type
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    layer = decoder_layers(model)[0]
+    if entry.vision:  # the language model is a nested text config, the model its own auto class
+        config = getattr(transformers, entry.config_class)(
+            text_config={**TINY_SHAPE, **entry.tiny_config},
+            vision_config=dict(entry.vision.tiny_vision_config),
+        )
+        with torch.device("meta"):
+            model = transformers.AutoModelForImageTextToText.from_config(config)
+        assert {name for name, _ in model.model.named_children()} >= set(entry.vision.vision_modules)
+        config = config.get_text_config()
+    else:
+        builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES
+        assert builtins[entry.tiny] == (entry.config_class, entry.tiny_config)
+        config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
+        assert config.model_type == model_type
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    # a vision-language model's decoder is its language model (the vision tower has layers of its own)
+    layer = decoder_layers(model.model.language_model if entry.vision else model)[0]
     assert tuple(name for name, m in layer.named_modules() if is_linear(m)) == entry.linears
     routes = any(getattr(config, key, None) for key in families.EXPERT_COUNT_KEYS)
     assert routes == (entry.experts is not None), "a mixture-of-experts family needs its experts facet"

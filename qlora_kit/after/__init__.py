@@ -1,6 +1,7 @@
 """After training: what a trained adapter is used for.
 
 - ``evaluate``: loss, perplexity and exact match on held-out rows; ``preference_eval``: the same for pairs;
+  ``image_eval``: exact match on a vision-language model's rows with their images;
   ``grpo_eval``: a GRPO run's rewards on held-out prompts, greedy and sampled;
 - ``generate``: answers to prompts wrapped as training saw them;
 - ``merge``: the adapter merged into a 16-bit model, with a drift check;

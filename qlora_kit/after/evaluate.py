@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qlora_kit.after.generate import complete
+from qlora_kit.after.image_eval import image_exact_match
 from qlora_kit.after.preference_eval import preference_metrics
-from qlora_kit.data import prepare
+from qlora_kit.data import images, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
 from qlora_kit.registries import objectives
@@ -51,8 +53,9 @@ def evaluate(
         raise RecipeError(
             "data.val_path: evaluation needs validation data (set data.val_path or data.val_fraction)"
         )
+    runs = images.image_runs(recipe.model)  # a vision-language model: rows with images (data/images.py)
     prepared = prepare.prepare_datasets(
-        recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len
+        recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len, runs=runs
     )
     val = prepared.val.select(range(min(max_examples, len(prepared.val)))) if max_examples else prepared.val
     results: dict[str, Any] = {
@@ -62,10 +65,15 @@ def evaluate(
     if FORMATS[prepared.val_format].pairs:
         results |= preference_metrics(lm, recipe, val)
     else:
-        loss, tokens = token_weighted_loss(lm, val, prepare.build_collator(tokenizer, recipe.data.packs))
+        collator = prepare.build_collator(tokenizer, recipe.data.packs)
+        if runs is not None:
+            collator = ImageCollator(collator, runs.processor)
+        loss, tokens = token_weighted_loss(lm, val, collator)
         results |= {"loss": loss, "tokens": tokens}
     results["perplexity"] = math.exp(results["loss"]) if results["loss"] < 700 else math.inf
-    if FORMATS[prepared.val_format].checkable:
+    if runs is not None:  # asked from the prepared rows: their image runs and pixels (image_eval.py)
+        results |= image_exact_match(lm, runs.processor, val, max_examples)
+    elif FORMATS[prepared.val_format].checkable:
         examples = prepare.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)
         )

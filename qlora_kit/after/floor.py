@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlora_kit.model import adapters, moe_experts
+from qlora_kit.model import adapters, moe_experts, vision
 from qlora_kit.model import loading as model
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def merged_model(recipe, adapter_dir: Path | None, base: str):
     ``dequantized`` the 4-bit base dequantized (what the adapter trained against), ``original`` the
     checkpoint the 4-bit base came from. peft's merge on a model still in 4-bit would re-quantize
     W + BA and lose most of the update, so the base is dequantized first."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     if base == "dequantized":
         # dequantize() gives the compute dtype, which holds NF4's values exactly; fp32 then loses nothing
@@ -41,8 +41,9 @@ def merged_model(recipe, adapter_dir: Path | None, base: str):
         moe_experts.dequantize_experts(four_bit)  # a mixture's packed experts, which dequantize() skips
         sixteen_bit = four_bit.dequantize()
     elif base == "original":
-        sixteen_bit = AutoModelForCausalLM.from_pretrained(
-            model.resolve_model_path(recipe.model),
+        path = model.resolve_model_path(recipe.model)
+        sixteen_bit = vision.auto_class(AutoConfig.from_pretrained(path)).from_pretrained(
+            path,
             dtype=torch.float32,
             trust_remote_code=recipe.model.trust_remote_code,
             revision=recipe.model.revision,

@@ -23,12 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig
 
 from qlora_kit.after.floor import MERGED_DTYPES, merged_model
-from qlora_kit.data import prepare
+from qlora_kit.data import images, prepare
+from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
-from qlora_kit.model import adapters
+from qlora_kit.model import adapters, vision
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import check_model_folder, check_output_folder
 
@@ -114,17 +115,19 @@ def write_merged(
     merged.save_pretrained(folder)
     tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir) if adapter_dir else None)
     tokenizer.save_pretrained(folder)
+    found = model.load_processor(recipe.model)  # a vision-language model: its processor beside it
+    if found is not None:
+        found[0].save_pretrained(folder)
 
 
 def _restore_conv1d(lm, trust_remote_code: bool) -> None:
     """GPT-2's projections are transformers ``Conv1D`` layers, weights stored (in, out); loading in 4-bit
     made them ``Linear4bit`` and ``dequantize()`` plain ``nn.Linear`` (out, in). Saved so, the checkpoint
     no longer loads (a (3h, h) c_attn where (h, 3h) is expected), or a square one loads transposed."""
-    from transformers import AutoModelForCausalLM
     from transformers.pytorch_utils import Conv1D
 
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(lm.config, trust_remote_code=trust_remote_code)
+        skeleton = vision.auto_class(lm.config).from_config(lm.config, trust_remote_code=trust_remote_code)
     for name, module in skeleton.named_modules():
         current = lm.get_submodule(name) if name else lm
         if not isinstance(module, Conv1D) or not isinstance(current, torch.nn.Linear):
@@ -149,13 +152,15 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     """
 
     _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
-    texts = _held_out_texts(recipe, tokenizer, prompts)
-    batches = [tokenizer(text, return_tensors="pt")["input_ids"] for text in texts]
+    batches = _held_out_inputs(recipe, tokenizer, prompts)
     references = _log_probs(trained, batches)
     del trained
     _free_device_memory()
     # in the dtype it was saved in (a server's "auto"): loading it into the compute dtype would round it again
-    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype="auto", device_map=model.device_map())
+    config = AutoConfig.from_pretrained(merged_dir)
+    merged = vision.auto_class(config).from_pretrained(
+        merged_dir, dtype="auto", device_map=model.device_map()
+    )
     candidates = _log_probs(merged, batches)
     kl_sum, agree, positions = 0.0, 0, 0
     for reference, candidate in zip(references, candidates, strict=True):
@@ -166,13 +171,15 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     return Drift(mean_kl=kl_sum / positions, top1_agreement=agree / positions, positions=positions)
 
 
-def _log_probs(lm, batches: list) -> list:
-    """Next-token log-probabilities (T, V) of each batch of ids, in fp32 on the host."""
+def _log_probs(lm, batches: list[dict]) -> list:
+    """Next-token log-probabilities (T, V) of each one-row batch of inputs, in fp32 on the host."""
     lm.eval()
     with torch.no_grad():
         return [
-            torch.log_softmax(lm(input_ids=ids.to(lm.device)).logits.float()[0], dim=-1).cpu()
-            for ids in batches
+            torch.log_softmax(
+                lm(**{k: v.to(lm.device) for k, v in inputs.items()}).logits.float()[0], dim=-1
+            ).cpu()
+            for inputs in batches
         ]
 
 
@@ -183,9 +190,23 @@ def _free_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _held_out_texts(recipe: Recipe, tokenizer, count: int) -> list[str]:
+def _held_out_inputs(recipe: Recipe, tokenizer, count: int) -> list[dict]:
+    """The first ``count`` validation rows, prompt and answer, as one-row model inputs; a vision-language
+    model's with their images' pixels (as training fed them: data/images.py)."""
+
+    runs = images.image_runs(recipe.model)
+    if runs is not None:
+        prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
+        if prepared.val is None:
+            raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
+        collator = ImageCollator(prepare.build_collator(tokenizer, packing=False), runs.processor)
+        rows = prepared.val.select(range(min(count, len(prepared.val))))
+        return [{k: v for k, v in collator([row]).items() if k != "labels"} for row in rows]
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
     if not examples:
         raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
-    return [ex.prompt + ex.reference for ex in examples]
+    return [
+        {"input_ids": tokenizer(ex.prompt + ex.reference, return_tensors="pt")["input_ids"]}
+        for ex in examples
+    ]

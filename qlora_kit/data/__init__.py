@@ -6,7 +6,8 @@
 - ``preference``: preference pairs rendered and checked; ``prompts``: prompts and references for GRPO;
 - ``rewards``: GRPO's reward functions, scoring completions against the references (training and
   evaluation both score with them);
-- ``demo``: the builtin demo datasets and their files;
+- ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;
+- ``images``: chat rows with images for a vision-language model (image runs, text-side cuts, the collator);
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators;
 - ``preflight``: the checks that stop a run whose data trains on nothing;

@@ -29,14 +29,24 @@ DEMO_DATASETS = {
 }
 
 
+# images of coloured shapes and questions about them, chat rows with image parts (data/shapes.py)
+SHAPES = "shapes"
+
+
 def is_builtin(path: str) -> bool:
     return path.startswith(BUILTIN)
 
 
 def demo_data_files(name: str) -> tuple[Path, Path]:
     """The training and validation files of builtin dataset ``name`` (``demo-facts``, or
-    ``builtin:demo-facts``)."""
+    ``builtin:demo-facts``); ``shapes``, the vision-language demo's images, is drawn into the cache."""
     name = name.removeprefix(BUILTIN)
+    if name == SHAPES:
+        from qlora_kit.data.shapes import ensure_shapes
+        from qlora_kit.model.builtin import cache_root
+
+        return ensure_shapes(cache_root())
     if name not in DEMO_DATASETS:
-        raise ValueError(f"data.path: unknown builtin dataset {name!r} (known: {', '.join(DEMO_DATASETS)})")
+        known = ", ".join([*DEMO_DATASETS, SHAPES])
+        raise ValueError(f"data.path: unknown builtin dataset {name!r} (known: {known})")
     return DEMO_DATASETS[name]

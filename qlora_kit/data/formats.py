@@ -94,6 +94,10 @@ def _check_field(row: dict[str, Any], name: str, optional: bool) -> None:
             pair = "{role, content}" if name == "messages" else "{from, value}"
             raise RowError(f"field {name!r} must be a non-empty list of {pair} (got {show(value)})")
         return
+    if name == "images":  # a ShareGPT row's image paths (images.py)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            raise RowError(f"field 'images' must be a list of image paths (got {show(value)})")
+        return
     if name == "tools":
         if value is not None and not isinstance(value, (list, str)):
             raise RowError(f"field 'tools' must be a list of tool schemas or their JSON (got {show(value)})")

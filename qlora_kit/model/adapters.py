@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as base_model
-from qlora_kit.model import moe_experts
+from qlora_kit.model import moe_experts, vision
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
@@ -60,6 +60,8 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
         task_type="CAUSAL_LM",
         target_parameters=experts.get("target_parameters"),
         modules_to_save=experts.get("modules_to_save"),
+        # a vision-language model: the language model adapts, the vision side unless lora.vision (vision.py)
+        exclude_modules=vision.excluded_from_lora(model, lora.vision) if model is not None else None,
     )
     if "custom" in experts:
         config._register_custom_module(experts["custom"])

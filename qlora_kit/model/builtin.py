@@ -50,8 +50,11 @@ CHAT_TEMPLATE = (
 # One builtin per family of the families table (registries/families.py): name -> (config class, extras).
 # The dense families, and apart from them the mixtures of experts (their LoRA takes no dropout, and the
 # export tests write GGUF of the dense ones).
-TINY_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values() if not f.experts}
+TINY_ARCHITECTURES = {
+    f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values() if not f.experts and not f.vision
+}
 TINY_MOE_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values() if f.experts}
+TINY_VISION_NAMES = tuple(f.tiny for f in FAMILIES.values() if f.vision)  # vision-language builtins
 TINY_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -79,7 +82,8 @@ def cache_root() -> Path:
 def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
     if name not in TINY_ARCHITECTURES and name not in TINY_MOE_ARCHITECTURES:
-        known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, "smollm2-135m-instruct"]
+        known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, *TINY_VISION_NAMES, "smollm2-135m-instruct"]
+        # (the vision-language builtins are built by builtin_vision.py; loading.resolve_model_path asks it)
         raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
     shape = {**TINY_SHAPE, **shape_overrides}
     key = _cache_key(name, shape)
@@ -89,16 +93,17 @@ def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
     return build_into(folder, lambda staging: _build(name, shape, staging))
 
 
-def build_into(folder: Path, build) -> Path:
+def build_into(folder: Path, build, marker: str = "config.json") -> Path:
     """``build(staging)`` beside ``folder``, then renamed into place: a crash or a concurrent build never
-    leaves half a model in the cache (a concurrent build that won the rename is as good as ours)."""
+    leaves half a model (or dataset: ``marker`` is a file a whole build has) in the cache; a concurrent
+    build that won the rename is as good as ours."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     try:
         build(staging)
         os.replace(staging, folder)
     except OSError:
-        if not (folder / "config.json").exists():
+        if not (folder / marker).exists():
             raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)

@@ -18,10 +18,16 @@ import bitsandbytes as bnb
 import torch
 from accelerate import PartialState
 from safetensors import SafetensorError
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+)
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import builtin, hub, moe_experts, pretrained
+from qlora_kit.model import builtin, builtin_vision, hub, moe_experts, pretrained, vision
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -39,6 +45,8 @@ def resolve_model_path(model: ModelSection) -> str:
         name = builtin.builtin_name(model.path)
         if name in pretrained.PRETRAINED:
             return str(pretrained.ensure_pretrained(name, builtin.cache_root()))
+        if name in builtin_vision.TINY_VISION_ARCHITECTURES:
+            return str(builtin_vision.ensure_tiny_vlm(name))
         return str(builtin.ensure_tiny_model(name))
     local = Path(model.path).expanduser()
     return str(local) if local.exists() else model.path  # a hub id stays as it is
@@ -61,6 +69,20 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
     return tokenizer
 
 
+def load_processor(model: ModelSection):
+    """A vision-language model's processor (image processor, tokenizer, chat template) and its families-table
+    vision facet, or None for a text-only model (vision.py)."""
+    path = resolve_model_path(model)
+    with _model_path_errors(path, revision=model.revision):
+        config = AutoConfig.from_pretrained(
+            path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        )
+        facet = vision.vision_of(config)
+        if facet is None:
+            return None
+        return vision.load_processor(path, model.trust_remote_code, model.revision), facet
+
+
 def check_vocab_fits(
     tokenizer: PreTrainedTokenizerBase, model: ModelSection, field: str = "model.path"
 ) -> None:
@@ -81,14 +103,16 @@ def check_vocab_fits(
         )
 
 
-def bnb_config(quant: QuantSection):
-
+def bnb_config(quant: QuantSection, skip: list[str] | None = None):
+    """transformers' BitsAndBytesConfig for the recipe; ``skip``: modules left in 16 bits (a
+    vision-language model's vision side: vision.py)."""
     return BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=quant.quant_type,
         bnb_4bit_use_double_quant=quant.double_quant,
         bnb_4bit_compute_dtype=getattr(torch, quant.compute_dtype),
         bnb_4bit_quant_storage=getattr(torch, quant.quant_storage),
+        llm_int8_skip_modules=skip,
     )
 
 
@@ -111,7 +135,7 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         )
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
-        base = _from_pretrained(model, quant, path, kernel)
+        base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config))
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
         log.info(
@@ -151,11 +175,14 @@ def _attention_kernel(name: str, config) -> str | None:
 
 
 def _from_pretrained(
-    model: ModelSection, quant: QuantSection, path: str, kernel: str | None
+    model: ModelSection, quant: QuantSection, path: str, kernel: str | None, facet=None
 ) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(
+    # a vision-language model: its own auto class, the vision side left in 16 bits unless asked (vision.py)
+    auto = AutoModelForImageTextToText if facet else AutoModelForCausalLM
+    skip = vision.skipped_modules(facet, quant.vision) if facet else None
+    return auto.from_pretrained(
         path,
-        quantization_config=bnb_config(quant) if quant.bits == 4 else None,
+        quantization_config=bnb_config(quant, skip) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
         device_map=device_map(),
         trust_remote_code=model.trust_remote_code,

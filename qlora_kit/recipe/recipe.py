@@ -76,8 +76,10 @@ class QuantSection(Section):
     """Dtype the 4-bit weights are dequantized to for each matmul; also the dtype of unquantized layers."""
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
     """Container dtype of the packed 4-bit weights; FSDP needs it equal to compute_dtype."""
+    vision: bool = False
+    """On a vision-language model, the vision tower and the projector in 4 bits too; by default they stay in compute_dtype (README: Vision-language models)."""
 
-    FOUR_BIT_ONLY: ClassVar[tuple[str, ...]] = ("double_quant", "quant_type", "quant_storage")
+    FOUR_BIT_ONLY: ClassVar[tuple[str, ...]] = ("double_quant", "quant_type", "quant_storage", "vision")
 
     @model_validator(mode="after")
     def _check_bits(self) -> QuantSection:
@@ -108,6 +110,8 @@ class LoraSection(Section):
     """Adapter initialisation passed to peft (default: A Kaiming-uniform, B zero)."""
     experts: bool = True
     """On a mixture-of-experts model, LoRA on every expert too (their fused weights, in low-rank form; needs dropout 0); false leaves the experts frozen."""
+    vision: bool = False
+    """On a vision-language model, LoRA on the vision tower and the projector too; by default only the language model adapts."""
     router: bool = False
     """On a mixture-of-experts model, train each layer's router too (whole: a small experts x hidden matrix, in the compute dtype, saved in the adapter as peft's modules_to_save); frozen by default (README: Mixtures of experts)."""
 

@@ -67,6 +67,17 @@ class Experts:
 
 
 @dataclass(frozen=True)
+class Vision:
+    """A vision-language family: its processor, the image marker its chat template writes, and the modules
+    that stay out of 4 bits and LoRA by default (the vision tower and the projector)."""
+
+    processor_class: str  # transformers' processor class, e.g. "LlavaProcessor"
+    image_marker: str  # what the chat template writes for an image part; the processor expands it
+    vision_modules: tuple[str, ...]  # top-level names under the model's ``model`` (kept in 16 bits)
+    tiny_vision_config: dict = field(default_factory=dict)  # the builtin's vision tower
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     config_class: str  # transformers' config class
@@ -80,6 +91,7 @@ class Family:
     chat_note: str = ""  # what its usual chat template does that others do not
     intermediate_key: str = "intermediate_size"
     experts: Experts | None = None
+    vision: Vision | None = None  # a vision-language model: its config_class nests a text config
 
 
 # config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
@@ -264,6 +276,35 @@ FAMILIES: dict[str, Family] = {
             export=NoExport(
                 "transformers' GGUF loader cannot read an olmo2 GGUF back, so the parity report would "
                 "have no independent reader"
+            ),
+        ),
+        # Vision-language models: a vision tower and projector (16 bits) in front of a decoder (4 bits)
+        _family(
+            "llava",
+            "LlavaConfig",
+            "tiny-llava",
+            tiny_config={"model_type": "llama"},  # the language model's config (the nested text_config)
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "qlora_kit writes no multimodal projector file (llama.cpp's mmproj GGUF) for the vision tower; "
+                "export --to merged keeps the whole model"
+            ),
+            vision=Vision(
+                processor_class="LlavaProcessor",
+                image_marker="<image>",
+                vision_modules=("vision_tower", "multi_modal_projector"),
+                tiny_vision_config={
+                    "model_type": "clip_vision_model",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "image_size": 56,
+                    "patch_size": 14,
+                    "projection_dim": 64,
+                },
             ),
         ),
         # Mixtures of experts (builtins of 8 experts, 2 per token): fused 3-D experts behind a router

@@ -72,10 +72,10 @@ def _chat_format(name: str, conversation: str) -> FormatSpec:
     the tokenizer's chat template."""
     return FormatSpec(
         name,
-        (conversation, "tools"),
+        (conversation, "tools", "images"),  # images: a ShareGPT row's image paths (data/images.py)
         "render_conversation",
         "chat_prompt",
-        optional=frozenset({"tools"}),
+        optional=frozenset({"tools", "images"}),
         multi_turn=True,
         chat_template=True,
     )

@@ -10,7 +10,8 @@
 - each objective's module (the objective table's, registries/objectives.py: its data, arguments, Trainer):
   ``sft`` on ``GuardedTrainer`` (``trainer``: it and the Trainer's arguments); ``dpo``: TRL's DPOTrainer with the same;
   ``grpo``: TRL's GRPOTrainer with the same (its reward functions: data/rewards.py; ``reward_checks``
-  them as TRL calls them), ``grpo_explain`` what it says; ``kto``: TRL's KTOTrainer with the same;
+  them as TRL calls them), ``grpo_explain`` what it says, ``row_sampling`` each row of a generate call
+  drawn from its own seed; ``kto``: TRL's KTOTrainer with the same;
 - ``guards``: stop a run that trains nothing or on garbage; ``interrupts``: a signal -> a checkpoint;
 - ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
   ``micro_batches``: its parts that need no Trainer (a micro-batch cut in parts, the split file, messages);

@@ -367,13 +367,15 @@ def _train(trainer, stopper: StopOnSignal, peft_model, checkpoint: Path | None, 
 
 
 def _save_final(trainer, peft_model, tokenizer, output_dir: Path, ranks: Ranks, fsdp: bool) -> None:
-    """Adapter and tokenizer, staged and renamed into place; adapter_config.json (the finished marker) last.
+    """Adapter and tokenizer (a vision-language model's processor), staged and renamed into place; adapter_config.json (the finished marker) last.
     Under FSDP every rank takes part in gathering the sharded adapter."""
     staged = staging_dir(output_dir, name="final")
     adapter = adapters.full_adapter_state(peft_model) if fsdp else None  # a collective: every rank
     if ranks.is_main:
         adapters.save_adapter(peft_model, staged, adapter)
-        tokenizer.save_pretrained(staged)
+        # a vision-language run's processor (its tokenizer, image processor and chat template: images.py)
+        processor = getattr(trainer.data_collator, "processor", None)
+        (processor or tokenizer).save_pretrained(staged)
         move_into_place(staged, output_dir, last=FINISHED_MARKER)
         clear_staging(output_dir)  # a finished run leaves no empty .staging/ behind
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qlora_kit.data import images
 from qlora_kit.data import prepare as data
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_arguments
@@ -18,12 +19,19 @@ if TYPE_CHECKING:
 
 
 def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
-    """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled."""
-    return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled; for a
+    vision-language model, chat rows with their images (data/images.py)."""
+    return data.prepare_datasets(
+        recipe.data, tokenizer, recipe.train.seed, runs=images.image_runs(recipe.model)
+    )
 
 
 def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
     """(Trainer class, its arguments, the guard class, extra Trainer keyword arguments)."""
     args = training_arguments(recipe, output_dir, has_eval, precision)
     collator = data.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
+    runs = images.image_runs(recipe.model)
+    if runs is not None:  # the images' pixels join each padded batch; the Trainer keeps their column
+        collator = images.ImageCollator(collator, runs.processor)
+        args.remove_unused_columns = False
     return GuardedTrainer, args, TrainingGuard, {"data_collator": collator}

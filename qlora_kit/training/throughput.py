@@ -67,7 +67,7 @@ class FlopsPerToken:
         linears = [m for m in model.modules() if is_linear(m)]  # GPT-2's Conv1D projections too
         self.weights = sum(math.prod(features(m)) for m in linears)
         self.trained = sum(math.prod(features(m)) for m in linears if m.weight.requires_grad)
-        config = model.config
+        config = model.config.get_text_config()  # a vision-language model's decoder
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim
 

@@ -1,0 +1,62 @@
+"""Vision-language models: which families are, how they load, and what LoRA leaves alone.
+
+A vision-language family is a families-table entry with a ``vision`` facet (registries/families.py). Its
+model loads through transformers' ``AutoModelForImageTextToText`` with the language model's linear layers
+in 4 bits and, by default, the vision tower and the projector kept in ``quant.compute_dtype``
+(``BitsAndBytesConfig``'s skip list): they are a small share of the weights (the 4-bit saving there is
+small) and the part whose rounding the language model cannot correct, since LoRA trains the language
+model only. ``quant.vision: true`` quantizes them too. LoRA's ``all-linear`` stops at the language model
+(peft's ``exclude_modules``); ``lora.vision: true`` adapts the vision side as well.
+
+The processor (image processor, tokenizer, chat template) is loaded by ``load_processor`` and saved with
+the adapter, and is what the data stage hands images to (data/images.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from qlora_kit.registries import families
+
+if TYPE_CHECKING:
+    from qlora_kit.registries.families import Vision
+
+
+def vision_of(config) -> Vision | None:
+    """The families table's vision facet for ``config`` (None: a text-only model)."""
+    entry = families.family(getattr(config, "model_type", ""))
+    return entry.vision if entry else None
+
+
+def auto_class(config):
+    """transformers' auto class that builds and loads ``config``'s model: a vision-language model's own,
+    else the causal LM's."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if vision_of(config) else AutoModelForCausalLM
+
+
+def skipped_modules(vision: Vision, quantize_vision: bool) -> list[str]:
+    """Modules bitsandbytes leaves in 16 bits: the output head always, the vision side unless asked
+    (transformers matches these from the start of a module's name, as regular expressions)."""
+    return ["lm_head", *(() if quantize_vision else (rf"(?:.*\.)?{name}" for name in vision.vision_modules))]
+
+
+def excluded_from_lora(model, vision_too: bool) -> list[str] | None:
+    """peft ``exclude_modules`` for a vision-language ``model`` (None for a text-only one, or when LoRA may
+    adapt the vision side too): every module under the vision tower and the projector."""
+    vision = vision_of(model.config)
+    if vision is None or vision_too:
+        return None
+    return [
+        name
+        for name, _ in model.named_modules()
+        if any(f".{part}." in f".{name}." for part in vision.vision_modules)
+    ]
+
+
+def load_processor(path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """The model folder's processor (image processor, tokenizer, chat template)."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
