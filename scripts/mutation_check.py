@@ -236,9 +236,30 @@ MUTATIONS = [
     (
         "grpo.seed_each_completion is ignored",
         "qlora_kit/training/grpo.py",
-        "            if not self.seed_each_completion:  # one call",
-        "            if True:  # one call",
+        "            if not self.seed_each_completion:",
+        "            if True:",
         ["tests/test_grpo.py::test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others"],
+    ),
+    (
+        "the chunked head drops a mixture's auxiliary loss",
+        "qlora_kit/memory/loss_head.py",
+        "    if aux is not None:  #",
+        "    if False:  #",
+        ["tests/test_moe.py::test_the_chunked_head_adds_the_auxiliary_loss_as_transformers_does"],
+    ),
+    (
+        "image tokens are trained",
+        "qlora_kit/data/images.py",
+        "        out_labels += [IGNORE_INDEX] * len(run)",
+        "        out_labels += run",
+        ["tests/test_vision.py::test_an_image_row_trains_its_answer_only_never_an_image_or_prompt_token"],
+    ),
+    (
+        "a cut splits an image's tokens",
+        "qlora_kit/data/images.py",
+        "        if start < end < stop:",
+        "        if False:",
+        ["tests/test_vision.py::test_a_cut_never_falls_inside_an_image_and_takes_the_images_past_it"],
     ),
     (
         "the recipe dump leaves out the grpo section",

@@ -155,7 +155,8 @@ class ImageRuns:
         return self.processor.tokenizer.convert_tokens_to_ids(self.marker)
 
     def run(self, image) -> list[int]:
-        return list(self.processor(text=self.marker, images=[image])["input_ids"][0])
+        # no special tokens: a Llama tokenizer would put a BOS before every image's run
+        return list(self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0])
 
 
 def image_runs(model_section) -> ImageRuns | None:
