@@ -28,7 +28,11 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (out / "processor_config.json").is_file()
     accuracy = {}
-    for name, where in (("base", ["--no-adapter", RECIPE]), ("trained", ["--adapter", str(out)])):
+    # the base answers none (its head is random): 16 of its questions show it; the trained run gets all 48
+    for name, where in (
+        ("base", ["--no-adapter", RECIPE, "--max-examples", "16"]),
+        ("trained", ["--adapter", str(out)]),
+    ):
         result = qlora_kit("eval", *where, "--output", str(tmp_path / f"{name}.json"))
         assert result.returncode == 0, result.stderr[-3000:]
         accuracy[name] = json.loads((tmp_path / f"{name}.json").read_text())["exact_match"]
