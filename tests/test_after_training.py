@@ -113,14 +113,21 @@ def interrupted_then_resumed(recipe, step: int):
 
 @pytest.mark.parametrize(
     ("precision", "model"),
-    [*((p, "builtin:tiny-llama") for p in PRECISIONS), ("no", "builtin:tiny-qwen3-moe")],
-    ids=[*PRECISIONS, "moe"],
+    [
+        *((p, "builtin:tiny-llama") for p in PRECISIONS),
+        ("no", "builtin:tiny-qwen3-moe"),
+        ("no", "builtin:tiny-llava"),
+    ],
+    ids=[*PRECISIONS, "moe", "vision"],
 )
 def test_resumed_run_ends_with_the_same_adapter_bit_for_bit(tmp_path, precision, model):
-    """A mixture of experts too: its 4-bit experts' LoRA (no dropout on them, peft's rule)."""
-    dropout = 0.0 if "moe" in model else 0.1
+    """A mixture of experts too (its 4-bit experts' LoRA takes no dropout, peft's rule), and a
+    vision-language model on image rows (their pixels read again by the collator after the resume)."""
+    dropout = 0.1 if model == "builtin:tiny-llama" else 0.0
     settings = {"train.max_steps": 8, "train.save_steps": 3, "lora.dropout": dropout, "data.packing": False}
     settings.update({"train.mixed_precision": precision, "model.path": model})
+    if "llava" in model:
+        settings.update({"data.path": "builtin:shapes", "data.format": "chat", "data.max_seq_len": 64})
     whole = train(quick_recipe(tmp_path / "whole", **settings))
     resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 4)  # from step 3
     a = load_file(whole.output_dir / "adapter_model.safetensors")

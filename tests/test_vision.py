@@ -164,3 +164,14 @@ def test_sharegpt_rows_take_their_images_from_the_images_column(tmp_path):
     example = prepared.train[0]
     assert example["images"] == [str((tmp_path / "blue.png").resolve())]
     assert example["input_ids"].count(runs.marker_id) == IMAGE_TOKENS
+
+
+def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens():
+    from qlora_kit.data.report import inspect_data
+
+    recipe = vlm_recipe()
+    view = inspect_data(recipe, images.image_runs(recipe.model).processor.tokenizer, count=2)
+    for runs in view.examples:
+        marks = [(text, trained) for text, trained in runs if text.startswith("[image")]
+        assert marks == [(f"[image 56x56: {IMAGE_TOKENS} tokens]", False)]
+        assert [text for text, trained in runs if trained][0].endswith("<|im_end|>")

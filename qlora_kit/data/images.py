@@ -156,7 +156,9 @@ class ImageRuns:
 
     def run(self, image) -> list[int]:
         # no special tokens: a Llama tokenizer would put a BOS before every image's run
-        return list(self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0])
+        return list(
+            self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0]
+        )
 
 
 def image_runs(model_section) -> ImageRuns | None:

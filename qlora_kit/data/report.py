@@ -8,7 +8,9 @@ import statistics
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from qlora_kit.data import layout, preflight, prepare
+from PIL import Image
+
+from qlora_kit.data import images, layout, preflight, prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.registries import objectives
 
@@ -33,11 +35,12 @@ def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:
     unpacked = recipe.data.model_copy(update={"packing": False})
     pairs = objectives.of(recipe).rows == objectives.PAIRS
     prompt_limit = recipe.preference.max_prompt_len if pairs else None
-    prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed, prompt_limit)
+    runs = None if pairs else images.image_runs(recipe.model)  # a vision-language model's image rows
+    prepared = prepare.prepare_datasets(unpacked, tokenizer, recipe.train.seed, prompt_limit, runs=runs)
     train = prepared.train
     shown = [train[i] for i in range(min(count, len(train)))]
     examples = [
-        _pair_runs(row, tokenizer) if pairs else _runs(row["input_ids"], row["labels"], tokenizer)
+        _pair_runs(row, tokenizer) if pairs else _runs(row["input_ids"], row["labels"], tokenizer, runs, row)
         for row in shown
     ]
     lengths = [n for report in prepared.train_reports for n in report.lengths]
@@ -61,13 +64,30 @@ def _pair_runs(row: dict[str, list[int]], tokenizer) -> list[tuple[str, bool]]:
     ]
 
 
-def _runs(input_ids: list[int], labels: list[int], tokenizer) -> list[tuple[str, bool]]:
-    """Consecutive tokens grouped by whether they are trained, each group decoded to text."""
+def _runs(
+    input_ids: list[int], labels: list[int], tokenizer, image_runs=None, row=None
+) -> list[tuple[str, bool]]:
+    """Consecutive tokens grouped by whether they are trained, each group decoded to text; an image's run
+    of tokens shown as one mark with the image's size and its token count."""
     runs: list[tuple[list[int], bool]] = []
+    marker = image_runs.marker_id if image_runs is not None else None
     for token, label in zip(input_ids, labels, strict=True):
         trained = label != IGNORE_INDEX
-        if runs and runs[-1][1] == trained:
+        image = token == marker
+        if runs and runs[-1][1] == trained and (runs[-1][0][-1] == marker) == image:
             runs[-1][0].append(token)
         else:
             runs.append(([token], trained))
-    return [(tokenizer.decode(ids), trained) for ids, trained in runs]
+    files = iter((row or {}).get(images.IMAGES_COLUMN) or [])
+    return [
+        (_image_mark(ids, next(files, None)) if ids[0] == marker else tokenizer.decode(ids), trained)
+        for ids, trained in runs
+    ]
+
+
+def _image_mark(ids: list[int], path: str | None) -> str:
+    size = ""
+    if path is not None:
+        with Image.open(path) as image:
+            size = f" {image.width}x{image.height}"
+    return f"[image{size}: {len(ids)} tokens]"
