@@ -260,10 +260,17 @@ def generate(
     max_new_tokens: MaxTokensOpt = 64,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image", help="An image shown with each prompt (repeatable; a vision-language model)."
+        ),
+    ] = None,
 ) -> None:
     """Answer prompts with the trained adapter, streaming tokens as they come."""
     configure_logging(errors)
-    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.after.generate import Sampling, complete, complete_with_images, image_prompt, wrap_prompt
+    from qlora_kit.data import images
     from qlora_kit.data.sources import read_prompts
     from qlora_kit.model import adapters
 
@@ -272,6 +279,13 @@ def generate(
         raise RecipeError("generate: give a prompt (TEXT or --prompt TEXT) or --file prompts.jsonl")
     sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
     recipe, tokenizer, lm = adapters.load_trained(adapter)
+    if image:  # a vision-language model: the images' runs and pixels beside each prompt
+        runs = images.image_runs(recipe.model)
+        for text in prompts:
+            console.print(f"> {text}", style="bold", highlight=False, markup=False)
+            prompt_text = wrap_prompt(image_prompt(text, image, runs), recipe.data, tokenizer)
+            complete_with_images(lm, runs, prompt_text, list(image), sampling, stream=True)
+        return
     for text in prompts:
         console.print(f"> {text}", style="bold", highlight=False, markup=False)
         complete(

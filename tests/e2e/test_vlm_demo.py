@@ -38,6 +38,18 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
         accuracy[name] = json.loads((tmp_path / f"{name}.json").read_text())["exact_match"]
     assert accuracy["trained"] >= accuracy["base"] + 0.3, accuracy
 
+    # generate --image: an answer of the kind trained (a colour), and a missing image is one line
+    from qlora_kit.data.shapes import COLOURS
+
+    image = _a_red_square(tmp_path)
+    answered = qlora_kit(
+        "generate", "--adapter", str(out), "What colour is the square?", "--image", str(image)
+    )
+    assert answered.returncode == 0, answered.stderr[-2000:]
+    assert answered.stdout.strip().splitlines()[-1].strip() in COLOURS, answered.stdout
+    missing = qlora_kit("generate", "--adapter", str(out), "Hi", "--image", str(tmp_path / "none.png"))
+    assert missing.returncode == 2 and missing.stderr.strip().endswith("none.png: no such file")
+
     merged = tmp_path / "merged"
     result = qlora_kit("merge", "--adapter", str(out), "--out", str(merged))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -65,3 +77,12 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() < 0.1 * scale  # merged vs plain peft on the 16-bit base
     assert (theirs - without).abs().max() > 0.3 * scale  # the adapter moves the logits more than that
+
+
+def _a_red_square(folder):
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (56, 56), "white")
+    ImageDraw.Draw(image).rectangle((10, 10, 30, 30), fill=(220, 40, 40))
+    image.save(folder / "square.png")
+    return folder / "square.png"
