@@ -174,4 +174,26 @@ def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens():
     for runs in view.examples:
         marks = [(text, trained) for text, trained in runs if text.startswith("[image")]
         assert marks == [(f"[image 56x56: {IMAGE_TOKENS} tokens]", False)]
-        assert [text for text, trained in runs if trained][0].endswith("<|im_end|>")
+        assert next(text for text, trained in runs if trained).endswith("<|im_end|>")
+
+
+def test_image_rows_are_padded_not_packed(monkeypatch):
+    """data.packing: true is one line (packing image rows is not built); auto chooses among the padded
+    layouts only."""
+    from qlora_kit.data import layout
+    from qlora_kit.errors import RecipeError
+    from qlora_kit.training.pipeline import _resolve_layout
+
+    recipe = vlm_recipe(data={"packing": True})
+    runs = images.image_runs(recipe.model)
+    with pytest.raises(RecipeError, match=r"^data\.packing: a vision-language model's rows are padded"):
+        prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    auto = vlm_recipe(data={"packing": "auto"})
+    prepared = prepare_datasets(auto.data, runs.processor.tokenizer, 0, runs=runs)
+    offered = []
+    choose = layout.choose_layout
+    monkeypatch.setattr(
+        layout, "choose_layout", lambda shares, allowed: offered.append(allowed) or choose(shares, allowed)
+    )
+    resolved, _ = _resolve_layout(auto, prepared)
+    assert resolved.data.packing is False and offered == [("padding", "group_by_length")]

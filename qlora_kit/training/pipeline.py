@@ -20,7 +20,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit.data import layout, preflight, prepare
+from qlora_kit.data import images, layout, preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import attention_fit, auto, checkpointing
@@ -212,6 +212,8 @@ def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Rec
     rest of the run reads the resolved recipe."""
     if not objectives.of(recipe).packs:
         allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
+    elif images.IMAGES_COLUMN in prepared.train.column_names:
+        allowed = ("padding", "group_by_length")  # rows with images are not packed (data/images.py)
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
         allowed = ("padding",)  # a kernel not known to keep packed examples apart
     else:
