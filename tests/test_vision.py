@@ -34,6 +34,7 @@ def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) 
     return Recipe.from_dict(values)
 
 
+@pytest.mark.slow  # loads the model or prepares every image row
 def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16():
     """From the loaded modules: every 4-bit layer is the language model's; the vision tower and projector
     are plain linears unless quant.vision; LoRA adapts the language model only unless lora.vision."""
@@ -57,6 +58,7 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16():
     )
 
 
+@pytest.mark.slow  # loads the model or prepares every image row
 def test_an_image_row_trains_its_answer_only_never_an_image_or_prompt_token():
     recipe = vlm_recipe()
     runs = images.image_runs(recipe.model)
@@ -166,6 +168,7 @@ def test_sharegpt_rows_take_their_images_from_the_images_column(tmp_path):
     assert example["input_ids"].count(runs.marker_id) == IMAGE_TOKENS
 
 
+@pytest.mark.slow  # loads the model or prepares every image row
 def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens():
     from qlora_kit.data.report import inspect_data
 
@@ -177,6 +180,7 @@ def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens():
         assert next(text for text, trained in runs if trained).endswith("<|im_end|>")
 
 
+@pytest.mark.slow  # loads the model or prepares every image row
 def test_image_rows_are_padded_not_packed(monkeypatch):
     """data.packing: true is one line (packing image rows is not built); auto chooses among the padded
     layouts only."""
