@@ -50,6 +50,8 @@ def in_forward_pass() -> bool:
 
 
 class ExpertLoad(TrainerCallback):
+    """The module docstring's counts, kept per window between two logs."""
+
     def __init__(self, model, metrics_log) -> None:
         self.routers = routers(model)
         self.metrics_log = metrics_log
@@ -88,7 +90,9 @@ class ExpertLoad(TrainerCallback):
             return
         zeros = torch.zeros(self.experts, dtype=torch.long)
         counts = torch.stack([c.cpu() if c is not None else zeros for c in self.counts])
-        counts = over_ranks(counts.double()).long()  # every rank logs at the same step
+        counts = (
+            over_ranks(counts.double()).cpu().long()
+        )  # every rank logs at the same step (NCCL: on its GPU)
         if self.aux_sum is not None:
             logs[keys.EXPERTS + keys.AUX_LOSS] = float(self.aux_sum) / self.aux_batches
         mean = counts.float().mean(dim=1).clamp(min=1e-9)

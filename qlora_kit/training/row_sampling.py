@@ -33,6 +33,8 @@ from transformers.generation.logits_process import LogitsProcessor
 
 
 class RowSeededSampling(LogitsProcessor):
+    """Row i's next token drawn from ``seeds[i]``'s generator; every other score set to -inf."""
+
     def __init__(self, seeds: list[int], generation_config, device: torch.device) -> None:
         self.generators = [torch.Generator(device=device).manual_seed(seed) for seed in seeds]
         self.warpers = warpers_of(generation_config)
