@@ -42,17 +42,13 @@ def skipped_modules(vision: Vision, quantize_vision: bool) -> list[str]:
     return ["lm_head", *(() if quantize_vision else (rf"(?:.*\.)?{name}" for name in vision.vision_modules))]
 
 
-def excluded_from_lora(model, vision_too: bool) -> list[str] | None:
+def excluded_from_lora(model, vision_too: bool) -> str | None:
     """peft ``exclude_modules`` for a vision-language ``model`` (None for a text-only one, or when LoRA may
-    adapt the vision side too): every module under the vision tower and the projector."""
+    adapt the vision side too): a pattern matching every module under the vision tower and the projector."""
     vision = vision_of(model.config)
     if vision is None or vision_too:
         return None
-    return [
-        name
-        for name, _ in model.named_modules()
-        if any(f".{part}." in f".{name}." for part in vision.vision_modules)
-    ]
+    return rf"(.*\.)?({'|'.join(vision.vision_modules)})(\..*)?"
 
 
 def load_processor(path: str, trust_remote_code: bool = False, revision: str | None = None):
