@@ -24,7 +24,7 @@ import torch
 from qlora_kit.after.generate import complete
 from qlora_kit.after.image_eval import image_exact_match
 from qlora_kit.after.preference_eval import preference_metrics
-from qlora_kit.data import images, prepare
+from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import RecipeError
@@ -74,7 +74,7 @@ def evaluate(
     if runs is not None:  # asked from the prepared rows: their image runs and pixels (image_eval.py)
         results |= image_exact_match(lm, runs.processor, val, max_examples)
     elif FORMATS[prepared.val_format].checkable:
-        examples = prepare.prompt_examples(
+        examples = prompt_examples.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)
         )
         hits = [_matches(lm, tokenizer, ex) for ex in examples]
@@ -115,7 +115,7 @@ def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[flo
     return total / max(count, 1), count
 
 
-def _matches(lm, tokenizer, example: prepare.PromptExample) -> bool:
+def _matches(lm, tokenizer, example: prompt_examples.PromptExample) -> bool:
     reference_tokens = len(tokenizer(example.reference, add_special_tokens=False)["input_ids"])
     answer = complete(lm, tokenizer, example.prompt, max_new_tokens=reference_tokens + 4)
     return answer.strip() == example.reference.strip()

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.after.floor import MERGED_DTYPES, merged_model
-from qlora_kit.data import images, prepare
+from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
 from qlora_kit.model import adapters, vision
@@ -203,7 +203,7 @@ def _held_out_inputs(recipe: Recipe, tokenizer, count: int) -> list[dict]:
         rows = prepared.val.select(range(min(count, len(prepared.val))))
         return [{k: v for k, v in collator([row]).items() if k != "labels"} for row in rows]
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
+    examples = prompt_examples.prompt_examples(prepared, recipe.data, tokenizer, count)
     if not examples:
         raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
     return [

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.after.generate import wrap_prompt
-from qlora_kit.data import prepare
+from qlora_kit.data import prepare, prompt_examples
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
 from qlora_kit.registries import families
@@ -115,10 +115,12 @@ def prompt_pairs(recipe, tokenizer, prompts: list[str] | None, count: int) -> tu
     if prompts:
         return [(wrap_prompt(text, recipe.data, tokenizer), None) for text in prompts[:count]], "--prompts"
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    examples = prepare.prompt_examples(prepared, recipe.data, tokenizer, count)
+    examples = prompt_examples.prompt_examples(prepared, recipe.data, tokenizer, count)
     source = "validation rows"
     if not examples:
-        examples, source = prepare.training_prompt_examples(recipe.data, tokenizer, count, recipe.train.seed)
+        examples, source = prompt_examples.training_prompt_examples(
+            recipe.data, tokenizer, count, recipe.train.seed
+        )
     if not examples:
         raise RecipeError(
             "export: the run's recipe names no rows to take parity prompts from; pass --prompts"

@@ -9,7 +9,8 @@
 - ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;
 - ``images``: chat rows with images for a vision-language model (image runs, text-side cuts, the collator);
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
-- ``prepare``: tokenizing, the length policy, the split, mixing sources, collators;
+- ``prepare``: tokenizing, the length policy, the split, mixing sources, collators; ``prompt_examples``:
+  rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;
 - ``packing``: best-fit packing of examples into rows, and the packed-row collator;
 - ``layout``: ``data.packing: auto``, the layout (padding, group_by_length, packing) that pads least;

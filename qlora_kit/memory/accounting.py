@@ -40,11 +40,10 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's decoder layers, in order (transformers marks each as a GradientCheckpointingLayer); of a
     vision-language model, its language model's (the vision tower's layers are not the decoder's)."""
     facet = vision.vision_of(getattr(model, "config", None))
-    outside = tuple(f".{name}." for name in facet.vision_modules) if facet else ()
     return [
         m
         for name, m in model.named_modules()
-        if isinstance(m, GradientCheckpointingLayer) and not any(part in f".{name}." for part in outside)
+        if isinstance(m, GradientCheckpointingLayer) and not vision.on_vision_side(name, facet)
     ]
 
 

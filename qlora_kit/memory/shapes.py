@@ -100,12 +100,11 @@ def model_shape(recipe: Recipe) -> ModelShape:
         meta = vision.auto_class(config).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()
     # a vision-language model's vision tower and projector stay in 16 bits unless quant.vision (vision.py)
-    facet = vision.vision_of(config)
-    kept = tuple(f".{name}." for name in facet.vision_modules) if facet and not recipe.quant.vision else ()
+    kept = None if recipe.quant.vision else vision.vision_of(config)
     quantized = [
         m
         for name, m in meta.named_modules()
-        if is_linear(m) and m is not head and not any(part in f".{name}." for part in kept)
+        if is_linear(m) and m is not head and not vision.on_vision_side(name, kept)
     ]
     stacks = expert_stacks(meta, config)
     if stacks and recipe.quant.bits == 4:

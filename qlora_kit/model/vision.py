@@ -28,6 +28,11 @@ def vision_of(config) -> Vision | None:
     return entry.vision if entry else None
 
 
+def on_vision_side(name: str, vision: Vision | None) -> bool:
+    """Whether module ``name`` sits under the vision tower or the projector of ``vision``'s model."""
+    return vision is not None and any(f".{part}." in f".{name}." for part in vision.vision_modules)
+
+
 def auto_class(config):
     """transformers' auto class that builds and loads ``config``'s model: a vision-language model's own,
     else the causal LM's."""

@@ -35,13 +35,16 @@ log = logging.getLogger("qlora_kit.training.pipeline")
 IDLE_STEPS = 50  # optimizer steps without a token before the one warning
 
 
-def routers(model) -> list[torch.nn.Module]:
-    """Each decoder layer's router, in layer order ([] for a dense model or one the table does not know)."""
+def routers(model) -> tuple[list[torch.nn.Module], int]:
+    """Each decoder layer's router, in layer order, and the experts each routes to ([] and 0 for a dense
+    model or one the table does not know)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     _, facet = moe_experts.experts_of(base)
     if facet is None or not moe_experts.fused_experts(base):
-        return []
-    return [layer.get_submodule(facet.router) for layer in decoder_layers(base)]
+        return [], 0
+    return [layer.get_submodule(facet.router) for layer in decoder_layers(base)], getattr(
+        base.config, facet.count_key
+    )
 
 
 def in_forward_pass() -> bool:
@@ -53,11 +56,8 @@ class ExpertLoad(TrainerCallback):
     """The module docstring's counts, kept per window between two logs."""
 
     def __init__(self, model, metrics_log) -> None:
-        self.routers = routers(model)
+        self.routers, self.experts = routers(model)
         self.metrics_log = metrics_log
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        _, facet = moe_experts.experts_of(base)
-        self.experts = getattr(base.config, facet.count_key) if self.routers else 0
         self.counts: list[torch.Tensor | None] = [None] * len(self.routers)
         self.aux_sum: torch.Tensor | None = None
         self.aux_batches = 0

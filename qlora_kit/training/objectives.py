@@ -76,7 +76,7 @@ def build_trainer(
         callbacks=step.callbacks(
             monitor,
             throughput,
-            [ExpertLoad(peft_model, metrics_log)] if expert_load.routers(peft_model) else [],
+            [ExpertLoad(peft_model, metrics_log)] if expert_load.routers(peft_model)[0] else [],
             metrics_log,
             guard,
             trackers=tracker_callbacks(run.as_written, output_dir),

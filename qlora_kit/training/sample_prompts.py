@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from qlora_kit.data import prepare
+from qlora_kit.data import prepare, prompt_examples
 from qlora_kit.model.generation import complete
 
 if TYPE_CHECKING:
@@ -15,21 +15,21 @@ if TYPE_CHECKING:
 
 def examples(
     data: prepare.PreparedData, recipe: Recipe, tokenizer, ranks: Ranks
-) -> list[prepare.PromptExample]:
+) -> list[prompt_examples.PromptExample]:
     """The prompts to answer. Under FSDP the trained model is sharded: every rank generates the same
     greedy answers in step (each forward all-gathers the layers); otherwise the main process answers
     alone."""
     if not (ranks.is_main or recipe.train.fsdp):
         return []
-    return prepare.prompt_examples(data, recipe.data, tokenizer, recipe.train.sample_prompts)
+    return prompt_examples.prompt_examples(data, recipe.data, tokenizer, recipe.train.sample_prompts)
 
 
-def answers(peft_model, tokenizer, prompts: list[prepare.PromptExample]) -> list[str]:
+def answers(peft_model, tokenizer, prompts: list[prompt_examples.PromptExample]) -> list[str]:
     return [complete(peft_model, tokenizer, example.prompt, max_new_tokens=8) for example in prompts]
 
 
 def records(
-    prompts: list[prepare.PromptExample], before: list[str], after: list[str]
+    prompts: list[prompt_examples.PromptExample], before: list[str], after: list[str]
 ) -> list[dict[str, str]]:
     return [
         {"prompt": ex.prompt, "reference": ex.reference, "before": b, "after": a}
