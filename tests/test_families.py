@@ -3,6 +3,7 @@ facets are true of the model transformers builds from the family's config."""
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -50,10 +51,15 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
         config = getattr(transformers, entry.config_class)(
             text_config={**TINY_SHAPE, **entry.tiny_config},
             vision_config=dict(entry.vision.tiny_vision_config),
+            **entry.vision.tiny_model_config,
         )
         with torch.device("meta"):
             model = transformers.AutoModelForImageTextToText.from_config(config)
         assert {name for name, _ in model.model.named_children()} >= set(entry.vision.vision_modules)
+        takes = inspect.signature(type(model).forward).parameters
+        assert {*entry.vision.image_inputs, *(("token_type_ids",) * entry.vision.token_type_ids)} <= set(
+            takes
+        )
         config = config.get_text_config()
     else:
         builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES

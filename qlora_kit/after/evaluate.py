@@ -67,12 +67,12 @@ def evaluate(
     else:
         collator = prepare.build_collator(tokenizer, recipe.data.packs)
         if runs is not None:
-            collator = ImageCollator(collator, runs.processor)
+            collator = ImageCollator(collator, runs)
         loss, tokens = token_weighted_loss(lm, val, collator)
         results |= {"loss": loss, "tokens": tokens}
     results["perplexity"] = math.exp(results["loss"]) if results["loss"] < 700 else math.inf
     if runs is not None:  # asked from the prepared rows: their image runs and pixels (image_eval.py)
-        results |= image_exact_match(lm, runs.processor, val, max_examples)
+        results |= image_exact_match(lm, runs, val, max_examples)
     elif FORMATS[prepared.val_format].checkable:
         examples = prompt_examples.prompt_examples(
             prepared, recipe.data, tokenizer, max_examples or len(prepared.val_rows)

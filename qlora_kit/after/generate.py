@@ -57,7 +57,7 @@ def complete_with_images(
     except formats.RowError as exc:
         raise RecipeError(f"--image: {exc}") from None
     input_ids = torch.tensor([expanded], device=lm.device)
-    pixels = runs.processor.image_processor([images.open_image(f) for f in files], return_tensors="pt")
+    beside = runs.model_inputs(input_ids, [images.open_image(f) for f in files])
     kwargs = (sampling or Sampling()).generate_kwargs()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
     was_training = lm.training
@@ -69,7 +69,7 @@ def complete_with_images(
                 attention_mask=torch.ones_like(input_ids),
                 pad_token_id=tokenizer.pad_token_id,
                 streamer=streamer,
-                **{k: v.to(lm.device) for k, v in pixels.items()},
+                **{k: v.to(lm.device) for k, v in beside.items()},
                 **kwargs,
             )
     finally:

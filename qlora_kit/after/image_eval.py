@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from qlora_kit.data.formats import IGNORE_INDEX
-from qlora_kit.data.images import IMAGES_COLUMN, open_image
+from qlora_kit.data.images import IMAGES_COLUMN, ImageRuns, open_image
 
 
 def prompt_and_answer(labels: list[int]) -> tuple[int, list[int]]:
@@ -28,11 +28,11 @@ def prompt_and_answer(labels: list[int]) -> tuple[int, list[int]]:
     return first, answer
 
 
-def image_exact_match(lm, processor, val, count: int | None = None) -> dict[str, Any]:
+def image_exact_match(lm, runs: ImageRuns, val, count: int | None = None) -> dict[str, Any]:
     """``exact_match`` over the first ``count`` validation rows (all of them by default)."""
     from qlora_kit.model.generation import Sampling
 
-    tokenizer = processor.tokenizer
+    tokenizer = runs.processor.tokenizer
     rows = val.select(range(min(count, len(val)))) if count else val
     hits = []
     was_training = lm.training
@@ -41,20 +41,15 @@ def image_exact_match(lm, processor, val, count: int | None = None) -> dict[str,
         for row in rows:
             first, answer = prompt_and_answer(row["labels"])
             ids = torch.tensor([row["input_ids"][:first]], device=lm.device)
-            pixels = {}
-            if row[IMAGES_COLUMN]:
-                images = [open_image(path) for path in row[IMAGES_COLUMN]]
-                pixels = {
-                    k: v.to(lm.device)
-                    for k, v in processor.image_processor(images, return_tensors="pt").items()
-                }
+            pictures = [open_image(path) for path in row[IMAGES_COLUMN] or []]
+            beside = {k: v.to(lm.device) for k, v in runs.model_inputs(ids, pictures).items()}
             with torch.no_grad():
                 out = lm.generate(
                     input_ids=ids,
                     attention_mask=torch.ones_like(ids),
                     **Sampling(max_new_tokens=len(answer) + 4).generate_kwargs(),
                     pad_token_id=tokenizer.pad_token_id,
-                    **pixels,
+                    **beside,
                 )
             said = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
             hits.append(said == tokenizer.decode(answer, skip_special_tokens=True).strip())

@@ -111,7 +111,7 @@ def write_merged(
     if hasattr(merged.config, "quantization_config"):
         del merged.config.quantization_config
     merged.hf_quantizer = None
-    merged.config.use_cache = True
+    merged.config.use_cache = merged.config.get_text_config().use_cache = True
     merged.save_pretrained(folder)
     tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir) if adapter_dir else None)
     tokenizer.save_pretrained(folder)
@@ -199,7 +199,7 @@ def _held_out_inputs(recipe: Recipe, tokenizer, count: int) -> list[dict]:
         prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
         if prepared.val is None:
             raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
-        collator = ImageCollator(prepare.build_collator(tokenizer, packing=False), runs.processor)
+        collator = ImageCollator(prepare.build_collator(tokenizer, packing=False), runs)
         rows = prepared.val.select(range(min(count, len(prepared.val))))
         return [{k: v for k, v in collator([row]).items() if k != "labels"} for row in rows]
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)

@@ -304,15 +304,28 @@ def chat(
     max_new_tokens: MaxTokensOpt = 128,
     temperature: TemperatureOpt = 0.0,
     top_p: TopPOpt = 1.0,
+    image: Annotated[
+        list[Path] | None,
+        typer.Option(
+            "--image",
+            help="An image the conversation is about, shown with its first turn (repeatable; a "
+            "vision-language model).",
+        ),
+    ] = None,
 ) -> None:
     """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
     configure_logging(errors)
-    from qlora_kit.after.generate import Sampling, complete, wrap_prompt
+    from qlora_kit.after.generate import Sampling, complete, complete_with_images, image_prompt, wrap_prompt
+    from qlora_kit.data import images
     from qlora_kit.model import adapters
     from qlora_kit.registries.formats import FORMATS
 
     sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
     recipe, tokenizer, lm = adapters.load_trained(adapter)
+    files = list(image or [])
+    runs = images.image_runs(recipe.model) if files else None
+    if files:
+        image_prompt("", files, runs)  # a text-only model or a missing file: one line before the first turn
     history: list[dict[str, str]] = []
     keeps_history = FORMATS[recipe.data.format].multi_turn
     console.print("chat with the adapter; an empty line ends it", style="dim")
@@ -323,10 +336,14 @@ def chat(
             break
         if not text:
             break
+        if files and not history:  # the images lead the first turn, as the training rows put them
+            text = image_prompt(text, files, runs)
         console.print("model> ", end="")
-        answer = complete(
-            lm, tokenizer, wrap_prompt(text, recipe.data, tokenizer, history), sampling, stream=True
-        )
+        prompt_text = wrap_prompt(text, recipe.data, tokenizer, history)
+        if files:  # every turn sees the images: the history keeps their markers
+            answer = complete_with_images(lm, runs, prompt_text, files, sampling, stream=True)
+        else:
+            answer = complete(lm, tokenizer, prompt_text, sampling, stream=True)
         if keeps_history:
             history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
 

@@ -24,11 +24,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from qlora_kit.data.formats import IGNORE_INDEX, RowError
 
+if TYPE_CHECKING:
+    from qlora_kit.registries.families import Vision
+
 IMAGES_COLUMN = "images"  # a ShareGPT row's image paths
+TEXT_COLUMNS = (
+    "input_ids",
+    "labels",
+    "position_ids",
+)  # what the text collators read (packed rows: positions)
 SHAREGPT_MARKER = "<image>"
 
 
@@ -145,10 +153,15 @@ def open_image(file: Path):
 
 @dataclass
 class ImageRuns:
-    """What a family's processor makes of one image: the token run that replaces its marker."""
+    """What a family's processor makes of one image: the token run that replaces its marker, and the
+    model's inputs beside the tokens (the pixels, and the token types a family such as Gemma-3 takes)."""
 
     processor: Any  # transformers' processor of the model (its image processor and tokenizer)
-    marker: str
+    vision: Vision  # the families table's facet
+
+    @property
+    def marker(self) -> str:
+        return self.vision.image_marker
 
     @property
     def marker_id(self) -> int:
@@ -160,13 +173,38 @@ class ImageRuns:
             self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0]
         )
 
+    def model_inputs(self, input_ids, pictures: list) -> dict[str, Any]:
+        """The image processor's outputs for ``pictures`` (the batch's images in order) that the model
+        takes (``pixel_values``, and e.g. Qwen-VL's grid sizes: the facet's ``image_inputs``) and, for a
+        family that takes them, ``token_type_ids``: 1 on each image feature's token, as its processor
+        marks them."""
+        made = self.processor.image_processor(pictures, return_tensors="pt") if pictures else {}
+        inputs = {name: made[name] for name in self.vision.image_inputs if name in made}
+        if self.vision.token_type_ids:
+            feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
+            inputs["token_type_ids"] = (input_ids == feature).long()
+        return inputs
+
 
 def image_runs(model_section) -> ImageRuns | None:
     """A vision-language model's processor and image marker (None for a text-only model)."""
     from qlora_kit.model import loading
 
     found = loading.load_processor(model_section)
-    return ImageRuns(found[0], found[1].image_marker) if found else None
+    return ImageRuns(*found) if found else None
+
+
+# why image rows are not packed for a varlen (flash) kernel: it takes each example's tokens causally and no
+# mask, while Gemma-3's image tokens attend to each other both ways (token_type_ids); rows kept apart by a
+# mask (sdpa, eager, flex_attention) pack images as text (tests/test_vision.py: equal per-example losses)
+FLATTENED_REASON = "rows with images pack for a mask kernel (sdpa, eager, flex_attention), not a varlen one"
+
+
+def packs_with(model_section) -> bool:
+    """Whether rows with images may be packed for ``model_section``'s attention kernel."""
+    from qlora_kit.registries import attention
+
+    return attention.kernel(model_section.attn_implementation).packing == "rows"
 
 
 def expand(example: dict[str, list[int]], files: list[Path], runs: ImageRuns) -> dict[str, Any]:
@@ -209,17 +247,22 @@ def cut(example: dict[str, Any], max_len: int) -> dict[str, Any]:
 
 
 class ImageCollator:
-    """Pads the text as the padding collator does and adds the batch's images as the model takes them: the
-    image processor's ``pixel_values`` (and its other outputs, e.g. Qwen-VL's grid sizes), the images of
-    every row in order."""
+    """Pads the text as the padding collator does and adds the batch's images as the model takes them
+    (``ImageRuns.model_inputs``), the images of every row in order."""
 
-    def __init__(self, text_collator, processor) -> None:
-        self.text_collator, self.processor = text_collator, processor
+    def __init__(self, text_collator, runs: ImageRuns) -> None:
+        self.text_collator, self.runs = text_collator, runs
+
+    @property
+    def processor(self):
+        """The model's processor: the run saves it with the adapter (training/pipeline.py)."""
+        return self.runs.processor
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
-        images = [open_image(Path(path)) for feature in features for path in feature.get(IMAGES_COLUMN) or []]
-        text = [{k: v for k, v in f.items() if k in ("input_ids", "labels")} for f in features]
+        pictures = [
+            open_image(Path(path)) for feature in features for path in feature.get(IMAGES_COLUMN) or []
+        ]
+        text = [{k: v for k, v in f.items() if k in TEXT_COLUMNS} for f in features]
         batch = self.text_collator(text)
-        if images:
-            batch.update(self.processor.image_processor(images, return_tensors="pt"))
+        batch.update(self.runs.model_inputs(batch["input_ids"], pictures))
         return batch

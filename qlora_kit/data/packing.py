@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from qlora_kit.data.formats import IGNORE_INDEX
+from qlora_kit.data.images import IMAGES_COLUMN as IMAGES
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -41,20 +42,29 @@ def examples_per_batch(max_seq_len: int) -> int:
 
 
 def pack_dataset(dataset: Dataset, capacity: int) -> Dataset:
-    """Rows of packed examples (input_ids, labels, position_ids), each at most ``capacity`` tokens."""
+    """Rows of packed examples (input_ids, labels, position_ids, and the images of rows that have them),
+    each at most ``capacity`` tokens."""
+
+    with_images = IMAGES in dataset.column_names  # a vision-language model's rows (data/images.py)
 
     def pack(batch: dict[str, list]) -> dict[str, list]:
         rows = best_fit_decreasing([len(ids) for ids in batch["input_ids"]], capacity)
         packed: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": []}
+        if with_images:
+            packed[IMAGES] = []
         for members in rows:
-            ids, labels, positions = [], [], []
+            ids, labels, positions, files = [], [], [], []
             for i in members:
                 ids += batch["input_ids"][i]
                 labels += [IGNORE_INDEX, *batch["labels"][i][1:]]
                 positions += range(len(batch["input_ids"][i]))
+                if with_images:  # the row's images in the order of their tokens, as the model pairs them
+                    files += batch[IMAGES][i] or []
             packed["input_ids"].append(ids)
             packed["labels"].append(labels)
             packed["position_ids"].append(positions)
+            if with_images:
+                packed[IMAGES].append(files)
         return packed
 
     rows = examples_per_batch(capacity)

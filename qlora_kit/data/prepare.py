@@ -33,7 +33,7 @@ from qlora_kit.data.packing import (
     examples_per_batch,
     pack_dataset,
 )
-from qlora_kit.errors import DataError, RecipeError
+from qlora_kit.errors import DataError
 from qlora_kit.recipe.recipe import DataSection
 from qlora_kit.registries import attention
 from qlora_kit.registries.formats import FORMATS
@@ -108,11 +108,6 @@ def prepare_datasets(
     loaded and tokenized in its own format, then mixed (data.sources) and deduplicated (data.dedup).
     Preference pairs become prompt/chosen/rejected ids, prompts cut to ``max_prompt_len`` tokens. ``runs``:
     a vision-language model's image runs (images.py); chat rows may then hold images."""
-    if runs is not None and data.packs:
-        raise RecipeError(
-            "data.packing: a vision-language model's rows are padded, not packed (packing rows with images "
-            "is not built yet); set data.packing to false or auto"
-        )
     _tokenized = functools.partial(_tokenize_rows, max_prompt_len=max_prompt_len, runs=runs)
     parts, train_reports, val_reports, val_parts = [], [], [], []
     val_rows, val_format = None, data.format

@@ -68,26 +68,39 @@ def _runs(
     input_ids: list[int], labels: list[int], tokenizer, image_runs=None, row=None
 ) -> list[tuple[str, bool]]:
     """Consecutive tokens grouped by whether they are trained, each group decoded to text; an image's run
-    of tokens shown as one mark with the image's size and its token count."""
-    runs: list[tuple[list[int], bool]] = []
-    marker = image_runs.marker_id if image_runs is not None else None
+    of tokens (what the family's processor makes of it: placeholders, markers, framing) shown as one mark
+    with the image's size and its token count."""
+    out: list[tuple[str, bool]] = []
+    start = 0
+    for path, (at, end) in _image_spans(input_ids, image_runs, row):
+        out += _text_runs(input_ids[start:at], labels[start:at], tokenizer)
+        out.append((_image_mark(end - at, path), False))
+        start = end
+    return out + _text_runs(input_ids[start:], labels[start:], tokenizer)
+
+
+def _image_spans(input_ids: list[int], image_runs, row) -> list[tuple[str, tuple[int, int]]]:
+    """Each image of the row with where its run lies in ``input_ids``, found in order."""
+    spans, at = [], 0
+    for path in (row or {}).get(images.IMAGES_COLUMN) or []:
+        run = image_runs.run(images.open_image(path))
+        at = next(i for i in range(at, len(input_ids)) if input_ids[i : i + len(run)] == run)
+        spans.append((path, (at, at + len(run))))
+        at += len(run)
+    return spans
+
+
+def _text_runs(input_ids: list[int], labels: list[int], tokenizer) -> list[tuple[str, bool]]:
+    groups: list[tuple[list[int], bool]] = []
     for token, label in zip(input_ids, labels, strict=True):
         trained = label != IGNORE_INDEX
-        image = token == marker
-        if runs and runs[-1][1] == trained and (runs[-1][0][-1] == marker) == image:
-            runs[-1][0].append(token)
+        if groups and groups[-1][1] == trained:
+            groups[-1][0].append(token)
         else:
-            runs.append(([token], trained))
-    files = iter((row or {}).get(images.IMAGES_COLUMN) or [])
-    return [
-        (_image_mark(ids, next(files, None)) if ids[0] == marker else tokenizer.decode(ids), trained)
-        for ids, trained in runs
-    ]
+            groups.append(([token], trained))
+    return [(tokenizer.decode(ids), trained) for ids, trained in groups]
 
 
-def _image_mark(ids: list[int], path: str | None) -> str:
-    size = ""
-    if path is not None:
-        with Image.open(path) as image:
-            size = f" {image.width}x{image.height}"
-    return f"[image{size}: {len(ids)} tokens]"
+def _image_mark(tokens: int, path: str) -> str:
+    with Image.open(path) as image:
+        return f"[image {image.width}x{image.height}: {tokens} tokens]"

@@ -5,6 +5,10 @@ through the ordinary loading code like any checkpoint. Nothing is downloaded.
 
 ``builtin:tiny-llava``: LLaVA's layout (a CLIP vision tower of 2 layers on 56 x 56 images in 14-pixel
 patches, a two-layer projector, a Llama decoder of 4 layers): 17 image tokens an image.
+
+``builtin:tiny-gemma3``: Gemma-3's (a SigLIP tower of 2 layers on the same images, its 16 patches pooled
+to 4 soft tokens framed by start/end-of-image markers, a Gemma-3 decoder of 4 layers with sliding-window
+layers): 10 tokens an image, the 4 soft tokens attending to each other both ways.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 TINY_VISION_ARCHITECTURES = {f.tiny: f for f in FAMILIES.values() if f.vision}
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 
 def ensure_tiny_vlm(name: str):
@@ -44,9 +48,7 @@ def ensure_tiny_vlm(name: str):
 
     family = TINY_VISION_ARCHITECTURES[name]
     key = hashlib.sha256(
-        json.dumps(
-            [BUILD_VERSION, name, TINY_SHAPE, family.tiny_config, family.vision.tiny_vision_config]
-        ).encode()
+        json.dumps([BUILD_VERSION, name, TINY_SHAPE, family.tiny_config, repr(family.vision)]).encode()
     ).hexdigest()[:12]
     folder = cache_root() / "models" / f"{name}-{key}"
     if (folder / "config.json").exists():
@@ -56,8 +58,7 @@ def ensure_tiny_vlm(name: str):
 
 def _build(family, folder) -> None:
     vision = family.vision
-    tokenizer = build_tokenizer()
-    tokenizer.add_special_tokens({"additional_special_tokens": [vision.image_marker]})
+    tokenizer = _tokenizer(vision, folder)
     text = {
         **TINY_SHAPE,
         **family.tiny_config,
@@ -69,9 +70,8 @@ def _build(family, folder) -> None:
     config = getattr(transformers, family.config_class)(
         text_config=text,
         vision_config=dict(vision.tiny_vision_config),
-        image_token_id=tokenizer.convert_tokens_to_ids(vision.image_marker),
-        vision_feature_layer=-1,
-        vision_feature_select_strategy="full",
+        **vision.tiny_model_config,
+        **{key: tokenizer.convert_tokens_to_ids(token) for key, token in vision.token_ids.items()},
         tie_word_embeddings=False,
     )
     with torch.random.fork_rng():  # a fixed seed without disturbing the caller's random stream
@@ -84,18 +84,25 @@ def _build(family, folder) -> None:
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    side = vision.tiny_vision_config["image_size"]
-    image_processor = transformers.CLIPImageProcessorPil(
-        size={"shortest_edge": side}, crop_size={"height": side, "width": side}
-    )
+    image_processor = getattr(transformers, vision.image_processor_class)(**vision.tiny_image_processor)
     processor = getattr(transformers, vision.processor_class)(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE.replace("IMAGE", vision.image_marker),
-        patch_size=vision.tiny_vision_config["patch_size"],
-        vision_feature_select_strategy="full",
-        num_additional_image_tokens=1,  # CLIP's class token, which "full" keeps
-        image_token=vision.image_marker,
+        **vision.tiny_processor,
     )
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
+
+
+def _tokenizer(vision, folder):
+    """The builtin tokenizer with the family's image tokens; named ones (Gemma-3's ``boi_token``) become
+    attributes the processor reads, through a reload (transformers sets them from ``extra_special_tokens``
+    at load only)."""
+    tokenizer = build_tokenizer()
+    tokens = dict.fromkeys([vision.image_marker, *vision.named_tokens.values()])
+    tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
+    if not vision.named_tokens:
+        return tokenizer
+    tokenizer.save_pretrained(folder)  # overwritten by the processor's save
+    return transformers.AutoTokenizer.from_pretrained(folder, extra_special_tokens=dict(vision.named_tokens))

@@ -151,7 +151,11 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         base.config._attn_implementation,
         model.attn_implementation,
     )
-    base.config.use_cache = False  # the KV cache is useless in training and conflicts with checkpointing
+    # the KV cache is useless in training and conflicts with checkpointing; with one, transformers also
+    # stops finding packed rows' examples in their position ids. A vision-language model's language model
+    # reads its own (nested) text config.
+    for config in {id(c): c for c in (base.config, base.config.get_text_config())}.values():
+        config.use_cache = False
     return base
 
 

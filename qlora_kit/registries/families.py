@@ -15,7 +15,10 @@ Each ``Family`` says, for its architecture:
   (``data.system_prompt_mode``) and what else they do their own way;
 - ``experts``: for a mixture-of-experts family, where its router and experts are and which config keys
   count them (``Experts``); None for a dense one. A family whose config counts experts must have it
-  (tests/test_families.py); ``EXPERTS_NOT_PACKED`` names the mixtures whose experts are refused, and why.
+  (tests/test_families.py); ``EXPERTS_NOT_PACKED`` names the mixtures whose experts are refused, and why;
+- ``vision``: for a vision-language family, its processor, image marker, vision-side modules, the inputs
+  its model takes beside the pixels, and how its builtin is made (``Vision``; model/vision.py,
+  data/images.py, model/builtin_vision.py).
 
 Adding a family is one entry here plus its tests: the builtin model, the planner, export and the export
 tests read this table. Standard library only; the GGUF writers named by ``Gguf.parameters`` and
@@ -68,13 +71,33 @@ class Experts:
 
 @dataclass(frozen=True)
 class Vision:
-    """A vision-language family: its processor, the image marker its chat template writes, and the modules
-    that stay out of 4 bits and LoRA by default (the vision tower and the projector)."""
+    """A vision-language family: its processor, the image marker its chat template writes, the modules that
+    stay out of 4 bits and LoRA by default (the vision tower and the projector), and how its builtin is
+    made. Families differ in how an image enters the text: LLaVA repeats one placeholder per patch feature;
+    Gemma-3 frames a few pooled soft tokens between start/end markers and lets them attend to each other
+    both ways (``token_type_ids``)."""
 
     processor_class: str  # transformers' processor class, e.g. "LlavaProcessor"
     image_marker: str  # what the chat template writes for an image part; the processor expands it
     vision_modules: tuple[str, ...]  # top-level names under the model's ``model`` (kept in 16 bits)
+    image_processor_class: str  # the builtin's image processor (a PIL one: no torchvision needed)
     tiny_vision_config: dict = field(default_factory=dict)  # the builtin's vision tower
+    tiny_model_config: dict = field(default_factory=dict)  # the builtin config's own values (not text/vision)
+    tiny_image_processor: dict = field(default_factory=dict)  # the builtin image processor's arguments
+    tiny_processor: dict = field(default_factory=dict)  # the builtin processor's arguments
+    named_tokens: dict = field(default_factory=dict)  # tokenizer attributes the processor reads (boi_token)
+    token_ids: dict = field(default_factory=dict)  # config key -> the token whose id it holds
+    image_token: str = ""  # the token each image feature replaces (default: the marker itself)
+    # what the model's forward takes of its image processor's outputs (Gemma-3's processor also returns
+    # num_crops, which only the processor reads; generate refuses a keyword the model does not take)
+    image_inputs: tuple[str, ...] = ("pixel_values",)
+    # the model takes token_type_ids, 1 on image tokens (Gemma-3: an image's tokens attend both ways); a
+    # batch without them trains every image causally, which the model never saw and inference never does
+    token_type_ids: bool = False
+
+    @property
+    def feature_token(self) -> str:
+        return self.image_token or self.image_marker
 
 
 @dataclass(frozen=True)
@@ -104,7 +127,12 @@ EXPERTS_NOT_PACKED = {
     "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
     "qlora_kit does not quantize yet",
 }
-# qlora_kit's GGUF writer writes dense layers only (export --to merged, then llama.cpp's converter, serves)
+# qlora_kit's GGUF writer writes a decoder's dense layers only: no vision tower (llama.cpp serves one from a
+# separate multimodal projector GGUF, mmproj) and no experts (export --to merged, then llama.cpp's converter)
+VISION_NO_GGUF = NoExport(
+    "qlora_kit writes no multimodal projector file (llama.cpp's mmproj GGUF) for the vision tower; "
+    "export --to merged keeps the whole model"
+)
 MOE_NO_GGUF = NoExport(
     "qlora_kit's GGUF writer has no expert tensors (llama.cpp's ffn_gate_exps, ffn_up_exps, ffn_down_exps) "
     "yet; convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
@@ -287,14 +315,12 @@ FAMILIES: dict[str, Family] = {
             linears=LLAMA_LINEARS,
             attention_inputs=QKV,
             mlp=GATED,
-            export=NoExport(
-                "qlora_kit writes no multimodal projector file (llama.cpp's mmproj GGUF) for the vision tower; "
-                "export --to merged keeps the whole model"
-            ),
+            export=VISION_NO_GGUF,
             vision=Vision(
                 processor_class="LlavaProcessor",
                 image_marker="<image>",
                 vision_modules=("vision_tower", "multi_modal_projector"),
+                image_processor_class="CLIPImageProcessorPil",
                 tiny_vision_config={
                     "model_type": "clip_vision_model",
                     "hidden_size": 64,
@@ -305,6 +331,64 @@ FAMILIES: dict[str, Family] = {
                     "patch_size": 14,
                     "projection_dim": 64,
                 },
+                tiny_model_config={"vision_feature_layer": -1, "vision_feature_select_strategy": "full"},
+                tiny_image_processor={
+                    "size": {"shortest_edge": 56},
+                    "crop_size": {"height": 56, "width": 56},
+                },
+                tiny_processor={
+                    "patch_size": 14,
+                    "vision_feature_select_strategy": "full",
+                    "num_additional_image_tokens": 1,  # CLIP's class token, which "full" keeps
+                    "image_token": "<image>",
+                },
+                token_ids={"image_token_id": "<image>"},
+            ),
+        ),
+        _family(
+            "gemma3",
+            "Gemma3Config",
+            "tiny-gemma3",
+            # the language model's config: Gemma-3's sliding-window and global layers, query norms
+            tiny_config={
+                "model_type": "gemma3_text",
+                "head_dim": 32,
+                "sliding_window": 32,
+                "query_pre_attn_scalar": 32,
+            },
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=VISION_NO_GGUF,
+            vision=Vision(
+                processor_class="Gemma3Processor",
+                image_marker="<start_of_image>",  # the processor frames it: \n\n<boi><soft tokens><eoi>\n\n
+                vision_modules=("vision_tower", "multi_modal_projector"),
+                image_processor_class="Gemma3ImageProcessorPil",
+                tiny_vision_config={
+                    "model_type": "siglip_vision_model",
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_hidden_layers": 2,
+                    "num_attention_heads": 4,
+                    "image_size": 56,
+                    "patch_size": 14,
+                },
+                tiny_model_config={"mm_tokens_per_image": 4},  # 4 x 4 patches pooled to 2 x 2
+                tiny_image_processor={"size": {"height": 56, "width": 56}},
+                tiny_processor={"image_seq_length": 4},
+                named_tokens={
+                    "boi_token": "<start_of_image>",
+                    "eoi_token": "<end_of_image>",
+                    "image_token": "<image_soft_token>",
+                },
+                token_ids={
+                    "boi_token_index": "<start_of_image>",
+                    "eoi_token_index": "<end_of_image>",
+                    "image_token_index": "<image_soft_token>",
+                },
+                image_token="<image_soft_token>",
+                token_type_ids=True,
             ),
         ),
         # Mixtures of experts (builtins of 8 experts, 2 per token): fused 3-D experts behind a router

@@ -212,10 +212,12 @@ def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Rec
     rest of the run reads the resolved recipe."""
     if not objectives.of(recipe).packs:
         allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
-    elif images.IMAGES_COLUMN in prepared.train.column_names:
-        allowed = ("padding", "group_by_length")  # rows with images are not packed (data/images.py)
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
         allowed = ("padding",)  # a kernel not known to keep packed examples apart
+    elif images.IMAGES_COLUMN in prepared.train.column_names and not images.packs_with(recipe.model):
+        allowed = ("padding", "group_by_length")
+        if recipe.data.packing == "auto":
+            log.info("data.packing auto: not packing, %s", images.FLATTENED_REASON)
     else:
         allowed = layout.AUTO
     train = recipe.train

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.data import images
 from qlora_kit.data import prepare as data
+from qlora_kit.errors import RecipeError
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.trainer import GuardedTrainer, training_arguments
 
@@ -21,9 +22,10 @@ if TYPE_CHECKING:
 def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled; for a
     vision-language model, chat rows with their images (data/images.py)."""
-    return data.prepare_datasets(
-        recipe.data, tokenizer, recipe.train.seed, runs=images.image_runs(recipe.model)
-    )
+    runs = images.image_runs(recipe.model)
+    if runs is not None and recipe.data.packs and not images.packs_with(recipe.model):
+        raise RecipeError(f"data.packing: {images.FLATTENED_REASON}; set model.attn_implementation: sdpa")
+    return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
 
 
 def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, precision: str):
@@ -32,6 +34,6 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     collator = data.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
     runs = images.image_runs(recipe.model)
     if runs is not None:  # the images' pixels join each padded batch; the Trainer keeps their column
-        collator = images.ImageCollator(collator, runs.processor)
+        collator = images.ImageCollator(collator, runs)
         args.remove_unused_columns = False
     return GuardedTrainer, args, TrainingGuard, {"data_collator": collator}

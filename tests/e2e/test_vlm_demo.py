@@ -3,11 +3,14 @@
 `qlora-kit train recipes/demo-vlm.yaml` (the shipped recipe, unchanged) on the builtin shapes images: the
 held-out images' exact-match accuracy rises from the base's (`qlora-kit eval`), the run folder holds the
 processor and reloads with plain peft onto the 16-bit model (the same logits within the dense models'
-tolerance), and `merge` writes a folder transformers' own class and processor load."""
+tolerance), `generate --image` and `chat --image` answer about an image, and `merge` writes a folder
+transformers' own class and processor load."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,6 +52,17 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
     assert answered.stdout.strip().splitlines()[-1].strip() in COLOURS, answered.stdout
     missing = qlora_kit("generate", "--adapter", str(out), "Hi", "--image", str(tmp_path / "none.png"))
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.png: no such file")
+    # chat --image: two turns about the image (the second sees it again through the history)
+    talk = subprocess.run(
+        [sys.executable, "-m", "qlora_kit", "chat", "--adapter", str(out), "--image", str(image)],
+        input="What colour is the square?\nHow many squares are there?\n\n",
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert talk.returncode == 0, talk.stderr[-2000:]
+    answers = [line.split("model>", 1)[1].strip() for line in talk.stdout.splitlines() if "model>" in line]
+    assert len(answers) == 2 and answers[0] in COLOURS, talk.stdout
 
     merged = tmp_path / "merged"
     result = qlora_kit("merge", "--adapter", str(out), "--out", str(merged))
