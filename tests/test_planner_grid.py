@@ -6,7 +6,8 @@ the bytes the run itself counted as saved for backward (its ``saved_mib``) are c
 ``plan`` at the shape of the batch it trained on. The cases are the settings that once fooled it:
 Gemma-2's soft-capped head (which keeps transformers' loss, not the chunked one), a LayerNorm final
 norm under the chunked head (GPT-NeoX), padded unpacked rows (their attention mask), LoRA
-dropout 0 under the Trainer's bf16 autocast, and mixtures of experts (4-bit experts routed per token).
+dropout 0 under the Trainer's bf16 autocast, mixtures of experts (4-bit experts routed per token), and
+vision-language models on image rows (the vision tower's activations, packed image rows).
 """
 
 import json
@@ -50,6 +51,10 @@ CASES = [
     # mixtures of experts: the experts' loop traced with its picks spread evenly, the run's routed as they fall
     ("tiny-qwen3-moe", "none", "chat", True, 0.0, True, "bf16", 40),
     ("tiny-mixtral", "every_n", "text", False, 0.0, False, "no", 30),
+    # vision-language: image rows (builtin:shapes); LLaVA with LoRA on its vision tower too (which then
+    # keeps activations), Gemma-3 packed under bf16 (its image tokens' both-ways mask)
+    ("tiny-llava", "every_n", "images", False, 0.0, True, "no", 0),
+    ("tiny-gemma3", "none", "images", True, 0.0, True, "bf16", 0),
 ]
 
 
@@ -82,12 +87,15 @@ def test_plan_matches_what_the_run_saves(
     tmp_path, family, policy, fmt, packing, dropout, chunked, precision, words
 ):
     data = tmp_path / "rows.jsonl"
-    write_rows(data, fmt, words)
+    if fmt == "images":
+        data, fmt = "builtin:shapes", "chat"
+    else:
+        write_rows(data, fmt, words)
     recipe = Recipe.from_dict(
         {
             "model": {"path": f"builtin:{family}"},
             "memory": {"checkpointing": policy, "every_n": 2, "chunked_loss": chunked},
-            "lora": {"dropout": dropout},
+            "lora": {"dropout": dropout, "vision": family == "tiny-llava"},
             "data": {"path": str(data), "format": fmt, "packing": packing, "max_seq_len": 256},
             "train": {
                 "output_dir": str(tmp_path / "out"),

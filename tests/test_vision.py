@@ -263,3 +263,20 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, monkeypatch):
     )
     _resolve_layout(auto, prepared)
     assert offered == [layout.AUTO]
+
+
+@pytest.mark.slow  # prepares every image row
+@pytest.mark.parametrize("vlm", VLMS)
+def test_the_plan_counts_a_batchs_pixels_as_the_image_processor_makes_them(vlm):
+    """The plan's image term against the pixels the family's image processor hands a batch: float32, and
+    the vision tower's copy in the compute dtype (float32 here)."""
+    from qlora_kit.memory.planner import plan
+
+    recipe = vlm_recipe(model_path=vlm, train={"micro_batch_size": 4})
+    runs = images.image_runs(recipe.model)
+    prepared = prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    batch = images.ImageCollator(build_collator(runs.processor.tokenizer, packing=False), runs)(
+        [prepared.train[i] for i in range(4)]
+    )
+    assert batch["pixel_values"].dtype == torch.float32
+    assert plan(recipe, device="cpu").pixels == batch["pixel_values"].numel() * (4 + 4)

@@ -164,6 +164,10 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
         table.add_row(
             "GRPO rollouts: KV cache and logits of a generation batch", size(plan.rollout), "closed form"
         )
+    if plan.pixels:  # a vision-language model: its batch's images
+        table.add_row(
+            "image pixels of a batch (float32, and the tower's copy)", size(plan.pixels), "closed form"
+        )
     table.add_row("activations of the decoder layers (per policy, below)", "", layers_from)
     table.add_row("activations of the loss head (in the policies' figures)", "", plan.head_source)
     console.print(table)
@@ -239,6 +243,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "static_per_gpu": plan.static,
         "load_peak_per_gpu": plan.load_peak,
         "rollout": plan.rollout,
+        "pixels": plan.pixels,
         "policies": [
             {
                 "policy": row.policy,

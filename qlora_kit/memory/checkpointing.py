@@ -83,8 +83,13 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     context_fn = _context_fn("selective" in policies, injector)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
-    every_n = memory.every_n if memory.checkpointing == "every_n" else 1
-    model.activation_checkpointing_enable(kwargs, every_n_layers=every_n)
+    model.activation_checkpointing_enable(kwargs)
+    if memory.checkpointing == "every_n":
+        # transformers' every_n_layers counts every layer that can checkpoint, a vision tower's first: a
+        # vision-language model's decoder would then start wherever the tower's count left off. So the
+        # decoder's layers are set by their own index, and a vision tower checkpoints throughout.
+        for layer, policy in zip(layers, policies, strict=True):
+            layer.gradient_checkpointing = policy != "none"  # full on layers 0, n, 2n, ... (expand_policy)
     if memory.checkpointing in ("per_layer",):
         _mix(layers, policies, _context_fn(False, injector))
     if memory.offload_activations:

@@ -84,6 +84,7 @@ from qlora_kit.memory.formula import (
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
+from qlora_kit.model import vision
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries import objectives
 from qlora_kit.registries.optimizers import OPTIMIZERS
@@ -172,6 +173,7 @@ class Plan:
     policies: list[PolicyPlan] = field(default_factory=list)
     shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
     rollout: int = 0  # train.objective grpo: the rollouts' KV cache and logits (rollout_bytes)
+    pixels: int = 0  # a vision-language batch's images, as the image processor hands them (pixel_bytes)
     device: str = "cuda"  # the device planned for
     recipe: Recipe | None = None  # the recipe planned
     # The largest share of an example's tokens that are trained (PreparedData.largest_trained_share):
@@ -270,7 +272,7 @@ class Plan:
         if host:  # the input being recomputed from, back on the device, and the next one prefetched
             backward += 2 * host // recomputed
         spike = max(loss_spike(shape, recipe, self.batch * self.seq), backward)
-        peak = max(self.static + acts.total + spike, self.static + self.rollout, self.load_peak)
+        peak = max(self.static + self.pixels + acts.total + spike, self.static + self.rollout, self.load_peak)
         full_layer = max(self.activations("full").recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
         return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost, host)
@@ -322,6 +324,18 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
     return [("none", 0), *every, ("selective", 1), ("full", 1)]
 
 
+def pixel_bytes(config, recipe: Recipe, rows: int) -> int:
+    """A vision-language batch's images on the device for the whole step: the image processor's float32
+    pixels and the vision tower's copy in the compute dtype, one image an example at the tower's size (two
+    examples a packed row, as the trace packs them: tracing._images); 0 for a text-only model."""
+    if config is None or vision.vision_of(config) is None:
+        return 0
+    towers = config.vision_config
+    images = rows * (2 if recipe.data.packs else 1)
+    values = images * getattr(towers, "num_channels", 3) * towers.image_size**2
+    return values * (4 + DTYPE_BYTES[recipe.quant.compute_dtype])
+
+
 def plan(
     recipe: Recipe,
     batch: int | None = None,
@@ -350,6 +364,7 @@ def plan(
     result.trained_share = trained_share
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
+    result.pixels = pixel_bytes(shape.config, recipe, batch)
     uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)

@@ -44,12 +44,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
-from transformers import AutoModelForCausalLM, masking_utils
+from transformers import masking_utils
 
 from qlora_kit.memory import selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.memory.tiled_mlp import tile_count
+from qlora_kit.model import vision
 from qlora_kit.registries import attention
 
 if TYPE_CHECKING:
@@ -211,14 +212,18 @@ def _trace(
     traced_as = resolved if resolved in ("sdpa", "eager") else "sdpa"
     flash = kernel.packing == "flattened"
     dtype = getattr(torch, recipe.quant.compute_dtype)
+    facet = vision.vision_of(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(
+        model = vision.auto_class(config).from_config(
             config,
             dtype=dtype,
             trust_remote_code=recipe.model.trust_remote_code,
             attn_implementation=traced_as,
         )
-    model.config.use_cache = False
+    for each in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        each.use_cache = False
+    if facet is not None:
+        _placeholders_without_count_check(model)
     model.requires_grad_(False)
     if recipe.quant.bits == 4 and moe_experts.fused_experts(model):
         moe_experts.use_routed_loop(model)  # the experts' loop a 4-bit load runs (its matmuls keep the same)
@@ -239,6 +244,8 @@ def _trace(
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
+        if facet is not None:
+            inputs |= _images(model.config, facet, inputs)
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
@@ -313,6 +320,29 @@ def _fake_on_cpu(model: torch.nn.Module, mode: FakeTensorMode) -> None:
             module._parameters[name] = torch.nn.Parameter(fake, requires_grad=param.requires_grad)
         for name, buffer in list(module.named_buffers(recurse=False)):
             module._buffers[name] = FakeTensor(mode, buffer, cpu)
+
+
+def _placeholders_without_count_check(model) -> None:
+    """A vision-language model checks that its image tokens are as many as its image features, a count of
+    token values fake tensors do not have: in the trace, the placeholder mask is made as transformers
+    makes it (the positions holding the image token), without the check. The meta model is the trace's
+    own, so the instance is patched."""
+    token = model.config.image_token_id
+    model.model.get_placeholder_mask = lambda input_ids, inputs_embeds, **_: (
+        (input_ids == token).unsqueeze(-1).expand_as(inputs_embeds)
+    )
+
+
+def _images(config, facet, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A vision-language batch's images at the vision tower's size: one an example (two a packed row,
+    as ``_batch`` packs two examples a row), and Gemma-3's token types. What the vision tower keeps for
+    backward is traced with them (only under lora.vision does it keep any: frozen, it has no gradient)."""
+    rows = inputs["input_ids"].shape[0] * (2 if "position_ids" in inputs else 1)
+    side = config.vision_config.image_size
+    images = {"pixel_values": torch.zeros(rows, getattr(config.vision_config, "num_channels", 3), side, side)}
+    if facet.token_type_ids:
+        images["token_type_ids"] = torch.zeros_like(inputs["input_ids"])
+    return images
 
 
 def _batch(batch: int, seq: int, packing: bool) -> dict[str, torch.Tensor]:
