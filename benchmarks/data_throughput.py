@@ -41,7 +41,15 @@ def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     return path
 
 
-def build(mode: str, data_path: Path, out: Path, batch: int, model_path: str | None, max_len: int):
+def build(
+    mode: str,
+    data_path: Path,
+    out: Path,
+    batch: int,
+    model_path: str | None,
+    max_len: int,
+    compute_dtype: str,
+):
     """The mode's run set up by pipeline.build, as `qlora-kit train` sets it up."""
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import build as build_run
@@ -54,6 +62,7 @@ def build(mode: str, data_path: Path, out: Path, batch: int, model_path: str | N
         "train.micro_batch_size": batch,
         "train.output_dir": str(out / mode),
         "train.max_steps": 10_000,
+        "quant.compute_dtype": compute_dtype,
         **MODES[mode],
     }
     trainer = build_run(Recipe.from_dict({}, overrides)).trainer
@@ -88,11 +97,59 @@ def run_steps(trainer, batches, steps: int) -> tuple[float, int, int]:
     return seconds, real, slots
 
 
+def profiled_step(trainer, batches) -> tuple[dict[str, float], int]:
+    """Self CPU seconds per op of one optimizer step (torch's profiler), and the step's positions."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = next(batches)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.training_step(trainer.model, batch)
+        trainer.optimizer.step()
+        trainer.optimizer.zero_grad()
+    ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
+    return ops, batch["input_ids"].numel()
+
+
+def profile_table(runs: dict, top: int) -> tuple[str, str]:
+    """Padding against packing, op by op: each op's self seconds per 1,000 positions (padded slots
+    included: what the step computes on), the ops that differ most first."""
+    per_k, positions = {}, {}
+    for mode in ("padding", "packing"):
+        ops, positions[mode] = profiled_step(*runs[mode])
+        per_k[mode] = {op: seconds * 1000 / positions[mode] for op, seconds in ops.items()}
+    names = set(per_k["padding"]) | set(per_k["packing"])
+    gap = {op: per_k["packing"].get(op, 0.0) - per_k["padding"].get(op, 0.0) for op in names}
+    rows = []
+    for op in sorted(names, key=lambda op: -abs(gap[op]))[:top]:
+        a, b = per_k["padding"].get(op, 0.0), per_k["packing"].get(op, 0.0)
+        rows.append([f"`{op}`", f"{a:.4f}", f"{b:.4f}", f"{gap[op]:+.4f}"])
+    total = [sum(per_k[mode].values()) for mode in ("padding", "packing")]
+    rows.append(["all ops", f"{total[0]:.4f}", f"{total[1]:.4f}", f"{total[1] - total[0]:+.4f}"])
+    header = [
+        "op (self CPU time)",
+        "padding s / 1k positions",
+        "packing s / 1k positions",
+        "packing - padding",
+    ]
+    note = (
+        f"Profiled: one step of each after the timed rounds ({positions['padding']} positions padded, "
+        f"{positions['packing']} packed; a position is a token slot the step computes on, padding included)."
+    )
+    return markdown_table(header, rows), note
+
+
 def main() -> None:
     options = parser(__doc__)
     options.add_argument("--rounds", type=int, default=None, help="default: 4, or 2 with --real-model")
     options.add_argument("--steps", type=int, default=None, help="optimizer steps per mode per round (6; 3)")
     options.add_argument("--batch", type=int, default=8)
+    options.add_argument("--top", type=int, default=12, help="ops in the profile table (the most different)")
+    options.add_argument(
+        "--compute-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="float32 on CPUs without AVX512-BF16 (they emulate bf16 matmuls: 11x slower, ops in other shares)",
+    )
     args = options.parse_args()
     args.rounds = args.rounds or (2 if args.real_model else 4)
     args.steps = args.steps or (3 if args.real_model else 6)
@@ -105,7 +162,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         data_path = make_dataset(folder, rows=64 if args.smoke else 512)
-        runs = {mode: build(mode, data_path, folder, args.batch, model_path, max_len) for mode in MODES}
+        runs = {
+            mode: build(mode, data_path, folder, args.batch, model_path, max_len, args.compute_dtype)
+            for mode in MODES
+        }
         totals = {mode: [0.0, 0, 0] for mode in MODES}
         step_times = {mode: [] for mode in MODES}
         for round_index in range(args.rounds + 1):  # round 0 warms up and is not counted
@@ -117,6 +177,7 @@ def main() -> None:
                 totals[mode][1] += real
                 totals[mode][2] += slots
                 step_times[mode].append(seconds / args.steps)
+        profile, profile_note = profile_table(runs, args.top)
 
     padded_rate = totals["padding"][1] / totals["padding"][0]
     rows = []
@@ -132,15 +193,18 @@ def main() -> None:
             ]
         )
     table = markdown_table(["mode", "pad share", "median step (s)", "real tokens/s", "vs padding"], rows)
+    table += "\n\n" + profile
     model = (
         f"SmolLM2-135M-Instruct (builtin:{REAL_MODEL}, pretrained, its tokenizer)"
         if args.real_model
         else "Tiny Llama (4 layers, hidden 128)"
     )
     notes = (
-        f"{model}, max_seq_len {max_len}, NF4 + double quant, LoRA r=16 all-linear, full checkpointing, "
+        f"{model}, max_seq_len {max_len}, NF4 + double quant ({args.compute_dtype} compute), LoRA r=16 "
+        "all-linear, full checkpointing, "
         f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 12-120 corpus words (24-240 tokens with the tiny tokenizer, cut at max_seq_len); {args.rounds} interleaved "
-        f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding."
+        f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding.\n\n"
+        f"{profile_note}"
     )
     real = "-real" if args.real_model else ""
     title = (

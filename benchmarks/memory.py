@@ -50,6 +50,7 @@ class Size:
     vocab: int = 8000  # part 1
     large_vocab: int = 32000  # part 2
     model_dir: str | None = None  # a pretrained model's folder instead of the random tiny Llama
+    compute_dtype: str = "bfloat16"  # float32 on CPUs without AVX512-BF16 (they emulate bf16 matmuls)
 
 
 SMOKE = Size(
@@ -73,6 +74,7 @@ def build(name: str, vocab: int, memory_fields: dict, out: Path, size: Size):
             "model": {"path": str(folder)},
             "memory": memory_fields,
             "data": {"packing": False, "max_seq_len": size.seq},
+            "quant": {"compute_dtype": size.compute_dtype},
             "train": {"output_dir": str(out / name), "micro_batch_size": size.batch, "max_steps": 1000},
         }
     )
@@ -187,7 +189,9 @@ def main_real_model(args) -> None:
     folder = real_model_dir()
     vocab = AutoConfig.from_pretrained(folder).vocab_size
     batch, seq = (1, 32) if args.smoke else (2, 256)
-    size = Size({}, batch=batch, seq=seq, vocab=vocab, large_vocab=vocab, model_dir=str(folder))
+    size = Size(
+        {}, batch, seq, vocab, large_vocab=vocab, model_dir=str(folder), compute_dtype=args.compute_dtype
+    )
     rounds = 1 if args.smoke else (args.rounds or 3)
     with tempfile.TemporaryDirectory() as tmp:
         results = measure(
@@ -205,7 +209,8 @@ def main_real_model(args) -> None:
     chunked, plain = results["full"], results["full, transformers loss"]
     notes = (
         f"SmolLM2-135M-Instruct (builtin:{REAL_MODEL}: 30 layers, hidden 576, vocabulary {vocab:,}, tied head), "
-        f"pretrained weights; batch {size.batch} x {size.seq} tokens, every position trained; NF4 + double quant, "
+        f"pretrained weights; batch {size.batch} x {size.seq} tokens, every position trained; NF4 + double quant "
+        f"({size.compute_dtype} compute), "
         "LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit; the chunked loss head on (the default) unless "
         f"named; {rounds} interleaved rounds after a warm-up. Under full checkpointing the chunked head keeps "
         f"{chunked['saved'].total / plain['saved'].total:.2f}x what transformers' loss keeps, at "
@@ -223,6 +228,12 @@ def main_real_model(args) -> None:
 def main() -> None:
     options = parser(__doc__)
     options.add_argument("--rounds", type=int, default=None, help="default: 5, or 3 with --real-model")
+    options.add_argument(
+        "--compute-dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32"],
+        help="float32 on CPUs without AVX512-BF16 (they emulate bf16 matmuls: 11x slower, ops in other shares)",
+    )
     args = options.parse_args()
     if args.real_model:
         main_real_model(args)

@@ -50,6 +50,9 @@ TABLES = {
     "data_throughput.py": ("data-throughput-cpu.md", [(
         [("mode", "padding|group_by_length|packing"), ("pad share", rf"{N}%"), ("median step (s)", SECONDS),
          ("real tokens/s", N), ("vs padding", rf"{N}x")], 3,
+    ), (
+        [("op (self CPU time)", r"`[^`]+`|all ops"), ("padding s / 1k positions", N),
+         ("packing s / 1k positions", N), ("packing - padding", N)], 13,
     )]),
     "export_precision.py": ("export-precision-cpu.md", [(
         [("weights", ".+"), ("answer top-1", rf"{N}%"), ("answer mean KL", N), ("all-position top-1", rf"{N}%"),
