@@ -257,9 +257,23 @@ MUTATIONS = [
     (
         "Gemma-3's images attend causally (no token types in the batch)",
         "qlora_kit/data/images.py",
-        "        if self.vision.token_type_ids:",
+        "        if self.vision.token_type_ids and pictures:",
         "        if False:",
         ["tests/test_vision.py::test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only"],
+    ),
+    (
+        "Gemma-3's image rows packed (transformers' sliding-window mask leaks between their examples)",
+        "qlora_kit/data/images.py",
+        "    if facet is not None and facet.token_type_ids:",
+        "    if False:",
+        ["tests/test_vision.py::test_packed_image_rows_give_every_example_its_own_loss"],
+    ),
+    (
+        "a packed VLM run's held-out rows asked whole (a packed row's prompt, every example's images)",
+        "qlora_kit/after/evaluate.py",
+        "    data = images.one_example_a_row(recipe.data) if runs is not None else recipe.data",
+        "    data = recipe.data",
+        ["tests/test_vision.py::test_a_packed_run_is_evaluated_one_held_out_row_at_a_time"],
     ),
     (
         "packed image rows attend across examples (the nested text config keeps its KV cache)",

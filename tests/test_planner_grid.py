@@ -51,10 +51,10 @@ CASES = [
     # mixtures of experts: the experts' loop traced with its picks spread evenly, the run's routed as they fall
     ("tiny-qwen3-moe", "none", "chat", True, 0.0, True, "bf16", 40),
     ("tiny-mixtral", "every_n", "text", False, 0.0, False, "no", 30),
-    # vision-language: image rows (builtin:shapes); LLaVA with LoRA on its vision tower too (which then
-    # keeps activations), Gemma-3 packed under bf16 (its image tokens' both-ways mask)
-    ("tiny-llava", "every_n", "images", False, 0.0, True, "no", 0),
-    ("tiny-gemma3", "none", "images", True, 0.0, True, "bf16", 0),
+    # vision-language: image rows (builtin:shapes); LLaVA packed with LoRA on its vision tower too (which
+    # then keeps activations), Gemma-3 under bf16 (its image tokens' both-ways mask)
+    ("tiny-llava", "every_n", "images", True, 0.0, True, "no", 0),
+    ("tiny-gemma3", "none", "images", False, 0.0, True, "bf16", 0),
 ]
 
 
@@ -115,7 +115,12 @@ def test_plan_matches_what_the_run_saves(
     batch, seq = shapes[0]
     # as the run plans: with its data's largest trained share (the prompt positions the head skips)
     the_plan = plan(
-        recipe, batch=batch, seq=seq, device="cpu", trained_share=setup.data.largest_trained_share()
+        recipe,
+        batch=batch,
+        seq=seq,
+        device="cpu",
+        trained_share=setup.data.largest_trained_share(),
+        images_per_row=setup.data.most_images_per_row(),
     )
     planned = the_plan.chosen(recipe).activations
     # over-predicting a little is allowed (the share is an upper bound); under-predicting is not

@@ -54,8 +54,9 @@ def evaluate(
             "data.val_path: evaluation needs validation data (set data.val_path or data.val_fraction)"
         )
     runs = images.image_runs(recipe.model)  # a vision-language model: rows with images (data/images.py)
+    data = images.one_example_a_row(recipe.data) if runs is not None else recipe.data
     prepared = prepare.prepare_datasets(
-        recipe.data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len, runs=runs
+        data, tokenizer, recipe.train.seed, recipe.preference.max_prompt_len, runs=runs
     )
     val = prepared.val.select(range(min(max_examples, len(prepared.val)))) if max_examples else prepared.val
     results: dict[str, Any] = {
@@ -65,7 +66,7 @@ def evaluate(
     if FORMATS[prepared.val_format].pairs:
         results |= preference_metrics(lm, recipe, val)
     else:
-        collator = prepare.build_collator(tokenizer, recipe.data.packs)
+        collator = prepare.build_collator(tokenizer, data.packs)
         if runs is not None:
             collator = ImageCollator(collator, runs)
         loss, tokens = token_weighted_loss(lm, val, collator)

@@ -196,7 +196,9 @@ def _held_out_inputs(recipe: Recipe, tokenizer, count: int) -> list[dict]:
 
     runs = images.image_runs(recipe.model)
     if runs is not None:
-        prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
+        prepared = prepare.prepare_datasets(
+            images.one_example_a_row(recipe.data), tokenizer, recipe.train.seed, runs=runs
+        )
         if prepared.val is None:
             raise RecipeError("merge: the drift check needs validation data in the adapter's recipe")
         collator = ImageCollator(prepare.build_collator(tokenizer, packing=False), runs)

@@ -184,15 +184,24 @@ def plan(
             raise RecipeError("plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)")
         views.show_longest_fits(console, longest_fits(resolved, room, device), resolved, room)
         return
-    share = 1.0  # without the data: every position counted as trained
+    share, images_per_row = 1.0, None  # without the data: every position trained, images_in_a_row's bound
     if with_data and objectives.of(resolved).chunked_head:  # TRL's heads (DPO, GRPO) keep no selection
+        from qlora_kit.data import images
         from qlora_kit.data.prepare import prepare_datasets
         from qlora_kit.model.loading import load_tokenizer
 
-        tokenizer = load_tokenizer(resolved.model)
-        share = prepare_datasets(resolved.data, tokenizer, resolved.train.seed).largest_trained_share()
+        runs = images.image_runs(resolved.model)
+        tokenizer = runs.processor.tokenizer if runs else load_tokenizer(resolved.model)
+        prepared = prepare_datasets(resolved.data, tokenizer, resolved.train.seed, runs=runs)
+        share, images_per_row = prepared.largest_trained_share(), prepared.most_images_per_row()
     the_plan = make_plan(
-        resolved, batch=batch, seq=seq, device=device, processes=processes, trained_share=share
+        resolved,
+        batch=batch,
+        seq=seq,
+        device=device,
+        processes=processes,
+        trained_share=share,
+        images_per_row=images_per_row,
     )
     if as_json:
         print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))

@@ -180,7 +180,7 @@ class ImageRuns:
         marks them."""
         made = self.processor.image_processor(pictures, return_tensors="pt") if pictures else {}
         inputs = {name: made[name] for name in self.vision.image_inputs if name in made}
-        if self.vision.token_type_ids:
+        if self.vision.token_type_ids and pictures:  # none: no block, and sdpa keeps its causal fast path
             feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
             inputs["token_type_ids"] = (input_ids == feature).long()
         return inputs
@@ -194,17 +194,33 @@ def image_runs(model_section) -> ImageRuns | None:
     return ImageRuns(*found) if found else None
 
 
-# why image rows are not packed for a varlen (flash) kernel: it takes each example's tokens causally and no
-# mask, while Gemma-3's image tokens attend to each other both ways (token_type_ids); rows kept apart by a
-# mask (sdpa, eager, flex_attention) pack images as text (tests/test_vision.py: equal per-example losses)
-FLATTENED_REASON = "rows with images pack for a mask kernel (sdpa, eager, flex_attention), not a varlen one"
+def one_example_a_row(data):
+    """The data section unpacked: a vision-language model's evaluations ask each held-out row's question
+    with its own images (a packed row's would be every example's); the loss per token is the same."""
+    return data.model_copy(update={"packing": False})
 
 
-def packs_with(model_section) -> bool:
-    """Whether rows with images may be packed for ``model_section``'s attention kernel."""
+def packing_refusal(model_section) -> str | None:
+    """Why rows with images cannot be packed for ``model_section`` (None: they can). Rows kept apart by a
+    mask (sdpa, eager, flex_attention) pack images as they pack text: each example its own attention,
+    positions and images (tests/test_vision.py: equal per-example losses on LLaVA)."""
+    from qlora_kit.model import loading
     from qlora_kit.registries import attention
 
-    return attention.kernel(model_section.attn_implementation).packing == "rows"
+    facet = loading.vision_facet(model_section)
+    if facet is not None and facet.token_type_ids:
+        # transformers (5.24) ORs an image's both-ways block into the sliding-window layers' mask before
+        # remapping positions to packed examples, so the blocks of a row's first example stand for every
+        # example's: tokens of later examples would see their own future (measured: tests/test_vision.py)
+        return (
+            f"{facet.processor_class.removesuffix('Processor')}'s image blocks are not kept apart in packed rows "
+            "by transformers' sliding-window mask; its image rows are padded"
+        )
+    if attention.kernel(model_section.attn_implementation).packing != "rows":
+        # a varlen (flash) kernel takes each example causally and no mask, which a family whose image
+        # tokens attend both ways would need
+        return "rows with images pack for a mask kernel (sdpa, eager, flex_attention), not a varlen one"
+    return None
 
 
 def expand(example: dict[str, list[int]], files: list[Path], runs: ImageRuns) -> dict[str, Any]:

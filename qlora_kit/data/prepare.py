@@ -94,6 +94,14 @@ class PreparedData:
         shares = [t / n for t, n in zip(facts["trained_tokens"], facts["length"], strict=True) if n]
         return max(shares, default=1.0)
 
+    def most_images_per_row(self) -> int | None:
+        """A vision-language model's rows: the most images one training row holds (packed rows: all their
+        examples' images); None for text rows. The planner sizes the batch's pixels and the vision tower's
+        activations by it."""
+        if images.IMAGES_COLUMN not in self.train.column_names:
+            return None
+        return max((len(files or []) for files in self.train[images.IMAGES_COLUMN]), default=0) or None
+
 
 ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a train/validation split
 # Columns the tokenizer writes besides input_ids and labels: facts the reports and the preflight read

@@ -116,13 +116,20 @@ def activation_bytes(
     device: str = "cpu",
     trained_tokens: int | None = None,
     precision: str = "no",
+    images_per_row: int | None = None,
 ) -> Activations:
     """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy and the Trainer's
     autocast ``precision``: traced from the model's own code where it runs on fake tensors, else from
-    the Llama-shaped formula (which assumes no autocast)."""
+    the Llama-shaped formula (which assumes no autocast). A vision-language model's rows hold
+    ``images_per_row`` images (``images_in_a_row``)."""
     policies = layer_plan(policy, every_n, shape.layers, recipe)
     recomputing = any(p != "none" for p in policies)
-    traced = trace_layers(shape.config, recipe, batch, seq, precision) if shape.config is not None else None
+    images = images_in_a_row(recipe, images_per_row)
+    traced = (
+        trace_layers(shape.config, recipe, batch, seq, precision, images)
+        if shape.config is not None
+        else None
+    )
     if traced is None:
         return formula_activation_bytes(shape, recipe, policies, batch, seq, device, trained_tokens)
     per_layer = traced.per_layer(policies)
@@ -174,6 +181,7 @@ class Plan:
     shards: int = 1  # FSDP processes the weights and optimizer state are sharded over (1: not sharded)
     rollout: int = 0  # train.objective grpo: the rollouts' KV cache and logits (rollout_bytes)
     pixels: int = 0  # a vision-language batch's images, as the image processor hands them (pixel_bytes)
+    images_per_row: int | None = None  # the data's most images in a row (None: images_in_a_row's bound)
     device: str = "cuda"  # the device planned for
     recipe: Recipe | None = None  # the recipe planned
     # The largest share of an example's tokens that are trained (PreparedData.largest_trained_share):
@@ -252,6 +260,7 @@ class Plan:
             self.device,
             self.trained_positions,
             self.precision,
+            self.images_per_row,
         )
 
     def policy_plan(self, layers: list[str], label: str) -> PolicyPlan:
@@ -324,14 +333,19 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
     return [("none", 0), *every, ("selective", 1), ("full", 1)]
 
 
-def pixel_bytes(config, recipe: Recipe, rows: int) -> int:
+def images_in_a_row(recipe: Recipe, images_per_row: int | None) -> int:
+    """The images a vision-language row holds: the data's most (a run plans with it, as ``plan
+    --with-data`` does), else one an example, two examples a packed row (as the trace packs rows)."""
+    return images_per_row or (2 if recipe.data.packs else 1)
+
+
+def pixel_bytes(config, recipe: Recipe, rows: int, images_per_row: int | None = None) -> int:
     """A vision-language batch's images on the device for the whole step: the image processor's float32
-    pixels and the vision tower's copy in the compute dtype, one image an example at the tower's size (two
-    examples a packed row, as the trace packs them: tracing._images); 0 for a text-only model."""
+    pixels and the vision tower's copy in the compute dtype, at the tower's size; 0 for a text-only model."""
     if config is None or vision.vision_of(config) is None:
         return 0
     towers = config.vision_config
-    images = rows * (2 if recipe.data.packs else 1)
+    images = rows * images_in_a_row(recipe, images_per_row)
     values = images * getattr(towers, "num_channels", 3) * towers.image_size**2
     return values * (4 + DTYPE_BYTES[recipe.quant.compute_dtype])
 
@@ -343,11 +357,13 @@ def plan(
     device: str = "cuda",
     processes: int = 1,
     trained_share: float = 1.0,
+    images_per_row: int | None = None,
 ) -> Plan:
     """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence
     (a DPO batch of n pairs is 2n sequences; its reference forward runs without grad and keeps
     nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without);
-    ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``)."""
+    ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``);
+    ``images_per_row``: a vision-language data's most images in a row (``images_in_a_row``)."""
     shape = model_shape(recipe)
     # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
     batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
@@ -364,7 +380,8 @@ def plan(
     result.trained_share = trained_share
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
-    result.pixels = pixel_bytes(shape.config, recipe, batch)
+    result.images_per_row = images_per_row
+    result.pixels = pixel_bytes(shape.config, recipe, batch, images_per_row)
     uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)

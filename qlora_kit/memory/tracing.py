@@ -130,9 +130,11 @@ def layer_types(config) -> tuple[str, ...]:
     return ("decoder",) * text.num_hidden_layers
 
 
-def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = "no") -> TracedLayers | None:
+def trace_layers(
+    config, recipe: Recipe, batch: int, seq: int, precision: str = "no", images: int = 1
+) -> TracedLayers | None:
     """The traced figures under the Trainer's autocast ``precision`` (bf16, fp16 or no), or None (logged)
-    when this architecture's code cannot run on fake tensors."""
+    when this architecture's code cannot run on fake tensors. A vision-language row holds ``images``."""
     key = (
         config.to_json_string(),
         recipe.model_dump_json(
@@ -148,10 +150,10 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
             }
         ),
     )
-    key += (batch, seq, precision)
+    key += (batch, seq, precision, images)
     if key not in _TRACED:
         try:
-            _TRACED[key] = _trace_both(config, recipe, batch, seq, precision)
+            _TRACED[key] = _trace_both(config, recipe, batch, seq, precision, images)
         except Exception as exc:  # a foreign model's code that fake tensors cannot run: the formula instead
             log.info("planner: tracing %s failed (%s); using the formula", config.model_type, exc)
             _TRACED[key] = None
@@ -161,14 +163,14 @@ def trace_layers(config, recipe: Recipe, batch: int, seq: int, precision: str = 
 _TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: three traces serve them all
 
 
-def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str) -> TracedLayers:
+def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str, images: int) -> TracedLayers:
     types = layer_types(config)
     # the first layer, then one layer of every type (in the order they first appear)
     short_types = (types[0], *dict.fromkeys(types))
     short = _cut(config, short_types)
-    plain, _ = _trace(short, recipe, "none", batch, seq, precision)
-    full, _ = _trace(short, recipe, "full", batch, seq, precision)
-    chosen, costs = _trace(short, recipe, "selective", batch, seq, precision)
+    plain, _ = _trace(short, recipe, "none", batch, seq, precision, images)
+    full, _ = _trace(short, recipe, "full", batch, seq, precision, images)
+    chosen, costs = _trace(short, recipe, "selective", batch, seq, precision, images)
     later = range(1, len(short_types))
     return TracedLayers(
         layer_types=types,
@@ -197,7 +199,7 @@ def _cut(config, types: tuple[str, ...]):
 
 
 def _trace(
-    config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str
+    config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str, images: int = 1
 ) -> tuple[dict[str, int], dict[str, tuple[float, float]]]:
     """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
     (full, selective)."""
@@ -245,7 +247,7 @@ def _trace(
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
         if facet is not None:
-            inputs |= _images(model.config, facet, inputs)
+            inputs |= _images(model.config, facet, inputs, images)
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
@@ -333,11 +335,11 @@ def _placeholders_without_count_check(model) -> None:
     )
 
 
-def _images(config, facet, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A vision-language batch's images at the vision tower's size: one an example (two a packed row,
-    as ``_batch`` packs two examples a row), and Gemma-3's token types. What the vision tower keeps for
-    backward is traced with them (only under lora.vision does it keep any: frozen, it has no gradient)."""
-    rows = inputs["input_ids"].shape[0] * (2 if "position_ids" in inputs else 1)
+def _images(config, facet, inputs: dict[str, torch.Tensor], per_row: int) -> dict[str, torch.Tensor]:
+    """A vision-language batch's images at the vision tower's size, ``per_row`` a row, and Gemma-3's token
+    types. What the vision tower keeps for backward is traced with them (only under lora.vision does it
+    keep any: frozen, it has no gradient)."""
+    rows = inputs["input_ids"].shape[0] * per_row
     side = config.vision_config.image_size
     images = {"pixel_values": torch.zeros(rows, getattr(config.vision_config, "num_channels", 3), side, side)}
     if facet.token_type_ids:

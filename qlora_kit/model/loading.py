@@ -69,17 +69,24 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
     return tokenizer
 
 
-def load_processor(model: ModelSection):
-    """A vision-language model's processor (image processor, tokenizer, chat template) and its families-table
-    vision facet, or None for a text-only model (vision.py)."""
+def vision_facet(model: ModelSection):
+    """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
     path = resolve_model_path(model)
     with _model_path_errors(path, revision=model.revision):
         config = AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
-        facet = vision.vision_of(config)
-        if facet is None:
-            return None
+    return vision.vision_of(config)
+
+
+def load_processor(model: ModelSection):
+    """A vision-language model's processor (image processor, tokenizer, chat template) and its families-table
+    vision facet, or None for a text-only model (vision.py)."""
+    facet = vision_facet(model)
+    if facet is None:
+        return None
+    path = resolve_model_path(model)
+    with _model_path_errors(path, revision=model.revision):
         return vision.load_processor(path, model.trust_remote_code, model.revision), facet
 
 

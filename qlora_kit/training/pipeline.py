@@ -176,7 +176,7 @@ def _build_checked(
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
-    memory, costs = auto.resolve_auto(recipe, checkpoint, share)
+    memory, costs = auto.resolve_auto(recipe, checkpoint, share, prepared.most_images_per_row())
     launch, precision = checked
     resolved = ResolvedRun(recipe, as_written, spec, launch, precision, memory, costs, output_dir)
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
@@ -214,10 +214,12 @@ def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Rec
         allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
         allowed = ("padding",)  # a kernel not known to keep packed examples apart
-    elif images.IMAGES_COLUMN in prepared.train.column_names and not images.packs_with(recipe.model):
+    elif images.IMAGES_COLUMN in prepared.train.column_names and (
+        why := images.packing_refusal(recipe.model)
+    ):
         allowed = ("padding", "group_by_length")
         if recipe.data.packing == "auto":
-            log.info("data.packing auto: not packing, %s", images.FLATTENED_REASON)
+            log.info("data.packing auto: not packing: %s", why)
     else:
         allowed = layout.AUTO
     train = recipe.train

@@ -23,8 +23,9 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled; for a
     vision-language model, chat rows with their images (data/images.py)."""
     runs = images.image_runs(recipe.model)
-    if runs is not None and recipe.data.packs and not images.packs_with(recipe.model):
-        raise RecipeError(f"data.packing: {images.FLATTENED_REASON}; set model.attn_implementation: sdpa")
+    refusal = images.packing_refusal(recipe.model) if runs is not None and recipe.data.packs else None
+    if refusal:
+        raise RecipeError(f"data.packing: {refusal}; set data.packing to false or auto")
     return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
 
 
