@@ -207,9 +207,8 @@ def main() -> None:
         f"{profile_note}"
     )
     real = "-real" if args.real_model else ""
-    title = (
-        f"Padding vs packing vs group_by_length{' on a real model' if real else ''} ({device_name().upper()})"
-    )
+    real += "-float32" if args.compute_dtype == "float32" else ""  # beside the bf16 table, not over it
+    title = f"Padding vs packing vs group_by_length{' on a real model' if args.real_model else ''} ({device_name().upper()})"
     write_result(f"data-throughput{real}-{device_name()}", title, table, notes, args.out)
 
 

@@ -217,7 +217,7 @@ def main_real_model(args) -> None:
         f"{chunked['time'] / plain['time']:.2f}x its step time."
     )
     write_result(
-        f"memory-real-{device_name()}",
+        f"memory-real{'-float32' if size.compute_dtype == 'float32' else ''}-{device_name()}",
         "Memory on a real model: checkpointing policies and the loss head",
         policy_table(results, "setting"),
         notes,

@@ -127,6 +127,15 @@ EXPERTS_NOT_PACKED = {
     "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
     "qlora_kit does not quantize yet",
 }
+# the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
+TINY_TOWER = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "image_size": 56,
+    "patch_size": 14,
+}
 # qlora_kit's GGUF writer writes a decoder's dense layers only: no vision tower (llama.cpp serves one from a
 # separate multimodal projector GGUF, mmproj) and no experts (export --to merged, then llama.cpp's converter)
 VISION_NO_GGUF = NoExport(
@@ -321,16 +330,7 @@ FAMILIES: dict[str, Family] = {
                 image_marker="<image>",
                 vision_modules=("vision_tower", "multi_modal_projector"),
                 image_processor_class="CLIPImageProcessorPil",
-                tiny_vision_config={
-                    "model_type": "clip_vision_model",
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "image_size": 56,
-                    "patch_size": 14,
-                    "projection_dim": 64,
-                },
+                tiny_vision_config={"model_type": "clip_vision_model", **TINY_TOWER, "projection_dim": 64},
                 tiny_model_config={"vision_feature_layer": -1, "vision_feature_select_strategy": "full"},
                 tiny_image_processor={
                     "size": {"shortest_edge": 56},
@@ -365,15 +365,7 @@ FAMILIES: dict[str, Family] = {
                 image_marker="<start_of_image>",  # the processor frames it: \n\n<boi><soft tokens><eoi>\n\n
                 vision_modules=("vision_tower", "multi_modal_projector"),
                 image_processor_class="Gemma3ImageProcessorPil",
-                tiny_vision_config={
-                    "model_type": "siglip_vision_model",
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_hidden_layers": 2,
-                    "num_attention_heads": 4,
-                    "image_size": 56,
-                    "patch_size": 14,
-                },
+                tiny_vision_config={"model_type": "siglip_vision_model", **TINY_TOWER},
                 tiny_model_config={"mm_tokens_per_image": 4},  # 4 x 4 patches pooled to 2 x 2
                 tiny_image_processor={"size": {"height": 56, "width": 56}},
                 tiny_processor={"image_seq_length": 4},
