@@ -108,19 +108,45 @@ def test_a_tiled_mlp_gives_the_same_loss_and_lora_gradients_on_every_mlp_shape(a
     assert tiled.total == saved.total  # a full layer keeps its input either way
 
 
+def tiles_under_autograd(run, hidden):
+    """The tiles run once, autograd keeping every intermediate: nothing recomputed, nothing replayed."""
+    return torch.cat(
+        [run.mlp._untiled_forward(part, *run.args, **run.kwargs) for part in run.parts(hidden)], -2
+    )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["full", "none"])
 def test_each_tile_replays_the_dropout_masks_of_its_forward(policy, monkeypatch):
     """With dropout on, the tiles recomputed in backward must draw the masks their forward drew: the same
-    loss and gradients, bit for bit, as the tiles run once under autograd with nothing recomputed."""
+    loss, bit for bit, and the same gradients as the tiles run once under autograd with nothing recomputed.
+    The gradients to bf16's rounding, not bit for bit: autograd sums a weight's per-tile gradients in bf16
+    (autocast casts the weight once for every tile), the tiles' backward sums them in float32; a mask drawn
+    anew moves them by tens of percent."""
     loss, grads, _, _ = run_once("tiny-llama", checkpointing=policy, mlp_tiles=4)
-    monkeypatch.setattr(
-        tiled_mlp, "checkpoint", lambda function, *args, use_reentrant, **kw: function(*args, **kw)
-    )
+    monkeypatch.setattr(tiled_mlp, "run_tiles", tiles_under_autograd)
     plain_loss, plain_grads, _, _ = run_once("tiny-llama", checkpointing=policy, mlp_tiles=4)
     assert loss == plain_loss
     for name, grad in grads.items():
-        assert torch.equal(plain_grads[name], grad), name
+        scale = plain_grads[name].abs().max().item()
+        assert (plain_grads[name] - grad).abs().max().item() <= 2e-2 * scale, name
+
+
+@pytest.mark.slow
+def test_a_checkpointed_layers_recompute_stops_before_its_tiled_mlp(monkeypatch):
+    """Under full checkpointing a tiled MLP runs twice a step, as an untiled one does: once in the forward
+    pass, once in backward tile by tile; the layer's recompute stops at the MLP's saved input (tiles under
+    their own checkpoints ran a third time there: 1.19x full's step on the real model)."""
+    from transformers.models.llama import modeling_llama
+
+    tile_calls = []
+    forward = modeling_llama.LlamaMLP.forward
+    monkeypatch.setattr(
+        modeling_llama.LlamaMLP, "forward", lambda self, x: tile_calls.append(x.shape[-2]) or forward(self, x)
+    )
+    _, _, _, peft_model = run_once("tiny-llama", checkpointing="full", mlp_tiles=4)
+    layers = len(checkpointing.decoder_layers(peft_model))
+    assert tile_calls == [SEQ // 4] * (layers * 2 * 4)
 
 
 @pytest.mark.slow
