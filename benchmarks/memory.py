@@ -86,7 +86,7 @@ def build(name: str, vocab: int, memory_fields: dict, out: Path, size: Size):
     return recipe, trainer, {"input_ids": ids, "labels": ids.clone()}
 
 
-def measure(settings: dict, vocab: int, rounds: int, out: Path, size: Size) -> dict:
+def measure(settings: dict, vocab: int, rounds: int, out: Path, size: Size, keep_runs: bool = False) -> dict:
     from qlora_kit.memory.planner import activation_bytes
     from qlora_kit.memory.shapes import model_shape
 
@@ -116,6 +116,8 @@ def measure(settings: dict, vocab: int, rounds: int, out: Path, size: Size) -> d
             "predicted": predicted,
             "recipe": recipe,
         }
+    if keep_runs:  # for a profile of the same setups
+        results["runs"] = runs
     return results
 
 
@@ -182,6 +184,59 @@ def loss_head_table(results: dict, vocab: int, size: Size) -> tuple[str, str]:
     return table, notes
 
 
+def profiled(trainer, batch: dict) -> tuple[dict[str, tuple[float, int]], float]:
+    """One step under torch's profiler: each op's (self CPU seconds, calls), and the step's wall seconds."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, wall = timed_step(trainer, batch)
+    return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}, wall
+
+
+def profile_table(runs: dict, top: int) -> tuple[str, str]:
+    """Full checkpointing against none, op by op: where full's extra seconds go. The recompute repeats the
+    forward pass's ops (more calls of the same ops); checkpoint's machinery is its saved-tensor hooks and
+    bookkeeping in Python, outside any op (the step's wall time less all ops' self time)."""
+    (none_ops, none_wall), (full_ops, full_wall) = (
+        profiled(runs[n][1], runs[n][2]) for n in ("none", "full")
+    )
+    names = set(none_ops) | set(full_ops)
+    zero = (0.0, 0)
+    extra = sorted(names, key=lambda op: full_ops.get(op, zero)[0] - none_ops.get(op, zero)[0], reverse=True)
+    rows = []
+    for op in extra[:top]:
+        (a, a_calls), (b, b_calls) = none_ops.get(op, zero), full_ops.get(op, zero)
+        rows.append([f"`{op}`", f"{a:.3f}", f"{b:.3f}", f"{b - a:+.3f}", f"{a_calls:,}", f"{b_calls:,}"])
+    none_total, full_total = (sum(t for t, _ in ops.values()) for ops in (none_ops, full_ops))
+    rows.append(
+        ["all ops", f"{none_total:.3f}", f"{full_total:.3f}", f"{full_total - none_total:+.3f}", "", ""]
+    )
+    outside = (none_wall - none_total, full_wall - full_total)
+    rows.append(
+        [
+            "outside ops (Python)",
+            f"{outside[0]:.3f}",
+            f"{outside[1]:.3f}",
+            f"{outside[1] - outside[0]:+.3f}",
+            "",
+            "",
+        ]
+    )
+    rows.append(
+        ["step (wall)", f"{none_wall:.3f}", f"{full_wall:.3f}", f"{full_wall - none_wall:+.3f}", "", ""]
+    )
+    table = markdown_table(
+        ["op", "none (s)", "full (s)", "full - none (s)", "calls, none", "calls, full"], rows
+    )
+    note = (
+        f"Profile: one step each of none and full (chunked head) under torch's profiler (its own overhead "
+        f"included), the {top} ops whose self CPU time full adds most first; full's step is "
+        f"{full_wall / none_wall:.2f}x none's here, {(full_total - none_total) / max(full_wall - none_wall, 1e-9):.0%} "
+        "of the difference in ops (the recompute) and the rest outside them."
+    )
+    return table, note
+
+
 def main_real_model(args) -> None:
     """Every policy on the pretrained model, its vocabulary 49,152 (the chunked head on by default)."""
     from transformers import AutoConfig
@@ -199,13 +254,16 @@ def main_real_model(args) -> None:
                 "none": {"checkpointing": "none"},
                 "every_2": {"checkpointing": "every_n", "every_n": 2},
                 "full": {"checkpointing": "full"},
+                "none, transformers loss": {"checkpointing": "none", "chunked_loss": False},
                 "full, transformers loss": {"checkpointing": "full", "chunked_loss": False},
             },
             vocab=vocab,
             rounds=rounds,
             out=Path(tmp),
             size=size,
+            keep_runs=True,
         )
+        profile, profile_note = profile_table(results.pop("runs"), args.top)
     chunked, plain = results["full"], results["full, transformers loss"]
     notes = (
         f"SmolLM2-135M-Instruct (builtin:{REAL_MODEL}: 30 layers, hidden 576, vocabulary {vocab:,}, tied head), "
@@ -214,12 +272,14 @@ def main_real_model(args) -> None:
         "LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit; the chunked loss head on (the default) unless "
         f"named; {rounds} interleaved rounds after a warm-up. Under full checkpointing the chunked head keeps "
         f"{chunked['saved'].total / plain['saved'].total:.2f}x what transformers' loss keeps, at "
-        f"{chunked['time'] / plain['time']:.2f}x its step time."
+        f"{chunked['time'] / plain['time']:.2f}x its step time (its head runs again in backward, chunk by "
+        f"chunk; without it full costs {plain['time'] / results['none, transformers loss']['time']:.2f}x none).\n\n"
+        + profile_note
     )
     write_result(
         f"memory-real{'-float32' if size.compute_dtype == 'float32' else ''}-{device_name()}",
         "Memory on a real model: checkpointing policies and the loss head",
-        policy_table(results, "setting"),
+        policy_table(results, "setting") + "\n\n" + profile,
         notes,
         args.out,
     )
@@ -234,6 +294,7 @@ def main() -> None:
         choices=["bfloat16", "float32"],
         help="float32 on CPUs without AVX512-BF16 (they emulate bf16 matmuls: 11x slower, ops in other shares)",
     )
+    options.add_argument("--top", type=int, default=12, help="--real-model: ops in the profile table")
     args = options.parse_args()
     if args.real_model:
         main_real_model(args)

@@ -293,7 +293,7 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
     monkeypatch.setattr(
         layout, "choose_layout", lambda shares, allowed: offered.append(allowed) or choose(shares, allowed)
     )
-    _resolve_layout(vlm_recipe(model_path=vlm, data={"packing": "auto"}), prepared)
+    _resolve_layout(vlm_recipe(model_path=vlm, data={"packing": "auto"}), prepared, tokenizer, None, "no")
     assert offered == [layout.AUTO if refusal is None else ("padding", "group_by_length")]
     if refusal is not None:
         with pytest.raises(RecipeError, match=r"^data\.packing: Gemma3's image blocks are not kept apart"):

@@ -119,7 +119,11 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
     shares = ", ".join(f"{mode} {share:.1%}" for mode, share in view.pad_share.items())
     console.print(f"pad tokens per batch of {recipe.train.micro_batch_size}: {shares}", highlight=False)
     if recipe.data.packing == "auto":
-        console.print(f"data.packing auto picks {view.auto_layout} on this data", highlight=False)
+        console.print(
+            f"data.packing auto: {view.auto_layout} pads least on this data (a run times the layouts and "
+            "takes the most real tokens a second)",
+            highlight=False,
+        )
     checks = Table(title="preflight (data.preflight: what stops a run before training)")
     for column in ("check", "result", "measured"):
         checks.add_column(column, overflow="fold")

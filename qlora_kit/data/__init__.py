@@ -13,7 +13,7 @@
   rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;
 - ``packing``: best-fit packing of examples into rows, and the packed-row collator;
-- ``layout``: ``data.packing: auto``, the layout (padding, group_by_length, packing) that pads least;
+- ``layout``: ``data.packing: auto``, the layout (padding, group_by_length, packing) timed fastest, or that pads least;
 - ``errors``: the diagnosis of a file that does not load (``DataError`` is in ``qlora_kit.errors``);
 - ``report``: what ``qlora-kit data`` shows.
 

@@ -200,7 +200,7 @@ def pad_shares(prepared: PreparedData, data: DataSection, batch_size: int, seed:
         rows = [sum(lengths[i] for i in members) for members in packed]
     return {
         "padding": pad_share(lengths, batch_size, group_by_length=False, seed=seed),
-        "group_by_length": pad_share(lengths, batch_size, group_by_length=True),
+        "group_by_length": pad_share(lengths, batch_size, group_by_length=True, seed=seed),
         "packing": pad_share(rows, batch_size, group_by_length=False, seed=seed),
     }
 
@@ -387,8 +387,18 @@ def build_collator(tokenizer, packing: bool, attn_implementation: str = "sdpa"):
 
 def pad_share(lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0) -> float:
     """Share of padding tokens when batches of ``batch_size`` are padded to their longest example,
-    in a shuffled order (or sorted into similar lengths, as group_by_length does)."""
-    order = sorted(lengths) if group_by_length else random.Random(seed).sample(lengths, len(lengths))
+    in a shuffled order (or, for group_by_length, the Trainer's: sorted within megabatches of up to 50
+    batches, drawn from the seed; a whole-set sort would claim far less padding than a run gets)."""
+    if group_by_length:
+        import torch
+        from transformers.trainer_pt_utils import get_length_grouped_indices
+
+        grouped = get_length_grouped_indices(
+            lengths, batch_size, generator=torch.Generator().manual_seed(seed)
+        )
+        order = [lengths[i] for i in grouped]
+    else:
+        order = random.Random(seed).sample(lengths, len(lengths))
     padded = real = 0
     for start in range(0, len(order), batch_size):
         batch = order[start : start + batch_size]

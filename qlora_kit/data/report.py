@@ -27,7 +27,7 @@ class DataView:
     percentiles: dict[str, int]
     pad_share: dict[str, float]  # batching mode -> share of pad tokens
     checks: list[preflight.Check]
-    auto_layout: str  # what data.packing: auto picks on this data
+    auto_layout: str  # what data.packing: auto picks on this data by padding (a run times the layouts)
 
 
 def inspect_data(recipe: Recipe, tokenizer, count: int = 3) -> DataView:

@@ -20,9 +20,11 @@
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
+- ``cut_model``: a few of the run's decoder layers built at random and loaded as the run loads them, and
+  the clock that times them (for ``layer_costs`` and ``training/layout_costs``);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> tracing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

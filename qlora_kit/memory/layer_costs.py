@@ -9,15 +9,12 @@ whole layer in Python even where every output is cached (benchmarks/checkpointin
 row: a policy that saves every op steps about as slowly as full checkpointing). So ``auto`` times the
 three policies on the run's own layers before it chooses:
 
-1. the model's config is cut to ``LAYERS`` decoder layers, built at random in the compute dtype, written
-   to a temporary folder and loaded back through ``loading.load_base_model`` (4-bit, on this process's
-   device, as the run loads its model), with checkpointing and LoRA set up as the run sets them up;
+1. ``cut_model.LAYERS`` of the model's decoder layers, built at random and loaded as the run loads them
+   (``cut_model.py``: 4-bit, on this process's device, checkpointing and LoRA as the run sets them up);
 2. one forward and backward pass of the layers (the head left out: it is the same under every policy)
-   under the Trainer's autocast, for none, selective and full in turn, ``ROUNDS`` rounds after a warm-up;
-   on a GPU wall seconds, on a CPU the CPU seconds of one thread: on a CPU other jobs share (the 2-core
-   machine here, at a load of 8), two threads' wall and CPU time swing tenfold with the others' load (the
-   threads spin waiting for each other), one thread's CPU time by a few percent; and one thread ranks
-   the policies as two do (selective no cheaper than full: benchmarks/selective_floor.py);
+   under the Trainer's autocast, for none, selective and full in turn, ``ROUNDS`` rounds after a warm-up,
+   on ``cut_model``'s clock (on a CPU one thread's CPU seconds; one thread ranks the policies as two do:
+   selective no cheaper than full, benchmarks/selective_floor.py);
 3. a policy's cost is its median step minus none's, per layer (never below 0).
 
 A resumed run must choose the same layers, and a second measurement would differ by noise, so the
@@ -28,13 +25,10 @@ processes, which could each measure a different plan) auto counts FLOPs instead,
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import statistics
-import tempfile
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 COSTS_FILE = "checkpointing_costs.json"  # in each checkpoint: the costs a resumed run chooses with
-LAYERS = 4  # decoder layers timed: enough that a layer's cost stands out of the embeddings' and the noise
 ROUNDS = 7  # timed rounds (their median) after one warm-up round
 POLICIES = ("none", "selective", "full")
 
@@ -77,7 +70,7 @@ def read(folder: Path | None) -> LayerCosts | None:
 
 
 def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> LayerCosts | None:
-    """Time the three policies on ``LAYERS`` of the model's layers (module docstring); None (logged) where
+    """Time the three policies on ``cut_model.LAYERS`` of the model's layers (module docstring); None (logged) where
     they cannot be timed here."""
     if config is None:
         return None
@@ -88,8 +81,7 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
         )
         return None
     try:
-        with tempfile.TemporaryDirectory(prefix="qlora-kit-layer-costs-") as folder:
-            seconds = _time_policies(recipe, config, Path(folder), batch, seq, precision)
+        seconds = _time_policies(recipe, config, batch, seq, precision)
     except Exception as exc:  # a foreign model's code that cannot be built or run here: count instead
         log.info("checkpointing auto: timing the layers failed (%s); counting FLOPs", exc)
         return None
@@ -103,69 +95,39 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
     return LayerCosts(extra["selective"], extra["full"], source)
 
 
-def _time_policies(recipe: Recipe, config, folder: Path, batch: int, seq: int, precision: str) -> dict:
-    from transformers import AutoModelForCausalLM
-
+def _time_policies(recipe: Recipe, config, batch: int, seq: int, precision: str) -> dict:
     from qlora_kit.memory import checkpointing
     from qlora_kit.memory.accounting import decoder_layers
+    from qlora_kit.memory.cut_model import cut_model
     from qlora_kit.memory.loss_head import final_hidden_states
-    from qlora_kit.memory.tracing import AUTOCAST, _cut, layer_types
-    from qlora_kit.model import adapters, loading
 
-    types = layer_types(config)
-    short = _cut(config, tuple(types[: min(LAYERS, len(types))]))
-    dense = AutoModelForCausalLM.from_config(
-        short,
-        dtype=getattr(torch, recipe.quant.compute_dtype),
-        trust_remote_code=recipe.model.trust_remote_code,
-    )
-    dense.save_pretrained(folder)
-    del dense
-    # load_base_model checks the folder is a whole model; no tokenizer is read from it
-    (folder / "tokenizer_config.json").write_text("{}\n")
-    base = loading.load_base_model(recipe.model, recipe.quant, path=str(folder))
     # Selective on every layer; full and none are that setup with the selective context taken off or
     # checkpointing switched off (``checkpointing._mix``, what a per-layer plan does).
-    checkpointing.enable_checkpointing(base, recipe.memory.model_copy(update={"checkpointing": "selective"}))
-    layers = decoder_layers(base)
-    selective_funcs = [layer._gradient_checkpointing_func for layer in layers]
-    peft_model = adapters.attach_lora(base, recipe.lora)
-    peft_model.train()
-    device = base.device
-    vocab = base.get_input_embeddings().num_embeddings
-    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(device)
-    dtype = AUTOCAST.get(precision)
-    autocast = torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+    selective = recipe.memory.model_copy(update={"checkpointing": "selective"})
+    with cut_model(recipe, config, selective, precision) as cut:
+        layers = decoder_layers(cut.base)
+        selective_funcs = [layer._gradient_checkpointing_func for layer in layers]
+        vocab = cut.base.get_input_embeddings().num_embeddings
+        ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0)).to(cut.device)
 
-    cuda = device.type == "cuda"
-    clock = time.perf_counter if cuda else time.process_time
-    synchronize = torch.cuda.synchronize if cuda else (lambda: None)
+        def step(policy: str) -> float:
+            for layer, func in zip(layers, selective_funcs, strict=True):
+                layer._gradient_checkpointing_func = func
+            checkpointing._mix(layers, [policy] * len(layers), None)
+            cut.synchronize()
+            start = cut.clock()
+            with cut.autocast:
+                hidden = final_hidden_states(cut.peft_model, {"input_ids": ids}, cut.base)
+            hidden.float().square().mean().backward()
+            cut.synchronize()
+            return cut.clock() - start
 
-    def step(policy: str) -> float:
-        for layer, func in zip(layers, selective_funcs, strict=True):
-            layer._gradient_checkpointing_func = func
-        checkpointing._mix(layers, [policy] * len(layers), None)
-        synchronize()
-        start = clock()
-        with autocast:
-            hidden = final_hidden_states(peft_model, {"input_ids": ids}, base)
-        hidden.float().square().mean().backward()
-        synchronize()
-        return clock() - start
-
-    times: dict[str, list[float]] = {p: [] for p in POLICIES}
-    threads = torch.get_num_threads()
-    if not cuda:
-        torch.set_num_threads(1)
-    try:
+        times: dict[str, list[float]] = {p: [] for p in POLICIES}
         for round_index in range(ROUNDS + 1):  # interleaved: a slow spell of a shared machine hits them all
             for policy in POLICIES:
                 seconds = step(policy)
                 if round_index:
                     times[policy].append(seconds)
-    finally:
-        torch.set_num_threads(threads)
-    peft_model.zero_grad(set_to_none=True)
     result: dict = {p: statistics.median(t) for p, t in times.items()}
-    result["layers"], result["device"] = len(layers), device.type
+    result["layers"], result["device"] = len(layers), cut.device.type
     return result

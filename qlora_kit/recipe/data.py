@@ -76,9 +76,9 @@ class DataSection(Section):
     train_on_inputs: bool = False
     """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
     packing: bool | Literal["auto"] = "auto"
-    """Pack examples into rows of up to max_seq_len tokens (restarting position ids: no cross-attention); auto: padding or packing, whichever pads less on this data (chosen and logged at the start of a run; group_by_length, often less still, is asked for by name: a resume does not reproduce its order)."""
+    """Pack examples into rows of up to max_seq_len tokens (restarting position ids: no cross-attention); auto: padding, group_by_length or packing, whichever trains the most real tokens a second on a few of this data's batches (timed and logged at the start of a run; the least padding where they cannot be timed)."""
     group_by_length: bool = False
-    """Batch examples of similar length (less padding without packing; the lighter alternative)."""
+    """Batch examples of similar length (less padding without packing; its order drawn from the seed, so a resume reproduces it)."""
     preflight: PreflightSection = PreflightSection()
     """Checks that stop a run whose data trains on nothing (thresholds)."""
 

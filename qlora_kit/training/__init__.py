@@ -3,6 +3,7 @@
 - ``pipeline``: ``build(recipe)`` sets a run up stage by stage, ``run(recipe)`` trains and saves;
 - ``resolved``: what a recipe leaves to the machine, data or launch (precision, layout, checkpointing
   auto, the objective, the launch), resolved once into one object every later stage reads;
+  ``layout_costs``: ``data.packing: auto``'s real tokens a second per layout, timed on the run's own data;
 - ``sample_prompts``: the validation prompts a run answers before and after training;
 - ``objectives``: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks;
 - ``step``: one training step in the order it runs (the micro-batch's code) and every callback, in order;

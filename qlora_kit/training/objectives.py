@@ -93,4 +93,5 @@ def build_trainer(
         probe=probes_worst_batch(recipe),
     )
     trainer.layer_costs = run.layer_costs  # into every checkpoint, for --resume
+    trainer.layout_costs = run.layout_costs
     return trainer

@@ -36,7 +36,7 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import run_log, sample_prompts, step, trackers
+from qlora_kit.training import layout_costs, run_log, sample_prompts, step, trackers
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.interrupts import StopOnSignal
 from qlora_kit.training.manifest import utc_now, write_manifest
@@ -172,13 +172,15 @@ def _build_checked(
     with Ranks().main_first():  # the objective's module prepares its rows (registries/objectives.py)
         prepared = builder(recipe).prepare(recipe, tokenizer)
     as_written = recipe  # what recipe.yaml holds and the trackers log
-    recipe, prepared = _resolve_layout(recipe, prepared)
+    launch, precision = checked
+    recipe, prepared, layout_figures = _resolve_layout(recipe, prepared, tokenizer, checkpoint, precision)
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
     memory, costs = auto.resolve_auto(recipe, checkpoint, share, prepared.most_images_per_row())
-    launch, precision = checked
-    resolved = ResolvedRun(recipe, as_written, spec, launch, precision, memory, costs, output_dir)
+    resolved = ResolvedRun(
+        recipe, as_written, spec, launch, precision, memory, costs, output_dir, layout_figures
+    )
     # a run that would train on nothing stops here, before the weights (GRPO trains on no labelled token)
     if recipe.data.preflight.enabled and spec.preflight:
         collator = (
@@ -207,13 +209,16 @@ def _build_checked(
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed, resolved)
 
 
-def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Recipe, prepare.PreparedData]:
-    """``data.packing: auto`` -> the layout with the least padding on this data (data/layout.py); the
-    rest of the run reads the resolved recipe."""
+def _resolve_layout(
+    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, checkpoint: Path | None, precision: str
+) -> tuple[Recipe, prepare.PreparedData, layout_costs.LayoutCosts | None]:
+    """``data.packing: auto`` -> the layout with the most real tokens per second, timed here or read back
+    from the checkpoint a resumed run continues (layout_costs.py), else the least padding (data/layout.py);
+    the rest of the run reads the resolved recipe. Returns the figures too, for every checkpoint."""
     if not objectives.of(recipe).packs:
         allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
     elif attention.kernel(recipe.model.attn_implementation).packing is None:
-        allowed = ("padding",)  # a kernel not known to keep packed examples apart
+        allowed = ("padding", "group_by_length")  # a kernel not known to keep packed examples apart
     elif images.IMAGES_COLUMN in prepared.train.column_names and (
         why := images.packing_refusal(recipe.model)
     ):
@@ -222,9 +227,24 @@ def _resolve_layout(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[Rec
             log.info("data.packing auto: not packing: %s", why)
     else:
         allowed = layout.AUTO
+    costs = None
+    if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
+        # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
+        costs = layout_costs.read(checkpoint) if checkpoint else None
+        if checkpoint is None:
+            costs = layout_costs.measure(recipe, prepared, tokenizer, allowed, precision)
     train = recipe.train
-    data, prepared = layout.resolve_layout(prepared, recipe.data, train.micro_batch_size, train.seed, allowed)
-    return recipe.model_copy(update={"data": data}), prepared
+    speeds = costs.tokens_per_s() if costs else None
+    data, prepared = layout.resolve_layout(
+        prepared,
+        recipe.data,
+        train.micro_batch_size,
+        train.seed,
+        allowed,
+        speeds,
+        costs.source if costs else "",
+    )
+    return recipe.model_copy(update={"data": data}), prepared, costs
 
 
 def run(

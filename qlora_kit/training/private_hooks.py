@@ -18,6 +18,9 @@ PRIVATE_OVERRIDES = {
         "atomic checkpoints: on_save runs after the checkpoint is written, too late to stage it"
     ),
     "_get_output_dir": "where _save_checkpoint writes: the staging folder (no argument or hook sets it)",
+    "_get_train_sampler": (
+        "group_by_length's order drawn from the seed and the epoch: transformers' sampler takes no generator"
+    ),
     "_load_optimizer_and_scheduler": (
         "a resumed paged optimizer pages again: no callback runs between loading its state and step 1"
     ),

@@ -4,8 +4,9 @@
 - the objective's entry in the objective table (registries/objectives.py);
 - the launch: accelerate's FSDP settings when launched with them, else None (distributed.py);
 - the mixed precision: ``auto`` -> bf16, fp16 or no on this device (model/precision.py);
-- the layout: ``data.packing: auto`` -> packing or padding, whichever pads least on this data
-  (data/layout.py), in ``recipe``;
+- the layout: ``data.packing: auto`` -> padding, group_by_length or packing, whichever trains the most
+  real tokens a second as timed (layout_costs.py; else the least padding, data/layout.py), in ``recipe``,
+  and the figures it chose by, in ``layout_costs``;
 - the checkpointing policy: ``memory.checkpointing: auto`` -> the planner's choice and the recompute costs
   it chose by (memory/auto.py), in ``memory`` (``recipe.memory`` stays as written: the run's log says
   what auto chose, and why).
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from qlora_kit.memory.layer_costs import LayerCosts
     from qlora_kit.recipe.memory import MemorySection
     from qlora_kit.recipe.recipe import Recipe
+    from qlora_kit.training.layout_costs import LayoutCosts
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,9 @@ class ResolvedRun:
     memory: MemorySection  # memory.checkpointing resolved
     layer_costs: LayerCosts | None  # what checkpointing auto measured (into every checkpoint, for --resume)
     output_dir: Path
+    layout_costs: LayoutCosts | None = (
+        None  # what data.packing auto timed (into every checkpoint, for --resume)
+    )
 
     @classmethod
     def as_given(cls, recipe: Recipe, output_dir: Path) -> ResolvedRun:

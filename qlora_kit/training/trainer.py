@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.training_args import ParallelMode
 
 from qlora_kit.memory import layer_costs, optimizers
 from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
 from qlora_kit.model import adapters
-from qlora_kit.training import private_hooks
+from qlora_kit.training import layout_costs, private_hooks
 from qlora_kit.training.guards import TrainingGuard
 from qlora_kit.training.micro_batches import OomPolicy
 from qlora_kit.training.oom_recovery import SplitOnOom
@@ -146,6 +147,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
         self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (resolved.py)
+        self.layout_costs: layout_costs.LayoutCosts | None = None  # data.packing auto's
         self._staging: Path | None = None
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -162,6 +164,10 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
             self.save_split(staged / f"checkpoint-{self.state.global_step}")
         if self.args.should_save and self.layer_costs is not None:  # and the costs auto chose its layers by
             layer_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layer_costs)
+        if (
+            self.args.should_save and self.layout_costs is not None
+        ):  # and the figures auto chose its layout by
+            layout_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layout_costs)
         self._record_best_where_it_will_be(staged, output_dir)
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
@@ -203,6 +209,16 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
     def _get_output_dir(self, trial) -> str:
         return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
 
+    def _get_train_sampler(self, train_dataset=None):
+        # group_by_length: transformers' sampler draws each epoch's order from the global random state at
+        # the epoch's start, which a resumed run reaches by another path (so it trained other batches);
+        # the same order drawn from the seed and the epoch alone is one a resume reproduces.
+        sampler = super()._get_train_sampler(train_dataset)
+        if type(sampler) is LengthGroupedSampler:
+            seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+            return SeededLengthGroupedSampler(sampler.batch_size, lengths=sampler.lengths, seed=seed)
+        return sampler
+
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Overridden (a private method; transformers is pinned <6 for it) so a resumed paged optimizer
         # pages again: loading its state makes ordinary CUDA tensors of it (optimizers.repage_optimizer_state).
@@ -210,3 +226,20 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         if checkpoint is not None:
             self.load_split(Path(checkpoint))
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
+
+
+class SeededLengthGroupedSampler(LengthGroupedSampler):
+    """transformers' group_by_length order (similar lengths batched, the longest batch first), each epoch's
+    drawn from ``seed + epoch``: the Trainer calls ``set_epoch`` before each epoch, a resumed one too (as
+    accelerate's seedable sampler does for a shuffled order)."""
+
+    def __init__(self, batch_size: int, lengths: list[int], seed: int) -> None:
+        super().__init__(batch_size, lengths=lengths)
+        self.seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return super().__iter__()

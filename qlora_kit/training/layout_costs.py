@@ -1,0 +1,208 @@
+"""``data.packing: auto`` weighs time: each candidate layout's real tokens per second, measured once per run
+on a few of its own batches, and the layout with the most chosen.
+
+Padding share alone misleads where a computed position costs more in one layout than another: on
+SmolLM2-135M under this CPU's emulated bf16 a packed step cost 1.75x a padded one for 1.6x the real tokens
+(benchmarks/results/data-throughput-real-cpu.md), so packing, which pads least, was the slowest layout. So
+before the weights load, as checkpointing auto times its layers (``memory/layer_costs.py``):
+
+1. each candidate (padding, group_by_length, packing: those the run may use) lays the training set out as
+   the run would: the epoch's batches in a seeded order (group_by_length: transformers' own
+   ``get_length_grouped_indices``), collated by the run's collator; the positions each layout computes in
+   an epoch give its pad share;
+2. ``BATCHES`` batches of each, spread over the epoch, go forward and backward through
+   ``memory/cut_model.py``'s few 4-bit layers with LoRA (the head left out: the chunked head's cost follows
+   the trained tokens, the same in every layout), interleaved over ``ROUNDS`` rounds after a warm-up, on
+   its clock; a layout's cost per computed position is its median round's seconds over its positions;
+3. real tokens a second = (1 - pad share) / cost per position, and the most wins.
+
+A resumed run must lay its data out as the run it continues did, so the figures are written into every
+checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
+not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): several processes
+(each could time a different winner), a vision-language model's image rows, a model whose layers cannot be
+built here. The run's random state is left as it was (``fork_rng``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from qlora_kit.data import images, prepare
+from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
+
+if TYPE_CHECKING:
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+LAYOUT_FILE = "layout_costs.json"  # in each checkpoint: the figures a resumed run chooses its layout by
+BATCHES = 3  # timed batches of each layout, spread over its epoch
+ROUNDS = 3  # timed rounds (their median) after one warm-up round
+COLUMNS = ("input_ids", "labels", "position_ids")  # what the collators read from a row
+
+
+@dataclass(frozen=True)
+class LayoutCosts:
+    """Per layout: seconds per computed position through the timed layers, and the pad share of the
+    positions it computes in an epoch."""
+
+    seconds_per_position: dict[str, float]
+    pad_shares: dict[str, float]
+    source: str  # how they were found, for the log: "measured on cpu (one thread), ..."
+
+    def tokens_per_s(self) -> dict[str, float]:
+        """Real tokens a second through the timed layers, per layout."""
+        return {name: (1 - self.pad_shares[name]) / s for name, s in self.seconds_per_position.items()}
+
+    def fastest(self, allowed: tuple[str, ...]) -> str:
+        speeds = self.tokens_per_s()
+        return max((name for name in allowed if name in speeds), key=speeds.__getitem__)
+
+    def summary(self) -> str:
+        speeds = self.tokens_per_s()
+        slowest = min(speeds.values())
+        return ", ".join(
+            f"{name} {speeds[name] / slowest:.2f}x ({self.pad_shares[name]:.1%} pad)" for name in speeds
+        )
+
+
+def write(folder: Path, costs: LayoutCosts) -> None:
+    (folder / LAYOUT_FILE).write_text(json.dumps(asdict(costs)) + "\n")
+
+
+def read(folder: Path | None) -> LayoutCosts | None:
+    """The figures a checkpoint's run chose its layout by; None when it has none."""
+    path = folder / LAYOUT_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        return None
+    return LayoutCosts(**json.loads(path.read_text()))
+
+
+def measure(
+    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...], precision: str
+) -> LayoutCosts | None:
+    """Time the ``allowed`` layouts on the run's own data (module docstring); None (logged) where they
+    cannot be timed here."""
+    if images.IMAGES_COLUMN in prepared.train.column_names:
+        log.info("data.packing auto: image rows are not timed; choosing by padding")
+        return None
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        log.info(
+            "data.packing auto: %s processes would time apart; choosing by padding", os.environ["WORLD_SIZE"]
+        )
+        return None
+    from qlora_kit.memory.shapes import load_config
+
+    try:
+        with torch.random.fork_rng(devices=[]):  # the cut model's random weights and dropout draw here
+            return _time_layouts(recipe, load_config(recipe), prepared, tokenizer, allowed, precision)
+    except Exception as exc:  # a foreign model's code that cannot be built or run here: choose by padding
+        log.info("data.packing auto: timing the layouts failed (%s); choosing by padding", exc)
+        return None
+
+
+@dataclass
+class _Layout:
+    rows: object  # the dataset as this layout trains on it
+    batches: list[list[int]]  # the epoch's batches of row indices, in a seeded order
+    collator: object
+    pad_share: float
+
+
+def _layouts(
+    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...]
+) -> dict[str, _Layout]:
+    data, train = recipe.data, recipe.train
+    seed, size = train.seed, train.micro_batch_size
+    laid_out = {}
+    for name in allowed:
+        rows = pack_dataset(prepared.train, data.max_seq_len) if name == "packing" else prepared.train
+        lengths = [len(ids) for ids in rows["input_ids"]]
+        if name == "group_by_length":  # transformers' order: sorted within megabatches of a global batch
+            from transformers.trainer_pt_utils import get_length_grouped_indices
+
+            generator = torch.Generator().manual_seed(seed)
+            order = get_length_grouped_indices(lengths, size * train.grad_accum, generator=generator)
+        else:
+            order = random.Random(seed).sample(range(len(lengths)), len(lengths))
+        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        collator = prepare.build_collator(tokenizer, name == "packing", recipe.model.attn_implementation)
+        flattened = isinstance(collator, FlattenedRowsCollator)
+        positions = sum(
+            sum(lengths[i] for i in b) if flattened else max(lengths[i] for i in b) * len(b) for b in batches
+        )
+        laid_out[name] = _Layout(rows, batches, collator, 1 - sum(lengths) / positions)
+    return laid_out
+
+
+def _time_layouts(
+    recipe: Recipe,
+    config,
+    prepared: prepare.PreparedData,
+    tokenizer,
+    allowed: tuple[str, ...],
+    precision: str,
+) -> LayoutCosts:
+    from qlora_kit.memory.cut_model import LAYERS, cut_model
+    from qlora_kit.memory.loss_head import final_hidden_states
+    from qlora_kit.memory.tracing import layer_types
+
+    laid_out = _layouts(recipe, prepared, tokenizer, allowed)
+    memory = recipe.memory
+    if memory.checkpointing not in ("none", "selective", "full"):  # auto and per-layer plans: as full
+        memory = memory.model_copy(update={"checkpointing": "full", "layer_policies": None})
+    with cut_model(recipe, config, memory, precision) as cut:
+
+        def collated(layout: _Layout, batch: list[int]) -> dict:
+            rows = layout.rows.select(batch).select_columns(
+                [c for c in COLUMNS if c in layout.rows.column_names]
+            )
+            inputs = layout.collator(list(rows))
+            return {
+                k: v.to(cut.device) if torch.is_tensor(v) else v for k, v in inputs.items() if k != "labels"
+            }
+
+        timed = {name: [collated(lay, b) for b in _spread(lay.batches)] for name, lay in laid_out.items()}
+        positions = {name: sum(b["input_ids"].numel() for b in batches) for name, batches in timed.items()}
+
+        def seconds(batches: list[dict]) -> float:
+            cut.synchronize()
+            start = cut.clock()
+            for inputs in batches:
+                with cut.autocast:
+                    hidden = final_hidden_states(cut.peft_model, inputs, cut.base)
+                hidden.float().square().mean().backward()
+            cut.synchronize()
+            return cut.clock() - start
+
+        rounds: dict[str, list[float]] = {name: [] for name in timed}
+        for round_index in range(ROUNDS + 1):  # interleaved: a slow spell of a shared machine hits them all
+            for name, batches in timed.items():
+                spent = seconds(batches)
+                if round_index:
+                    rounds[name].append(spent / positions[name])
+        device = cut.device.type
+    per_position = {name: statistics.median(values) for name, values in rounds.items()}
+    layers = min(LAYERS, len(layer_types(config)))
+    source = (
+        f"measured on {device}{'' if device == 'cuda' else ' (one thread)'} through {layers} layers, "
+        f"{BATCHES} batches a layout"
+    )
+    return LayoutCosts(per_position, {name: lay.pad_share for name, lay in laid_out.items()}, source)
+
+
+def _spread(batches: list[list[int]]) -> list[list[int]]:
+    """``BATCHES`` of the epoch's batches, evenly spaced from the first to the last."""
+    if len(batches) <= BATCHES:
+        return batches
+    step = (len(batches) - 1) / (BATCHES - 1)
+    return [batches[round(i * step)] for i in range(BATCHES)]
