@@ -151,14 +151,17 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
 ):
     """A fresh run times every layout on its own batches and lays its data out as the fastest; a resumed
     run takes the layout its checkpoint's figures name, and a checkpoint without figures the least
-    padding, neither timing again (a second timing could differ by noise)."""
-    from qlora_kit.training.pipeline import _resolve_layout
+    padding, neither timing again (a second timing could differ by noise). Timing leaves the run's random
+    state as it found it."""
+    from qlora_kit.training.layout_costs import resolve as _resolve_layout
 
     recipe = Recipe.from_dict(
         {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "output_dir": str(tmp_path)}}
     )
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    state = torch.get_rng_state()
     resolved, laid_out, costs = _resolve_layout(recipe, prepared, tokenizer, None, "no")
+    assert torch.equal(torch.get_rng_state(), state)  # the run's random stream as it was
     assert costs is not None and costs.source.startswith("measured on cpu")
     assert set(costs.seconds_per_position) == set(layout.AUTO)
     assert all(s > 0 for s in costs.seconds_per_position.values())

@@ -53,7 +53,7 @@ def resolve_layout(
     shares = prepare.pad_shares(prepared, data, batch_size, seed)
     if data.group_by_length:  # asked for explicitly: auto then never packs
         allowed = ("group_by_length",)
-    if speeds is not None and len(allowed) > 1:
+    if speeds is not None and len(allowed) > 1 and all(name in speeds for name in allowed):
         layout = max(allowed, key=lambda name: (speeds[name], -LAYOUTS.index(name)))
         slowest = min(speeds[name] for name in allowed)
         figures = ", ".join(f"{name} {speeds[name] / slowest:.2f}x" for name in allowed)

@@ -16,6 +16,10 @@ before the weights load, as checkpointing auto times its layers (``memory/layer_
    its clock; a layout's cost per computed position is its median round's seconds over its positions;
 3. real tokens a second = (1 - pad share) / cost per position, and the most wins.
 
+``resolve`` is the stage ``pipeline.build`` calls: the layouts this run may use (preference pairs pad; a
+kernel not known to keep packed examples apart, or image rows a family cannot pack, do not pack), timed
+or read back, and the choice (``data/layout.py``).
+
 A resumed run must lay its data out as the run it continues did, so the figures are written into every
 checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
 not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): several processes
@@ -36,8 +40,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlora_kit.data import images, prepare
+from qlora_kit.data import images, layout, prepare
 from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
+from qlora_kit.registries import attention, objectives
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -87,6 +92,44 @@ def read(folder: Path | None) -> LayoutCosts | None:
     return LayoutCosts(**json.loads(path.read_text()))
 
 
+def resolve(
+    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, checkpoint: Path | None, precision: str
+) -> tuple[Recipe, prepare.PreparedData, LayoutCosts | None]:
+    """``data.packing: auto`` -> the layout with the most real tokens per second, timed here or read back
+    from the checkpoint a resumed run continues, else the least padding (data/layout.py); the rest of the
+    run reads the resolved recipe. Returns the figures too, for every checkpoint."""
+    if not objectives.of(recipe).packs:
+        allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
+    elif attention.kernel(recipe.model.attn_implementation).packing is None:
+        allowed = ("padding", "group_by_length")  # a kernel not known to keep packed examples apart
+    elif images.IMAGES_COLUMN in prepared.train.column_names and (
+        why := images.packing_refusal(recipe.model)
+    ):
+        allowed = ("padding", "group_by_length")
+        if recipe.data.packing == "auto":
+            log.info("data.packing auto: not packing: %s", why)
+    else:
+        allowed = layout.AUTO
+    costs = None
+    if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
+        # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
+        costs = read(checkpoint) if checkpoint else None
+        if checkpoint is None:
+            costs = measure(recipe, prepared, tokenizer, allowed, precision)
+    train = recipe.train
+    speeds = costs.tokens_per_s() if costs else None
+    data, prepared = layout.resolve_layout(
+        prepared,
+        recipe.data,
+        train.micro_batch_size,
+        train.seed,
+        allowed,
+        speeds,
+        costs.source if costs else "",
+    )
+    return recipe.model_copy(update={"data": data}), prepared, costs
+
+
 def measure(
     recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...], precision: str
 ) -> LayoutCosts | None:
@@ -103,7 +146,9 @@ def measure(
     from qlora_kit.memory.shapes import load_config
 
     try:
-        with torch.random.fork_rng(devices=[]):  # the cut model's random weights and dropout draw here
+        # the cut model's random weights and dropout draw here, not from the run's streams
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
             return _time_layouts(recipe, load_config(recipe), prepared, tokenizer, allowed, precision)
     except Exception as exc:  # a foreign model's code that cannot be built or run here: choose by padding
         log.info("data.packing auto: timing the layouts failed (%s); choosing by padding", exc)

@@ -20,7 +20,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from transformers import TrainerState, set_seed
 
-from qlora_kit.data import images, layout, preflight, prepare
+from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import attention_fit, auto, checkpointing
@@ -173,7 +173,9 @@ def _build_checked(
         prepared = builder(recipe).prepare(recipe, tokenizer)
     as_written = recipe  # what recipe.yaml holds and the trackers log
     launch, precision = checked
-    recipe, prepared, layout_figures = _resolve_layout(recipe, prepared, tokenizer, checkpoint, precision)
+    recipe, prepared, layout_figures = layout_costs.resolve(
+        recipe, prepared, tokenizer, checkpoint, precision
+    )
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
@@ -207,44 +209,6 @@ def _build_checked(
     if spec.disables_dropout:  # TRL's disable_dropout: policy and reference score the same answer alike
         log.info("%s: dropout is off, lora.dropout included (TRL's default)", spec.name)
     return Setup(recipe, tokenizer, prepared, peft_model, trainer, checkpointed, resolved)
-
-
-def _resolve_layout(
-    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, checkpoint: Path | None, precision: str
-) -> tuple[Recipe, prepare.PreparedData, layout_costs.LayoutCosts | None]:
-    """``data.packing: auto`` -> the layout with the most real tokens per second, timed here or read back
-    from the checkpoint a resumed run continues (layout_costs.py), else the least padding (data/layout.py);
-    the rest of the run reads the resolved recipe. Returns the figures too, for every checkpoint."""
-    if not objectives.of(recipe).packs:
-        allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
-    elif attention.kernel(recipe.model.attn_implementation).packing is None:
-        allowed = ("padding", "group_by_length")  # a kernel not known to keep packed examples apart
-    elif images.IMAGES_COLUMN in prepared.train.column_names and (
-        why := images.packing_refusal(recipe.model)
-    ):
-        allowed = ("padding", "group_by_length")
-        if recipe.data.packing == "auto":
-            log.info("data.packing auto: not packing: %s", why)
-    else:
-        allowed = layout.AUTO
-    costs = None
-    if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
-        # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
-        costs = layout_costs.read(checkpoint) if checkpoint else None
-        if checkpoint is None:
-            costs = layout_costs.measure(recipe, prepared, tokenizer, allowed, precision)
-    train = recipe.train
-    speeds = costs.tokens_per_s() if costs else None
-    data, prepared = layout.resolve_layout(
-        prepared,
-        recipe.data,
-        train.micro_batch_size,
-        train.seed,
-        allowed,
-        speeds,
-        costs.source if costs else "",
-    )
-    return recipe.model_copy(update={"data": data}), prepared, costs
 
 
 def run(
