@@ -397,6 +397,20 @@ MUTATIONS = [
         "            preflight=False,",
         ["tests/test_grpo.py::test_grpo_probes_and_splits_as_the_recipe_says"],
     ),
+    (
+        "packing auto ignores the timed speeds",
+        "qlora_kit/data/layout.py",
+        "        layout = max(allowed, key=lambda name: (speeds[name], -LAYOUTS.index(name)))\n",
+        "        layout = choose_layout(shares, allowed)\n",
+        ["tests/test_layout.py::test_timed_speeds_outrank_padding"],
+    ),
+    (
+        "group_by_length orders from the global random state",
+        "qlora_kit/training/trainer.py",
+        "        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)\n",
+        "        self.generator = None\n",
+        ["tests/test_layout.py::test_group_by_length_orders_each_epoch_from_the_seed_alone"],
+    ),
 ]
 
 
