@@ -13,6 +13,7 @@ auto's recompute costs; ``training/layout_costs``: ``data.packing: auto``'s cost
 from __future__ import annotations
 
 import contextlib
+import gc
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -87,3 +88,11 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
         finally:
             torch.set_num_threads(threads)
             peft_model.zero_grad(set_to_none=True)
+
+
+def release() -> None:
+    """Give the cut model's memory back before the run loads its own: a model's modules hold reference
+    cycles that only the collector frees, and on a GPU the caching allocator keeps what they held."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

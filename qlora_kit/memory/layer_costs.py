@@ -80,11 +80,15 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
             os.environ["WORLD_SIZE"],
         )
         return None
+    from qlora_kit.memory.cut_model import release
+
     try:
         seconds = _time_policies(recipe, config, batch, seq, precision)
     except Exception as exc:  # a foreign model's code that cannot be built or run here: count instead
         log.info("checkpointing auto: timing the layers failed (%s); counting FLOPs", exc)
         return None
+    finally:
+        release()  # the cut model's memory, before the run's model loads
     layers = seconds.pop("layers")
     extra = {p: max(0.0, seconds[p] - seconds["none"]) / layers for p in ("selective", "full")}
     device = seconds.pop("device")

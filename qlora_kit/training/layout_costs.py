@@ -143,6 +143,7 @@ def measure(
             "data.packing auto: %s processes would time apart; choosing by padding", os.environ["WORLD_SIZE"]
         )
         return None
+    from qlora_kit.memory.cut_model import release
     from qlora_kit.memory.shapes import load_config
 
     try:
@@ -153,6 +154,8 @@ def measure(
     except Exception as exc:  # a foreign model's code that cannot be built or run here: choose by padding
         log.info("data.packing auto: timing the layouts failed (%s); choosing by padding", exc)
         return None
+    finally:
+        release()  # the cut model's memory, before the run's model loads
 
 
 @dataclass
