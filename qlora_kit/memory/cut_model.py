@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -65,9 +66,10 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
         del dense
         # load_base_model checks the folder is a whole model; no tokenizer is read from it
         (folder / "tokenizer_config.json").write_text("{}\n")
-        base = loading.load_base_model(recipe.model, recipe.quant, path=str(folder))
-        checkpointing.enable_checkpointing(base, memory)
-        peft_model = adapters.attach_lora(base, recipe.lora)
+        with _quiet("qlora_kit.model", "qlora_kit.memory"):  # the run's own load says all this once
+            base = loading.load_base_model(recipe.model, recipe.quant, path=str(folder))
+            checkpointing.enable_checkpointing(base, memory)
+            peft_model = adapters.attach_lora(base, recipe.lora)
         peft_model.train()
         device = base.device
         dtype = AUTOCAST.get(precision)
@@ -88,6 +90,20 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
         finally:
             torch.set_num_threads(threads)
             peft_model.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _quiet(*names: str) -> Iterator[None]:
+    """These loggers say only warnings and errors until the block ends."""
+    loggers = [logging.getLogger(name) for name in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(max(logger.getEffectiveLevel(), logging.WARNING))
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def release() -> None:
