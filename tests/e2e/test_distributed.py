@@ -28,6 +28,9 @@ SETTINGS = [
     "--set", "train.eval_steps=null", "--set", "train.sample_prompts=0", "--set", "lora.dropout=0.0",
     "--set", "optimizer.name=adamw_torch", "--set", "quant.compute_dtype=float32",
 ]  # fmt: skip
+# An SFT run's layout is named: data.packing auto times the layouts in one process and chooses by padding
+# in several (training/layout_costs.py), and these tests compare data parallelism, not layouts.
+PACKED = ["--set", "data.packing=true"]
 
 
 def free_port() -> int:
@@ -70,7 +73,7 @@ def one_and_two_processes(
 
 
 def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
-    one, two, stderr = one_and_two_processes(tmp_path)
+    one, two, stderr = one_and_two_processes(tmp_path, *PACKED)
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):
@@ -105,7 +108,7 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
 def test_a_mixture_of_experts_under_ddp_matches_one_process(tmp_path):
     """The MoE demo (4-bit experts, LoRA on every expert as one stacked factor per weight, so each LoRA
     parameter gets a gradient every step whatever the routing) under DDP follows one process."""
-    one, two, _ = one_and_two_processes(tmp_path, recipe="recipes/demo-moe.yaml")
+    one, two, _ = one_and_two_processes(tmp_path, *PACKED, recipe="recipes/demo-moe.yaml")
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8 and expected[-1] < expected[0] - 1.0
     for a, b in zip(expected, got, strict=True):
@@ -119,7 +122,7 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
         "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
         "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
     ]  # fmt: skip
-    one, two, stderr = one_and_two_processes(tmp_path, *bf16)
+    one, two, stderr = one_and_two_processes(tmp_path, *bf16, *PACKED)
     assert "mixed precision: bf16" in stderr
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 6
@@ -151,7 +154,7 @@ def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path):
 def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
     """memory.checkpointing: selective with two processes: the same loss curve as one process (its
     recompute runs inside DDP's backward, whose gradient hooks fire as without checkpointing)."""
-    one, two, stderr = one_and_two_processes(tmp_path, "--set", "memory.checkpointing=selective")
+    one, two, stderr = one_and_two_processes(tmp_path, "--set", "memory.checkpointing=selective", *PACKED)
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):

@@ -34,6 +34,7 @@ SETTINGS = [
     "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
     "--set", "quant.quant_storage=bfloat16", "--set", "optimizer.name=adamw_torch",
     "--set", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
+    "--set", "data.packing=true",  # named: auto times the layouts in one process, chooses by padding in several
 ]  # fmt: skip
 
 
