@@ -104,6 +104,16 @@ def timed_step(trainer, batch: dict, model=None) -> tuple[float, float]:
     return float(loss), time.perf_counter() - start
 
 
+def profiled_step(trainer, batch: dict, model=None) -> tuple[dict[str, tuple[float, int]], float]:
+    """``timed_step`` under torch's profiler: each op's (self CPU seconds, calls), and the step's wall seconds
+    (the profiler's own overhead included)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _, wall = timed_step(trainer, batch, model)
+    return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}, wall
+
+
 def markdown_table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]

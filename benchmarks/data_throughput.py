@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REAL_MODEL, device_name, markdown_table, parser, write_result
+from common import REAL_MODEL, device_name, markdown_table, parser, profiled_step, write_result
 
 MODES = {
     "padding": {"data.packing": False},
@@ -41,8 +41,9 @@ def make_dataset(folder: Path, rows: int = 512, seed: int = 0) -> Path:
     return path
 
 
-def build(
-    mode: str,
+def setup_for(
+    name: str,
+    fields: dict,
     data_path: Path,
     out: Path,
     batch: int,
@@ -50,7 +51,7 @@ def build(
     max_len: int,
     compute_dtype: str,
 ):
-    """The mode's run set up by pipeline.build, as `qlora-kit train` sets it up."""
+    """A run with these data ``fields`` set up by pipeline.build, as `qlora-kit train` sets it up."""
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import build as build_run
 
@@ -60,36 +61,26 @@ def build(
         "data.max_seq_len": max_len,
         **({"model.path": model_path} if model_path else {}),
         "train.micro_batch_size": batch,
-        "train.output_dir": str(out / mode),
+        "train.output_dir": str(out / name),
         "train.max_steps": 10_000,
         "quant.compute_dtype": compute_dtype,
-        **MODES[mode],
+        **fields,
     }
-    trainer = build_run(Recipe.from_dict({}, overrides)).trainer
+    return build_run(Recipe.from_dict({}, overrides))
+
+
+def build(mode: str, *where):
+    """The mode's Trainer and its endless batches (``where``: ``setup_for``'s arguments after the fields)."""
+    trainer = setup_for(mode, MODES[mode], *where).trainer
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); read by training_step
     # Steps are driven one at a time so the modes interleave (machine noise hits all alike).
     return trainer, endless(trainer.get_train_dataloader())
 
 
-def auto_choice(
-    data_path: Path, out: Path, batch: int, model_path: str | None, max_len: int, compute_dtype: str
-) -> str:
+def auto_choice(*where) -> str:
     """What ``data.packing: auto`` picks on this data (pipeline.build times the layouts), with its figures."""
-    from qlora_kit import Recipe
-    from qlora_kit.training.pipeline import build as build_run
-
-    overrides = {
-        "data.path": str(data_path),
-        "data.format": "text",
-        "data.max_seq_len": max_len,
-        **({"model.path": model_path} if model_path else {}),
-        "train.micro_batch_size": batch,
-        "train.output_dir": str(out / "auto"),
-        "quant.compute_dtype": compute_dtype,
-        "data.packing": "auto",
-    }
-    setup = build_run(Recipe.from_dict({}, overrides))
+    setup = setup_for("auto", {"data.packing": "auto"}, *where)
     data, costs = setup.recipe.data, setup.run.layout_costs
     picked = "packing" if data.packing is True else "group_by_length" if data.group_by_length else "padding"
     figures = f"real tokens/s as it timed them: {costs.summary()}; {costs.source}" if costs else "by padding"
@@ -121,26 +112,16 @@ def run_steps(trainer, batches, steps: int) -> tuple[float, int, int]:
     return seconds, real, slots
 
 
-def profiled_step(trainer, batches) -> tuple[dict[str, float], int]:
-    """Self CPU seconds per op of one optimizer step (torch's profiler), and the step's positions."""
-    from torch.profiler import ProfilerActivity, profile
-
-    batch = next(batches)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        trainer.training_step(trainer.model, batch)
-        trainer.optimizer.step()
-        trainer.optimizer.zero_grad()
-    ops = {e.key: e.self_cpu_time_total / 1e6 for e in prof.key_averages()}
-    return ops, batch["input_ids"].numel()
-
-
 def profile_table(runs: dict, top: int) -> tuple[str, str]:
     """Padding against packing, op by op: each op's self seconds per 1,000 positions (padded slots
     included: what the step computes on), the ops that differ most first."""
     per_k, positions = {}, {}
     for mode in ("padding", "packing"):
-        ops, positions[mode] = profiled_step(*runs[mode])
-        per_k[mode] = {op: seconds * 1000 / positions[mode] for op, seconds in ops.items()}
+        trainer, batches = runs[mode]
+        batch = next(batches)
+        ops, _ = profiled_step(trainer, batch)
+        positions[mode] = batch["input_ids"].numel()
+        per_k[mode] = {op: seconds * 1000 / positions[mode] for op, (seconds, _) in ops.items()}
     names = set(per_k["padding"]) | set(per_k["packing"])
     gap = {op: per_k["packing"].get(op, 0.0) - per_k["padding"].get(op, 0.0) for op in names}
     rows = []

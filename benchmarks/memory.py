@@ -27,7 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import REAL_MODEL, device_name, markdown_table, parser, real_model_dir, timed_step, write_result
+from common import (
+    REAL_MODEL,
+    device_name,
+    markdown_table,
+    parser,
+    profiled_step,
+    real_model_dir,
+    timed_step,
+    write_result,
+)
 
 MIB = 2**20
 
@@ -184,21 +193,12 @@ def loss_head_table(results: dict, vocab: int, size: Size) -> tuple[str, str]:
     return table, notes
 
 
-def profiled(trainer, batch: dict) -> tuple[dict[str, tuple[float, int]], float]:
-    """One step under torch's profiler: each op's (self CPU seconds, calls), and the step's wall seconds."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        _, wall = timed_step(trainer, batch)
-    return {e.key: (e.self_cpu_time_total / 1e6, e.count) for e in prof.key_averages()}, wall
-
-
 def profile_table(runs: dict, top: int) -> tuple[str, str]:
     """Full checkpointing against none, op by op: where full's extra seconds go. The recompute repeats the
     forward pass's ops (more calls of the same ops); checkpoint's machinery is its saved-tensor hooks and
     bookkeeping in Python, outside any op (the step's wall time less all ops' self time)."""
     (none_ops, none_wall), (full_ops, full_wall) = (
-        profiled(runs[n][1], runs[n][2]) for n in ("none", "full")
+        profiled_step(runs[n][1], runs[n][2]) for n in ("none", "full")
     )
     names = set(none_ops) | set(full_ops)
     zero = (0.0, 0)

@@ -385,23 +385,28 @@ def build_collator(tokenizer, packing: bool, attn_implementation: str = "sdpa"):
     )
 
 
-def pad_share(lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0) -> float:
-    """Share of padding tokens when batches of ``batch_size`` are padded to their longest example,
-    in a shuffled order (or, for group_by_length, the Trainer's: sorted within megabatches of up to 50
-    batches, drawn from the seed; a whole-set sort would claim far less padding than a run gets)."""
+def epoch_batches(
+    lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0, group_size: int | None = None
+) -> list[list[int]]:
+    """An epoch's batches of example indices in the Trainer's order: shuffled from the seed, or for
+    group_by_length transformers' own (sorted within megabatches of up to 50 groups of ``group_size``,
+    the global batch, default ``batch_size``; drawn from the seed, as ``training/trainer.py`` draws it)."""
     if group_by_length:
         import torch
         from transformers.trainer_pt_utils import get_length_grouped_indices
 
-        grouped = get_length_grouped_indices(
-            lengths, batch_size, generator=torch.Generator().manual_seed(seed)
-        )
-        order = [lengths[i] for i in grouped]
+        generator = torch.Generator().manual_seed(seed)
+        order = get_length_grouped_indices(lengths, group_size or batch_size, generator=generator)
     else:
-        order = random.Random(seed).sample(lengths, len(lengths))
+        order = random.Random(seed).sample(range(len(lengths)), len(lengths))
+    return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+def pad_share(lengths: list[int], batch_size: int, group_by_length: bool, seed: int = 0) -> float:
+    """Share of padding tokens when batches of ``batch_size`` are padded to their longest example, in the
+    Trainer's order (``epoch_batches``; a whole-set sort would claim far less padding than a run gets)."""
     padded = real = 0
-    for start in range(0, len(order), batch_size):
-        batch = order[start : start + batch_size]
-        padded += max(batch) * len(batch)
-        real += sum(batch)
+    for batch in epoch_batches(lengths, batch_size, group_by_length, seed):
+        padded += max(lengths[i] for i in batch) * len(batch)
+        real += sum(lengths[i] for i in batch)
     return 1 - real / padded if padded else 0.0

@@ -7,8 +7,7 @@ SmolLM2-135M under this CPU's emulated bf16 a packed step cost 1.75x a padded on
 before the weights load, as checkpointing auto times its layers (``memory/layer_costs.py``):
 
 1. each candidate (padding, group_by_length, packing: those the run may use) lays the training set out as
-   the run would: the epoch's batches in a seeded order (group_by_length: transformers' own
-   ``get_length_grouped_indices``), collated by the run's collator; the positions each layout computes in
+   the run would: the epoch's batches in the Trainer's seeded order (``prepare.epoch_batches``), collated by the run's collator; the positions each layout computes in
    an epoch give its pad share;
 2. ``BATCHES`` batches of each, spread over the epoch, go forward and backward through
    ``memory/cut_model.py``'s few 4-bit layers with LoRA (the head left out: the chunked head's cost follows
@@ -32,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import statistics
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -113,8 +111,9 @@ def resolve(
     costs = None
     if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
         # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
-        costs = read(checkpoint) if checkpoint else None
-        if checkpoint is None:
+        if checkpoint is not None:
+            costs = read(checkpoint)
+        else:
             costs = measure(recipe, prepared, tokenizer, allowed, precision)
     train = recipe.train
     speeds = costs.tokens_per_s() if costs else None
@@ -175,14 +174,8 @@ def _layouts(
     for name in allowed:
         rows = pack_dataset(prepared.train, data.max_seq_len) if name == "packing" else prepared.train
         lengths = [len(ids) for ids in rows["input_ids"]]
-        if name == "group_by_length":  # transformers' order: sorted within megabatches of a global batch
-            from transformers.trainer_pt_utils import get_length_grouped_indices
-
-            generator = torch.Generator().manual_seed(seed)
-            order = get_length_grouped_indices(lengths, size * train.grad_accum, generator=generator)
-        else:
-            order = random.Random(seed).sample(range(len(lengths)), len(lengths))
-        batches = [order[i : i + size] for i in range(0, len(order), size)]
+        grouped = name == "group_by_length"  # megabatches of the global batch, as the Trainer groups
+        batches = prepare.epoch_batches(lengths, size, grouped, seed, size * train.grad_accum)
         collator = prepare.build_collator(tokenizer, name == "packing", recipe.model.attn_implementation)
         flattened = isinstance(collator, FlattenedRowsCollator)
         positions = sum(
