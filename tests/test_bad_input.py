@@ -1,5 +1,6 @@
 """Bad input, generated: every wrong recipe or command line gives one clear line and exit code 2."""
 
+import json
 import shutil
 from pathlib import Path
 from typing import get_args
@@ -501,3 +502,140 @@ def test_a_tokenizer_larger_than_the_embeddings_is_one_line_before_the_weights(t
     assert code == 2 and len(errors) == 1, err[-2000:]
     assert f"tokenizer has {rows + 2:,} tokens but the model's embeddings have {rows:,} rows" in errors[0]
     assert "resize_token_embeddings" in errors[0] and "Traceback" not in err
+
+
+# Round 4's fields and the override parser, each wrong one line naming the field (issue 59)
+@pytest.mark.parametrize(
+    ("setting", "message"),
+    [
+        ("lora.router=3", "lora.router: input should be a valid boolean"),
+        ("lora.dropout=1.5", "lora.dropout: must be >= 0 and < 1, or auto (got 1.5)"),
+        ("lora.dropout=some", "lora.dropout: input should be a valid number"),
+        ("memory.mlp_tiles=0", "memory.mlp_tiles: must be >= 1 or auto (got 0)"),
+        ("memory.mlp_tiles=many", "memory.mlp_tiles: input should be a valid integer"),
+        ("memory.offload_activations=maybe", "memory.offload_activations: input should be a valid boolean"),
+        (
+            "data.preflight.min_end_token_share=5",
+            "data.preflight.min_end_token_share: must be <= 1.0 (got 5)",
+        ),
+        ("lora.target_modules=[q_proj, k_proj", "--set lora.target_modules: cannot parse value"),
+        ("grpo.rewards=[{name: exact_match}", "--set grpo.rewards: cannot parse value"),
+    ],
+)
+def test_round_four_fields_and_overrides_given_wrong_are_one_line(setting, message, monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, err = run_cli(["validate", RECIPE, "--set", setting], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0] == f"error: {lines[0][7:]}", err
+    assert message in lines[0], err
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [
+        # feedback rows given to DPO, and pairs given to KTO: the objective names the formats it reads
+        (
+            {"train": {"objective": "dpo"}, "data": {"path": "builtin:demo-feedback", "format": "feedback"}},
+            "data.format: train.objective dpo trains on preference pairs",
+        ),
+        (
+            {"train": {"objective": "kto"}, "data": {"path": "builtin:demo-pairs", "format": "preference"}},
+            "data.format: train.objective kto trains on answers labelled desirable or not",
+        ),
+        (
+            {"train": {"objective": "grpo"}, "grpo": {"num_generations": 1}},
+            "grpo.num_generations: must be >= 2",
+        ),
+    ],
+)
+def test_rows_of_another_objective_are_one_line_before_anything_is_written(
+    values, message, tmp_path, monkeypatch, capsys
+):
+    """Refused when the recipe is read: a finished run that --overwrite names stays as it was."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "adapter_model.safetensors").write_bytes(b"a finished run's adapter")
+    before = snapshot(out)
+    recipe = tmp_path / "recipe.yaml"
+    values = {**values, "train": {**values["train"], "output_dir": str(out)}}
+    recipe.write_text(yaml.safe_dump(values))
+    code, err = run_cli(["train", str(recipe), "--overwrite"], monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and message in lines[0], err
+    assert snapshot(out) == before
+
+
+def png_header(width: int, height: int) -> bytes:
+    """A PNG file that says it is ``width`` x ``height`` and holds no pixels: Pillow reads an image's size
+    from its header chunk when it opens the file, before it decodes anything."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b"", "cannot be read as an image"),
+        (b"not an image at all\n", "cannot be read as an image"),
+        # 40,000 x 40,000 pixels in 69 bytes: decoding it would take 4.8 GB
+        (png_header(40_000, 40_000), "too large to decode safely"),
+        (png_header(10_000, 10_000), "too large to decode safely"),  # above Pillow's warning bound
+    ],
+    ids=["empty", "text", "bomb", "over the warning bound"],
+)
+def test_an_image_file_that_cannot_be_decoded_safely_is_a_row_error(content, message, tmp_path):
+    from qlora_kit.data import images
+    from qlora_kit.data.segments import RowError
+
+    file = tmp_path / "picture.png"
+    file.write_bytes(content)
+    with pytest.raises(RowError, match=f"^image picture.png: {message}"):
+        images.open_image(file)
+
+
+@pytest.mark.slow  # builds the tiny vision-language model's processor
+@pytest.mark.parametrize("image", ["https://example.com/cat.png", "empty.png", "bomb.png"])
+def test_a_bad_image_in_the_data_is_one_line_naming_the_file_and_row(image, tmp_path, monkeypatch, capsys):
+    (tmp_path / "empty.png").write_bytes(b"")
+    (tmp_path / "bomb.png").write_bytes(png_header(40_000, 40_000))
+    rows = [
+        {"messages": [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello."}]},
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "image", "path": image}, {"type": "text", "text": "What?"}],
+                },
+                {"role": "assistant", "content": "A square."},
+            ]
+        },
+    ]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.chdir(ROOT)
+    argv = ["data", "recipes/demo-vlm.yaml", "--set", f"data.path={data}", "--set", "data.val_fraction=0"]
+    argv += ["--set", "train.eval_steps=null"]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    assert "row 2" in lines[0] and ("no downloads" in lines[0] or "decode" in lines[0] or "read" in lines[0])
+
+
+def test_plan_max_seq_len_where_nothing_fits_is_one_line(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    argv = ["plan", RECIPE, "--max-seq-len", "--budget-gb", "0.001"]
+    code, err = run_cli(argv, monkeypatch, capsys)
+    errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err
+    assert errors[0].startswith("error: plan --max-seq-len: not even 1024 tokens fit 0.001 GiB")

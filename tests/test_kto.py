@@ -112,3 +112,61 @@ def test_kto_trains_from_a_recipe_and_reports_its_margins(tmp_path):
     figures = evaluate(adapter_dir=result.output_dir, max_examples=16)
     assert {"reward_margin", "desirable_share", "preference_accuracy", "pairs"} <= set(figures)
     assert figures["pairs"] == 8 and figures["reward_margin"] > 0
+
+
+def test_desirable_share_is_finite_where_the_answers_probabilities_underflow():
+    """Answers of a few dozen tokens have summed log-probabilities of a few hundred: exp() of them is 0 in
+    float32, and a share of probabilities 0/0 (issue 58: NaN on the real model's 20-token answers)."""
+    import math
+
+    import torch
+
+    from qlora_kit.after.preference_eval import desirable_share
+
+    good, bad = torch.tensor([-310.0, -400.0]), torch.tensor([-312.0])
+    assert torch.exp(good).sum() == 0  # what the probabilities themselves give
+    share = desirable_share(good, bad)
+    assert share == pytest.approx(1 / (1 + math.exp(-2)), rel=1e-6)  # e^-310 / (e^-310 + e^-312)
+    assert desirable_share(torch.tensor([-2.0]), torch.tensor([-2.0])) == pytest.approx(0.5)
+
+
+def test_chat_feedback_rows_are_trls_conversations_and_train_what_sft_chat_trains(tmp_path, tokenizer):
+    """TRL's conversational unpaired rows (prompt and completion as messages: KTO for chat models) reach
+    TRL as conversations with data.system_prompt, and the ids the data report and eval count
+    (feedback.token_ids, TRL's rule) are what format chat tokenizes for the same conversation, SFT's own
+    rendering and masks (the oracle): the prompt untrained, the answer and its end-of-turn marker
+    trained, no second EOS."""
+    from qlora_kit.data import feedback, formats
+    from qlora_kit.data.demo import demo_data_files
+    from qlora_kit.registries.formats import IGNORE_INDEX
+    from qlora_kit.training import kto
+
+    shipped = [json.loads(line) for line in demo_data_files("demo-feedback")[0].read_text().splitlines()]
+    chats = [
+        {
+            "prompt": [{"role": "user", "content": r["prompt"]}],
+            "completion": [{"role": "assistant", "content": r["completion"]}],
+            "label": r["label"],
+        }
+        for r in shipped[:12]
+    ]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in chats))
+    values = {"data.path": str(path), "data.format": "feedback_chat", "data.system_prompt": "Be brief."}
+    recipe = kto_recipe(**values, **{"data.val_fraction": 0.0, "train.eval_steps": None})
+    rows = kto.prepare(recipe, tokenizer).train
+    assert rows[0]["prompt"][0] == {"role": "system", "content": "Be brief."}
+    assert rows[0]["completion"][0]["role"] == "assistant"
+    for row in rows:
+        prompt_ids, answer_ids = feedback.token_ids(row, tokenizer)
+        messages = {"messages": [*row["prompt"], *row["completion"]]}
+        sft = formats.tokenize(
+            formats.render(messages, "chat", tokenizer, recipe.data), tokenizer, False, False
+        )
+        trained = [i for i, label in enumerate(sft["labels"]) if label != IGNORE_INDEX]
+        assert prompt_ids + answer_ids == sft["input_ids"]
+        assert trained[0] == len(prompt_ids)  # the prompt untrained in both
+        kept = [sft["input_ids"][i] for i in trained]
+        assert answer_ids[: len(kept)] == kept  # the answer and its end-of-turn marker, trained
+        assert not tokenizer.decode(answer_ids[len(kept) :]).strip()  # then only the template's newline
+        assert answer_ids.count(tokenizer.eos_token_id) <= 1

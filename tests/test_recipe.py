@@ -50,7 +50,12 @@ def test_every_shipped_recipe_validates(path):
         (["nosuch.field=1"], "nosuch: unknown key"),
         (["optimizer.name=sgd"], "optimizer.name: must be one of"),
         (["train.epochs=abc"], "train.epochs: input should be a valid number"),
-        (["lora.dropout=1.5"], "lora.dropout: must be < 1.0 (got 1.5)"),
+        (["lora.dropout=1.5"], "lora.dropout: must be >= 0 and < 1, or auto (got 1.5)"),
+        # a field of several types: what each takes, once, not pydantic's branch names and a problem count
+        (
+            ["data.packing=3"],
+            "data.packing: input should be a valid boolean, unable to interpret input (got '3'), or 'auto'",
+        ),
         (["data.path=rows.jsonl", "train.eval_steps=10"], "train.eval_steps: needs validation data"),
         (
             ["lora.dora=true", "lora.init=pissa", "quant.bits=16"],

@@ -57,6 +57,7 @@ SPECIAL = {
     "data.packing": st.sampled_from([True, False, "auto"]),
     "train.probe_worst_batch": st.sampled_from([True, False, "auto"]),
     "memory.mlp_tiles": st.sampled_from([1, 2, 4, "auto"]),
+    "lora.dropout": st.sampled_from(["auto", 0.0]) | st.floats(0, 0.99),
     "data.fields": st.dictionaries(st.sampled_from(FIELD_NAMES), WORDS, max_size=2),
     "data.roles": st.dictionaries(
         st.sampled_from(["bot", "human2", "narrator"]), st.sampled_from(["assistant", "user"]), max_size=2

@@ -38,22 +38,24 @@ REFERENCE = "reference"
 
 def feedback_metrics(lm, tokenizer, recipe: Recipe, max_examples: int | None = None) -> dict[str, Any]:
     """The module docstring's figures of labelled answers for ``lm`` on the recipe's validation rows."""
+    import json
+
     from datasets import Dataset
 
-    from qlora_kit.data import prepare
-    from qlora_kit.registries.formats import system_text
+    from qlora_kit.data import feedback, prepare
 
-    rows = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed).val_rows
+    raw = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed).val_rows
+    rows = feedback.trl_rows(raw, recipe.data, "the validation rows", tokenizer)  # as the run scored them
     if max_examples:
         rows = rows.select(range(min(max_examples, len(rows))))
-    prompts = [system_text(recipe.data.system_prompt) + p for p in rows["prompt"]]
-    answers = [c + tokenizer.eos_token for c in rows["completion"]]
+    prompts = [json.dumps(p) for p in rows["prompt"]]  # a text, or a conversation
+    tokenized = [feedback.token_ids(row, tokenizer) for row in rows]
     # each answer as one side of a pair (the other side empty), scored as answer_logps scores pairs
     ids = Dataset.from_dict(
         {
-            "prompt_ids": [tokenizer(p)["input_ids"] for p in prompts],
-            "chosen_ids": [tokenizer(a, add_special_tokens=False)["input_ids"] for a in answers],
-            "rejected_ids": [[]] * len(prompts),
+            "prompt_ids": [p for p, _ in tokenized],
+            "chosen_ids": [a for _, a in tokenized],
+            "rejected_ids": [[]] * len(tokenized),
         }
     )
     logps = answer_logps(lm, ids)[0]
@@ -67,8 +69,7 @@ def feedback_metrics(lm, tokenizer, recipe: Recipe, max_examples: int | None = N
     share, ranked, likelier = [], [], []
     for indices in both:
         good, bad = [i for i in indices if labels[i]], [i for i in indices if not labels[i]]
-        p_good, p_bad = logps[good].exp().sum(), logps[bad].exp().sum()
-        share.append(float(p_good / (p_good + p_bad)))
+        share.append(desirable_share(logps[good], logps[bad]))
         ranked.append(float(rewards[good].max() > rewards[bad].max()))
         likelier.append(float(logps[good].max() > logps[bad].max()))
     return {
@@ -79,6 +80,16 @@ def feedback_metrics(lm, tokenizer, recipe: Recipe, max_examples: int | None = N
         "pairs": len(both),
         "reference": recipe.model.adapter or "the base model",
     }
+
+
+def desirable_share(good: torch.Tensor, bad: torch.Tensor) -> float:
+    """The desirable answers' share of the probability of a prompt's labelled answers, from their summed
+    log-probabilities: a softmax over the answers, in log space. A 20-token answer's probability is about
+    exp(-40) and a 100-token one's underflows float32 to 0, where the share of the probabilities
+    themselves is 0/0."""
+    return float(
+        (torch.logsumexp(good.double(), 0) - torch.logsumexp(torch.cat([good, bad]).double(), 0)).exp()
+    )
 
 
 def preference_metrics(lm, recipe: Recipe, pairs: Dataset) -> dict[str, Any]:

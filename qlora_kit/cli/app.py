@@ -177,12 +177,19 @@ def plan(
 
     resolved = load_recipe(recipe, set_)
     if max_seq_len:
-        from qlora_kit.memory.max_length import longest_fits
+        from qlora_kit.memory.max_length import STEP, longest_fits
 
         room = budget_gb or resolved.memory.budget_gb
         if room is None:
             raise RecipeError("plan --max-seq-len: give --budget-gb or set memory.budget_gb (the GiB to fit)")
-        views.show_longest_fits(console, longest_fits(resolved, room, device), resolved, room)
+        fits = longest_fits(resolved, room, device)
+        if not any(fit.seq for fit in fits):
+            least = min(fit.device_peak for fit in fits) / 2**30
+            raise RecipeError(
+                f"plan --max-seq-len: not even {STEP} tokens fit {room:g} GiB with any checkpointing policy "
+                f"(the smallest plan needs {least:.2f} GiB): raise --budget-gb (or memory.budget_gb)"
+            )
+        views.show_longest_fits(console, fits, resolved, room)
         return
     share, images_per_row = 1.0, None  # without the data: every position trained, images_in_a_row's bound
     if with_data and objectives.of(resolved).chunked_head:  # TRL's heads (DPO, GRPO) keep no selection

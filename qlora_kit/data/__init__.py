@@ -3,7 +3,8 @@
 - ``formats``: each format's rendering (trained segments), its prompt for generation, tokenizing with
   labels (which formats exist is ``registries/formats``);
 - ``chat``: chat-template rendering and where the trained assistant spans are; ``segments``: the pieces;
-- ``preference``: preference pairs rendered and checked; ``prompts``: prompts and references for GRPO;
+- ``preference``: preference pairs and labelled answers rendered and checked; ``feedback``: labelled
+  answers as TRL's KTOTrainer reads and tokenizes them; ``prompts``: prompts and references for GRPO;
 - ``rewards``: GRPO's reward functions, scoring completions against the references (training and
   evaluation both score with them);
 - ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from qlora_kit.data import preference
 from qlora_kit.data.chat import (
     apply_system_prompt_mode,
     apply_template,
@@ -37,11 +38,11 @@ def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[
     """The row as text segments; the response (or each assistant turn) is the trained part. ``data``
     (the recipe's data section) gives the system prompt, its mode and ShareGPT's role names."""
     spec = FORMATS[fmt]
-    if not spec.pairs:  # a pair's fields are text or conversations: preference.py checks them
+    if spec.pairs:  # a pair's fields are text or conversations: preference.py checks them
+        return render_chosen(row, spec.pair_kind, tokenizer, data)
+    if not spec.labelled:  # a labelled answer's too (render_feedback)
         for name in spec.fields:
             _check_field(row, name, optional=name in spec.optional)
-    if spec.pairs:
-        return render_chosen(row, spec.pair_kind, tokenizer, data)
     return globals()[spec.render](row, tokenizer, data)
 
 
@@ -63,6 +64,16 @@ def render_completion(row: dict[str, Any], tokenizer, data: DataSection) -> list
     return [Segment(prompt, False), Segment(row["completion"] + tokenizer.eos_token, True)]
 
 
+def render_feedback(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    prompt_text, answer = preference.render_feedback(row, False, tokenizer, data)
+    return [Segment(prompt_text, False), Segment(answer, True)]
+
+
+def render_feedback_chat(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
+    prompt_text, answer = preference.render_feedback(row, True, tokenizer, data)
+    return [Segment(prompt_text, False), Segment(answer, True)]
+
+
 def render_text(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     return [Segment(row["text"] + tokenizer.eos_token, True)]
 
@@ -81,8 +92,8 @@ def _messages(row: dict[str, Any], data: DataSection) -> list[Any]:
 
 def prompts_render_as_trained(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> int | None:
     """Whether each assistant turn's prompt, rendered as inference renders it, starts the rendering
-    training sees (chat.prompt_rendering's codes); None for formats without a chat template."""
-    if not FORMATS[fmt].chat_template:
+    training sees (chat.prompt_rendering's codes); None for formats that are not conversations."""
+    if not FORMATS[fmt].multi_turn:
         return None
     return prompt_rendering(_messages(row, data), tokenizer, data.system_prompt_mode, row.get("tools"))
 

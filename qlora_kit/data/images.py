@@ -141,12 +141,23 @@ def resolve(path: str | None, folder: Path) -> Path:
 
 
 def open_image(file: Path):
-    """The image in RGB; an unreadable one is a row error."""
+    """The image in RGB; an unreadable one, or one too large to decode safely, is a row error."""
+    import warnings
+
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(file) as image:
-            return image.convert("RGB")
+        # Pillow warns of an image above Image.MAX_IMAGE_PIXELS (89 million pixels) and raises above twice
+        # that: a small file that decodes to gigabytes (a decompression bomb) is refused before it decodes
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(file) as image:
+                return image.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise RowError(
+            f"image {file.name}: too large to decode safely (over {Image.MAX_IMAGE_PIXELS:,} pixels: a "
+            "decompression bomb, or a picture to shrink first)"
+        ) from None
     except (UnidentifiedImageError, OSError) as exc:
         raise RowError(f"image {file.name}: cannot be read as an image ({exc.__class__.__name__})") from None
 

@@ -92,32 +92,65 @@ def tokenize_pair(
 
 
 def _render_chat_pair(row: dict[str, Any], tokenizer, data: DataSection) -> tuple[str, str, str]:
-    if tokenizer.chat_template is None:
-        raise RowError("format 'preference_chat' needs a tokenizer with a chat template; this one has none")
-    prompt = row["prompt"]
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
+    prompt_text, chosen, rejected = render_chat_answers(
+        row["prompt"], {s: row[s] for s in SIDES}, tokenizer, data
+    )
+    return prompt_text, chosen, rejected
+
+
+def chat_prompt_messages(value: Any, data: DataSection) -> list[dict[str, Any]]:
+    """A row's ``prompt`` (a conversation, or one user text) as the messages the template renders, with
+    data.system_prompt and its mode applied."""
+    prompt = [{"role": "user", "content": value}] if isinstance(value, str) else value
     if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) for m in prompt):
-        raise RowError(
-            f"field 'prompt' must be text or a list of {{role, content}} (got {show(row['prompt'])})"
-        )
+        raise RowError(f"field 'prompt' must be text or a list of {{role, content}} (got {show(value)})")
+    return apply_system_prompt_mode(with_system_prompt(prompt, data.system_prompt), data.system_prompt_mode)
+
+
+def render_chat_answers(
+    prompt: Any, answers: dict[str, Any], tokenizer, data: DataSection
+) -> tuple[str, ...]:
+    """(the prompt with the generation prompt, then each answer as the rest of the whole conversation's
+    rendering, its end-of-turn marker included), by the tokenizer's chat template. ``answers``: field
+    name -> the assistant's reply (a text, or a list of assistant messages)."""
+    if tokenizer.chat_template is None:
+        raise RowError("this format needs a tokenizer with a chat template; this one has none")
     mode = data.system_prompt_mode
-    messages = apply_system_prompt_mode(with_system_prompt(prompt, data.system_prompt), mode)
+    messages = chat_prompt_messages(prompt, data)
     prompt_text = apply_template(tokenizer, messages, generation_prompt=True, mode=mode)
-    answers = []
-    for side in SIDES:
-        reply = _assistant_messages(row[side], side)
+    rendered = []
+    for field, value in answers.items():
+        reply = assistant_messages(value, field)
         whole = apply_template(tokenizer, messages + reply, generation_prompt=False, mode=mode)
         if not whole.startswith(prompt_text):
             raise RowError(
-                f"the chat template renders the prompt differently once the {side} answer follows, so the "
+                f"the chat template renders the prompt differently once the {field} answer follows, so the "
                 "answer's tokens cannot be told from the prompt's"
             )
-        answers.append(whole[len(prompt_text) :])
-    return prompt_text, answers[0], answers[1]
+        rendered.append(whole[len(prompt_text) :])
+    return (prompt_text, *rendered)
 
 
-def _assistant_messages(value: Any, side: str) -> list[dict[str, Any]]:
+def render_feedback(row: dict[str, Any], chat: bool, tokenizer, data: DataSection) -> tuple[str, str]:
+    """A labelled answer (formats feedback and feedback_chat) as (prompt, answer) texts the model reads
+    and writes; a RowError for a bad row. ``chat``: the prompt a conversation and the answer the
+    assistant's reply, by the chat template (its end-of-turn marker trained, as format chat trains it);
+    else both texts, the answer ending with the tokenizer's EOS (as TRL's KTOTrainer appends it)."""
+    for name in ("prompt", "completion"):
+        if row.get(name) is None:
+            raise RowError(f"missing field {name!r}")
+    label = row.get("label")
+    if not isinstance(label, bool):
+        raise RowError(f"field 'label' must be true or false (got {show(label)})")
+    if chat:
+        return render_chat_answers(row["prompt"], {"completion": row["completion"]}, tokenizer, data)
+    for name in ("prompt", "completion"):
+        if not isinstance(row[name], str):
+            raise RowError(f"field {name!r} must be text (got {type(row[name]).__name__} {show(row[name])})")
+    return system_text(data.system_prompt) + row["prompt"], row["completion"] + tokenizer.eos_token
+
+
+def assistant_messages(value: Any, side: str) -> list[dict[str, Any]]:
     if isinstance(value, str):
         return [{"role": "assistant", "content": value}]
     if (

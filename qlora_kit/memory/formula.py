@@ -46,7 +46,7 @@ def kept_layer_bytes(
     norm = n * (4 * shape.hidden + 4)
     mask = 4 if device == "cpu" else 1
     lora = sum(n * li.d_in * 4 + n * r * 4 for li in targets(shape, recipe))
-    if recipe.lora.dropout > 0:
+    if lora_dropout(shape, recipe) > 0:
         # Dropout keeps its mask only where its input needs a gradient: not for the attention input
         # projections of a first layer whose input needs none.
         lora += sum(
@@ -57,6 +57,12 @@ def kept_layer_bytes(
     attention = n * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) * c + n * shape.heads * 4
     mlp = mlp_tensors(shape) * n * shape.intermediate * c
     return (2 if input_grad else 1) * norm + lora + attention + mlp
+
+
+def lora_dropout(shape: ModelShape, recipe: Recipe) -> float:
+    """lora.dropout as the run resolves it for this model (auto: none on a mixture whose experts get LoRA)."""
+    entry = _family(shape)
+    return recipe.lora.dropout_for(bool(entry and entry.experts) and recipe.lora.experts)
 
 
 def _family(shape: ModelShape):

@@ -77,6 +77,7 @@ from qlora_kit.memory.formula import (
     Activations,
     formula_activation_bytes,
     kept_layer_bytes,
+    lora_dropout,
     loss_spike,
     rollout_bytes,
     selected_positions_bytes,
@@ -133,7 +134,7 @@ def activation_bytes(
     if traced is None:
         return formula_activation_bytes(shape, recipe, policies, batch, seq, device, trained_tokens)
     per_layer = traced.per_layer(policies)
-    if device != "cpu" and recipe.lora.dropout > 0:
+    if device != "cpu" and lora_dropout(shape, recipe) > 0:
         # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1 (a selective
         # layer keeps no mask: dropout is recomputed).
         n = batch * seq

@@ -42,16 +42,20 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
         if model is not None
         else {}
     )
-    if "target_parameters" in experts and lora.dropout:
+    on_experts = "target_parameters" in experts
+    dropout = lora.dropout_for(on_experts)
+    if on_experts and dropout:
         raise RecipeError(
-            f"lora.dropout: LoRA on a mixture of experts' experts takes no dropout (got {lora.dropout}): the "
-            "update of each expert's tokens cannot be factored out of it (peft's rule for target_parameters); "
-            "set lora.dropout 0, or lora.experts false"
+            f"lora.dropout: LoRA on a mixture of experts' experts takes no dropout (got {lora.dropout}) with "
+            "lora.experts true: the update of each expert's tokens cannot be factored out of it (peft's rule "
+            "for target_parameters); set lora.dropout 0 or auto, or lora.experts false"
         )
+    if lora.dropout == "auto" and on_experts:
+        log.info("lora.dropout auto: 0 (LoRA on the experts takes no dropout)")
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
-        lora_dropout=lora.dropout,
+        lora_dropout=dropout,
         target_modules=experts.get("target_modules", lora.target_modules),
         bias=lora.bias,
         use_rslora=lora.rslora,

@@ -6,6 +6,7 @@ Kept apart from recipe.py so the section families (recipe_data.py) and the recip
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +29,44 @@ def looks_local(value: str) -> bool:
 
 
 def describe_validation_error(exc: ValidationError) -> str:
-    """The first problem as one line: ``lora.rank: must be > 0 (got 0)``."""
+    """The first problem as one line: ``lora.rank: must be > 0 (got 0)``; a field that takes one of
+    several types (``float | Literal["auto"]``) says what each would take: ``lora.dropout: must be < 1.0
+    (got 1.5), or 'auto'``."""
     errors = exc.errors()
     first = errors[0]
-    more = f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
-    loc = ".".join(str(part) for part in first["loc"])
-    if first["type"] == "value_error":
+    branches = _union_branches(errors)
+    more = len(errors) - len(branches)
+    more = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    loc = ".".join(str(part) for part in first["loc"][: -1 if len(branches) > 1 else None])
+    if first["type"] == "value_error" and len(branches) == 1:
         message = str((first.get("ctx") or {}).get("error", first["msg"]))
         if not loc or message.startswith(f"{loc}."):
             return f"{message}{more}"  # recipe- and section-level validators name the field themselves
-    return f"{loc}: {_message_for(first)}{more}"
+    if len(branches) == 1:
+        return f"{loc}: {_message_for(first)}{more}"
+    literals = [e["ctx"]["expected"] for e in branches if e["type"] == "literal_error"]
+    messages = list(dict.fromkeys(_message_for(e) for e in branches if e["type"] != "literal_error"))
+    return f"{loc}: {'; '.join(messages)}{', or ' + ' or '.join(literals) if literals else ''}{more}"
+
+
+# pydantic names the branch of a union a value failed as the last part of its location: a type
+# ("bool", "constrained-float", "literal['auto']", "list[str]"), never a field name
+UNION_BRANCH = re.compile(r"^(bool|int|float|str|none|constrained-[a-z]+|[a-z-]+\[.*\])$")
+
+
+def _union_branches(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The first error and, where it is one branch of a union field, the other branches' errors too."""
+    first = errors[0]
+    tag = first["loc"][-1] if first["loc"] else None
+    if not isinstance(tag, str) or not UNION_BRANCH.match(tag):
+        return [first]
+    return [
+        e
+        for e in errors
+        if e["loc"][:-1] == first["loc"][:-1]
+        and isinstance(e["loc"][-1], str)
+        and UNION_BRANCH.match(e["loc"][-1])
+    ]
 
 
 def _message_for(error: dict[str, Any]) -> str:

@@ -96,8 +96,8 @@ class LoraSection(Section):
     """LoRA rank r: inner dimension of the A (r x in) and B (out x r) matrices."""
     alpha: float = Field(32.0, gt=0)
     """Scaling numerator: the update is (alpha / r) * B @ A, or alpha / sqrt(r) with rslora."""
-    dropout: float = Field(0.05, ge=0, lt=1)
-    """Dropout on the LoRA branch's input."""
+    dropout: float | Literal["auto"] = "auto"
+    """Dropout on the LoRA branch's input; auto: 0.05, or 0 on a mixture of experts whose experts get LoRA (peft's LoRA on fused experts takes none)."""
     target_modules: Literal["all-linear"] | list[str] = "all-linear"
     """Which linear layers get adapters: all-linear (every linear but the output head) or a list of names."""
     bias: Literal["none", "all", "lora_only"] = "none"
@@ -114,6 +114,23 @@ class LoraSection(Section):
     """On a vision-language model, LoRA on the vision tower and the projector too; by default only the language model adapts."""
     router: bool = False
     """On a mixture-of-experts model, train each layer's router too (whole: a small experts x hidden matrix, in the compute dtype, saved in the adapter as peft's modules_to_save); frozen by default (README: Mixtures of experts)."""
+
+    AUTO_DROPOUT: ClassVar[float] = 0.05  # what lora.dropout auto is wherever dropout can apply
+
+    @field_validator("dropout")
+    @classmethod
+    def _check_dropout(cls, value: float | str) -> float | str:
+        if value != "auto" and not 0 <= value < 1:
+            raise ValueError(f"must be >= 0 and < 1, or auto (got {value})")
+        return value
+
+    def dropout_for(self, experts_get_lora: bool) -> float:
+        """The dropout a model gets: ``experts_get_lora`` when it is a mixture whose fused experts take
+        LoRA (lora.experts on), where peft allows none, so auto resolves to 0 for the whole adapter (one
+        adapter config holds one dropout, and plain peft must load it back)."""
+        if self.dropout != "auto":
+            return self.dropout
+        return 0.0 if experts_get_lora else self.AUTO_DROPOUT
 
 
 class OptimizerSection(Section):

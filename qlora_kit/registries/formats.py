@@ -94,6 +94,20 @@ def _pair_format(name: str, asked: tuple[str, ...], kind: str, prompt: str) -> F
     )
 
 
+def _feedback_format(name: str, prompt: str, chat: bool) -> FormatSpec:
+    """Labelled answers (train.objective kto), TRL's unpaired shape: a prompt, one answer (texts; with
+    ``chat``, a conversation and the assistant's reply, as TRL's conversational rows) and a label."""
+    return FormatSpec(
+        name,
+        ("prompt", "completion"),  # and the label (labelled), which data/preference.py checks
+        f"render_{name}",
+        prompt,
+        checkable=False,  # an undesirable answer is no reference
+        chat_template=chat,
+        labelled=True,
+    )
+
+
 FORMATS: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
@@ -111,13 +125,7 @@ FORMATS: dict[str, FormatSpec] = {
         _pair_format("preference", ("prompt",), "text", "completion_prompt"),
         _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", "alpaca_prompt_for"),
         _pair_format("preference_chat", ("prompt",), "chat", "chat_prompt"),
-        FormatSpec(
-            "feedback",
-            ("prompt", "completion"),  # and the label (labelled), which the kto module reads
-            "render_completion",
-            "completion_prompt",
-            checkable=False,  # an undesirable answer is no reference
-            labelled=True,
-        ),
+        _feedback_format("feedback", "completion_prompt", chat=False),
+        _feedback_format("feedback_chat", "chat_prompt", chat=True),
     )
 }

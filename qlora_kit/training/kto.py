@@ -2,7 +2,9 @@
 
 KTO (Ethayarajh et al., 2024) learns from unpaired feedback: a prompt, one answer and a label saying
 whether the answer was desirable (a thumbs-up) or not; what production feedback looks like, where a
-second answer to compare with is rarely at hand. Rows are format ``feedback`` (prompt, completion, label).
+second answer to compare with is rarely at hand. Rows are format ``feedback`` (prompt, completion, label:
+texts) or ``feedback_chat`` (the prompt a conversation, the completion the assistant's reply: TRL's
+conversational unpaired rows, which TRL renders with the chat template).
 Each answer's implied reward is beta * log(policy / reference) of the answer given its prompt; the loss
 pushes the desirable answers' reward above, and the undesirable ones' below, a baseline KL estimated from
 mismatched prompt/answer pairs of the same batch (TRL rotates the answers within each micro-batch, so the
@@ -12,8 +14,9 @@ Trainer reads the rows in order: they are shuffled here once, with the recipe's 
 the same changes to TRL's behaviour and for the same reasons: the reference is a frozen second adapter
 "ref" on the same 4-bit base (the base itself without ``model.adapter``), the policy gets its fp32 LoRA
 weights back after TRL's bf16 cast, the recipe's checkpointing is left alone around the reference
-forward, and TRL's telemetry ping is not sent. TRL tokenizes the texts (the prompt, then the answer with
-the tokenizer's EOS); ``preference.beta`` is KTO's beta.
+forward, and TRL's telemetry ping is not sent. TRL tokenizes the rows (a text answer with the tokenizer's
+EOS, a conversation by the chat template; ``token_ids`` does it as TRL does for the data report and
+``qlora-kit eval``, data/feedback.py); ``preference.beta`` is KTO's beta.
 """
 
 from __future__ import annotations
@@ -24,11 +27,10 @@ from typing import TYPE_CHECKING, Any
 import datasets
 from trl import KTOConfig, KTOTrainer
 
+from qlora_kit.data import feedback, sources
 from qlora_kit.data import prepare as data
-from qlora_kit.data import sources
-from qlora_kit.errors import DataError, RecipeError
+from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
-from qlora_kit.registries.formats import system_text
 from qlora_kit.training import private_hooks
 from qlora_kit.training.dpo import _policy_back_to_fp32, describe_reference
 from qlora_kit.training.guards import TrainingGuard
@@ -36,8 +38,6 @@ from qlora_kit.training.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
-
-COLUMNS = ("prompt", "completion", "label")  # what TRL's KTOTrainer reads
 
 
 def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
@@ -49,16 +49,16 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     val_rows = None
     for source in section.source_list():
         split = sources.split_source(source, section, seed)
-        train_parts.append(_texts(split.rows, section, split.train_from))
+        train_parts.append(feedback.trl_rows(split.rows, section, split.train_from, tokenizer))
         if split.held_out is not None:
-            val_parts.append(_texts(split.held_out, section, split.held_from))
+            val_parts.append(feedback.trl_rows(split.held_out, section, split.held_from, tokenizer))
             val_rows = val_rows if val_rows is not None else split.held_out
     if section.val_path is not None:
         val_rows = sources.load_val_rows(section)
-        val_parts = [_texts(val_rows, section, section.val_path)]
+        val_parts = [feedback.trl_rows(val_rows, section, section.val_path, tokenizer)]
     train = datasets.concatenate_datasets(train_parts).shuffle(seed=seed)
     val = datasets.concatenate_datasets(val_parts) if val_parts else None
-    lengths, answers = _lengths(train, tokenizer)
+    lengths, answers = feedback.lengths(train, tokenizer)
     labelled = sum(list(train["label"]))
     reports = [
         data.LengthReport(
@@ -69,36 +69,6 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
         )
     ]
     return data.PreparedData(train, val, reports, lengths, val_rows, section.format, checks=None)
-
-
-def _texts(rows: datasets.Dataset, section, source: str) -> datasets.Dataset:
-    """TRL's prompt/completion/label columns; one line naming the row for a missing or wrong field."""
-    missing = [name for name in COLUMNS if name not in rows.column_names]
-    if missing:
-        raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format feedback "
-            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
-        )
-    for index, row in enumerate(rows.select_columns(list(COLUMNS))):
-        for name in COLUMNS:
-            wanted = bool if name == "label" else str
-            if not isinstance(row[name], wanted):
-                raise DataError(
-                    f"{source}: row {index + 1}: field {name!r} must be "
-                    f"{'true or false' if wanted is bool else 'text'} (got {row[name]!r})"
-                )
-    prefix = system_text(section.system_prompt)
-    texts = rows.select_columns(list(COLUMNS))
-    return texts.map(lambda row: {"prompt": prefix + row["prompt"]}) if prefix else texts
-
-
-def _lengths(rows: datasets.Dataset, tokenizer) -> tuple[list[int], int]:
-    """Each row's tokens (with the EOS TRL appends) and all answers' tokens (what KTO scores)."""
-    prompts = [len(ids) for ids in tokenizer(list(rows["prompt"]), add_special_tokens=False)["input_ids"]]
-    answers = [
-        len(ids) + 1 for ids in tokenizer(list(rows["completion"]), add_special_tokens=False)["input_ids"]
-    ]
-    return [p + a for p, a in zip(prompts, answers, strict=True)], sum(answers)
 
 
 def kto_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> KTOConfig:

@@ -1,0 +1,75 @@
+"""Labelled answers (formats feedback and feedback_chat, ``train.objective: kto``) as TRL's KTOTrainer reads
+and tokenizes them: the training stage hands TRL these rows, and the data report and ``qlora-kit eval``
+count and score the ids ``token_ids`` gives, which are TRL's own rule.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import datasets
+from trl.data_utils import common_prefix_length
+
+from qlora_kit.data import preference
+from qlora_kit.data.segments import RowError
+from qlora_kit.errors import DataError
+from qlora_kit.registries.formats import FORMATS
+
+COLUMNS = ("prompt", "completion", "label")  # what TRL's KTOTrainer reads
+
+
+def trl_rows(rows: datasets.Dataset, section, source: str, tokenizer) -> datasets.Dataset:
+    """TRL's prompt/completion/label columns: texts (format feedback, data.system_prompt before the
+    prompt) or conversations (feedback_chat: the prompt's messages with data.system_prompt, the
+    assistant's reply as a message list), which TRL renders with the chat template itself; one line
+    naming the row for a missing or wrong field."""
+    missing = [name for name in COLUMNS if name not in rows.column_names]
+    if missing:
+        raise DataError(
+            f"{source}: row 1: missing field {missing[0]!r} for format {section.format} "
+            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+        )
+    chat = FORMATS[section.format].chat_template
+    columns = {name: [] for name in COLUMNS}
+    for index, row in enumerate(rows.select_columns(list(COLUMNS))):
+        try:
+            prompt, _ = preference.render_feedback(row, chat, tokenizer, section)
+        except RowError as exc:
+            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+        if chat:
+            columns["prompt"].append(preference.chat_prompt_messages(row["prompt"], section))
+            columns["completion"].append(preference.assistant_messages(row["completion"], "completion"))
+        else:
+            columns["prompt"].append(prompt)
+            columns["completion"].append(row["completion"])
+        columns["label"].append(row["label"])
+    return datasets.Dataset.from_dict(columns)
+
+
+def token_ids(row: dict[str, Any], tokenizer) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of one TRL row as TRL's KTOTrainer tokenizes it: a text answer gets the
+    EOS, a conversation is rendered by the chat template, and the answer starts where the prompt's ids
+    and the whole's part (trl's common_prefix_length)."""
+    if isinstance(row["prompt"], list):
+        prompt = tokenizer.apply_chat_template(row["prompt"], tokenize=True, add_generation_prompt=True)
+        whole = tokenizer.apply_chat_template(row["prompt"] + row["completion"], tokenize=True)
+        prompt, whole = _ids(prompt), _ids(whole)
+    else:
+        completion = row["completion"]
+        if not completion.endswith(tokenizer.eos_token):
+            completion += tokenizer.eos_token
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        whole = tokenizer(row["prompt"] + completion)["input_ids"]
+    start = common_prefix_length(prompt, whole)
+    return prompt[:start], whole[start:]
+
+
+def _ids(rendered) -> list[int]:
+    # apply_chat_template(tokenize=True) returns the ids, or a BatchEncoding of them (transformers 5)
+    return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
+
+
+def lengths(rows: datasets.Dataset, tokenizer) -> tuple[list[int], int]:
+    """Each row's tokens and all answers' tokens (what KTO scores), as TRL tokenizes them."""
+    ids = [token_ids(row, tokenizer) for row in rows]
+    return [len(p) + len(a) for p, a in ids], sum(len(a) for _, a in ids)

@@ -1,0 +1,36 @@
+"""The README opens with two commands for a fresh machine, and CI runs the second as it stands there
+(.ci/run reads it with scripts/readme_command.py): a README edit that CI would not run, or a CI that
+installs what a newcomer does not (last round: the lock), is red here."""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
+
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from readme_command import README, commands  # noqa: E402
+
+
+def readme_command(n: int) -> str:
+    return commands(README.read_text(encoding="utf-8"))[n - 1]
+
+
+def test_the_readme_opens_with_the_demo_and_the_test_command():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert readme.index("```bash") < readme.index("\n## ")  # before the first section
+    assert readme_command(1) == VENV + "pip install -e . && qlora-kit train recipes/demo.yaml --overwrite"
+    assert readme_command(2) == VENV + 'pip install -e ".[dev]" && python -m pytest -q'
+
+
+def test_ci_runs_the_readmes_test_command_and_no_lock_before_it():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert "scripts/readme_command.py 2" in ci and 'eval "$install"' in ci
+    before_tests = ci[: ci.index("python -m pytest -q\n")]
+    # the lock is the image's (scripts/build_image.sh installs and checks it); the suite runs what a user gets
+    assert not re.search(r"pip install[^\n]*requirements[^\n]*\.lock", before_tests)
+    assert "check_lock.py --drift" in before_tests
