@@ -251,10 +251,14 @@ def _trace(
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
+            # the output is kept to the block's end, where the count is fixed: its graph holds what was saved
             if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
-                final_hidden_states(peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model)
+                outputs = final_hidden_states(
+                    peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model
+                )
             else:
-                peft_model(**inputs)
+                outputs = peft_model(**inputs)
+        del outputs
     per_layer = counter.result().per_layer
     names = [f"layer {i}" for i in range(len(decoder_layers(model)))]
     saved = {name: per_layer.get(name, 0) for name in [OUTSIDE, *names]}
