@@ -5,12 +5,16 @@ Two runs of the demo-sized tiny Llama, set up by ``pipeline.build`` with the sam
 with ``train.compile`` (the Trainer's ``torch_compile``: accelerate compiles the model with inductor), stepped in
 turn (forward, backward, paged AdamW 8-bit step) so they see the same machine load. Compared: the
 loss of every step (the compiled run must follow the eager one) and the median step time after the
-compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``.
+compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``. Then two fresh runs of
+each setting go through ``trainer.train()`` itself, TRAIN_STEPS steps of recipes/demo.yaml (its rows,
+packed, its micro-batch and learning rate): the Trainer's loop, on collated batches, with the model
+compiled by the Trainer's own accelerate prepare; their logged losses (in the summary) must agree too.
 
 Whether ``train.compile`` pays is in benchmarks/results/compile-cpu.md.
 
-    python benchmarks/compile.py [--steps 12]
+    python benchmarks/compile.py [--steps 12] [--mixed-precision bf16]
     python benchmarks/compile.py --smoke --out /tmp/x   # 3 steps of 2 x 32 tokens, the first setting
+    python benchmarks/compile.py --smoke --out /tmp/x --mixed-precision bf16   # tests/e2e/test_compile.py
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from common import markdown_table, parser, timed_step, write_result
 
 BATCH, SEQ = 8, 128
 SMOKE_BATCH, SMOKE_SEQ = 2, 32
+TRAIN_STEPS = 3  # through trainer.train(): whether the Trainer's loop trains the compiled model alike
+DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"  # the trainer.train() runs' recipe
 
 
 SETTINGS = {
@@ -32,7 +38,7 @@ SETTINGS = {
 }
 
 
-def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int):
+def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precision: str):
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import build as build_run
 
@@ -46,10 +52,12 @@ def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int):
                 "micro_batch_size": batch,
                 "max_steps": 1000,
                 "compile": compiled,
+                "mixed_precision": precision,
             },
         }
     )
     trainer = build_run(recipe).trainer
+    assert trainer.args.torch_compile is compiled, "train.compile is the Trainer's torch_compile"
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
     # What trainer.train() does first: accelerate prepares the model, compiling it when asked.
@@ -58,22 +66,56 @@ def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int):
     return trainer
 
 
-def compare(memory: dict, steps: int, out: Path, batch: int, seq: int) -> tuple[list[list[str]], str]:
+def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[float]]:
+    """Each run's logged losses when ``trainer.train()`` runs it (its loop, its accelerate prepare, which
+    compiles): the demo recipe with the setting, its rows packed (what data.packing auto picks there), in
+    the compared runs' compute dtype. Run after ``compare``, whose step 1 times the compile from cold."""
+    from qlora_kit import Recipe
+    from qlora_kit.training.pipeline import build as build_run
+
+    losses = {}
+    for name, compiled in (("eager", False), ("compiled", True)):
+        overrides = {f"memory.{key}": value for key, value in memory.items()} | {
+            "train.compile": compiled,
+            "train.mixed_precision": precision,
+            "train.output_dir": str(out / name),
+            "train.max_steps": TRAIN_STEPS,
+            "train.logging_steps": 1,
+            "train.eval_steps": None,
+            "train.sample_prompts": 0,
+            "data.packing": True,
+            # compare's runs' dtype (the default); demo.yaml's float32 is for CPUs that emulate bfloat16
+            "quant.compute_dtype": "bfloat16",
+        }
+        torch.manual_seed(0)
+        trainer = build_run(Recipe.from_yaml(DEMO, overrides)).trainer
+        assert trainer.args.torch_compile is compiled, "train.compile is the Trainer's torch_compile"
+        trainer.train()
+        assert compiled == hasattr(trainer.model_wrapped, "_orig_mod"), "trainer.train() compiled it"
+        losses[name] = [row["loss"] for row in trainer.metrics_log.rows if "loss" in row]
+    assert len(losses["eager"]) == len(losses["compiled"]) == TRAIN_STEPS, losses
+    return losses
+
+
+def compare(
+    memory: dict, steps: int, out: Path, batch: int, seq: int, precision: str
+) -> tuple[list[list[str]], str]:
     from torch._dynamo.utils import counters
 
     counters.clear()
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(5, 600, (batch, seq), generator=generator) for _ in range(steps)]
     torch.manual_seed(0)
-    eager = build(False, memory, out / "eager", batch, seq)
+    eager = build(False, memory, out / "eager", batch, seq, precision)
     torch.manual_seed(0)
-    compiled = build(True, memory, out / "compiled", batch, seq)
+    compiled = build(True, memory, out / "compiled", batch, seq, precision)
     results = {"eager": [], "compiled": []}
     for ids in batches:
         for name, trainer in (("eager", eager), ("compiled", compiled)):
             results[name].append(
                 timed_step(trainer, {"input_ids": ids, "labels": ids}, trainer.model_wrapped)
             )
+    autocast = compiled.accelerator.mixed_precision  # what accelerate autocasts the forward to (or "no")
     breaks = sum(counters["graph_break"].values())
     reasons = sorted(counters["graph_break"], key=lambda r: -counters["graph_break"][r])[:5]
     warm = 2  # the compiled run's first steps compile
@@ -86,16 +128,31 @@ def compare(memory: dict, steps: int, out: Path, batch: int, seq: int) -> tuple[
     summary = (
         f"Largest loss difference {worst:.2e}; median step after {warm} warm-up steps: eager {eager_median:.3f} s, "
         f"compiled {comp_median:.3f} s ({comp_median / eager_median:.2f}x); compile time in step 1: "
-        f"{results['compiled'][0][1]:.1f} s; graph breaks: {breaks}."
+        f"{results['compiled'][0][1]:.1f} s; graph breaks: {breaks}; autocast: {autocast}."
     )
     if reasons:
         summary += "\n\nMost frequent graph-break reasons:\n\n" + "\n".join(f"- {r}" for r in reasons)
+    trained = through_train(memory, out / "train", precision)
+    worst = max(abs(a - b) for a, b in zip(trained["eager"], trained["compiled"], strict=True))
+    summary += (
+        f"\n\nThrough trainer.train(), {TRAIN_STEPS} steps of recipes/demo.yaml, packed: eager losses "
+        + " ".join(f"{v:.5f}" for v in trained["eager"])
+        + ", compiled losses "
+        + " ".join(f"{v:.5f}" for v in trained["compiled"])
+        + f" (largest difference {worst:.2e})."
+    )
     return rows, summary
 
 
 def main() -> None:
     options = parser(__doc__)
     options.add_argument("--steps", type=int, default=12)
+    options.add_argument(
+        "--mixed-precision",
+        default="auto",
+        choices=["auto", "no", "bf16"],
+        help="train.mixed_precision of every run (bf16: accelerate's autocast around the compiled forward)",
+    )
     args = options.parse_args()
     # --smoke: the first setting only, one step after the warm-up (compiling is most of the time, and
     # checkpointing with the chunked head takes several times longer to compile)
@@ -104,7 +161,7 @@ def main() -> None:
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, memory) in enumerate(settings.items()):
-            rows, summary = compare(memory, steps, Path(tmp) / str(index), batch, seq)
+            rows, summary = compare(memory, steps, Path(tmp) / str(index), batch, seq, args.mixed_precision)
             table = markdown_table(["step", "eager loss", "compiled loss", "eager s", "compiled s"], rows)
             sections.append(f"## {name}\n\n{table}\n\n{summary}")
             print(sections[-1], flush=True)
@@ -112,8 +169,8 @@ def main() -> None:
         "compile-cpu",
         "torch.compile with 4-bit layers and LoRA (CPU)",
         "\n\n".join(sections),
-        f"Tiny Llama (builtin), batch {batch} x {seq}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit; "
-        "the two runs of each setting stepped in turn on the same batches.",
+        f"Tiny Llama (builtin), batch {batch} x {seq}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, "
+        f"mixed precision {args.mixed_precision}; the two runs of each setting stepped in turn on the same batches.",
         args.out,
     )
 

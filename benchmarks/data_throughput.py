@@ -6,7 +6,7 @@ drift of the machine hits all three alike. "Real tokens" are the non-padding tok
 
     python benchmarks/data_throughput.py [--rounds 4] [--steps 6]
     python benchmarks/data_throughput.py --real-model   # SmolLM2-135M-Instruct and its tokenizer, 128 tokens
-    python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of 2 steps, micro-batch 2
+    python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of 2 steps, micro-batch 2, no warm-up
 """
 
 from __future__ import annotations
@@ -173,7 +173,9 @@ def main() -> None:
         }
         totals = {mode: [0.0, 0, 0] for mode in MODES}
         step_times = {mode: [] for mode in MODES}
-        for round_index in range(args.rounds + 1):  # round 0 warms up and is not counted
+        # Round 0 warms up and is not counted; --smoke has none (its figures need only be finite, and the
+        # warm-up round would be half its steps).
+        for round_index in range(1 if args.smoke else 0, args.rounds + 1):
             for mode, (trainer, batches) in runs.items():
                 seconds, real, slots = run_steps(trainer, batches, args.steps)
                 if round_index == 0:
@@ -211,7 +213,7 @@ def main() -> None:
         f"{model}, max_seq_len {max_len}, NF4 + double quant ({args.compute_dtype} compute), LoRA r=16 "
         "all-linear, full checkpointing, "
         f"paged AdamW 8-bit, micro-batch {args.batch}, text rows of 12-120 corpus words (24-240 tokens with the tiny tokenizer, cut at max_seq_len); {args.rounds} interleaved "
-        f"rounds of {args.steps} steps per mode after a warm-up round. Target: packing >= 1.5x padding.\n\n"
+        f"rounds of {args.steps} steps per mode{'' if args.smoke else ' after a warm-up round'}. Target: packing >= 1.5x padding.\n\n"
         f"{profile_note}"
     )
     real = "-real" if args.real_model else ""

@@ -11,6 +11,9 @@ GPUs the launcher only adds the kill switch).
     python benchmarks/fsdp_check.py                   # here: 2 CPU processes over gloo
     python benchmarks/fsdp_check.py --processes 1     # the GPU check (one GPU)
     python benchmarks/fsdp_check.py --smoke --out /tmp/x   # 4 steps, checkpoint at 2, killed after 3
+    python benchmarks/fsdp_check.py --smoke --out /tmp/x --work /tmp/runs --set train.eval_steps=2
+
+tests/e2e/test_fsdp.py runs the last line (sample prompts set too) and checks the runs' folders and logs.
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ SETTINGS = [
     "train.sample_prompts=0", "lora.dropout=0.0", "train.mixed_precision=bf16",
     "quant.compute_dtype=bfloat16", "quant.quant_storage=bfloat16", "optimizer.name=adamw_torch",
     "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
+    # named: auto times the layouts in one process (and may pick another) but chooses by padding in several,
+    # so the diff against one process would compare two layouts
+    "data.packing=true",
 ]  # fmt: skip
 
 
@@ -43,11 +49,14 @@ def overrides(*values: str) -> list[str]:
     return [arg for value in (*SETTINGS, *values) for arg in ("--set", value)]
 
 
-def run(command: list[str], env: dict | None = None) -> tuple[int, float, str]:
+def run(command: list[str], log: Path, env: dict | None = None) -> tuple[int, float, str]:
+    """Exit code, wall seconds and stderr of one run; its stdout and stderr are kept in LOG.stdout/.stderr."""
     start = time.perf_counter()
     done = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})}
     )
+    log.with_suffix(".stdout").write_text(done.stdout)
+    log.with_suffix(".stderr").write_text(done.stderr)
     return done.returncode, time.perf_counter() - start, done.stderr
 
 
@@ -62,11 +71,26 @@ def main() -> None:
 
     options = parser(__doc__)
     options.add_argument("--processes", type=int, default=2)
+    options.add_argument(
+        "--work",
+        type=Path,
+        help="a new or empty folder for the runs' output folders (one, whole, killed) and logs (NAME.stdout, "
+        "NAME.stderr: one, whole, killed, resumed); default: a new temporary folder",
+    )
+    options.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a recipe value for every run, after this script's own (tests/e2e/test_fsdp.py: evaluation, samples)",
+    )
     args = options.parse_args()
     steps, save, kill = (SMOKE_STEPS, SMOKE_SAVE, SMOKE_KILL) if args.smoke else (STEPS, SAVE, KILL)
-    schedule = [f"train.max_steps={steps}", f"train.save_steps={save}"]
+    schedule = [f"train.max_steps={steps}", f"train.save_steps={save}", *args.settings]
     cuda = torch.cuda.is_available()
-    work = Path(tempfile.mkdtemp(prefix="fsdp-check-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="fsdp-check-"))
+    work.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text())
     config.update(use_cpu=not cuda, num_processes=args.processes)
     (work / "accelerate.yaml").write_text(yaml.safe_dump(config))
@@ -93,15 +117,19 @@ def main() -> None:
                 *overrides(*schedule, f"train.micro_batch_size={BATCH}"),
                 "--output-dir",
                 str(work / "one"),
-            ]
+            ],
+            work / "one",
         ),
-        f"FSDP x{args.processes}": run([*launch, *fsdp, "--output-dir", str(work / "whole")], threads),
+        f"FSDP x{args.processes}": run(
+            [*launch, *fsdp, "--output-dir", str(work / "whole")], work / "whole", threads
+        ),
         f"FSDP x{args.processes}, killed after step {kill}": run(
             [*launch, *fsdp, "--output-dir", str(work / "killed")],
+            work / "killed",
             threads | {"QLORA_KIT_TEST_KILL_AFTER_STEP": str(kill)},
         ),
         f"FSDP x{args.processes}, resumed": run(
-            [*launch, *fsdp, "--output-dir", str(work / "killed"), "--resume"], threads
+            [*launch, *fsdp, "--output-dir", str(work / "killed"), "--resume"], work / "resumed", threads
         ),
     }
     folders = dict(zip(results, ["one", "whole", None, "killed"], strict=True))

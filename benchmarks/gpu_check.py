@@ -15,9 +15,10 @@ rows of exactly ``seq`` tokens:
    peak over the forward peak;
 4. the longest row ``plan --max-seq-len`` gives for full checkpointing + offload + MLP tiles in 8 GiB,
    trained for two steps: measured peak against the plan's;
-5. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess (CUDA errors in
-   paged memory end the process): peak allocated, device memory used, step time; the paged one is
-   then resumed from its checkpoint and reports how many state tensors went back to paged memory;
+5. paged vs non-paged 8-bit AdamW at rank 64 (pageable state), each in a subprocess on CUDA (CUDA errors
+   in paged memory end the process; on the CPU, in this process): peak allocated, device memory used,
+   step time; the paged one is then resumed from its checkpoint and reports how many state tensors went
+   back to paged memory;
 6. a real CUDA out-of-memory error (``train.on_oom: split``): ``torch.cuda.set_per_process_memory_fraction``
    lets the process hold half-way between micro-batch 4's measured peak (checkpointing none, from 1.)
    and micro-batch 2's (a reference run, accumulation 2): the capped run at micro-batch 4 must split in
@@ -196,14 +197,14 @@ def policy_rows(
     return rows
 
 
-def optimizer_child(folder: str, data: str, optimizer: str, batch: int, seq: int, steps: int) -> None:
-    """In a subprocess: one optimizer's peak, step time and, resumed, how many tensors page again."""
+def optimizer_row(folder: Path, data: Path, optimizer: str, batch: int, seq: int, steps: int) -> dict:
+    """One optimizer's peak, step time and, resumed, how many tensors page again."""
     settings = {"optimizer__name": optimizer, "lora__rank": 64, "train__save_steps": steps}
-    recipe = recipe_for(Path(folder), Path(data), {"checkpointing": "full"}, batch, seq, steps, **settings)
+    recipe = recipe_for(folder, data, {"checkpointing": "full"}, batch, seq, steps, **settings)
     usage = train(recipe)
     checkpoint = Path(recipe.train.output_dir) / f"checkpoint-{steps}"
     resumed = train(recipe.with_overrides({"train.max_steps": steps + 1}), resume=str(checkpoint))
-    result = {
+    return {
         "optimizer": optimizer,
         "peak_allocated_gib": max(
             usage.get(f"peak_{p}_gib", 0.0) for p in ("forward", "backward", "optimizer")
@@ -212,12 +213,19 @@ def optimizer_child(folder: str, data: str, optimizer: str, batch: int, seq: int
         "step_s": batch * seq / usage["tokens_per_s"],
         "repaged_after_resume": resumed.get("repaged_optimizer_tensors", 0),
     }
-    print("RESULT " + json.dumps(result))
 
 
 def optimizer_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -> list[dict]:
     rows = []
     for optimizer in ("paged_adamw_8bit", "adamw_8bit"):
+        if not torch.cuda.is_available():
+            # Nothing pages on a CPU and no CUDA error can end the process: run here, which spares the
+            # test suite (gpu_check.py --tiny) two process starts. An error is the row's, as a child's is.
+            try:
+                rows.append(optimizer_row(folder, data, optimizer, batch, seq, steps))
+            except Exception as error:
+                rows.append({"optimizer": optimizer, "error": f"{type(error).__name__}: {error}"[-500:]})
+            continue
         command = [sys.executable, __file__, "--child", str(folder), str(data), optimizer]
         child = subprocess.run(
             [*command, str(batch), str(seq), str(steps)], capture_output=True, text=True, timeout=300
@@ -282,7 +290,8 @@ def main() -> None:
     args = options.parse_args()
     if args.child:
         folder, data, optimizer, batch, seq, steps = args.child
-        optimizer_child(folder, data, optimizer, int(batch), int(seq), int(steps))
+        row = optimizer_row(Path(folder), Path(data), optimizer, int(batch), int(seq), int(steps))
+        print("RESULT " + json.dumps(row))
         return
     tiny, out = args.tiny or args.smoke, args.out
     out.mkdir(parents=True, exist_ok=True)

@@ -411,6 +411,34 @@ MUTATIONS = [
         "        self.generator = None\n",
         ["tests/test_layout.py::test_group_by_length_orders_each_epoch_from_the_seed_alone"],
     ),
+    (
+        "KTO's desirable share from the probabilities themselves",
+        "qlora_kit/after/preference_eval.py",
+        "        (torch.logsumexp(good.double(), 0) - torch.logsumexp(torch.cat([good, bad]).double(), 0)).exp()\n",
+        "        good.exp().sum() / torch.cat([good, bad]).exp().sum()\n",
+        ["tests/test_kto.py::test_desirable_share_is_finite_where_the_answers_probabilities_underflow"],
+    ),
+    (
+        "lora.dropout auto keeps 0.05 on a mixture's experts",
+        "qlora_kit/recipe/recipe.py",
+        "        return 0.0 if experts_get_lora else self.AUTO_DROPOUT\n",
+        "        return self.AUTO_DROPOUT\n",
+        ["tests/test_defaults.py::test_a_recipe_naming_only_the_model_validates_plans_and_configures_lora"],
+    ),
+    (
+        "a union field's error names one branch",
+        "qlora_kit/recipe/base.py",
+        "    if not isinstance(tag, str) or not UNION_BRANCH.match(tag):\n",
+        "    if True:\n",
+        ["tests/test_bad_input.py::test_round_four_fields_and_overrides_given_wrong_are_one_line"],
+    ),
+    (
+        "a saved storage stays counted after autograd lets it go",
+        "qlora_kit/memory/accounting.py",
+        "        if self.read is not None:\n            return\n        self.held[key] -= 1\n",
+        "        return\n",
+        ["tests/test_planner_grid.py::test_plan_matches_what_the_run_saves[tiny-llama-none-chat-dora]"],
+    ),
 ]
 
 

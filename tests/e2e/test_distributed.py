@@ -9,14 +9,18 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from qlora_kit import Recipe
 from qlora_kit.after.generate import Sampling, generate
 from qlora_kit.model.adapters import load_trained
+from qlora_kit.model.precision import resolve_mixed_precision
+from tests.conftest import run_cli_output
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -31,6 +35,7 @@ SETTINGS = [
 # An SFT run's layout is named: data.packing auto times the layouts in one process and chooses by padding
 # in several (training/layout_costs.py), and these tests compare data parallelism, not layouts.
 PACKED = ["--set", "data.packing=true"]
+ONE = ["--set", "train.micro_batch_size=8"]  # the one process: both halves of the two processes' batch
 
 
 def free_port() -> int:
@@ -47,33 +52,75 @@ def losses(out: Path) -> list[float]:
     ]
 
 
-def one_and_two_processes(
-    tmp_path: Path, *settings: str, recipe: str = "recipes/demo.yaml"
-) -> tuple[Path, Path, str]:
-    """The demo trained by one process with micro-batch 8 and by two (torchrun, gloo) with 4 each:
-    (one's output, two's output, two's stderr)."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    train = [sys.executable, "-m", "qlora_kit", "train", recipe, *SETTINGS, *settings]
-    single = subprocess.run(
-        [*train, "--output-dir", str(one), "--set", "train.micro_batch_size=8"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def in_this_process(monkeypatch, capsys) -> Callable[[Path, list[str]], str]:
+    """The one-process reference through the real CLI in this process (a process start is most of a
+    tiny run's time): ``(out, argv) -> stderr``."""
+
+    def single(out: Path, train: list[str]) -> str:
+        code, _, err = run_cli_output([*train, "--output-dir", str(out), *ONE], monkeypatch, capsys)
+        assert code == 0, err[-2000:]
+        return err
+
+    return single
+
+
+def in_a_fresh_process(out: Path, train: list[str]) -> str:
+    """The one-process reference in a process of its own: an in-process GRPO run can sample other
+    completions than a fresh process does (tests/e2e/test_grpo_oom.py, DRIVER)."""
+    command = [sys.executable, "-m", "qlora_kit", *train, "--output-dir", str(out), *ONE]
+    single = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-2000:]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    torchrun += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    return single.stderr
+
+
+def two_processes(out: Path, train: list[str]) -> str:
+    """``qlora-kit TRAIN`` in two processes (torchrun, gloo) with micro-batch 4 each: their stderr."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    command += ["-m", "qlora_kit", *train, "--output-dir", str(out), "--set", "train.micro_batch_size=4"]
     parallel = subprocess.run(
-        [*torchrun, *train[1:], "--output-dir", str(two), "--set", "train.micro_batch_size=4"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+        command,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert parallel.returncode == 0, parallel.stderr[-3000:]
+    return parallel.stderr
+
+
+def one_and_two_processes(
+    tmp_path: Path,
+    single: Callable[[Path, list[str]], str],
+    *settings: str,
+    recipe: str = "recipes/demo.yaml",
+    parallel_only: tuple[str, ...] = (),
+) -> tuple[Path, Path, str]:
+    """The demo trained by one process with micro-batch 8 (``single``: in_this_process or
+    in_a_fresh_process) and by two (torchrun, gloo) with 4 each: (one's output, two's output, two's
+    stderr). ``parallel_only``: settings of the two processes alone, which they must match one without."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    train = ["train", str(ROOT / recipe), *SETTINGS, *settings]
+    reference = single(one, train)
+    parallel = two_processes(two, [*train, *parallel_only])
     # both runs trained under the same autocast, as accelerate holds it (pipeline.run logs it)
-    precision = [line for line in single.stderr.splitlines() if "mixed precision: " in line]
-    assert len(precision) == 1 and precision[0].split("mixed precision: ")[1] in parallel.stderr, precision
-    return one, two, parallel.stderr
+    precision = [line for line in reference.splitlines() if "mixed precision: " in line]
+    assert len(precision) == 1 and precision[0].split("mixed precision: ")[1] in parallel, precision
+    return one, two, parallel
 
 
-def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
-    one, two, stderr = one_and_two_processes(tmp_path, *PACKED)
+def test_two_processes_match_one_process_with_twice_the_batch(tmp_path, monkeypatch, capsys):
+    """The two processes checkpoint selectively, the one process fully (the default, which the MoE, bf16
+    and DPO tests below run under DDP): selective's recompute runs inside DDP's backward, whose gradient
+    hooks must fire as without checkpointing, and it computes what full checkpointing does, so the loss
+    curves match either way. One pair of runs proves both (a run's process start is most of its time)."""
+    selective = ("--set", "memory.checkpointing=selective")
+    one, two, stderr = one_and_two_processes(
+        tmp_path, in_this_process(monkeypatch, capsys), *PACKED, parallel_only=selective
+    )
+    assert "checkpointing: selective" in (two / "recipe.yaml").read_text(), "the two processes ran selective"
+    assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):
@@ -105,24 +152,25 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path):
     assert moved > 0 and (got - expected).abs().max() < 0.05 * moved, (moved, (got - expected).abs().max())
 
 
-def test_a_mixture_of_experts_under_ddp_matches_one_process(tmp_path):
+def test_a_mixture_of_experts_under_ddp_matches_one_process(tmp_path, monkeypatch, capsys):
     """The MoE demo (4-bit experts, LoRA on every expert as one stacked factor per weight, so each LoRA
     parameter gets a gradient every step whatever the routing) under DDP follows one process."""
-    one, two, _ = one_and_two_processes(tmp_path, *PACKED, recipe="recipes/demo-moe.yaml")
+    single = in_this_process(monkeypatch, capsys)
+    one, two, _ = one_and_two_processes(tmp_path, single, *PACKED, recipe="recipes/demo-moe.yaml")
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8 and expected[-1] < expected[0] - 1.0
     for a, b in zip(expected, got, strict=True):
         assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
 
 
-def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
+def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path, monkeypatch, capsys):
     """The GPU's default path on 2 processes: bf16 autocast, the chunked head applying a LoRA lm_head
     outside the forward pass (DDP must not search for unused parameters, or it fails there)."""
     bf16 = [
         "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
         "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
     ]  # fmt: skip
-    one, two, stderr = one_and_two_processes(tmp_path, *bf16, *PACKED)
+    one, two, stderr = one_and_two_processes(tmp_path, in_this_process(monkeypatch, capsys), *bf16, *PACKED)
     assert "mixed precision: bf16" in stderr
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 6
@@ -133,11 +181,12 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path):
     assert head and all(adapter[name].abs().sum() > 0 for name in head), "the head's LoRA trained"
 
 
-def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path):
+def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path, monkeypatch, capsys):
     """train.objective dpo on 2 processes, the GPU's default precision: the same pair losses as one
     process with both halves of the batch, one trained adapter written (TRL's reference copy is not)."""
     dpo = ["--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16"]
-    one, two, stderr = one_and_two_processes(tmp_path, *dpo, recipe="recipes/demo-dpo.yaml")
+    single = in_this_process(monkeypatch, capsys)
+    one, two, stderr = one_and_two_processes(tmp_path, single, *dpo, recipe="recipes/demo-dpo.yaml")
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
@@ -149,17 +198,6 @@ def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path):
     )
     assert stderr.count("the reference policy is") == 1
     assert "mixed precision: bf16" in stderr
-
-
-def test_selective_checkpointing_under_ddp_matches_one_process(tmp_path):
-    """memory.checkpointing: selective with two processes: the same loss curve as one process (its
-    recompute runs inside DDP's backward, whose gradient hooks fire as without checkpointing)."""
-    one, two, stderr = one_and_two_processes(tmp_path, "--set", "memory.checkpointing=selective", *PACKED)
-    expected, got = losses(one), losses(two)
-    assert len(expected) == len(got) == 8
-    for a, b in zip(expected, got, strict=True):
-        assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
-    assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr
 
 
 def grpo_recipe(tmp_path: Path, **grpo) -> str:
@@ -182,18 +220,22 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
     generate call, so without grpo.seed_each_completion (the next test) the rollouts cannot equal one
     process's; the prompts per step, the completions trained per step and the checkpoint's per-process
-    rollout random state can (README, GRPO)."""
-    one, two, stderr = one_and_two_processes(tmp_path, recipe=grpo_recipe(tmp_path))
+    rollout random state can (README, GRPO).
 
-    def rows(out: Path) -> list[dict]:
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    expected, got = rows(one), rows(two)
+    No one-process run: what it would show here, its epochs and its autocast, follows from the recipe."""
+    recipe = grpo_recipe(tmp_path)
+    two = tmp_path / "two"
+    stderr = two_processes(two, ["train", recipe, *SETTINGS])
+    got = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in got] == list(range(1, 9)), "each step logged once, by the main process"
-    # 2 prompts x 4 completions per optimizer step in both: the same share of an epoch, the same count
-    # of sampled completions (the rewards are means over both processes' completions, gathered)
-    assert [r["epoch"] for r in got] == [r["epoch"] for r in expected]
-    assert got[-1]["epoch"] == pytest.approx(8 * 2 / 168, abs=1e-3)
+    # 2 prompts x 4 completions per optimizer step, as one process with micro-batch 8 samples: step s is
+    # s * 2 of the 168 training prompts into the epoch (the Trainer's step / steps per epoch), the same
+    # count of sampled completions (the rewards are means over both processes' completions, gathered)
+    assert [r["epoch"] for r in got] == pytest.approx(
+        [s * 2 / 168 for s in range(1, 9)], abs=1e-4
+    )  # logged to 4 places
+    one_process = resolve_mixed_precision(Recipe.from_yaml(recipe, overrides=SETTINGS[1::2]))
+    assert f"mixed precision: {one_process}" in stderr, "the autocast one process picks for the recipe"
     assert all(r["reward"] is not None and "frac_reward_zero_std" in r for r in got)
     assert sorted(p.name for p in (two / "checkpoint-8").glob("rng_state_*.pth")) == [
         "rng_state_0.pth",
@@ -216,7 +258,8 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
     the runs rightly part; that is rounding, not seeding. The seeding under bf16 autocast:
     tests/test_grpo.py (a prompt sampled alone or beside others)."""
     recipe = grpo_recipe(tmp_path, seed_each_completion=True)
-    one, two, _ = one_and_two_processes(tmp_path, "--set", "train.max_steps=4", recipe=recipe)
+    steps = ("--set", "train.max_steps=4")
+    one, two, _ = one_and_two_processes(tmp_path, in_a_fresh_process, *steps, recipe=recipe)
 
     def rows(out: Path) -> list[dict]:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

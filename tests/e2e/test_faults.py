@@ -18,11 +18,15 @@ from safetensors.torch import load_file
 
 from qlora_kit.cli.app import main as cli_main
 from qlora_kit.training.outputs import is_complete_checkpoint
+from tests.conftest import once_per_session, run_cli
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS, SAVE_EVERY = 40, 10
+# 48 rows in micro-batches of 8: 6 steps an epoch, so 12 steps are two epochs, and a resume can start
+# inside the first epoch and cross into the second (whose order the sampler draws again) or start at
+# the first epoch's end, without the 40 steps the demo's 168 rows took for that.
+ROWS, STEPS, SAVE_EVERY = 48, 12, 3
 # float32 compute: these CPUs lack AVX512-BF16 and emulate bfloat16 matmuls (11x slower); resume under
 # bf16 is test_after_training's test_resumed_run_ends_with_the_same_adapter_bit_for_bit[bf16]
 RECIPE = f"""
@@ -31,6 +35,7 @@ quant:
 lora:
   dropout: 0.1
 data:
+  path: train.jsonl  # beside the recipe, which it is read relative to
   max_seq_len: 64
   packing: false
 optimizer:
@@ -54,20 +59,36 @@ def cli(*args, **kwargs):
     )
 
 
-@pytest.fixture(scope="module")
-def recipe(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "recipe.yaml"
-    path.write_text(RECIPE)
-    return path
+@pytest.fixture(scope="session")
+def recipe(tmp_path_factory, worker_id) -> Path:
+    """The recipe on the first ROWS rows of the demo set, once per session: read-only, as its data."""
+
+    def make(folder: Path) -> dict:
+        from qlora_kit.data import demo
+
+        train_file, _ = demo.demo_data_files("demo-facts")
+        rows = Path(train_file).read_text(encoding="utf-8").splitlines()[:ROWS]
+        (folder / "train.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        (folder / "recipe.yaml").write_text(RECIPE)
+        return {}
+
+    folder, _ = once_per_session(tmp_path_factory, worker_id, "faults-recipe", make)
+    return folder / "recipe.yaml"
 
 
-@pytest.fixture(scope="module")
-def reference(recipe, tmp_path_factory):
-    """The adapter of a run that nobody interrupts."""
-    out = tmp_path_factory.mktemp("reference") / "out"
-    result = cli("train", str(recipe), "--output-dir", str(out))
-    assert result.returncode == 0, result.stderr[-2000:]
-    return load_file(out / "adapter_model.safetensors")
+@pytest.fixture(scope="session")
+def reference(recipe, tmp_path_factory, worker_id):
+    """The adapter of a run that nobody interrupts, once per session across workers (the tests that
+    compare with it run on any of them); in a process of its own, as the resumed runs it is compared
+    with bit for bit."""
+
+    def make(folder: Path) -> dict:
+        result = cli("train", str(recipe), "--output-dir", str(folder / "out"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        return {}
+
+    folder, _ = once_per_session(tmp_path_factory, worker_id, "faults-reference", make)
+    return load_file(folder / "out" / "adapter_model.safetensors")
 
 
 def assert_same_adapter(out: Path, reference) -> None:
@@ -87,10 +108,10 @@ def assert_only_complete_checkpoints(out: Path) -> list[int]:
 @pytest.mark.parametrize(
     ("where", "checkpoints_left"),
     [
-        ("step:5", []),  # before the first checkpoint
-        ("save:20", [10]),  # half-way through writing checkpoint-20
-        ("step:27", [10, 20]),  # between checkpoints
-        ("final", [10, 20, 30, 40]),  # half-way through moving the final adapter into place
+        ("step:2", []),  # before the first checkpoint
+        ("save:6", [3]),  # half-way through writing checkpoint-6: resumed from 3, across the epochs' seam
+        ("step:8", [3, 6]),  # between checkpoints: resumed from 6, the first epoch's last step
+        ("final", [3, 6, 9, 12]),  # half-way through moving the final adapter into place
     ],
 )
 def test_sigkill_anywhere_then_resume_gives_the_same_adapter(
@@ -136,7 +157,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(re
         stderr=subprocess.PIPE,
         text=True,
     )
-    wait_for_step(out, 3, process)
+    wait_for_step(out, 1, process)  # early: the stop must come before the run's last step
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
     assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
@@ -164,15 +185,14 @@ def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path):
     assert not out.exists() or not any(out.iterdir()), "the refused run wrote nothing"
 
 
-def test_unwritable_output_folder_is_one_line_before_any_work(recipe, tmp_path):
+def test_unwritable_output_folder_is_one_line_before_any_work(recipe, tmp_path, monkeypatch, capsys):
+    """In this process: the refusal is the CLI's, not a fresh process's (that a user mistake in a fresh
+    process is one line on stderr, tests/e2e/test_cli.py shows)."""
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder")
-    result = cli("train", str(recipe), "--output-dir", str(blocker / "out"))
-    assert result.returncode == 2
-    assert (
-        result.stderr.strip()
-        == f"error: train.output_dir: {blocker} is a file, so {blocker / 'out'} cannot be made"
-    )
+    code, err = run_cli(["train", str(recipe), "--output-dir", str(blocker / "out")], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip() == f"error: train.output_dir: {blocker} is a file, so {blocker / 'out'} cannot be made"
 
 
 def test_full_disk_is_refused_by_train_before_training(recipe, tmp_path, monkeypatch, capsys):

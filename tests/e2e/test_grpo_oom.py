@@ -17,6 +17,7 @@ import pytest
 from qlora_kit import Recipe
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
+from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
 from tests.e2e.test_oom import ROOT, launched, metrics, splits
 
@@ -73,11 +74,18 @@ def logged(out: Path, key: str) -> list[float]:
     return [row[key] for row in metrics(out) if key in row]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, worker_id):
     """Uncapped (caps too high to reach, so the injector measures, here and in the capped runs alike):
-    the policy step's and one generate call's peaks for 8 completions."""
-    result = run(tmp_path_factory.mktemp("reference"), cap=10**15, generation_cap=10**15)
+    the policy step's and one generate call's peaks for 8 completions. Once per session across workers
+    (the tests comparing with it spread over them), in a process of its own as every run here."""
+
+    def make(folder: Path) -> dict:
+        result = run(folder, cap=10**15, generation_cap=10**15)
+        return {"peaks": result.peaks, "generation_peaks": result.generation_peaks}
+
+    folder, peaks = once_per_session(tmp_path_factory, worker_id, "grpo-oom-reference", make)
+    result = SimpleNamespace(output_dir=folder / "out", **peaks)
     return result, (max(result.peaks), max(result.generation_peaks))
 
 
@@ -122,30 +130,24 @@ def test_a_generate_call_over_the_cap_splits_the_rollouts(reference, tmp_path):
     assert saved["generation_parts"] == 2 and saved["parts"] == 1
 
 
-def test_a_run_that_cannot_fit_fails_in_the_worst_batch_probe_with_one_line(tmp_path):
+def test_a_run_that_cannot_fit_fails_in_the_worst_batch_probe_with_one_line(tmp_path, monkeypatch, capsys):
+    """In this process (the CLI's own code): no step runs, so which completions an in-process GRPO run
+    samples (DRIVER above) does not matter here."""
     recipe_file = tmp_path / "recipe.yaml"
     settings = {"micro_batch_size": 4, "probe_worst_batch": True, "save_steps": 1}
     recipe_file.write_text(Recipe.from_dict(values(tmp_path / "out", **settings)).to_yaml())
-    env = {**os.environ, oom_faults.ENV: "1000"}  # no completion's policy step fits
-    command = [
-        sys.executable,
-        "-m",
-        "qlora_kit",
-        "train",
-        str(recipe_file),
-        "--output-dir",
-        str(tmp_path / "out"),
-    ]
-    stopped = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert stopped.returncode == 3, stopped.stderr[-2000:]
-    [line] = [x for x in stopped.stderr.splitlines() if "training stopped:" in x]
+    monkeypatch.setenv(oom_faults.ENV, "1000")  # no completion's policy step fits
+    argv = ["train", str(recipe_file), "--output-dir", str(tmp_path / "out")]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 3, err[-2000:]
+    [line] = [x for x in err.splitlines() if "training stopped:" in x]
     assert "step 1: out of memory in the worst-batch probe" in line and "a micro-batch of 1 row" in line
     assert (
         "grpo.max_completion_length" in line
         and "grpo.num_generations" in line
         and "memory.checkpointing" in line
     )
-    assert "Traceback" not in stopped.stderr
+    assert "Traceback" not in err
     assert not list((tmp_path / "out").glob("checkpoint-*")), "no step ran"
 
 

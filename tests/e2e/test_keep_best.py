@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from qlora_kit.data import demo
+from tests.conftest import run_cli_output
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -28,7 +29,8 @@ def recipe_file(folder: Path) -> Path:
     (folder / "wrong.jsonl").write_text("".join(json.dumps(r) + "\n" for r in wrong))
     recipe = folder / "recipe.yaml"
     recipe.write_text(
-        f"data:\n  path: {train_file}\n  val_path: {folder / 'wrong.jsonl'}\n  max_seq_len: 64\n"
+        # packed, as data.packing auto picks on the demo set: three runs need not time the layouts again
+        f"data:\n  path: {train_file}\n  val_path: {folder / 'wrong.jsonl'}\n  max_seq_len: 64\n  packing: true\n"
         # float32 compute: a CPU without AVX512-BF16 emulates bfloat16 matmuls (11x slower)
         "quant:\n  compute_dtype: float32\n"
         "lora:\n  dropout: 0.0\noptimizer:\n  lr: 1.0e-3\n"
@@ -45,14 +47,13 @@ def evaluations(out: Path) -> dict[int, float]:
     return {row["step"]: row["eval_loss"] for row in rows if "eval_loss" in row}
 
 
-def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tmp_path):
+def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tmp_path, monkeypatch, capsys):
+    """The uninterrupted run and the resume run the CLI in this process (a process start is most of a
+    tiny run's time); the killed run is a process of its own, as a kill needs."""
     recipe = recipe_file(tmp_path)
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    run = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(whole)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert run.returncode == 0, run.stderr[-2000:]
+    code, _, err = run_cli_output(["train", str(recipe), "--output-dir", str(whole)], monkeypatch, capsys)
+    assert code == 0, err[-2000:]
     evals = evaluations(whole)
     best_step = min(evals, key=evals.get)
     manifest = json.loads((whole / "manifest.json").read_text())
@@ -64,7 +65,7 @@ def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tm
     last = load_file(whole / f"checkpoint-{manifest['steps']}" / "adapter_model.safetensors")
     assert all(torch.equal(final[k], best[k]) for k in final)
     assert not all(torch.equal(final[k], last[k]) for k in final)
-    assert f"the final adapter is step {best_step}'s" in run.stderr
+    assert f"the final adapter is step {best_step}'s" in err
 
     # killed between the best evaluation and the stop, resumed: the same stop, the same adapter
     kill_at = best_step + 2
@@ -74,12 +75,10 @@ def test_the_best_adapter_is_kept_and_training_stops_early_also_across_a_kill(tm
     assert not (killed / "adapter_config.json").exists()
     survivors = sorted(int(p.name.split("-")[1]) for p in killed.glob("checkpoint-*"))
     assert survivors == list(range(4, kill_at + 1, 4)), survivors  # every save up to the kill
-    resumed = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(killed), "--resume"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert f"resuming from {killed / f'checkpoint-{survivors[-1]}'}" in " ".join(resumed.stderr.split())
+    argv = ["train", str(recipe), "--output-dir", str(killed), "--resume"]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert f"resuming from {killed / f'checkpoint-{survivors[-1]}'}" in " ".join(err.split())
     assert json.loads((killed / "manifest.json").read_text())["best"] == manifest["best"]
     again = load_file(killed / "adapter_model.safetensors")
     assert all(torch.equal(again[k], final[k]) for k in final)

@@ -12,24 +12,37 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
+from transformers import TrainerCallback
 
 from qlora_kit import Recipe, train
 from qlora_kit.memory import oom_faults
 from qlora_kit.model.builtin import ensure_tiny_model
 from qlora_kit.registries import metric_keys as keys
+from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
-from tests.e2e.test_fsdp import LAUNCHER, cpu_config
-from tests.e2e.test_fsdp import SETTINGS as FSDP_SETTINGS
 
 pytestmark = pytest.mark.slow  # each test trains a few short runs
 
 ROOT = Path(__file__).resolve().parents[2]
 TWO_PROCESS_TIMEOUT = 300  # s: two processes train a few steps in about a minute
 STEPS = 7  # 40 rows in 5 micro-batches of 8: the long row is in step 5 of the first epoch
+# The FSDP test's own launch (tests/e2e/test_fsdp.py reads benchmarks/fsdp_check.py's runs): the launcher
+# that lets accelerate run FSDP on CPU processes, and the demo cut to FSDP's settings.
+LAUNCHER = ROOT / "tests" / "e2e" / "fsdp_launch.py"
+FSDP_SETTINGS = [
+    "--set", "train.max_steps=6", "--set", "train.save_steps=3", "--set", "train.logging_steps=1",
+    "--set", "train.eval_steps=3", "--set", "train.sample_prompts=0", "--set", "lora.dropout=0.0",
+    "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
+    "--set", "quant.quant_storage=bfloat16", "--set", "optimizer.name=adamw_torch",
+    "--set", "lora.target_modules=[q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, lm_head]",
+    "--set", "data.packing=true",  # named: auto times the layouts in one process, chooses by padding in several
+]  # fmt: skip
 
 
 def rows() -> list[dict]:
@@ -73,25 +86,63 @@ def splits(out: Path) -> list[dict]:
     return [row for row in metrics(out) if keys.OOM_SPLIT in row]
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def shared_run(
+    tmp_path_factory, worker_id: str, name: str, cap: int, **overrides
+) -> tuple[SimpleNamespace, Path]:
+    """A run once per session across workers (the tests reading it spread over them), in the session's
+    folder ``name``: (its output_dir, steps, training losses and the injector's largest peak; the folder)."""
+
+    def make(folder: Path) -> dict:
+        monkeypatch = pytest.MonkeyPatch()
+        try:
+            result = run(folder, monkeypatch, cap=cap, **overrides)
+        finally:
+            monkeypatch.undo()
+        return {
+            "steps": result.steps,
+            "train_losses": result.train_losses,
+            "peak": max(oom_faults.INJECTOR.peaks),
+        }
+
+    folder, done = once_per_session(tmp_path_factory, worker_id, name, make)
+    return SimpleNamespace(output_dir=folder / "out", **done), folder
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, worker_id):
     """Micro-batch 4 with twice the accumulation, never capped; and the cap that only a micro-batch of
     8 holding the long row passes (1.5 times the largest forward pass of 4 rows)."""
-    monkeypatch = pytest.MonkeyPatch()
-    folder = tmp_path_factory.mktemp("reference")
-    result = run(folder, monkeypatch, cap=10**15, **{"train.micro_batch_size": 4, "train.grad_accum": 2})
-    cap = int(1.5 * max(oom_faults.INJECTOR.peaks))
-    monkeypatch.undo()
-    return result, cap
+    split = {"train.micro_batch_size": 4, "train.grad_accum": 2}
+    result, _ = shared_run(tmp_path_factory, worker_id, "oom-reference", cap=10**15, **split)
+    return result, int(1.5 * result.peak)
 
 
-@pytest.fixture(scope="module")
-def capped(reference, tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    folder = tmp_path_factory.mktemp("capped")
-    result = run(folder, monkeypatch, cap=reference[1], **{"train.save_steps": 1})
-    monkeypatch.undo()
-    return result, folder
+@pytest.fixture(scope="session")
+def capped(reference, tmp_path_factory, worker_id):
+    return shared_run(tmp_path_factory, worker_id, "oom-capped", cap=reference[1], **{"train.save_steps": 1})
+
+
+def stopped_after(folder: Path, monkeypatch, step: int, cap: int | None = None, **overrides) -> Path:
+    """A run stopped after optimizer step ``step`` (saved: train.save_steps 1) with its final files
+    deleted: what --resume meets after a kill there, its newest checkpoint ``step``'s, without a process
+    to kill (the resume reads only the checkpoint: the kill itself is tests/e2e/test_faults.py's).
+    Returns its recipe file."""
+
+    class StopAfter(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == step
+
+    values = recipe_values(folder, **{"train.save_steps": 1, **overrides})
+    recipe_file = folder / "recipe.yaml"
+    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    monkeypatch.setenv(oom_faults.ENV, "" if cap is None else str(cap))
+    result = train(Recipe.from_dict(values), callbacks=[StopAfter()])
+    assert result.steps == step
+    out = folder / "out"
+    for name in ("adapter_config.json", "adapter_model.safetensors"):  # the finished marker first
+        (out / name).unlink()
+    assert sorted(p.name for p in out.glob("checkpoint-*"))[-1:] == [f"checkpoint-{step}"]
+    return recipe_file
 
 
 def test_the_split_keeps_steps_examples_and_losses(reference, capped):
@@ -150,25 +201,18 @@ def test_an_out_of_memory_error_in_the_second_micro_batch_of_an_accumulating_ste
         assert got == want, key
 
 
-def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
+def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path, monkeypatch, capsys):
+    """Resumed from the split step's own checkpoint, in this process (a fresh Trainer, which knows the
+    split only from the checkpoint's micro_batch_split.json)."""
     (_, cap), (_, folder) = reference, capped
     k = splits(folder / "out")[0]["step"]
-    recipe_file = tmp_path / "recipe.yaml"
-    values = recipe_values(tmp_path, **{"train.save_steps": 1})
-    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+    recipe_file = stopped_after(tmp_path, monkeypatch, k, cap=cap)
     out = tmp_path / "out"
-    env = {**os.environ, oom_faults.ENV: str(cap)}
-    killed = subprocess.run(
-        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), f"step:{k + 1}"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
-    )  # fmt: skip
-    assert killed.returncode == -9, killed.stderr[-2000:]
-    resumed = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out), "--resume"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env=env,
-    )  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert "resumed with the micro-batch split" in resumed.stderr
+    argv = ["train", str(recipe_file), "--output-dir", str(out), "--resume"]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 0, err[-2000:]
+    assert f"resuming from {out / f'checkpoint-{k}'}" in " ".join(err.split())
+    assert "resumed with the micro-batch split" in err
     assert len(splits(out)) == 1, "the resumed run starts split: no second out-of-memory error"
     got, want = (
         load_file(out / "adapter_model.safetensors"),
@@ -177,44 +221,31 @@ def test_resume_after_the_split_is_bit_identical(reference, capped, tmp_path):
     assert all(torch.equal(got[n], want[n]) for n in want)
 
 
-def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path):
-    values = recipe_values(
-        tmp_path, **{"train.save_steps": 1, "train.max_steps": 4, "train.micro_batch_size": 2}
+def test_a_micro_batch_of_one_row_that_does_not_fit_stops_with_one_line(tmp_path, monkeypatch, capsys):
+    recipe_file = stopped_after(
+        tmp_path, monkeypatch, 2, **{"train.max_steps": 4, "train.micro_batch_size": 2}
     )
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
     out = tmp_path / "out"
-    killed = subprocess.run(
-        [sys.executable, "tests/e2e/fault_driver.py", str(recipe_file), str(out), "step:3"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
-    )  # fmt: skip
-    assert killed.returncode == -9, killed.stderr[-2000:]
     before = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
-    command = [
-        sys.executable,
-        "-m",
-        "qlora_kit",
-        "train",
-        str(recipe_file),
-        "--output-dir",
-        str(out),
-        "--resume",
-    ]
-    env = {**os.environ, oom_faults.ENV: "1000"}  # no row fits
-    stopped = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
-    assert stopped.returncode == 3, stopped.stderr[-2000:]
-    line = next(x for x in stopped.stderr.splitlines() if "training stopped:" in x)
+    monkeypatch.setenv(oom_faults.ENV, "1000")  # no row fits
+    code, _, err = run_cli_output(
+        ["train", str(recipe_file), "--output-dir", str(out), "--resume"], monkeypatch, capsys
+    )
+    assert code == 3, err[-2000:]
+    line = next(x for x in err.splitlines() if "training stopped:" in x)
     assert "step 3: out of memory" in line and "a micro-batch of 1 row" in line
     assert (
         "data.max_seq_len" in line and "memory.checkpointing" in line and "memory.loss_chunk_tokens" in line
     )
     assert "the planner predicts" in line
-    assert "checkpoint-2" in line and "Traceback" not in stopped.stderr
+    assert "checkpoint-2" in line and "Traceback" not in err
     after = load_file(out / "checkpoint-2" / "adapter_model.safetensors")
     assert all(torch.equal(before[n], after[n]) for n in before)
 
 
-def test_on_oom_stop_stops_at_the_first_out_of_memory_error_with_one_line(reference, capped, tmp_path):
+def test_on_oom_stop_stops_at_the_first_out_of_memory_error_with_one_line(
+    reference, capped, tmp_path, monkeypatch, capsys
+):
     """``train.on_oom: stop``: the micro-batch of 8 with the long row passes the cap and the run stops
     there, though splitting would fit it; the checkpoints before it are what the split run wrote."""
     (_, cap), (_, split_folder) = reference, capped
@@ -223,13 +254,11 @@ def test_on_oom_stop_stops_at_the_first_out_of_memory_error_with_one_line(refere
     recipe_file = tmp_path / "recipe.yaml"
     recipe_file.write_text(Recipe.from_dict(values).to_yaml())
     out = tmp_path / "out"
-    stopped = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, oom_faults.ENV: str(cap)},
-    )  # fmt: skip
-    assert stopped.returncode == 3, stopped.stderr[-2000:]
-    assert "Traceback" not in stopped.stderr
-    [line] = [x for x in stopped.stderr.splitlines() if "training stopped:" in x]
+    monkeypatch.setenv(oom_faults.ENV, str(cap))
+    code, _, err = run_cli_output(["train", str(recipe_file), "--output-dir", str(out)], monkeypatch, capsys)
+    assert code == 3, err[-2000:]
+    assert "Traceback" not in err
+    [line] = [x for x in err.splitlines() if "training stopped:" in x]
     assert f"step {k}: out of memory in micro-batch 1 of the step" in line
     assert "a micro-batch of 8 rows" in line and "tokens (8 x " in line  # the batch and its tokens
     assert (
@@ -398,13 +427,28 @@ def test_two_processes_where_one_runs_out_of_memory_in_the_all_reducing_backward
     assert losses == pytest.approx(one.train_losses, rel=1e-2)
 
 
+def fsdp_cpu_config(tmp_path: Path) -> Path:
+    """The shipped FSDP config, on 2 CPU processes."""
+    config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text())
+    config.update(use_cpu=True, num_processes=2)
+    path = tmp_path / "fsdp-cpu.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 def test_under_fsdp_an_out_of_memory_error_stops_the_run_and_no_process_hangs(tmp_path):
     """FSDP2 over 2 CPU processes (tests/e2e/fsdp_launch.py): its gathers run inside the forward and
     backward passes, where no flag can stand between them, so ``train.on_oom: split`` falls back to stop.
     Rank 1 alone runs out of memory in step 1's forward pass, between two of FSDP's gathers: it stops
     with the line and enters no collective, and the launcher ends rank 0 (bounded by the timeout)."""
     ensure_tiny_model("tiny-llama")  # built once here: two processes would both build it
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cpu_config(tmp_path))]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(fsdp_cpu_config(tmp_path)),
+    ]
     command += ["--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()), str(LAUNCHER)]
     command += ["train", "recipes/demo.yaml", *FSDP_SETTINGS, "--set", "train.fsdp=true"]
     command += ["--set", "train.micro_batch_size=4", "--output-dir", str(tmp_path / "out")]
