@@ -95,7 +95,7 @@ def main() -> None:
         )
     recipe, tokenizer, trained = adapters.load_trained(args.run)
     pairs, source = parity.prompt_pairs(recipe, tokenizer, None, 2 if args.smoke else PROMPTS)
-    prompts = [parity._training_ids(tokenizer, text) for text, _ in pairs]
+    prompts = [parity.training_ids(tokenizer, text) for text, _ in pairs]
     answers = [tokenizer(answer, add_special_tokens=False)["input_ids"] for _, answer in pairs]
     sequences = [p + a for p, a in zip(prompts, answers, strict=True)]
     starts = [len(p) for p in prompts]

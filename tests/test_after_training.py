@@ -267,6 +267,7 @@ def test_eval_generate_and_merge_an_adapter_trained_in_either_precision(trained_
     prompt = wrap_prompt(question, recipe.data, trained_run.tokenizer)
     expected = complete(trained_run.model, trained_run.tokenizer, prompt, Sampling(max_new_tokens=4))
     assert answers == [expected], (answers, expected)
-    # 30 steps leave near-flat distributions whose top-1 ties flip on rounding: KL is the measure here.
-    result = merge_adapter(adapter, tmp_path / "merged", min_top1=0.9)
+    # at merge's own bounds: 30 steps leave near-flat distributions whose top-1 ties flip on rounding,
+    # which the check leaves out (it counts top-1 where the adapter is decided)
+    result = merge_adapter(adapter, tmp_path / "merged")
     assert result.drift.mean_kl < 1e-3, result.drift

@@ -39,24 +39,37 @@ REPORT = "export_report.json"
 
 
 # Every export is judged against the floor its own type sets: the trained model's effective weights (fp32)
-# rounded into that type in memory (after/floor.py), read under teacher forcing on the same answer tokens.
-# A correct export matches its floor up to the reader's float order; calibrated on SmolLM2-135M and the
-# tiny families (benchmarks/results/export-precision-real-cpu.md), a wrong one (the LoRA update halved)
-# is many times past it.
-# Top-1 over a report's ~80 answer positions moves in steps of over a point, and llama.cpp's q8_0 matmul
-# also rounds the activations to 8 bits, which the floor (read by transformers) does not: the real model's
-# q8_0 file read by llama.cpp agreed 95.5% against its floor's 98.5% in CI. Mean KL is what parts a wrong
-# export from a right one (the halved update: 0.11 against the floor's 0.002), so top-1 is given room.
-TOP1_SLACK = 0.05  # top-1 agreement with the trained model at most this far below the floor's
-KL_FACTOR, KL_SLACK = 1.5, 0.005  # mean KL(trained || export) at most floor * 1.5 + 0.005
-# Against the floor itself (the same weights, read from the file): the writer's own errors, and the
-# reader's arithmetic: llama.cpp's q8_0 dot products round the activations to 8 bits too (the real model's
-# q8_0 file read by llama.cpp: mean KL 0.0021 against its floor, where transformers reads 0.001; a writer's
-# error, such as the halved update, is 0.1 and more).
-FLOOR_TOP1, FLOOR_KL = 0.95, 0.005
+# rounded into that type in memory (after/floor.py), read under teacher forcing on the same answer tokens,
+# and against the trained model itself (computed in float32: floor.load_trained_exactly). Calibrated on the
+# real model's adapters of every layout, ranks 8-64, 8-60 steps, against wrong exports of each (the update
+# x 0.9 and x 0.5, one layer's update dropped): benchmarks/results/export-calibration-real-cpu.md.
+# Against the floor itself (the same weights, read from the file): the writer's own errors and the
+# reader's arithmetic. transformers reads a file's weights into fp32 as the floor holds them (a correct
+# file: KL ~0), so FLOOR_KL_OTHERS stands between that and a writer's error (the update x 0.9 at the
+# answers: 0.0044-0.06, below the bound only on an adapter trained 60 steps whose answers barely move;
+# merge's drift check also judges every position, where that one moved 0.03). llama.cpp's q8_0 dot products also round the activations to 8 bits, which the floor does
+# not: a correct q8_0 file read by llama.cpp was up to 0.0076 from its floor over 16 prompts, 0.019
+# over 4 (fewer positions, more noise) and 0.0115 on issue 58's grouped adapter; the update x 0.9 from
+# 0.0047 (an adapter trained 60 steps) to 0.049. No bound parts those two without refusing correct
+# files, so llama.cpp's q8_0 bound keeps correct files in and catches coarse errors (the update halved:
+# 0.1 and more); the 10% error is transformers' reader's to catch, on the same file.
+FLOOR_KL = {("q8_0", "llama.cpp"): 0.03}  # per (export type, reader); the rest
+FLOOR_KL_OTHERS = 0.005
+FLOOR_TOP1 = 0.95
 # ...and top-1 counts positions: on a report with few answer positions (the real model's sweep: 24, short
-# answers) two near-ties flipped by llama.cpp's 8-bit activations are 8 points (91.7%, KL inside 0.005)
+# answers; 7 over 4 prompts) two near-ties flipped by llama.cpp's 8-bit activations are 8 points or more
+# (91.7%, KL inside its bound), against the floor and against the trained model alike
 FLOOR_FLIPS = 2
+# Against the trained model: what the type's rounding costs (the floor's own distance from the trained
+# model) plus what the file may differ from its floor (FLOOR_KL). Top-1 over ~24-80 answer positions moves
+# in steps of over a point, and flips at near-ties under any rounding: it is given room, KL parts a wrong
+# export from a right one.
+TOP1_SLACK = 0.05  # top-1 agreement with the trained model at most this far below the floor's
+
+
+def floor_kl(kind: str, reader: str) -> float:
+    """How far (mean KL) an export of type ``kind`` read back by ``reader`` may be from its floor."""
+    return FLOOR_KL.get((kind, reader), FLOOR_KL_OTHERS)
 
 
 @dataclass
@@ -186,11 +199,13 @@ def verify(
             reader = open_reader(reference)
             if reader is None:
                 continue
+            reader = parity.ReadOnce(reader)  # against the trained model and the floor, read once
             for against in againsts:
                 comparison = parity.compare(
                     reference if against == "trained" else floor_reference, reader, label, against
                 )
-                failures += _judge(comparison, floor if judged or against == "floor" else None)
+                judged_by = floor if judged or against == "floor" else None
+                failures += _judge(comparison, judged_by, report["type"])
                 comparisons.append(comparison.as_dict())
         except Exception as exc:  # a file no reader can load is the report's finding, not a crash
             failures.append(f"{label} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -203,6 +218,7 @@ def verify(
         "prompts_from": reference.source,
         "tokens": tokens,
         "comparisons": comparisons,
+        "greedy_causes": parity.greedy_causes(comparisons, len(reference.prompts)),
         "failures": failures,
     }
 
@@ -277,9 +293,9 @@ def _readers(folder: Path, report: dict):
         yield files["gguf"], lambda ref: parity.llama_cpp_reader(gguf, ref), ("trained", "floor")
 
 
-def _judge(comparison: parity.Comparison, floor: parity.Comparison | None) -> list[str]:
+def _judge(comparison: parity.Comparison, floor: parity.Comparison | None, kind: str) -> list[str]:
     """One line per figure beyond what the export's floor allows (and per prompt or template that
-    differs); against the floor itself, the fixed FLOOR_* limits."""
+    differs); against the floor itself, the FLOOR_* limits of its type ``kind``."""
     where = f"{comparison.export} read by {comparison.reader} against the {comparison.against} model"
     failures = []
     if comparison.prompt_ids_match is False:
@@ -288,11 +304,13 @@ def _judge(comparison: parity.Comparison, floor: parity.Comparison | None) -> li
         failures.append(f"{where}: the chat template renders a different prompt than the tokenizer's")
     if floor is None:
         return failures
+    flips = FLOOR_FLIPS / max(comparison.positions, 1)  # two positions' share of this report's
     if comparison.against == "floor":
-        min_top1, max_kl = min(FLOOR_TOP1, 1 - FLOOR_FLIPS / max(comparison.positions, 1)), FLOOR_KL
+        min_top1 = min(FLOOR_TOP1, 1 - flips)
+        max_kl = floor_kl(kind, comparison.reader)
     else:
-        min_top1 = floor.top1_agreement - TOP1_SLACK
-        max_kl = floor.mean_kl * KL_FACTOR + KL_SLACK
+        min_top1 = floor.top1_agreement - max(TOP1_SLACK, flips)
+        max_kl = floor.mean_kl + floor_kl(kind, comparison.reader)
     comparison.floor = {
         "top1_agreement": floor.top1_agreement,
         "mean_kl": floor.mean_kl,

@@ -28,6 +28,17 @@ MERGED_DTYPES = ("float16", "bfloat16", "float32")
 GGUF_TYPES = ("f16", "bf16", "q8_0")
 
 
+def load_trained_exactly(adapter_dir: Path, recipe):
+    """(recipe, tokenizer, model): the trained model as merge's drift check and the parity report take
+    their reference, the 4-bit base and the adapter as trained, computed in float32. A bf16 forward's own
+    rounding (the default compute dtype) parts it from the same weights computed exactly: on the real
+    model it was nine tenths of a correct merge's measured KL and flipped top-1 at near-ties, where a
+    wrong merge (the update x 0.9, one layer's dropped) is many times farther in float32
+    (benchmarks/results/export-calibration-real-cpu.md). Not sharded: one process reads it."""
+    exact = recipe.with_overrides({"quant.compute_dtype": "float32", "train.fsdp": False})
+    return adapters.load_trained(adapter_dir, exact)
+
+
 def merged_model(recipe, adapter_dir: Path | None, base: str):
     """The adapter merged into the ``base`` weights in fp32 (with ``adapter_dir`` None, the base alone):
     ``dequantized`` the 4-bit base dequantized (what the adapter trained against), ``original`` the

@@ -1,7 +1,7 @@
 """The parity report: does what a user serves behave like what was trained?
 
-The reference is the trained model itself (the 4-bit base with the adapter, as ``load_trained`` builds
-it) on prompts with answers (the run's validation rows, a fixed seeded sample of its training rows, or a
+The reference is the trained model itself (the 4-bit base with the adapter, computed in float32:
+``floor.load_trained_exactly``) on prompts with answers (the run's validation rows, a fixed seeded sample of its training rows, or a
 prompts file answered by the trained model itself): its logits at each answer position under teacher
 forcing, its greedy continuation of N tokens, and the prompt as training tokenized it. Each export is
 read back by a reader that shares no code with the writer (transformers' own loaders for safetensors and
@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qlora_kit.after import floor
 from qlora_kit.after.generate import wrap_prompt
 from qlora_kit.data import prepare, prompt_examples
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import adapters
 from qlora_kit.registries import families
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class Comparison:
     mean_abs_logit: float
     greedy_agreement: float  # free-running: shown, not judged
     tokens: int
+    greedy_prompts: int = 0  # prompts whose whole greedy continuation is the reference's
     floor: dict | None = None  # the figures of the export's own type, and what was allowed
     prompt_ids_match: bool | None = None
     template_match: bool | None = None
@@ -86,10 +87,10 @@ def reference_of(adapter_dir: Path, recipe, prompts: list[str] | None, count: in
 def _compute_reference(
     adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int
 ) -> Reference:
-    _, tokenizer, trained = adapters.load_trained(adapter_dir, recipe)
+    _, tokenizer, trained = floor.load_trained_exactly(adapter_dir, recipe)
     pairs, source = prompt_pairs(recipe, tokenizer, prompts, count)
     reader = TransformersModel(trained, tokenizer)
-    ids = [_training_ids(tokenizer, text) for text, _ in pairs]
+    ids = [training_ids(tokenizer, text) for text, _ in pairs]
     # with no reference answer (--prompts), the trained model's own greedy answer is teacher-forced
     length = max(tokens, 8)
     greedy = [
@@ -152,11 +153,12 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
         deltas.append((got - expected).abs().flatten())
         kl.append(kl_per_position(expected, got))
         agree += int((got.argmax(-1) == expected.argmax(-1)).sum())
-    greedy_agree = total = 0
+    greedy_agree = total = whole = 0
     for prompt, expected in zip(reference.prompts, reference.greedy, strict=True):
         got = reader.greedy(prompt, len(expected))
         greedy_agree += sum(a == b for a, b in zip(got, expected, strict=False))
         total += len(expected)
+        whole += list(got) == list(expected)
     every, kls = torch.cat(deltas), torch.cat(kl)
     result = Comparison(
         export,
@@ -169,6 +171,7 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
         mean_abs_logit=float(every.mean()),
         greedy_agreement=greedy_agree / max(total, 1),
         tokens=total,
+        greedy_prompts=whole,
     )
     if against == "trained" and hasattr(reader, "served_ids"):
         result.prompt_ids_match = all(
@@ -200,6 +203,65 @@ class ReplayReader:
         return self._greedy[tuple(prompt)][:count]
 
 
+class ReadOnce:
+    """A reader whose figures are kept as it gives them: an export compared against the trained model
+    and against its floor reads each prompt once, not twice. Its served prompts and template (a real
+    reader's) pass through."""
+
+    def __init__(self, reader) -> None:
+        self._reader, self.name = reader, reader.name
+        self._logits: dict[tuple, torch.Tensor] = {}
+        self._greedy: dict[tuple, list[int]] = {}
+
+    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+        key = (tuple(prompt), tuple(answer))
+        if key not in self._logits:
+            self._logits[key] = self._reader.answer_logits(prompt, answer)
+        return self._logits[key]
+
+    def greedy(self, prompt: list[int], count: int) -> list[int]:
+        key = (tuple(prompt), count)
+        if key not in self._greedy:
+            self._greedy[key] = self._reader.greedy(prompt, count)
+        return self._greedy[key]
+
+    def __getattr__(self, name: str):  # served_ids, render: only where the reader has them
+        return getattr(self._reader, name)
+
+
+def greedy_causes(comparisons: list[dict], prompts: int) -> list[str]:
+    """Per reader of the export, whose rounding parts its free-running continuation from the trained
+    model's: the export's type (the file continues as its floor does, and the floor, the trained weights
+    rounded into that type, is what parts from the trained model) or the file and its reader (it parts
+    from its own floor: the writer, or the reader's arithmetic such as llama.cpp's 8-bit activations)."""
+    floor = next((c for c in comparisons if c["export"].startswith("floor:")), None)
+    lines = []
+    for trained in (c for c in comparisons if c["against"] == "trained" and c is not floor):
+        own = next(
+            (
+                c
+                for c in comparisons
+                if c["against"] == "floor"
+                and (c["export"], c["reader"]) == (trained["export"], trained["reader"])
+            ),
+            None,
+        )
+        if own is None or floor is None or not trained["tokens"]:
+            continue
+        where = f"{trained['export']} read by {trained['reader']}"
+        line = (
+            f"greedy: {where} continues {trained['greedy_prompts']} of {prompts} prompts as the trained model "
+            f"does, {own['greedy_prompts']} of {prompts} as its floor does, and the floor "
+            f"{floor['greedy_prompts']} of {prompts} as the trained model does: "
+        )
+        if own["greedy_prompts"] == prompts:
+            line += "the type's rounding moves them, not the export"
+        else:
+            line += f"on {prompts - own['greedy_prompts']} the file parts from its own floor (its writer or its reader's arithmetic)"
+        lines.append(line)
+    return lines
+
+
 def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     """KL(reference || other) at each position, (T,), from two (T, V) logit tensors."""
     p = torch.log_softmax(reference_logits.float(), dim=-1)
@@ -213,8 +275,8 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def _training_ids(tokenizer, text: str) -> list[int]:
-    # as generation.complete tokenizes a prompt: a chat template carries its own BOS
+def training_ids(tokenizer, text: str) -> list[int]:
+    """A prompt's ids as generation.complete tokenizes it: a chat template carries its own BOS."""
     has_bos = bool(tokenizer.bos_token) and text.startswith(tokenizer.bos_token)
     return tokenizer(text, add_special_tokens=not has_bos)["input_ids"]
 

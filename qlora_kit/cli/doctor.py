@@ -194,7 +194,7 @@ def _merge(result, out: Path):
     except MergeDriftError as exc:
         return False, str(exc)
     drift = merged.drift
-    return True, f"mean KL {drift.mean_kl:.2e}, top-1 agreement {drift.top1_agreement:.1%}"
+    return True, f"answers' mean KL {drift.mean_kl:.2e}, decided top-1 agreement {drift.top1_agreement:.1%}"
 
 
 def _plan(recipe: Recipe):

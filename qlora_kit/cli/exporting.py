@@ -38,8 +38,18 @@ def merge(
     dtype: Annotated[
         str, typer.Option(help="The merged weights' dtype: float16, bfloat16 or float32 (merged in fp32).")
     ] = "float16",
-    max_kl: Annotated[float, typer.Option(help="Largest mean KL(adapter || merged) accepted.")] = 0.02,
-    min_top1: Annotated[float, typer.Option(help="Smallest top-1 agreement accepted.")] = 0.98,
+    max_kl: Annotated[
+        float | None,
+        typer.Option(
+            help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds calibrated for --dtype, README]."
+        ),
+    ] = None,
+    min_top1: Annotated[
+        float | None,
+        typer.Option(
+            help="Smallest top-1 agreement where the adapter's choice is decided [default: the calibrated bound]."
+        ),
+    ] = None,
 ) -> None:
     """Merge the adapter into its base and export a standalone model, checked for drift."""
     configure_logging(errors)
@@ -49,15 +59,16 @@ def merge(
     if base not in ("dequantized", "original"):
         raise RecipeError(f"--base: must be dequantized or original (got {base!r})")
     try:
-        result = merge_adapter(
-            adapter, out, base=base, max_kl=max_kl, min_top1=min_top1, force=force, dtype=dtype
-        )
+        bounds = {k: v for k, v in (("max_kl", max_kl), ("min_top1", min_top1)) if v is not None}
+        result = merge_adapter(adapter, out, base=base, force=force, dtype=dtype, **bounds)
     except MergeDriftError as exc:
         errors.print(f"[bold red]refused:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         raise typer.Exit(GUARD_STOP) from None
     drift = result.drift
     console.print(
-        f"drift over {drift.positions} positions: mean KL {drift.mean_kl:.3g}, top-1 agreement {drift.top1_agreement:.1%}",
+        f"drift at {drift.positions} answer positions: mean KL {drift.mean_kl:.3g}, top-1 agreement "
+        f"{drift.top1_agreement:.1%} at the {drift.decided} the adapter is decided at (every position: mean KL "
+        f"{drift.all_kl:.3g}, top-1 {drift.all_top1:.1%})",
         highlight=False,
     )
     console.print(

@@ -373,6 +373,8 @@ def show_export(console: Console, report: dict) -> None:
             marks[c["template_match"]],
         )
     console.print(table)
+    for line in report.get("greedy_causes", []):
+        console.print(line, highlight=False, markup=False)
     difference = report.get("base_difference")
     if difference:
         console.print(

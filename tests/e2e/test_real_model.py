@@ -7,6 +7,7 @@ so 24 short conversations, 6 steps of 4 and 6 held-out rows.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -75,9 +76,17 @@ def qlora_kit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("real")
+@pytest.fixture(scope="session")
+def real_run(tmp_path_factory, worker_id):
+    """The real model trained once per session, whichever worker asks first (its tests may run on both):
+    (its folder, the train command's stderr). Read-only for the tests."""
+    from tests.conftest import once_per_session
+
+    folder, result = once_per_session(tmp_path_factory, worker_id, "real-run", train_real_model)
+    return folder, result["stderr"]
+
+
+def train_real_model(folder: Path) -> dict:
     rows = [conversation(word, meaning) for word, meaning in WORDS.items()]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[:24]))
     (folder / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows[24:]))
@@ -110,7 +119,7 @@ def real_run(tmp_path_factory):
     (folder / "recipe.yaml").write_text(yaml.safe_dump(recipe))
     result = qlora_kit("train", "recipe.yaml", cwd=folder)
     assert result.returncode == 0, result.stderr[-3000:]
-    return folder, result
+    return {"stderr": result.stderr}
 
 
 # The converted model before any training, on the held-out chats' answer tokens: a pretrained model's loss
@@ -206,27 +215,53 @@ def test_the_plan_is_within_5_percent_of_the_measured_saved_bytes(real_run):
 
 
 def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
-    """The real model through the CLI to a q8_0 GGUF (refused before its report was judged against its
-    type's floor), and merged and f16 through the API on 4 prompts: each passes; the f16 file rewritten
-    with the LoRA update scaled by 0.5 fails the same report."""
+    """The real model to a q8_0 GGUF, an f16 GGUF and a merged folder, each judged by its parity report on
+    the run's validation rows (the q8_0 file was refused before its report was judged against its type's
+    floor): each passes; the f16 file rewritten with the LoRA update scaled by 0.5 fails the same report.
+    In one process, so the trained model's figures are computed once for all four reports; one greedy
+    token (the greedy continuation is shown, not judged). The shell's export is the sweep's and
+    tests/test_export.py's."""
     import shutil
 
     from qlora_kit import export
-    from qlora_kit.after.export import check_export
+    from qlora_kit.after.export import PROMPTS, check_export
     from tests.test_export import write_halved_gguf
 
     folder, _ = real_run
-    result = qlora_kit(
-        "export", "--adapter", "out", "--to", "gguf", "--type", "q8_0", "--out", "q8", cwd=folder
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    report = json.loads((folder / "q8" / "export_report.json").read_text())
-    assert report["failures"] == [] and report["prompts_from"] == "validation rows"
-    small = {"prompt_count": 4, "tokens": 8}
-    for to, qtype in (("merged", "f16"), ("gguf", "f16")):
-        done = export(folder / "out", to, out=tmp_path / to, qtype=qtype, **small)
-        assert done.report["failures"] == [], (to, done.report["failures"])
-    wrong = shutil.copytree(tmp_path / "gguf", tmp_path / "wrong")
+    run = {"prompt_count": PROMPTS, "tokens": 1}
+    for to, qtype in (("gguf", "q8_0"), ("merged", "f16"), ("gguf", "f16")):
+        done = export(folder / "out", to, out=tmp_path / f"{to}-{qtype}", qtype=qtype, **run)
+        assert done.report["failures"] == [], (to, qtype, done.report["failures"])
+        assert done.report["prompts_from"] == "validation rows"
+    wrong = shutil.copytree(tmp_path / "gguf-f16", tmp_path / "wrong")
     write_halved_gguf(folder / "out", wrong / "model.gguf", "f16")
-    failures = check_export(folder / "out", wrong, **small)["failures"]
+    failures = check_export(folder / "out", wrong, **run)["failures"]
     assert any("against the trained model: mean KL" in line for line in failures), failures
+
+
+def test_the_real_model_merges_at_the_defaults_and_a_merge_missing_a_tenth_of_the_update_is_refused(
+    real_run, tmp_path
+):
+    """merge's drift check at its calibrated bounds (benchmarks/results/export-calibration-real-cpu.md):
+    the real model's adapter merges without --force (it was refused at ordinary settings: top-1 over every
+    position flipped at near-ties against a bf16 reference), and a merged folder whose update is 0.9 of the
+    adapter's, measured against the adapter, is past them."""
+    from safetensors.torch import load_file, save_file
+
+    from qlora_kit.after import merge
+    from qlora_kit.model.adapters import recipe_of
+
+    folder, _ = real_run
+    adapter = folder / "out"
+    result = merge.merge_adapter(adapter, tmp_path / "merged")
+    bounds = merge.MAX_KL["float16"], merge.MIN_TOP1, merge.MAX_ALL_KL["float16"]
+    assert result.drift.within(*bounds) and result.drift.positions > 0, result.drift
+    wrong = tmp_path / "wrong-adapter"
+    shutil.copytree(adapter, wrong, ignore=shutil.ignore_patterns("checkpoint-*", "tensorboard"))
+    tensors = load_file(wrong / "adapter_model.safetensors")
+    save_file(
+        {k: v * 0.9 if "lora_B" in k else v for k, v in tensors.items()}, wrong / "adapter_model.safetensors"
+    )
+    merge.merge_adapter(wrong, tmp_path / "wrong", force=True)
+    drift = merge.measure_drift(recipe_of(adapter), adapter, tmp_path / "wrong")
+    assert not drift.within(*bounds), drift
