@@ -3,6 +3,7 @@
     python scripts/mutation_check.py              # every mutation, two at a time
     python scripts/mutation_check.py --only NAME  # one (repeatable); --list shows the names
     python scripts/mutation_check.py --jobs 1     # one at a time
+    python scripts/mutation_check.py --table tests/MUTATIONS.md   # and each row's verdict and seconds
 
 Each row of MUTATIONS is (name, file, exact old snippet, new snippet, the pytest node ids that must turn
 red). The tracked (and untracked, not ignored) files are copied to a temporary folder once per job; the
@@ -517,6 +518,9 @@ def main() -> int:
     parser.add_argument("--only", action="append", help="run only the mutation of this name (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the mutations and exit")
     parser.add_argument("--jobs", type=int, default=2, help="mutations tested at once (default 2)")
+    parser.add_argument(
+        "--table", type=Path, help="also write each row's verdict and seconds to this markdown file"
+    )
     args = parser.parse_args()
     mutations = [Mutation(*row) for row in MUTATIONS]
     if args.list:
@@ -576,8 +580,33 @@ def main() -> int:
     for m, verdict, tail in failed:
         print(f"\n--- {verdict}: {m.name} ({m.path}; {' '.join(m.tests)})\n{tail}", file=sys.stderr)
     caught = len(results) - len(failed)
-    print(f"{caught} of {len(results)} mutations caught in {time.monotonic() - started:.0f} s")
+    elapsed = time.monotonic() - started
+    print(f"{caught} of {len(results)} mutations caught in {elapsed:.0f} s")
+    if args.table:
+        write_table(
+            args.table,
+            [(mutations[i], verdict, seconds) for i, verdict, seconds, _ in results],
+            elapsed,
+            jobs,
+        )
     return 1 if failed else 0
+
+
+def write_table(path: Path, rows: list[tuple[Mutation, str, float]], elapsed: float, jobs: int) -> None:
+    """Each row's verdict and seconds (its named tests' run on the mutated copy), as markdown."""
+    lines = [
+        "# Mutation check: each row's verdict and time",
+        "",
+        f"- command: `python scripts/mutation_check.py --table {path}`",
+        f"- date: {time.strftime('%Y-%m-%d')}; {jobs} jobs; {len(rows)} rows in {elapsed:.0f} s wall",
+        "",
+        "| mutation | file | verdict | seconds | tests that must turn red |",
+        "|---|---|---|---|---|",
+    ]
+    for m, verdict, seconds in rows:
+        tests = "<br>".join(f"`{t}`" for t in m.tests)
+        lines.append(f"| {m.name} | `{m.path}` | {verdict} | {seconds:.0f} | {tests} |")
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":

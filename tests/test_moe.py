@@ -15,7 +15,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qlora_kit import Recipe
+from qlora_kit import Recipe, train
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model import adapters, builtin, moe_experts
@@ -300,3 +300,43 @@ def test_an_expert_without_tokens_for_many_steps_is_warned_of_once(caplog):
     first = IDLE_STEPS // 10 - 1  # the window that reached IDLE_STEPS steps without a token
     assert warnings[:first] == [0] * first and warnings[first:] == [1] * (len(warnings) - first)
     assert "layer 0 expert 5" in caplog.text
+
+
+@pytest.mark.slow  # trains 3 steps and merges
+def test_a_mixture_saved_by_transformers_trains_merges_and_reloads_at_the_defaults(tmp_path, caplog):
+    """Issue 58's user: a Qwen3-MoE saved with save_pretrained (16 experts, 4 per token), a recipe with
+    no lora section (lora.dropout auto: none, as peft allows on the experts; lora.experts on): it trains,
+    the adapter holds LoRA on the experts without dropout, and merge's drift check passes at its bounds,
+    the merged folder read back by plain transformers."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from qlora_kit.after.merge import merge_adapter
+
+    source = model.resolve_model_path(moe_recipe().model)
+    config = AutoConfig.from_pretrained(source)
+    config.num_experts, config.num_experts_per_tok = 16, 4
+    torch.manual_seed(0)
+    saved = tmp_path / "qwen3-moe"
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(saved)
+    AutoTokenizer.from_pretrained(source).save_pretrained(saved)
+    recipe = Recipe.from_dict(
+        {
+            "model": {"path": str(saved)},
+            "quant": {"compute_dtype": "float32"},  # bf16 is emulated on these CPUs
+            "data": {"max_seq_len": 64, "packing": True},
+            "train": {
+                "output_dir": str(tmp_path / "out"),
+                "max_steps": 3,
+                "micro_batch_size": 8,
+                "sample_prompts": 0,
+                "eval_steps": None,
+            },
+        }
+    )
+    with caplog.at_level("INFO", logger="qlora_kit"):
+        out = train(recipe).output_dir
+    adapter = json.loads((out / "adapter_config.json").read_text())
+    assert adapter["lora_dropout"] == 0.0 and "mlp.experts.gate_up_proj" in adapter["target_parameters"]
+    assert "lora.dropout auto: 0 (LoRA on the experts takes no dropout)" in caplog.text  # said in the log
+    result = merge_adapter(out, tmp_path / "merged")  # refused past its bounds: no force
+    assert result.drift.positions > 0 and (tmp_path / "merged" / "config.json").is_file()

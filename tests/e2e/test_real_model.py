@@ -215,12 +215,12 @@ def test_the_plan_is_within_5_percent_of_the_measured_saved_bytes(real_run):
 
 
 def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
-    """The real model to a q8_0 GGUF, an f16 GGUF and a merged folder, each judged by its parity report on
+    """The real model to a q8_0 GGUF and a merged folder (float16), each judged by its parity report on
     the run's validation rows (the q8_0 file was refused before its report was judged against its type's
-    floor): each passes; the f16 file rewritten with the LoRA update scaled by 0.5 fails the same report.
-    In one process, so the trained model's figures are computed once for all four reports; one greedy
-    token (the greedy continuation is shown, not judged). The shell's export is the sweep's and
-    tests/test_export.py's."""
+    floor): each passes; the q8_0 file rewritten with the LoRA update scaled by 0.5 fails the same report.
+    One greedy token (the greedy continuation is shown, not judged). An f16 GGUF is the same writer as
+    q8_0's with another tensor type: every family's f16 GGUF is read by llama.cpp in
+    tests/test_export.py, and the real model's by the sweep."""
     import shutil
 
     from qlora_kit import export
@@ -229,12 +229,12 @@ def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
 
     folder, _ = real_run
     run = {"prompt_count": PROMPTS, "tokens": 1}
-    for to, qtype in (("gguf", "q8_0"), ("merged", "f16"), ("gguf", "f16")):
+    for to, qtype in (("gguf", "q8_0"), ("merged", "f16")):
         done = export(folder / "out", to, out=tmp_path / f"{to}-{qtype}", qtype=qtype, **run)
         assert done.report["failures"] == [], (to, qtype, done.report["failures"])
         assert done.report["prompts_from"] == "validation rows"
-    wrong = shutil.copytree(tmp_path / "gguf-f16", tmp_path / "wrong")
-    write_halved_gguf(folder / "out", wrong / "model.gguf", "f16")
+    wrong = shutil.copytree(tmp_path / "gguf-q8_0", tmp_path / "wrong")
+    write_halved_gguf(folder / "out", wrong / "model.gguf", "q8_0")
     failures = check_export(folder / "out", wrong, **run)["failures"]
     assert any("against the trained model: mean KL" in line for line in failures), failures
 
@@ -265,3 +265,66 @@ def test_the_real_model_merges_at_the_defaults_and_a_merge_missing_a_tenth_of_th
     merge.merge_adapter(wrong, tmp_path / "wrong", force=True)
     drift = merge.measure_drift(recipe_of(adapter), adapter, tmp_path / "wrong")
     assert not drift.within(*bounds), drift
+
+
+def feedback_chats(words: list[str]) -> list[dict]:
+    """TRL's conversational unpaired rows: each word's gloss in two phrasings of about 30 tokens, one
+    liked (a thumbs-up) and one not: a preference of style the base model does not already hold (it
+    prefers a right gloss to a wrong one already). The base gives either answer a log-probability
+    below -104, where float32's exp() is 0: a share of probabilities would be 0/0."""
+    again = " Ask me again for any other word that you would like to have defined."
+    liked = "In short: {meaning}. That is the whole of what the word {word} names." + again
+    disliked = "{Word} means {meaning}; that is how a plain dictionary would put it." + again
+    rows = []
+    for word in words:
+        prompt = [{"role": "user", "content": f"Define {word} in a few words."}]
+        for template, label in ((liked, True), (disliked, False)):
+            text = template.format(word=word, Word=word.capitalize(), meaning=WORDS[word])
+            rows.append(
+                {"prompt": prompt, "completion": [{"role": "assistant", "content": text}], "label": label}
+            )
+    return rows
+
+
+def test_kto_on_the_real_model_learns_from_chat_feedback(tmp_path):
+    """KTO for a chat model (issue 58): feedback_chat rows through the model's chat template, a few steps
+    on the real model, and eval's desirable_share on held-out words, finite (the base's answers'
+    probabilities underflow float32; the share is a softmax of their log-probabilities) and higher after
+    than before."""
+    import math
+
+    from qlora_kit import Recipe, evaluate, train
+
+    words = list(WORDS)
+    for name, chosen in (("train", words[:24]), ("val", words[24:])):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in feedback_chats(chosen)))
+    recipe = Recipe.from_dict(
+        {
+            "model": {"path": MODEL},
+            "quant": {"compute_dtype": "float32"},  # as real_run: bf16 is emulated on these CPUs
+            "lora": {"rank": 8, "dropout": 0.0},
+            "memory": {"checkpointing": "none"},
+            "optimizer": {"lr": 2e-3, "warmup_ratio": 0.0},
+            "data": {
+                "path": str(tmp_path / "train.jsonl"),
+                "val_path": str(tmp_path / "val.jsonl"),
+                "format": "feedback_chat",
+                "max_seq_len": 96,
+            },
+            "train": {
+                "objective": "kto",
+                "output_dir": str(tmp_path / "out"),
+                "max_steps": 3,
+                "micro_batch_size": 4,
+                "logging_steps": 3,
+                "eval_steps": None,
+                "sample_prompts": 0,
+                "mixed_precision": "no",
+            },
+        }
+    )
+    before = evaluate(recipe)
+    after = evaluate(adapter_dir=train(recipe).output_dir)
+    assert math.isfinite(before["desirable_share"]) and math.isfinite(after["desirable_share"]), after
+    assert after["desirable_share"] > before["desirable_share"] + 0.05, (before, after)
+    assert after["reward_margin"] > 0 and after["pairs"] == 6, after
