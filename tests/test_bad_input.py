@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from qlora_kit import Recipe
 
-from .conftest import run_cli
+from .conftest import run_cli, run_cli_output
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -639,3 +639,20 @@ def test_plan_max_seq_len_where_nothing_fits_is_one_line(monkeypatch, capsys):
     errors = [ln for ln in err.splitlines() if ln.startswith("error:")]
     assert code == 2 and len(errors) == 1, err
     assert errors[0].startswith("error: plan --max-seq-len: not even 1024 tokens fit 0.001 GiB")
+
+
+@pytest.mark.slow  # loads the run's model (the loading is the check's order, not its cost)
+def test_generate_with_an_image_on_a_text_only_run_is_one_line(finished_run, tmp_path, monkeypatch, capsys):
+    """An image given to a run whose base reads no images: one line naming --image, nothing generated."""
+    from PIL import Image
+
+    picture = tmp_path / "square.png"
+    Image.new("RGB", (8, 8), "red").save(picture)
+    argv = ["generate", "--adapter", str(finished_run), "What colour?", "--image", str(picture)]
+    code, out, err = run_cli_output(argv, monkeypatch, capsys)
+    lines = err.strip().splitlines()
+    assert (
+        code == 2
+        and lines[-1] == "error: --image: the adapter's base model is text-only (not a vision-language model)"
+    ), err
+    assert out.strip() in ("", "> What colour?") and "Traceback" not in err  # the prompt, no completion
