@@ -53,7 +53,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     for spec in (
         ObjectiveSpec(
             "sft",
-            "qlora_kit.training.sft",
+            "qlora_kit.training.objectives.sft",
             SEQUENCES,
             "Trainer",
             packs=True,
@@ -62,7 +62,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         ),
         ObjectiveSpec(
             "dpo",
-            "qlora_kit.training.dpo",
+            "qlora_kit.training.objectives.dpo",
             PAIRS,
             "DPOTrainer",
             sequences_per_row=2,  # chosen and rejected in one forward pass
@@ -76,10 +76,10 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         ),
         ObjectiveSpec(
             "grpo",
-            "qlora_kit.training.grpo",
+            "qlora_kit.training.objectives.grpo.grpo",
             PROMPTS,
             "GRPOTrainer",
-            # an out-of-memory error splits the generation batch or the policy step (grpo_oom.py), and the
+            # an out-of-memory error splits the generation batch or the policy step (grpo/oom.py), and the
             # probe tries the longest prompts at max_completion_length first
             probes_worst_batch=True,
             preflight=False,  # it trains on no labelled token: the completions are sampled
@@ -93,7 +93,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         ),
         ObjectiveSpec(
             "kto",
-            "qlora_kit.training.kto",
+            "qlora_kit.training.objectives.kto",
             UNPAIRED,
             "KTOTrainer",
             splits_on_oom=False,  # not yet proven on its KL rows: an out-of-memory error stops with the line

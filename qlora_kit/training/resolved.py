@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import objectives
-from qlora_kit.training.distributed import launched_fsdp_settings
+from qlora_kit.training.step.distributed import launched_fsdp_settings
 
 if TYPE_CHECKING:
     from qlora_kit.memory.layer_costs import LayerCosts
+    from qlora_kit.memory.layout_costs import LayoutCosts
     from qlora_kit.recipe.memory import MemorySection
     from qlora_kit.recipe.recipe import Recipe
-    from qlora_kit.training.layout_costs import LayoutCosts
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,7 @@ SETTINGS = [
     "--set", "optimizer.name=adamw_torch", "--set", "quant.compute_dtype=float32",
 ]  # fmt: skip
 # An SFT run's layout is named: data.packing auto times the layouts in one process and chooses by padding
-# in several (training/layout_costs.py), and these tests compare data parallelism, not layouts.
+# in several (memory/layout_costs.py), and these tests compare data parallelism, not layouts.
 PACKED = ["--set", "data.packing=true"]
 ONE = ["--set", "train.micro_batch_size=8"]  # the one process: both halves of the two processes' batch
 
@@ -66,7 +66,7 @@ def in_this_process(monkeypatch, capsys) -> Callable[[Path, list[str]], str]:
 
 def in_a_fresh_process(out: Path, train: list[str]) -> str:
     """The one-process reference in a process of its own: an in-process GRPO run can sample other
-    completions than a fresh process does (tests/e2e/test_grpo_oom.py, DRIVER)."""
+    completions than a fresh process does (tests/e2e/test_grpo/oom.py, DRIVER)."""
     command = [sys.executable, "-m", "qlora_kit", *train, "--output-dir", str(out), *ONE]
     single = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-2000:]

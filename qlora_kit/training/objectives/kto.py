@@ -31,10 +31,10 @@ from qlora_kit.data import feedback, sources
 from qlora_kit.data import prepare as data
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
-from qlora_kit.training import private_hooks
-from qlora_kit.training.dpo import _policy_back_to_fp32, describe_reference
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.objectives.dpo import _policy_back_to_fp32, describe_reference
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

@@ -35,12 +35,12 @@ PRIVATE_OVERRIDES = {
     "_send_telemetry": "TRL reports usage over the network; a training run here makes no such call",
     # grpo.py
     "_get_per_token_logps_and_entropies": (
-        "several processes agree on an out-of-memory error before TRL's loss all-reduces (grpo_oom.py)"
+        "several processes agree on an out-of-memory error before TRL's loss all-reduces (grpo/oom.py)"
     ),
     "_generate_single_turn": (
         "grpo.seed_each_completion: each row of the generate call drawn from its own seed (row_sampling.py)"
     ),
-    # grpo_oom.py
+    # grpo/oom.py
     "_prepare_inputs": "a split policy step reuses its sampled rollout instead of sampling again",
 }
 

@@ -27,19 +27,20 @@ from transformers.trainer_callback import PrinterCallback
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
-from qlora_kit.training.run_console import RunConsole
+from qlora_kit.training.watch.run_console import RunConsole
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
-    from qlora_kit.training.guards import TrainingGuard
-    from qlora_kit.training.throughput import Throughput
+    from qlora_kit.memory.monitor import MemoryMonitor
+    from qlora_kit.training.step.guards import TrainingGuard
+    from qlora_kit.training.watch.metrics_log import MetricsLog
+    from qlora_kit.training.watch.throughput import Throughput
 
 
 class TrainingStep:
     """The micro-batch's code (the module docstring's item 1), before the out-of-memory split and the
-    library's trainer in every trainer's class order (GRPO's rollouts come first: grpo_oom.py samples
+    library's trainer in every trainer's class order (GRPO's rollouts come first: grpo/oom.py samples
     them, then hands each policy step to this ``training_step``).
 
     Set by ``GuardedTrainer``: ``throughput``, ``memory_monitor``, ``guard`` (None when measuring a run

@@ -20,16 +20,17 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import layer_costs, optimizers
-from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.memory import layer_costs, layout_costs, optimizers
+from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.model import adapters
-from qlora_kit.training import layout_costs, private_hooks
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.micro_batches import OomPolicy
-from qlora_kit.training.oom_recovery import SplitOnOom
-from qlora_kit.training.outputs import move_into_place, staging_dir
-from qlora_kit.training.step import TrainingStep
-from qlora_kit.training.throughput import Throughput
+from qlora_kit.training.run_folder.outputs import move_into_place, staging_dir
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.oom_recovery import SplitOnOom
+from qlora_kit.training.step.oom_split import OomPolicy
+from qlora_kit.training.step.step import TrainingStep
+from qlora_kit.training.watch.metrics_log import MetricsLog
+from qlora_kit.training.watch.throughput import Throughput
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

@@ -30,9 +30,9 @@ import torch
 from trl import DPOConfig, DPOTrainer
 
 from qlora_kit.data import prepare as data
-from qlora_kit.training import private_hooks
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

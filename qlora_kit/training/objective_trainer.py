@@ -4,7 +4,7 @@ Each objective's module, named by its entry in the objective table (registries/o
 its Trainer's class and arguments: SFT runs on ``GuardedTrainer`` (sft.py, trainer.py), DPO on
 ``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer under the same additions), GRPO on ``GuardedGRPOTrainer``
 (grpo.py, TRL's GRPOTrainer, with the reward functions of data/rewards.py and the explanations of
-grpo_explain.py). All get the same callbacks, in the order that lets the memory and throughput
+grpo/explain.py). All get the same callbacks, in the order that lets the memory and throughput
 figures reach every log (step.py's ``callbacks``).
 """
 
@@ -18,14 +18,16 @@ from transformers import EarlyStoppingCallback
 
 from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
-from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.registries import objectives
-from qlora_kit.training import expert_load, step
-from qlora_kit.training.expert_load import ExpertLoad
-from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
-from qlora_kit.training.throughput import Throughput, peak_tflops
-from qlora_kit.training.trackers import tracker_callbacks
-from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device
+from qlora_kit.training.step import step
+from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
+from qlora_kit.training.step.trainer import GuardedTrainer, pin_to_one_device
+from qlora_kit.training.watch import expert_load
+from qlora_kit.training.watch.expert_load import ExpertLoad
+from qlora_kit.training.watch.metrics_log import MetricsLog
+from qlora_kit.training.watch.throughput import Throughput, peak_tflops
+from qlora_kit.training.watch.trackers import tracker_callbacks
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

@@ -42,7 +42,7 @@ import torch
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.micro_batches import (
+from qlora_kit.training.step.oom_split import (
     Failure,
     memory_figures,
     release_memory,
@@ -136,7 +136,7 @@ class GrpoSplitOnOom:
             set_rng_state(state)  # the redo draws from where the generation began
 
     def _split_generation(self, prompt_ids: list[list[int]], size: int, failure: Failure) -> None:
-        from qlora_kit.training.guards import kept
+        from qlora_kit.training.step.guards import kept
 
         step = self.state.global_step + 1
         where = "the worst-batch probe's rollouts" if self.probing else "generation"

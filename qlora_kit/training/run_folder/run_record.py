@@ -131,7 +131,7 @@ def expert_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def oom_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """One row per out-of-memory split (training/oom_recovery.py): where, and the micro-batch before and after."""
+    """One row per out-of-memory split (training/step/oom_recovery.py): where, and the micro-batch before and after."""
     rows = []
     for row in metrics:
         split = row.get(keys.OOM_SPLIT)
