@@ -43,14 +43,13 @@ from qlora_kit.training.objectives.grpo.explain import GrpoExplainer
 from qlora_kit.training.objectives.grpo.oom import GrpoSplitOnOom
 from qlora_kit.training.objectives.grpo.reward_checks import checked
 from qlora_kit.training.objectives.grpo.row_sampling import rows_seeded
+from qlora_kit.training.objectives.reference_adapter import describe_reference
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.guards import TrainingGuard, _all_zero
 from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
-
-REFERENCE = "ref"  # TRL's name of the frozen copy of the adapter (GRPOTrainer.__init__)
 
 
 def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> GRPOConfig:
@@ -180,9 +179,7 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
     def reference_description(self, adapter: str | None) -> str:
         if self.beta == 0:
             return "not used (grpo.beta is 0: no KL penalty, no reference forward)"
-        if adapter is None:
-            return "the base model (the reference adapter is the new adapter's start, B = 0)"
-        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+        return describe_reference(adapter)
 
 
 def rollout_seed(seed: int, step: int, prompt_ids: list[int], copy: int) -> int:
