@@ -29,6 +29,7 @@ from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
+from qlora_kit.model.modes import in_eval_mode
 from qlora_kit.registries import objectives
 from qlora_kit.registries.formats import FORMATS
 
@@ -110,28 +111,23 @@ def evaluate(
 
 def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[float, int]:
     """Mean cross-entropy over every trained token of ``dataset`` and how many tokens that was."""
-    was_training = lm.training
-    lm.eval()
     total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(dataset), batch_size):
-                batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-                batch = {k: v.to(lm.device) for k, v in batch.items()}
-                labels = batch.pop("labels")
-                logits = lm(**batch).logits.float()
-                # (B, T-1, V) predictions of the next token at each position
-                shifted = labels[:, 1:]
-                losses = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].flatten(0, 1),
-                    shifted.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                total += float(losses)
-                count += int((shifted != IGNORE_INDEX).sum())
-    finally:
-        lm.train(was_training)
+    with in_eval_mode(lm), torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            batch = {k: v.to(lm.device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            logits = lm(**batch).logits.float()
+            # (B, T-1, V) predictions of the next token at each position
+            shifted = labels[:, 1:]
+            losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1),
+                shifted.flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            total += float(losses)
+            count += int((shifted != IGNORE_INDEX).sum())
     return total / max(count, 1), count
 
 
