@@ -111,9 +111,9 @@ class TrainingGuard(TrainerCallback):
         # An A matrix whose B is still all zero gets an exactly zero gradient in a healthy run: peft's
         # default init, and any step before the learning rate has left zero (warmup). Check it later.
         partner = {n: n.replace(".lora_A.", ".lora_B.") for n in self.unchecked if ".lora_A." in n}
-        b_zero = _all_zero({b: self.lora[b] for b in partner.values() if b in self.lora})
+        b_zero = all_zero({b: self.lora[b] for b in partner.values() if b in self.lora})
         due = [n for n in self.unchecked if not b_zero.get(partner.get(n, ""), False)]
-        silent = _all_zero({n: self.lora[n].grad for n in due})
+        silent = all_zero({n: self.lora[n].grad for n in due})
         dead = sorted(n for n in due if silent[n])
         self.unchecked.difference_update(due)
         if dead:
@@ -125,7 +125,7 @@ class TrainingGuard(TrainerCallback):
             )
 
 
-def _all_zero(tensors: dict[str, torch.Tensor | None]) -> dict[str, bool]:
+def all_zero(tensors: dict[str, torch.Tensor | None]) -> dict[str, bool]:
     """Name -> whether the tensor is missing or all zero, read in one host sync."""
     present = {n: t for n, t in tensors.items() if t is not None}
     result = dict.fromkeys(tensors, True)

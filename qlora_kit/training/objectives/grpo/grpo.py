@@ -45,7 +45,7 @@ from qlora_kit.training.objectives.grpo.reward_checks import checked
 from qlora_kit.training.objectives.grpo.row_sampling import rows_seeded
 from qlora_kit.training.objectives.reference_adapter import describe_reference
 from qlora_kit.training.step import private_hooks
-from qlora_kit.training.step.guards import TrainingGuard, _all_zero
+from qlora_kit.training.step.guards import TrainingGuard, all_zero
 from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
@@ -197,7 +197,7 @@ class RewardGuard(TrainingGuard):
     adapter; the dead-gradient check waits for a step that has one."""
 
     def _check_dead(self, step: int) -> None:
-        if all(_all_zero({name: p.grad for name, p in self.lora.items()}).values()):
+        if all(all_zero({name: p.grad for name, p in self.lora.items()}).values()):
             return
         super()._check_dead(step)
 
