@@ -225,7 +225,7 @@ def run(
 
     ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
     checkpoint. ``callbacks`` and ``guards`` as for ``build``. ``console``: show progress there
-    (run_console.py) instead of the Trainer's progress bars and printed log dicts.
+    (watch/run_console.py) instead of the Trainer's progress bars and printed log dicts.
     """
     checked = check_runnable(recipe)
     log.debug("the resolved recipe:\n%s", recipe.to_yaml())

@@ -1,6 +1,6 @@
 """A finished (or running) run read back from its folder: ``qlora-kit show DIR`` and the notebooks.
 
-A run folder holds ``recipe.yaml``, ``manifest.json`` and ``metrics.jsonl`` (pipeline.py writes them);
+A run folder holds ``recipe.yaml``, ``manifest.json`` and ``metrics.jsonl`` (training/pipeline.py writes them);
 this module reads them into a ``RunRecord``, says what the recipe changed from the defaults, and draws
 the losses and the learning rate into ``loss.png`` (matplotlib, the ``plot`` extra). ``cli/views.show_run``
 prints it.

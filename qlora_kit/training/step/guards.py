@@ -165,6 +165,6 @@ def _module_of(parameter_name: str) -> str:
 
 def kept(output_dir: str) -> str:
     """What survives a stop: the newest checkpoint (looked up only when stopping: it scans a folder)."""
-    # the newest *complete* one, as --resume means it (outputs.py): a half-written folder is not kept
+    # the newest *complete* one, as --resume means it (run_folder/outputs.py): a half-written folder is not kept
     complete = complete_checkpoints(Path(output_dir)) if output_dir else []
     return f"the last checkpoint, {complete[-1]}, is intact" if complete else "no checkpoint was written"

@@ -38,7 +38,7 @@ PRIVATE_OVERRIDES = {
         "several processes agree on an out-of-memory error before TRL's loss all-reduces (grpo/oom.py)"
     ),
     "_generate_single_turn": (
-        "grpo.seed_each_completion: each row of the generate call drawn from its own seed (row_sampling.py)"
+        "grpo.seed_each_completion: each row of the generate call drawn from its own seed (objectives/grpo/row_sampling.py)"
     ),
     # objectives/grpo/oom.py
     "_prepare_inputs": "a split policy step reuses its sampled rollout instead of sampling again",

@@ -166,7 +166,7 @@ def callbacks(
 
 
 def show_on(trainer, console: Console) -> TrainerCallback:
-    """The run console in place of the Trainer's progress bars and printed log dicts (run_console.py):
+    """The run console in place of the Trainer's progress bars and printed log dicts (training/watch/run_console.py):
     the last callback, after every figure is in the logs."""
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)

@@ -46,7 +46,7 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precisi
 
 
 def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> dict[str, Any]:
-    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: dpo.py)."""
+    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: objectives/dpo.py)."""
     train, opt = recipe.train, recipe.optimizer
     evaluating = has_eval and train.eval_steps is not None
     return dict(
@@ -88,7 +88,7 @@ def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precisio
         # (early stopping compares the same metric); lower is better for a name ending in "loss"
         load_best_model_at_end=train.keep_best is not None,
         metric_for_best_model=train.keep_best or ("eval_loss" if train.early_stopping_patience else None),
-        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (trackers.py)
+        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (watch/trackers.py)
         run_name=train.run_name or Path(output_dir).name,
         project=train.project,
         dataloader_pin_memory=torch.cuda.is_available(),
@@ -147,7 +147,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         self.guard = guard
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
-        self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (resolved.py)
+        self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (training/resolved.py)
         self.layout_costs: layout_costs.LayoutCosts | None = None  # data.packing auto's
         self._staging: Path | None = None
 

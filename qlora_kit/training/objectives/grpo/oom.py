@@ -14,7 +14,7 @@ it runs out of memory:
   one would.
 - **The policy step**: TRL's ``_prepare_inputs`` turns the prompt rows into the rollout (completions,
   rewards and advantages, computed over each whole group before anything is split), and the rollout is
-  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (oom_recovery.py). The parts' losses add
+  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (training/step/oom_recovery.py). The parts' losses add
   up to the micro-batch's: TRL's dapo, cispo and vespo divide by the generation batch's token count
   already; its per-sequence or per-batch means (grpo, sapo, dr_grpo, luspo: rows; bnpo: tokens) are
   weighted by the part's share.
@@ -103,7 +103,7 @@ class GrpoSplitOnOom:
 
     def policy_logps_done(self) -> None:
         """After the policy's forward and log-probabilities of a training part, before TRL's loss (whose
-        metrics all-reduce): every process got there, or all drop the attempt (oom_recovery.py)."""
+        metrics all-reduce): every process got there, or all drop the attempt (training/step/oom_recovery.py)."""
         if self.model.training and torch.is_grad_enabled():
             self.forward_done()
 
