@@ -363,7 +363,7 @@ MUTATIONS = [
         "qlora_kit/training/step/oom_split.py",
         'if "prompt_mask" in inputs:',
         "if False:",
-        ["tests/test_grpo/oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
+        ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
     ),
     (
         "a split GRPO policy step's parts are not weighted by their share",
@@ -371,7 +371,7 @@ MUTATIONS = [
         "return rows_of(part) / rows_of(whole)",
         "return 1.0",
         [
-            "tests/test_grpo/oom.py::test_the_parts_losses_weighted_by_their_share_add_up_to_the_micro_batchs[grpo]"
+            "tests/test_grpo_oom.py::test_the_parts_losses_weighted_by_their_share_add_up_to_the_micro_batchs[grpo]"
         ],
     ),
     (
@@ -380,7 +380,7 @@ MUTATIONS = [
         "INJECTOR.generation_cap = cap_from_env(GENERATION_ENV)",
         "INJECTOR.generation_cap = None",
         [
-            "tests/test_grpo/oom.py::test_the_generation_cap_raises_a_real_out_of_memory_error_as_the_cache_grows"
+            "tests/test_grpo_oom.py::test_the_generation_cap_raises_a_real_out_of_memory_error_as_the_cache_grows"
         ],
     ),
     (
@@ -388,7 +388,7 @@ MUTATIONS = [
         "qlora_kit/training/step/oom_split.py",
         "if generation_parts > 1:",
         "if False:",
-        ["tests/test_grpo/oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],
+        ["tests/test_grpo_oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],
     ),
     (
         "GRPO never probes its worst batch",

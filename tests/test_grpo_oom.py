@@ -1,6 +1,6 @@
 """GRPO's out-of-memory recovery without training (training/objectives/grpo/oom.py): a rollout measured and split
 like a micro-batch, the parts' losses adding up for TRL's loss types, the generation cap of the fault
-injector, the split file's generation parts (tests/e2e/test_grpo/oom.py trains)."""
+injector, the split file's generation parts (tests/e2e/test_grpo_oom.py trains)."""
 
 from types import SimpleNamespace
 

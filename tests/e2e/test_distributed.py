@@ -66,7 +66,7 @@ def in_this_process(monkeypatch, capsys) -> Callable[[Path, list[str]], str]:
 
 def in_a_fresh_process(out: Path, train: list[str]) -> str:
     """The one-process reference in a process of its own: an in-process GRPO run can sample other
-    completions than a fresh process does (tests/e2e/test_grpo/oom.py, DRIVER)."""
+    completions than a fresh process does (tests/e2e/test_grpo_oom.py, DRIVER)."""
     command = [sys.executable, "-m", "qlora_kit", *train, "--output-dir", str(out), *ONE]
     single = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert single.returncode == 0, single.stderr[-2000:]
