@@ -1,6 +1,6 @@
 """What the training guards cost: step time with and without them, through ``qlora-kit train``'s path.
 
-The guards (qlora_kit/guards.py) read the device once per optimizer step: the folded loss flag and the
+The guards (qlora_kit/training/step/guards.py) read the device once per optimizer step: the folded loss flag and the
 finiteness of the LoRA gradients' total norm, plus, until every LoRA tensor is checked, one batched
 read for dead gradients. The loss of each micro-batch is folded into a device flag without a read.
 Runs alternate guards on / off, each round a fresh process-local run of the same recipe and seed;

@@ -44,7 +44,7 @@ MUTATIONS = [
     ),
     (
         "bf16 never reaches the Trainer",
-        "qlora_kit/training/trainer.py",
+        "qlora_kit/training/step/trainer.py",
         'bf16=precision == "bf16",',
         "bf16=False,",
         [
@@ -61,14 +61,14 @@ MUTATIONS = [
     ),
     (
         "the kill switch never fires",
-        "qlora_kit/training/interrupts.py",
+        "qlora_kit/training/step/interrupts.py",
         "        self.received = signum\n",
         "        pass\n",
         ["tests/test_interrupts.py::test_sigterm_stops_after_its_step_with_that_steps_checkpoint"],
     ),
     (
         "the loss guard never stops",
-        "qlora_kit/training/guards.py",
+        "qlora_kit/training/step/guards.py",
         "        if loss_bad:\n",
         "        if False:\n",
         ["tests/test_after_training.py::test_nonfinite_loss_stops_at_that_step"],
@@ -117,7 +117,7 @@ MUTATIONS = [
     ),
     (
         "train never asks the disk for room",
-        "qlora_kit/training/outputs.py",
+        "qlora_kit/training/run_folder/outputs.py",
         "check_writable(output_dir, _output_bytes(peft_model, recipe))",
         "check_writable(output_dir, 0)",
         ["tests/e2e/test_faults.py::test_full_disk_is_refused_by_train_before_training"],
@@ -147,7 +147,7 @@ MUTATIONS = [
         "after imports its sibling training",
         "qlora_kit/after/grpo_eval.py",
         "from qlora_kit.data.rewards import reward_functions\n",
-        "from qlora_kit.data.rewards import reward_functions\nfrom qlora_kit.training import sft  # noqa: F401\n",
+        "from qlora_kit.data.rewards import reward_functions\nfrom qlora_kit.training.objectives import sft  # noqa: F401\n",
         ["tests/test_architecture.py::test_imports_follow_the_allowed_arrows_between_packages"],
     ),
     (
@@ -160,14 +160,14 @@ MUTATIONS = [
     # --- round four (issue 47): this round's features, and the fixes of its bad inputs ---
     (
         "the OOM split scales each part's loss by its own tokens",
-        "qlora_kit/training/oom_recovery.py",
+        "qlora_kit/training/step/oom_recovery.py",
         "loss = super().training_step(model, chunk, num_items_in_batch)",
         "loss = super().training_step(model, chunk, None)",
         ["tests/e2e/test_oom.py::test_the_split_keeps_steps_examples_and_losses"],
     ),
     (
         "the OOM split redoes the step with the random state moved on",
-        "qlora_kit/training/oom_recovery.py",
+        "qlora_kit/training/step/oom_recovery.py",
         "            set_rng_state(self._step_rng)\n",
         "            pass\n",
         [
@@ -176,7 +176,7 @@ MUTATIONS = [
     ),
     (
         "the OOM split keeps the partial gradients of the step's earlier micro-batches",
-        "qlora_kit/training/oom_recovery.py",
+        "qlora_kit/training/step/oom_recovery.py",
         "        model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far\n",
         "        pass\n",
         [
@@ -236,7 +236,7 @@ MUTATIONS = [
     ),
     (
         "grpo.seed_each_completion is ignored",
-        "qlora_kit/training/grpo.py",
+        "qlora_kit/training/objectives/grpo/grpo.py",
         "            if not self.seed_each_completion:",
         "            if True:",
         ["tests/test_grpo.py::test_seed_each_completion_samples_a_prompt_alike_alone_or_beside_others"],
@@ -336,7 +336,7 @@ MUTATIONS = [
     ),
     (
         "a reward that raises reaches TRL unchecked",
-        "qlora_kit/training/reward_checks.py",
+        "qlora_kit/training/objectives/grpo/reward_checks.py",
         "    if inspect.iscoroutinefunction(function):\n",
         "    if True:\n",
         [
@@ -361,14 +361,14 @@ MUTATIONS = [
     ),
     (
         "a GRPO rollout's tokens are not counted (issue 50's AttributeError, then KeyError)",
-        "qlora_kit/training/micro_batches.py",
+        "qlora_kit/training/step/oom_split.py",
         'if "prompt_mask" in inputs:',
         "if False:",
         ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
     ),
     (
         "a split GRPO policy step's parts are not weighted by their share",
-        "qlora_kit/training/grpo_oom.py",
+        "qlora_kit/training/objectives/grpo/oom.py",
         "return rows_of(part) / rows_of(whole)",
         "return 1.0",
         [
@@ -386,7 +386,7 @@ MUTATIONS = [
     ),
     (
         "the generation split is not written into a checkpoint",
-        "qlora_kit/training/micro_batches.py",
+        "qlora_kit/training/step/oom_split.py",
         "if generation_parts > 1:",
         "if False:",
         ["tests/test_grpo_oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],
@@ -407,7 +407,7 @@ MUTATIONS = [
     ),
     (
         "group_by_length orders from the global random state",
-        "qlora_kit/training/trainer.py",
+        "qlora_kit/training/step/trainer.py",
         "        self.generator = torch.Generator().manual_seed(self.seed + self.epoch)\n",
         "        self.generator = None\n",
         ["tests/test_layout.py::test_group_by_length_orders_each_epoch_from_the_seed_alone"],

@@ -155,7 +155,7 @@ def test_resume_before_any_checkpoint_starts_again_and_a_finished_run_refuses(tm
 
 def test_gradient_guard_names_the_layers_checkpointing_cut_off(tmp_path):
     from qlora_kit.data import prepare
-    from qlora_kit.training.objectives import build_trainer
+    from qlora_kit.training.objective_trainer import build_trainer
     from qlora_kit.training.resolved import ResolvedRun
 
     recipe = quick_recipe(tmp_path, **{"train.max_steps": 3, "memory.checkpointing": "none"})

@@ -186,7 +186,9 @@ def test_every_format_names_functions_that_exist():
 
 def test_the_root_holds_few_modules_and_sub_packages_import_nothing():
     assert len(list(PACKAGE.glob("*.py"))) <= ROOT_MODULES_MAX
-    for init in PACKAGE.glob("*/__init__.py"):
+    for init in PACKAGE.glob("**/__init__.py"):  # sub-sub-packages too (training/step, ...)
+        if init.parent == PACKAGE:
+            continue  # the public API
         tree = ast.parse(init.read_text())
         assert not [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))], init
         doc = ast.get_docstring(tree) or ""

@@ -14,7 +14,7 @@ from qlora_kit.data.prompts import prepare_prompts, prompt_and_reference
 from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.grpo_explain import GrpoExplainer
+from qlora_kit.training.objectives.grpo.explain import GrpoExplainer
 from qlora_kit.training.pipeline import build
 
 from .conftest import run_cli, write
@@ -282,8 +282,8 @@ def test_the_plan_counts_the_rollouts_kv_cache_and_logits():
 
 def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
     from qlora_kit.errors import TrainingGuardError
-    from qlora_kit.training.grpo import RewardGuard
-    from qlora_kit.training.guards import TrainingGuard
+    from qlora_kit.training.objectives.grpo.grpo import RewardGuard
+    from qlora_kit.training.step.guards import TrainingGuard
 
     from .conftest import lora_model
 
@@ -302,8 +302,8 @@ def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
 
 
 def test_grpo_probes_and_splits_as_the_recipe_says(tmp_path):
-    # GRPO splits its rollouts and its policy step and probes its worst batch (training/grpo_oom.py)
-    from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
+    # GRPO splits its rollouts and its policy step and probes its worst batch (training/objectives/grpo/oom.py)
+    from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
 
     recipe = grpo_recipe(tmp_path / "out", probe_worst_batch=True)
     assert probes_worst_batch(recipe)
@@ -349,7 +349,7 @@ def one_reward_for_all(completions, **kwargs):
 
 
 def test_a_reward_that_raises_is_one_line_naming_the_entry_the_function_and_the_completion():
-    from qlora_kit.training.reward_checks import checked
+    from qlora_kit.training.objectives.grpo.reward_checks import checked
 
     reward = checked(raises_on_nine, "grpo.rewards[1]")
     assert reward.__name__ == "raises_on_nine"  # TRL logs rewards/<function name>/mean
@@ -362,7 +362,7 @@ def test_a_reward_that_raises_is_one_line_naming_the_entry_the_function_and_the_
 
 
 def test_a_reward_that_returns_the_wrong_count_is_one_line():
-    from qlora_kit.training.reward_checks import checked
+    from qlora_kit.training.objectives.grpo.reward_checks import checked
 
     with pytest.raises(
         RecipeError, match=re.escape("grpo.rewards[0]: one_reward_for_all returned 1 rewards for 4")

@@ -1,4 +1,4 @@
-"""GRPO's out-of-memory recovery without training (training/grpo_oom.py): a rollout measured and split
+"""GRPO's out-of-memory recovery without training (training/objectives/grpo/oom.py): a rollout measured and split
 like a micro-batch, the parts' losses adding up for TRL's loss types, the generation cap of the fault
 injector, the split file's generation parts (tests/e2e/test_grpo_oom.py trains)."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from qlora_kit.memory import oom_faults
-from qlora_kit.training.grpo_oom import MEAN_OVER, GrpoSplitOnOom
-from qlora_kit.training.micro_batches import (
+from qlora_kit.training.objectives.grpo.oom import MEAN_OVER, GrpoSplitOnOom
+from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,
     read_generation_parts,

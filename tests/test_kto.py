@@ -49,7 +49,7 @@ def test_the_recipe_refuses_what_kto_cannot_do(values, message):
 
 def test_kto_rows_are_the_labelled_texts_trl_reads_shuffled_once(tokenizer):
     from qlora_kit.data.demo import demo_data_files
-    from qlora_kit.training import kto
+    from qlora_kit.training.objectives import kto
 
     prepared = kto.prepare(kto_recipe(), tokenizer)
     train = prepared.train
@@ -66,7 +66,7 @@ def test_kto_rows_are_the_labelled_texts_trl_reads_shuffled_once(tokenizer):
 
 def test_a_row_without_a_label_is_one_line_naming_the_field(tmp_path, tokenizer):
     from qlora_kit.errors import DataError
-    from qlora_kit.training import kto
+    from qlora_kit.training.objectives import kto
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
@@ -100,7 +100,7 @@ def test_kto_trains_from_a_recipe_and_reports_its_margins(tmp_path):
     """A few steps of the demo recipe on the tiny 4-bit base: TRL's reward figures reach metrics.jsonl, the
     console and show; eval scores the labelled answers against the reference (the base)."""
     from qlora_kit import evaluate, train
-    from qlora_kit.training.run_record import metric_rows, read_run
+    from qlora_kit.training.run_folder.run_record import metric_rows, read_run
 
     overrides = {"train.max_steps": 6, "train.eval_steps": 3, "train.logging_steps": 2, "optimizer.lr": 5e-3}
     result = train(kto_recipe(tmp_path / "run", **overrides))
@@ -139,7 +139,7 @@ def test_chat_feedback_rows_are_trls_conversations_and_train_what_sft_chat_train
     from qlora_kit.data import feedback, formats
     from qlora_kit.data.demo import demo_data_files
     from qlora_kit.registries.formats import IGNORE_INDEX
-    from qlora_kit.training import kto
+    from qlora_kit.training.objectives import kto
 
     shipped = [json.loads(line) for line in demo_data_files("demo-feedback")[0].read_text().splitlines()]
     chats = [

@@ -1,5 +1,5 @@
 """data.packing: auto picks the layout with the most real tokens a second, timed on the run's own batches
-(training/layout_costs.py), and the least padding where they are not timed; a resume chooses by the
+(memory/layout_costs.py), and the least padding where they are not timed; a resume chooses by the
 figures its checkpoint keeps; group_by_length's order follows the seed and the epoch alone."""
 
 import json
@@ -11,8 +11,8 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 
 from qlora_kit import Recipe
 from qlora_kit.data import layout, prepare
-from qlora_kit.training import layout_costs
-from qlora_kit.training.trainer import SeededLengthGroupedSampler
+from qlora_kit.memory import layout_costs
+from qlora_kit.training.step.trainer import SeededLengthGroupedSampler
 
 
 def shares_and_choice(recipe: Recipe, tokenizer):
@@ -153,7 +153,7 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
     run takes the layout its checkpoint's figures name, and a checkpoint without figures the least
     padding, neither timing again (a second timing could differ by noise). Timing leaves the run's random
     state as it found it."""
-    from qlora_kit.training.layout_costs import resolve as _resolve_layout
+    from qlora_kit.memory.layout_costs import resolve as _resolve_layout
 
     recipe = Recipe.from_dict(
         {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "output_dir": str(tmp_path)}}

@@ -15,7 +15,7 @@ from qlora_kit.cli import views
 from qlora_kit.cli.doctor import Check
 from qlora_kit.data.report import inspect_data
 from qlora_kit.training.pipeline import TrainResult
-from qlora_kit.training.run_record import RunRecord
+from qlora_kit.training.run_folder.run_record import RunRecord
 
 from .conftest import run_cli_output
 

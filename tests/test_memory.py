@@ -9,7 +9,7 @@ from qlora_kit.data import prepare
 from qlora_kit.memory import checkpointing, optimizers
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
-from qlora_kit.training.objectives import build_trainer
+from qlora_kit.training.objective_trainer import build_trainer
 from qlora_kit.training.resolved import ResolvedRun
 
 

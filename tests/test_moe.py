@@ -278,8 +278,8 @@ def test_an_expert_without_tokens_for_many_steps_is_warned_of_once(caplog):
     for IDLE_STEPS optimizer steps (not before, and not again)."""
     from types import SimpleNamespace
 
-    from qlora_kit.memory.monitor import MetricsLog
-    from qlora_kit.training.expert_load import IDLE_STEPS, ExpertLoad
+    from qlora_kit.training.watch.expert_load import IDLE_STEPS, ExpertLoad
+    from qlora_kit.training.watch.metrics_log import MetricsLog
 
     recipe = moe_recipe()
     peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)

@@ -11,8 +11,8 @@ from qlora_kit import Recipe
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.micro_batches import oom_policy, read_split, split_rows, tokens_of, write_split
-from qlora_kit.training.run_record import oom_rows
+from qlora_kit.training.run_folder.run_record import oom_rows
+from qlora_kit.training.step.oom_split import oom_policy, read_split, split_rows, tokens_of, write_split
 
 
 def padded_batch() -> dict:
@@ -81,12 +81,12 @@ def test_under_fsdp_split_falls_back_to_stop_with_one_warning(caplog):
         "optimizer": {"name": "adamw_torch"},
         "quant": {"quant_storage": "bfloat16"},
     }
-    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.micro_batches"):
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom_split"):
         assert oom_policy(Recipe.from_dict(fsdp)).on_oom == "stop"
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith("train.on_oom: split is not available under FSDP")
     assert oom_policy(Recipe.from_dict({})).on_oom == "split"  # one process, DDP: the default stays
-    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.micro_batches"):
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom_split"):
         caplog.clear()
         stop = fsdp | {"train": {"fsdp": True, "on_oom": "stop"}}
         assert (

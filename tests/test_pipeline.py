@@ -103,8 +103,8 @@ def test_a_guards_stop_names_the_newest_complete_checkpoint(tmp_path):
     """One meaning of "newest checkpoint": the one --resume would take (complete), not a half-written one."""
     import json
 
-    from qlora_kit.training.guards import kept
-    from qlora_kit.training.outputs import CHECKPOINT_FILES
+    from qlora_kit.training.run_folder.outputs import CHECKPOINT_FILES
+    from qlora_kit.training.step.guards import kept
 
     for step, complete in ((2, True), (4, False)):
         folder = tmp_path / f"checkpoint-{step}"

@@ -4,11 +4,11 @@ transformers or TRL met at import with one line, not by an override that silentl
 import pytest
 from transformers import Trainer
 
-from qlora_kit.training import private_hooks
-from qlora_kit.training.dpo import GuardedDPOTrainer
-from qlora_kit.training.grpo import GuardedGRPOTrainer
-from qlora_kit.training.kto import GuardedKTOTrainer
-from qlora_kit.training.trainer import GuardedTrainer
+from qlora_kit.training.objectives.dpo import GuardedDPOTrainer
+from qlora_kit.training.objectives.grpo.grpo import GuardedGRPOTrainer
+from qlora_kit.training.objectives.kto import GuardedKTOTrainer
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.trainer import GuardedTrainer
 
 TRAINERS = [GuardedTrainer, GuardedDPOTrainer, GuardedGRPOTrainer, GuardedKTOTrainer]
 

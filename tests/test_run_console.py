@@ -6,7 +6,7 @@ import re
 from rich.console import Console
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from qlora_kit.training.run_console import RunConsole, figures, remaining
+from qlora_kit.training.watch.run_console import RunConsole, figures, remaining
 
 LOGS = {
     "loss": 0.51234,

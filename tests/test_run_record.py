@@ -11,7 +11,7 @@ from qlora_kit import Recipe
 from qlora_kit.cli.views import show_run_folder as show
 from qlora_kit.cli.views import summary_rows as views_summary
 from qlora_kit.errors import OutputDirError
-from qlora_kit.training.run_record import plot_run, read_run, recipe_changes, summary_rows
+from qlora_kit.training.run_folder.run_record import plot_run, read_run, recipe_changes, summary_rows
 
 
 def test_recipe_changes_are_exactly_the_fields_set_away_from_the_defaults():

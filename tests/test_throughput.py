@@ -12,7 +12,7 @@ from qlora_kit.data import prepare
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
-from qlora_kit.training.throughput import flops_per_token, peak_tflops
+from qlora_kit.training.watch.throughput import flops_per_token, peak_tflops
 from tests.conftest import quick_recipe
 
 
@@ -59,7 +59,7 @@ def test_the_flop_count_includes_gpt2s_conv1d_projections():
     """One definition of a linear layer (model/layers.py): GPT-2's Conv1D projections count for MFU."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from qlora_kit.training.throughput import FlopsPerToken
+    from qlora_kit.training.watch.throughput import FlopsPerToken
 
     config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=16)
     model = GPT2LMHeadModel(config)

@@ -7,7 +7,7 @@ from pathlib import Path
 from transformers.integrations import MLflowCallback, TensorBoardCallback, WandbCallback
 
 from qlora_kit import Recipe
-from qlora_kit.training import trackers
+from qlora_kit.training.watch import trackers
 
 
 def test_the_recipes_trackers_come_in_its_order_with_the_recipe_logger_last(tmp_path, monkeypatch):

@@ -13,9 +13,9 @@ A GRPO run also reports its rewards on the validation prompts, greedy and sample
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +29,32 @@ from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
+from qlora_kit.model.modes import in_eval_mode
 from qlora_kit.registries import objectives
 from qlora_kit.registries.formats import FORMATS
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
+
+
+def _grpo_rewards() -> Callable[..., dict[str, Any]]:
+    from qlora_kit.after.grpo_eval import reward_metrics
+
+    return reward_metrics
+
+
+def _kto_feedback() -> Callable[..., dict[str, Any]]:
+    from qlora_kit.after.preference_eval import feedback_metrics
+
+    return feedback_metrics
+
+
+# train.objective -> its own figures on the validation data, (lm, tokenizer, recipe, max_examples) ->
+# figures, imported when an evaluation asks for them (an objective without an entry has none).
+OBJECTIVE_METRICS: dict[str, Callable[[], Callable[..., dict[str, Any]]]] = {
+    "grpo": _grpo_rewards,
+    "kto": _kto_feedback,
+}
 
 
 def evaluate(
@@ -80,10 +101,9 @@ def evaluate(
         )
         hits = [_matches(lm, tokenizer, ex) for ex in examples]
         results |= {"exact_match": sum(hits) / len(hits), "exact_match_examples": len(hits)}
-    extra = objectives.of(recipe).eval_metrics  # grpo: the rewards on held-out prompts, greedy and sampled
+    extra = OBJECTIVE_METRICS.get(objectives.of(recipe).name)  # grpo: the rewards, greedy and sampled
     if extra is not None:
-        module, function = extra.split(":")
-        results |= getattr(importlib.import_module(module), function)(lm, tokenizer, recipe, max_examples)
+        results |= extra()(lm, tokenizer, recipe, max_examples)
     if output is not None:
         Path(output).write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     return results
@@ -91,28 +111,23 @@ def evaluate(
 
 def token_weighted_loss(lm, dataset, collator, batch_size: int = 8) -> tuple[float, int]:
     """Mean cross-entropy over every trained token of ``dataset`` and how many tokens that was."""
-    was_training = lm.training
-    lm.eval()
     total, count = 0.0, 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(dataset), batch_size):
-                batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
-                batch = {k: v.to(lm.device) for k, v in batch.items()}
-                labels = batch.pop("labels")
-                logits = lm(**batch).logits.float()
-                # (B, T-1, V) predictions of the next token at each position
-                shifted = labels[:, 1:]
-                losses = torch.nn.functional.cross_entropy(
-                    logits[:, :-1].flatten(0, 1),
-                    shifted.flatten(),
-                    ignore_index=IGNORE_INDEX,
-                    reduction="sum",
-                )
-                total += float(losses)
-                count += int((shifted != IGNORE_INDEX).sum())
-    finally:
-        lm.train(was_training)
+    with in_eval_mode(lm), torch.no_grad():
+        for start in range(0, len(dataset), batch_size):
+            batch = collator([dataset[i] for i in range(start, min(start + batch_size, len(dataset)))])
+            batch = {k: v.to(lm.device) for k, v in batch.items()}
+            labels = batch.pop("labels")
+            logits = lm(**batch).logits.float()
+            # (B, T-1, V) predictions of the next token at each position
+            shifted = labels[:, 1:]
+            losses = torch.nn.functional.cross_entropy(
+                logits[:, :-1].flatten(0, 1),
+                shifted.flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            total += float(losses)
+            count += int((shifted != IGNORE_INDEX).sum())
     return total / max(count, 1), count
 
 

@@ -13,6 +13,7 @@ from qlora_kit.data import formats, images
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import adapters
 from qlora_kit.model.generation import Sampling, complete
+from qlora_kit.model.modes import in_eval_mode
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.data import DataSection
@@ -60,20 +61,15 @@ def complete_with_images(
     beside = runs.model_inputs(input_ids, [images.open_image(f) for f in files])
     kwargs = (sampling or Sampling()).generate_kwargs()
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    was_training = lm.training
-    lm.eval()
-    try:
-        with torch.no_grad():
-            output = lm.generate(
-                input_ids=input_ids,
-                attention_mask=torch.ones_like(input_ids),
-                pad_token_id=tokenizer.pad_token_id,
-                streamer=streamer,
-                **{k: v.to(lm.device) for k, v in beside.items()},
-                **kwargs,
-            )
-    finally:
-        lm.train(was_training)
+    with in_eval_mode(lm), torch.no_grad():
+        output = lm.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            pad_token_id=tokenizer.pad_token_id,
+            streamer=streamer,
+            **{k: v.to(lm.device) for k, v in beside.items()},
+            **kwargs,
+        )
     return tokenizer.decode(output[0, input_ids.shape[1] :], skip_special_tokens=True)
 
 

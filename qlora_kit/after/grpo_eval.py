@@ -22,6 +22,7 @@ from trl.trainer.utils import get_callable_name
 
 from qlora_kit.data.prompts import PROMPT, prepare_prompts
 from qlora_kit.data.rewards import reward_functions
+from qlora_kit.model.modes import in_eval_mode
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -88,14 +89,9 @@ def _answers(lm, tokenizer, prompts: list, max_new_tokens: int, sampling: dict) 
     finally:
         tokenizer.padding_side = side
     inputs = {k: v.to(lm.device) for k, v in inputs.items() if k in ("input_ids", "attention_mask")}
-    was_training = lm.training
-    lm.eval()
-    try:
-        with torch.no_grad():
-            output = lm.generate(
-                **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
-            )
-    finally:
-        lm.train(was_training)
+    with in_eval_mode(lm), torch.no_grad():
+        output = lm.generate(
+            **inputs, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling
+        )
     texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     return [[{"role": "assistant", "content": t}] for t in texts] if chat else texts

@@ -15,6 +15,7 @@ import torch
 
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.images import IMAGES_COLUMN, ImageRuns, open_image
+from qlora_kit.model.modes import in_eval_mode
 
 
 def prompt_and_answer(labels: list[int]) -> tuple[int, list[int]]:
@@ -35,9 +36,7 @@ def image_exact_match(lm, runs: ImageRuns, val, count: int | None = None) -> dic
     tokenizer = runs.processor.tokenizer
     rows = val.select(range(min(count, len(val)))) if count else val
     hits = []
-    was_training = lm.training
-    lm.eval()
-    try:
+    with in_eval_mode(lm):
         for row in rows:
             first, answer = prompt_and_answer(row["labels"])
             ids = torch.tensor([row["input_ids"][:first]], device=lm.device)
@@ -53,6 +52,4 @@ def image_exact_match(lm, runs: ImageRuns, val, count: int | None = None) -> dic
                 )
             said = tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True).strip()
             hits.append(said == tokenizer.decode(answer, skip_special_tokens=True).strip())
-    finally:
-        lm.train(was_training)
     return {"exact_match": sum(hits) / max(len(hits), 1), "exact_match_examples": len(hits)}

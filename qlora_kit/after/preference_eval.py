@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from peft import PeftModel
 
+from qlora_kit.model.modes import in_eval_mode
+
 if TYPE_CHECKING:
     from datasets import Dataset
 
@@ -135,20 +137,15 @@ def reference_logps(lm, recipe: Recipe, pairs: Dataset) -> tuple[torch.Tensor, t
 def answer_logps(lm, pairs: Dataset, batch_size: int = 8) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Per pair, the summed log-probability of the chosen and of the rejected answer given the prompt,
     and how many chosen-answer tokens there were."""
-    was_training = lm.training
-    lm.eval()
     sides: dict[str, list[torch.Tensor]] = {"chosen": [], "rejected": []}
     tokens = 0
-    try:
-        with torch.no_grad():
-            for start in range(0, len(pairs), batch_size):
-                rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
-                for side in sides:
-                    sums, count = _completion_logps(lm, rows["prompt_ids"], rows[f"{side}_ids"])
-                    sides[side].append(sums)
-                    tokens += count if side == "chosen" else 0
-    finally:
-        lm.train(was_training)
+    with in_eval_mode(lm), torch.no_grad():
+        for start in range(0, len(pairs), batch_size):
+            rows = pairs.select(range(start, min(start + batch_size, len(pairs))))
+            for side in sides:
+                sums, count = _completion_logps(lm, rows["prompt_ids"], rows[f"{side}_ids"])
+                sides[side].append(sums)
+                tokens += count if side == "chosen" else 0
     return torch.cat(sides["chosen"]), torch.cat(sides["rejected"]), tokens
 
 

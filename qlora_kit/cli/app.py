@@ -104,13 +104,17 @@ def validate(
     ] = None,
 ) -> None:
     """Load a recipe, apply overrides, and print every resolved value."""
-    from qlora_kit.training.distributed import check_fsdp_launch, fsdp_settings_of, launched_fsdp_settings
+    from qlora_kit.training.step.distributed import (
+        check_fsdp_launch,
+        fsdp_settings_of,
+        launched_fsdp_settings,
+    )
 
     resolved = load_recipe(recipe, set_, output_dir)
     resolved.check_paths()
     launch = fsdp_settings_of(accelerate_config) if accelerate_config else launched_fsdp_settings()
     check_fsdp_launch(resolved, launch)
-    from qlora_kit.training.trackers import check_installed
+    from qlora_kit.training.watch.trackers import check_installed
 
     missing = check_installed(resolved.train.report_to)
     if missing:

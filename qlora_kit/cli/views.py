@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.run_record import (
+from qlora_kit.training.run_folder.run_record import (
     memory_rows,
     metric_rows,
     oom_rows,
@@ -22,7 +22,7 @@ from qlora_kit.training.run_record import (
     recipe_changes,
     speed_rows,
 )
-from qlora_kit.training.run_record import summary_rows as record_rows
+from qlora_kit.training.run_folder.run_record import summary_rows as record_rows
 
 GIB = 1024**3
 MIB = 1024**2
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from qlora_kit.memory.planner import Plan
     from qlora_kit.recipe.recipe import Recipe
     from qlora_kit.training.pipeline import TrainResult
-    from qlora_kit.training.run_record import RunRecord
+    from qlora_kit.training.run_folder.run_record import RunRecord
 
 
 def plain(value: object) -> Text:

@@ -2,8 +2,8 @@
 
 Auto chooses between padding (each micro-batch padded to its longest example), group_by_length (examples
 of similar length batched together, in transformers' order, drawn from the run's seed: a resume
-reproduces it, ``training/trainer.py``) and packing (examples packed into rows of up to
-``data.max_seq_len`` tokens). The run times them (``training/layout_costs.py``) and takes the one with the
+reproduces it, ``training/step/trainer.py``) and packing (examples packed into rows of up to
+``data.max_seq_len`` tokens). The run times them (``memory/layout_costs.py``) and takes the one with the
 most real tokens per second (``speeds``); where it cannot time them, the one that pads least. Which pads
 less depends on the data: packing wins on examples of very different lengths, but a set of short examples
 of similar length packs into few, unevenly filled rows and pads more than plain padding. The shares are

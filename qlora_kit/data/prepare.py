@@ -390,7 +390,7 @@ def epoch_batches(
 ) -> list[list[int]]:
     """An epoch's batches of example indices in the Trainer's order: shuffled from the seed, or for
     group_by_length transformers' own (sorted within megabatches of up to 50 groups of ``group_size``,
-    the global batch, default ``batch_size``; drawn from the seed, as ``training/trainer.py`` draws it)."""
+    the global batch, default ``batch_size``; drawn from the seed, as ``training/step/trainer.py`` draws it)."""
     if group_by_length:
         import torch
         from transformers.trainer_pt_utils import get_length_grouped_indices

@@ -11,7 +11,8 @@
   optimizers exist is ``registries/optimizers``);
 - ``loss_head``: the chunked, recomputed output head and loss;
 - ``accounting``: bytes saved for backward, CUDA peaks per phase;
-- ``monitor``: the Trainer callbacks that record them (and ``metrics.jsonl``);
+- ``monitor``: the Trainer callback that records them at each log (``metrics.jsonl`` is
+  ``training/watch/metrics_log``);
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
@@ -20,11 +21,13 @@
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
+- ``layout_costs``: ``data.packing: auto``'s real tokens a second per layout, timed on the run's own data
+  (kept in every checkpoint);
 - ``cut_model``: a few of the run's decoder layers built at random and loaded as the run loads them, and
-  the clock that times them (for ``layer_costs`` and ``training/layout_costs``);
+  the clock that times them (for ``layer_costs`` and ``layout_costs``);
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

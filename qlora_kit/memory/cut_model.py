@@ -1,6 +1,6 @@
 """A few of the run's decoder layers, built at random and loaded as the run loads them, and the clock that
 times them: what ``auto`` choices measure before the real weights load (``layer_costs``: checkpointing
-auto's recompute costs; ``training/layout_costs``: ``data.packing: auto``'s cost per position).
+auto's recompute costs; ``layout_costs``: ``data.packing: auto``'s cost per position).
 
 - The model's config is cut to ``LAYERS`` decoder layers, built at random in the compute dtype, written to a
   temporary folder and loaded back through ``loading.load_base_model`` (4-bit, on this process's device),

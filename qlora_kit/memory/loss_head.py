@@ -49,7 +49,7 @@ def has_plain_head(config) -> bool:
 
 
 def uses_chunked_loss(recipe, config) -> bool:
-    """Whether a run of ``recipe`` on a model of ``config`` trains with the chunked head (objectives.py
+    """Whether a run of ``recipe`` on a model of ``config`` trains with the chunked head (training/objective_trainer.py
     decides the same way): asked for, SFT (TRL's DPO and GRPO heads keep no whole logits already), and a
     plain head."""
     return recipe.memory.chunked_loss and objectives.of(recipe).chunked_head and has_plain_head(config)

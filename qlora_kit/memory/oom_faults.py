@@ -1,6 +1,6 @@
 """A fault injector for tests and benchmarks: a real ``torch.OutOfMemoryError`` on a machine without one.
 
-A CPU has no device memory to run out of, so the recovery from out-of-memory (training/oom_recovery.py)
+A CPU has no device memory to run out of, so the recovery from out-of-memory (training/step/oom_recovery.py)
 could not be tested there. With ``QLORA_KIT_OOM_CAP_BYTES=N`` in the environment, a training forward
 or backward pass that needs more than N bytes raises ``torch.OutOfMemoryError``, where the
 allocation would fail on a GPU; everything after the raise is the real code path:

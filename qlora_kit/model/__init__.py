@@ -6,6 +6,7 @@
 - ``vision``: vision-language models (the vision side kept in 16 bits and out of LoRA, the processor);
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);
+- ``modes``: a model in eval mode for a block, then back in the mode it was in;
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;
 - ``builtin``: the tiny local models, their tokenizer and the demo data; ``builtin_vision``: the tiny
   vision-language models with their processors; ``pretrained``: a real

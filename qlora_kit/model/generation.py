@@ -11,6 +11,7 @@ import torch
 from transformers import TextStreamer
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model.modes import in_eval_mode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -55,19 +56,14 @@ def complete(
     kwargs = sampling.generate_kwargs()
     if max_new_tokens is not None:
         kwargs["max_new_tokens"] = max_new_tokens
-    was_training = model.training
-    model.eval()
     # Chat templates carry their own BOS; plain prompts get the tokenizer's usual special tokens.
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=not _has_bos(prompt, tokenizer))
     inputs = inputs.to(model.device)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if stream else None
-    try:
-        with torch.no_grad():
-            output = model.generate(
-                **inputs, use_cache=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs
-            )
-    finally:
-        model.train(was_training)
+    with in_eval_mode(model), torch.no_grad():
+        output = model.generate(
+            **inputs, use_cache=True, pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs
+        )
     new_tokens = output[0, inputs["input_ids"].shape[1] :]
     return tokenizer.decode(new_tokens, skip_special_tokens=True).strip()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 MEMORY = "memory/"  # the memory monitor's family prefix in the log
 THROUGHPUT = "throughput/"  # throughput's
-EXPERTS = "experts/"  # a mixture of experts' routing (training/expert_load.py)
+EXPERTS = "experts/"  # a mixture of experts' routing (training/watch/expert_load.py)
 
 SAVED_MIB = "saved_mib"  # bytes saved for backward by the largest forward pass, MiB
 SAVED_MIB_HEAD = "saved_mib_head"  # of which outside the decoder layers (the loss head)

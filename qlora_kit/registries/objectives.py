@@ -1,15 +1,18 @@
-"""Objectives: one ``ObjectiveSpec`` per ``train.objective``, naming its traits and the module that builds it.
+"""Objectives: one ``ObjectiveSpec`` per ``train.objective``, naming its traits.
 
 Everything outside an objective's own module asks the table for a trait and never compares
 ``train.objective`` with a name (tests/test_objectives.py greps for that): the recipe's rules, data preparation and its report, the
 planner, the loss head, the out-of-memory policy, the console, the metrics file, ``show`` and ``eval``.
-The module (``training/<name>.py``) builds the objective's data, its Trainer's arguments and the Trainer:
+Its module (``training/objectives/<name>.py``, imported by ``training/objective_trainer.py``'s ``MODULES``:
+this table is standard library only, and the recipe, which reads it, sits below training) builds the
+objective's data, its Trainer's arguments and the Trainer:
 
 - ``prepare(recipe, tokenizer) -> PreparedData``: the training and validation rows;
 - ``trainer_parts(recipe, tokenizer, output_dir, has_eval, precision) -> Parts``: the Trainer class, its
   arguments, the guard class and the extra keyword arguments the Trainer takes.
 
-Adding an objective is one entry here plus its module and tests. Standard library only: the recipe reads it.
+An objective's own figures in ``qlora-kit eval`` are ``after/evaluate.py``'s ``OBJECTIVE_METRICS``.
+Adding an objective is one entry here, one line each in those two tables, its module and its tests.
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ SEQUENCES, PAIRS, PROMPTS, UNPAIRED = "sequences", "pairs", "prompts", "unpaired
 @dataclass(frozen=True)
 class ObjectiveSpec:
     name: str
-    module: str  # the module that builds its data, arguments and Trainer (the module docstring)
     rows: str  # SEQUENCES, PAIRS, PROMPTS or UNPAIRED
     trainer: str  # TRL's (or transformers') Trainer class it runs on, for messages
     packs: bool = False  # rows may be packed or grouped by length (TRL pads pairs and rollouts itself)
@@ -39,7 +41,6 @@ class ObjectiveSpec:
     reference: bool = False  # a frozen reference policy: a second adapter on the same base
     disables_dropout: bool = False  # TRL turns dropout off (policy and reference score alike)
     section: str | None = None  # the recipe section that applies to it alone
-    eval_metrics: str | None = None  # "module:function" (lm, tokenizer, recipe, max_examples) -> figures
     metric_keys: tuple[str, ...] = ()  # TRL's figures kept in metrics.jsonl (and their eval_ twins)
     console: tuple[tuple[str, str], ...] = ()  # (log key, label) shown beside the loss while it trains
     eval_line: tuple[tuple[str, str], ...] = ()  # (log key, label) added to the console's eval line
@@ -53,7 +54,6 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
     for spec in (
         ObjectiveSpec(
             "sft",
-            "qlora_kit.training.sft",
             SEQUENCES,
             "Trainer",
             packs=True,
@@ -62,7 +62,6 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         ),
         ObjectiveSpec(
             "dpo",
-            "qlora_kit.training.dpo",
             PAIRS,
             "DPOTrainer",
             sequences_per_row=2,  # chosen and rejected in one forward pass
@@ -76,24 +75,21 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
         ),
         ObjectiveSpec(
             "grpo",
-            "qlora_kit.training.grpo",
             PROMPTS,
             "GRPOTrainer",
-            # an out-of-memory error splits the generation batch or the policy step (grpo_oom.py), and the
+            # an out-of-memory error splits the generation batch or the policy step (grpo/oom.py), and the
             # probe tries the longest prompts at max_completion_length first
             probes_worst_batch=True,
             preflight=False,  # it trains on no labelled token: the completions are sampled
             rollouts=True,
             reference=True,
             section="grpo",
-            eval_metrics="qlora_kit.after.grpo_eval:reward_metrics",
             metric_keys=keys.GRPO_KEYS,
             console=((keys.REWARD, "reward"),),  # the rollouts' mean summed reward (the loss reads ~0)
             summary=((keys.REWARD, "reward"),),
         ),
         ObjectiveSpec(
             "kto",
-            "qlora_kit.training.kto",
             UNPAIRED,
             "KTOTrainer",
             splits_on_oom=False,  # not yet proven on its KL rows: an out-of-memory error stops with the line
@@ -102,7 +98,6 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             reference=True,
             disables_dropout=True,
             section="preference",
-            eval_metrics="qlora_kit.after.preference_eval:feedback_metrics",
             metric_keys=(*keys.PREFERENCE_KEYS, keys.KL),
             console=((keys.REWARD_MARGINS, "margin"),),
             eval_line=((keys.EVAL_PREFIX + keys.REWARD_MARGINS, "reward margin"),),

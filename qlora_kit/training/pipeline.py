@@ -1,10 +1,10 @@
 """The whole pipeline, top to bottom: ``build(recipe)`` sets a run up, ``run(recipe)`` is build + train + save.
 
 build: load tokenizer -> tokenize data -> load 4-bit base -> checkpointing policy -> attach LoRA ->
-transformers' Trainer for the objective with the chosen optimizer (objectives.py). run adds the output folder (lock,
+transformers' Trainer for the objective with the chosen optimizer (objective_trainer.py). run adds the output folder (lock,
 checks, manifest), training, the final save and the samples. The Trainer owns the loop. Benchmarks,
 ``qlora-kit doctor`` and notebooks set runs up through ``build`` (or ``run``); the tests of the Trainer
-subclass itself build one with ``objectives.build_trainer``.
+subclass itself build one with ``objective_trainer.build_trainer``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from transformers import TrainerState, set_seed
 from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import attention_fit, auto, checkpointing
+from qlora_kit.memory import attention_fit, auto, checkpointing, layout_costs
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -36,12 +36,11 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import layout_costs, run_log, sample_prompts, step, trackers
-from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
-from qlora_kit.training.interrupts import StopOnSignal
-from qlora_kit.training.manifest import utc_now, write_manifest
-from qlora_kit.training.objectives import build_trainer, builder
-from qlora_kit.training.outputs import (
+from qlora_kit.training import sample_prompts
+from qlora_kit.training.objective_trainer import build_trainer, builder
+from qlora_kit.training.resolved import ResolvedRun
+from qlora_kit.training.run_folder.manifest import utc_now, write_manifest
+from qlora_kit.training.run_folder.outputs import (
     FINISHED_MARKER,
     after_failed_overwrite,
     check_output_dir,
@@ -55,9 +54,12 @@ from qlora_kit.training.outputs import (
     prepare_run_folder,
     staging_dir,
 )
-from qlora_kit.training.resolved import ResolvedRun
-from qlora_kit.training.run_record import tokens_per_s
-from qlora_kit.training.trainer import GuardedTrainer
+from qlora_kit.training.run_folder.run_record import tokens_per_s
+from qlora_kit.training.step import step
+from qlora_kit.training.step.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
+from qlora_kit.training.step.interrupts import StopOnSignal
+from qlora_kit.training.step.trainer import GuardedTrainer
+from qlora_kit.training.watch import run_log, trackers
 
 if TYPE_CHECKING:
     from peft import PeftModel
@@ -223,7 +225,7 @@ def run(
 
     ``resume``: True continues from the newest complete checkpoint in the output dir, a path from that
     checkpoint. ``callbacks`` and ``guards`` as for ``build``. ``console``: show progress there
-    (run_console.py) instead of the Trainer's progress bars and printed log dicts.
+    (watch/run_console.py) instead of the Trainer's progress bars and printed log dicts.
     """
     checked = check_runnable(recipe)
     log.debug("the resolved recipe:\n%s", recipe.to_yaml())
@@ -285,7 +287,7 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     if ranks.is_main:
         run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
         run_log.log_optimizer_state(setup.model, setup.recipe)
-        if objectives.of(setup.recipe).rollouts:  # its two peaks (grpo_oom.py)
+        if objectives.of(setup.recipe).rollouts:  # its two peaks (grpo/oom.py)
             run_log.log_grpo_peaks(setup.recipe, setup.trainer.args.device.type)
         # read back from accelerate, not the recipe: the autocast the forward will actually run under
         log.info("mixed precision: %s", setup.trainer.accelerator.mixed_precision)

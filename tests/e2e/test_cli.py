@@ -12,7 +12,7 @@ import pytest
 
 from qlora_kit import Recipe
 from qlora_kit.data import layout
-from qlora_kit.training import layout_costs
+from qlora_kit.memory import layout_costs
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 

@@ -33,7 +33,7 @@ SETTINGS = [
     "--set", "optimizer.name=adamw_torch", "--set", "quant.compute_dtype=float32",
 ]  # fmt: skip
 # An SFT run's layout is named: data.packing auto times the layouts in one process and chooses by padding
-# in several (training/layout_costs.py), and these tests compare data parallelism, not layouts.
+# in several (memory/layout_costs.py), and these tests compare data parallelism, not layouts.
 PACKED = ["--set", "data.packing=true"]
 ONE = ["--set", "train.micro_batch_size=8"]  # the one process: both halves of the two processes' batch
 

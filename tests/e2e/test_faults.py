@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from qlora_kit.cli.app import main as cli_main
-from qlora_kit.training.outputs import is_complete_checkpoint
+from qlora_kit.training.run_folder.outputs import is_complete_checkpoint
 from tests.conftest import once_per_session, run_cli
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
@@ -173,7 +173,7 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(re
 def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path):
     """While one process holds the folder (here: this test, through the same lock a run takes), another
     run refuses at once. That a killed run leaves no stuck lock, every resume above shows."""
-    from qlora_kit.training.outputs import exclusive
+    from qlora_kit.training.run_folder.outputs import exclusive
 
     out = tmp_path / "out"
     with exclusive(out):

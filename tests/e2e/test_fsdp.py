@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from qlora_kit.model.builtin import ensure_tiny_model
-from qlora_kit.training.outputs import CHECKPOINT
+from qlora_kit.training.run_folder.outputs import CHECKPOINT
 from tests.e2e.test_benchmarks import smoke_run
 from tests.e2e.test_distributed import free_port, losses
 

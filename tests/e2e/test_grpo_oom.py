@@ -1,4 +1,4 @@
-"""GRPO at the memory edge (training/grpo_oom.py), made on the CPU by the fault injector
+"""GRPO at the memory edge (training/objectives/grpo/oom.py), made on the CPU by the fault injector
 (memory/oom_faults.py): the training cap (bytes saved for backward) reaches the policy step, the
 generation cap (``QLORA_KIT_OOM_GENERATION_CAP_BYTES``: live bytes of one generate call, the KV cache and
 logits) the rollouts. Everything after the injected error is the real code path: bnb 4-bit, peft, TRL's

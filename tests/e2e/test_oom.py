@@ -1,4 +1,4 @@
-"""Out-of-memory inside a step (training/oom_recovery.py), made on the CPU by the fault injector
+"""Out-of-memory inside a step (training/step/oom_recovery.py), made on the CPU by the fault injector
 (memory/oom_faults.py, ``QLORA_KIT_OOM_CAP_BYTES``): every run here goes through the Trainer under
 bf16 autocast, as on a GPU, and everything after the injected error is the real code path.
 

@@ -2,19 +2,59 @@
 act between the micro-batches and the optimizer step, attached here and nowhere else.
 
 transformers' Trainer runs the loop (``Trainer._inner_training_loop``: accumulation, clipping, the
-optimizer and the scheduler, evaluation, checkpoints, resume, DDP and FSDP through accelerate). In it,
-one optimizer step is:
+optimizer and the scheduler, evaluation, checkpoints, resume, DDP and FSDP through accelerate). Each
+stage below names the function that does it and where it lives (paths under ``qlora_kit/``).
 
-1. per micro-batch, ``TrainingStep.training_step`` below: its tokens counted, its parts' forward and
-   backward passes (one part unless an out-of-memory error split it), the backward phase closed in the
-   memory monitor, its loss folded into the guard's device flag (no host read);
-2. after the last micro-batch: DDP's all-reduce, then the Trainer unscales (fp16) and clips;
-3. ``on_pre_optimizer_step``: the guard reads its flags once; a non-finite loss or gradient, or dead
-   LoRA gradients, stop the run before the optimizer applies them (guards.py);
-4. the optimizer step (a GradScaler under fp16 skips overflow steps itself), the scheduler;
-5. ``on_log``: the memory monitor and the throughput add their figures to the logs, which the metrics
-   file, the trackers and the run console then write (``callbacks`` gives that order);
-6. a checkpoint when due, staged and renamed into place (trainer.py's ``_save_checkpoint``).
+Before the first step (``train.probe_worst_batch``): ``SplitOnOom._run_epoch`` ->
+``probe_worst_batch`` (training/step/oom_recovery.py) runs the longest micro-batch through 1 below and
+discards its gradients, so an out-of-memory error is met (split, or stop) in the first minute.
+
+One optimizer step:
+
+0. the Trainer draws the step's micro-batches: ``SplitOnOom.get_batch_samples``
+   (training/step/oom_recovery.py) keeps them and the random state, for a redo after an out-of-memory
+   error. (GRPO: ``GrpoSplitOnOom`` samples each rollout first, training/objectives/grpo/oom.py, then
+   hands its policy step to 1.)
+1. per micro-batch, ``TrainingStep.training_step`` (here), in this order:
+
+   a. its tokens counted, once however many parts or attempts: ``Throughput.count``
+      (training/watch/throughput.py);
+   b. its forward and backward passes, in ``parts`` chunks: ``SplitOnOom.train_in_parts``
+      (training/step/oom_recovery.py) runs each chunk through transformers' ``Trainer.training_step``,
+      which calls, per chunk:
+
+      - the forward and loss: ``TrainingStep.compute_loss`` (here): ``MemoryMonitor.phase_started`` and
+        ``forward_started`` (memory/monitor.py); the forward under ``SavedTensors.counting``
+        (memory/accounting.py: the bytes saved for backward); the loss, the model's own or
+        ``chunked_lm_loss`` (memory/loss_head.py); ``MemoryMonitor.forward_done``; and
+        ``SplitOnOom.forward_done``, where several processes agree no one ran out of memory;
+      - the backward: accelerate's ``backward`` (under DDP inside ``no_sync``, so that no process is
+        left in an all-reduce when another runs out of memory);
+
+      on an out-of-memory error, ``SplitOnOom._split_or_stop``: the step's micro-batches so far again
+      in twice the parts, or a stop with one line, by the recipe's policy (training/step/oom_split.py:
+      ``oom_policy``, the cut rows, the split file, the messages);
+   c. the backward phase's peak: ``MemoryMonitor.backward_done`` (memory/monitor.py);
+   d. its loss into the guard's device flag, no host read: ``TrainingGuard.record_loss``
+      (training/step/guards.py).
+
+2. after the last micro-batch: under DDP the gradients averaged in one all-reduce
+   (``SplitOnOom._synchronise_gradients``, training/step/oom_recovery.py; FSDP reduces inside its
+   backward), then the Trainer unscales (fp16) and clips;
+3. ``on_pre_optimizer_step``: ``MemoryMonitor.on_pre_optimizer_step`` opens the optimizer's phase;
+   ``TrainingGuard.on_pre_optimizer_step`` (training/step/guards.py) reads its flags once: a
+   non-finite loss or gradient, or dead LoRA gradients, stop the run before the optimizer applies them;
+4. the optimizer step (a GradScaler under fp16 skips overflow steps itself), then
+   ``MemoryMonitor.on_optimizer_step`` (its peak and the device's used memory), then the scheduler;
+5. ``on_step_end``: ``StopOnSignal.on_step_end`` (training/step/interrupts.py): a signal on any
+   process -> a checkpoint and a stop, at the same step on all;
+6. ``on_log``, when due, in ``callbacks``' order: ``MemoryMonitor.on_log``, ``Throughput.on_log``,
+   ``ExpertLoad.on_log`` (training/watch/expert_load.py) add their figures to the logs;
+   ``MetricsLog.on_log`` (training/watch/metrics_log.py), the trackers (training/watch/trackers.py)
+   and, last, ``RunConsole.on_log`` (training/watch/run_console.py, ``show_on``) write them;
+7. a checkpoint when due: ``GuardedTrainer._save_checkpoint`` (training/step/trainer.py) stages it
+   with the split (``SplitOnOom.save_split``) and the costs auto chose by, then renames it into place
+   (``move_into_place``, training/run_folder/outputs.py).
 """
 
 from __future__ import annotations
@@ -27,20 +67,21 @@ from transformers.trainer_callback import PrinterCallback
 from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
-from qlora_kit.training.run_console import RunConsole
+from qlora_kit.training.watch.run_console import RunConsole
 
 if TYPE_CHECKING:
     from rich.console import Console
 
-    from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
-    from qlora_kit.training.guards import TrainingGuard
-    from qlora_kit.training.throughput import Throughput
+    from qlora_kit.memory.monitor import MemoryMonitor
+    from qlora_kit.training.step.guards import TrainingGuard
+    from qlora_kit.training.watch.metrics_log import MetricsLog
+    from qlora_kit.training.watch.throughput import Throughput
 
 
 class TrainingStep:
     """The micro-batch's code (the module docstring's item 1), before the out-of-memory split and the
-    library's trainer in every trainer's class order (GRPO's rollouts come first: grpo_oom.py samples
-    them, then hands each policy step to this ``training_step``).
+    library's trainer in every trainer's class order (GRPO's rollouts come first: objectives/grpo/oom.py
+    samples them, then hands each policy step to this ``training_step``).
 
     Set by ``GuardedTrainer``: ``throughput``, ``memory_monitor``, ``guard`` (None when measuring a run
     without it), ``chunk_tokens`` (the chunked loss head's, or None); ``train_in_parts`` and
@@ -125,7 +166,7 @@ def callbacks(
 
 
 def show_on(trainer, console: Console) -> TrainerCallback:
-    """The run console in place of the Trainer's progress bars and printed log dicts (run_console.py):
+    """The run console in place of the Trainer's progress bars and printed log dicts (training/watch/run_console.py):
     the last callback, after every figure is in the logs."""
     trainer.remove_callback(ProgressCallback)
     trainer.remove_callback(PrinterCallback)

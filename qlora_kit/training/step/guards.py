@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from qlora_kit.errors import TrainingGuardError
-from qlora_kit.training.distributed import over_ranks
-from qlora_kit.training.outputs import complete_checkpoints
+from qlora_kit.training.run_folder.outputs import complete_checkpoints
+from qlora_kit.training.step.distributed import over_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
@@ -111,9 +111,9 @@ class TrainingGuard(TrainerCallback):
         # An A matrix whose B is still all zero gets an exactly zero gradient in a healthy run: peft's
         # default init, and any step before the learning rate has left zero (warmup). Check it later.
         partner = {n: n.replace(".lora_A.", ".lora_B.") for n in self.unchecked if ".lora_A." in n}
-        b_zero = _all_zero({b: self.lora[b] for b in partner.values() if b in self.lora})
+        b_zero = all_zero({b: self.lora[b] for b in partner.values() if b in self.lora})
         due = [n for n in self.unchecked if not b_zero.get(partner.get(n, ""), False)]
-        silent = _all_zero({n: self.lora[n].grad for n in due})
+        silent = all_zero({n: self.lora[n].grad for n in due})
         dead = sorted(n for n in due if silent[n])
         self.unchecked.difference_update(due)
         if dead:
@@ -125,7 +125,7 @@ class TrainingGuard(TrainerCallback):
             )
 
 
-def _all_zero(tensors: dict[str, torch.Tensor | None]) -> dict[str, bool]:
+def all_zero(tensors: dict[str, torch.Tensor | None]) -> dict[str, bool]:
     """Name -> whether the tensor is missing or all zero, read in one host sync."""
     present = {n: t for n, t in tensors.items() if t is not None}
     result = dict.fromkeys(tensors, True)
@@ -165,6 +165,6 @@ def _module_of(parameter_name: str) -> str:
 
 def kept(output_dir: str) -> str:
     """What survives a stop: the newest checkpoint (looked up only when stopping: it scans a folder)."""
-    # the newest *complete* one, as --resume means it (outputs.py): a half-written folder is not kept
+    # the newest *complete* one, as --resume means it (run_folder/outputs.py): a half-written folder is not kept
     complete = complete_checkpoints(Path(output_dir)) if output_dir else []
     return f"the last checkpoint, {complete[-1]}, is intact" if complete else "no checkpoint was written"

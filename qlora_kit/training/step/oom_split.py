@@ -1,5 +1,5 @@
-"""The pieces of out-of-memory recovery (oom_recovery.py) that need no Trainer: a micro-batch cut into
-parts, the random states a redone step restores, the split file in a checkpoint, the memory figures and
+"""The out-of-memory split policy: the pieces of out-of-memory recovery (oom_recovery.py) that need no
+Trainer: a micro-batch cut into parts, the random states a redone step restores, the split file in a checkpoint, the memory figures and
 the messages of a split or a stop, and the recipe's policy (``train.on_oom``, ``train.probe_worst_batch``).
 """
 
@@ -46,7 +46,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
         f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
         f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
     )
-    if objectives.of(recipe).rollouts:  # the rollouts' peak and the policy step's (grpo_oom.py)
+    if objectives.of(recipe).rollouts:  # the rollouts' peak and the policy step's (grpo/oom.py)
         grpo = recipe.grpo
         levers = (
             f"a lower grpo.max_completion_length (now {grpo.max_completion_length}; both peaks), fewer "
@@ -84,7 +84,7 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
 
 def probes_worst_batch(recipe: Recipe) -> bool:
     """``train.probe_worst_batch``: auto is on where memory can run out (CUDA)."""
-    # DPO's pairs have no one input_ids to find the longest by (GRPO probes its own way: grpo_oom.py)
+    # DPO's pairs have no one input_ids to find the longest by (GRPO probes its own way: grpo/oom.py)
     if not objectives.of(recipe).probes_worst_batch:
         return False
     probe = recipe.train.probe_worst_batch
@@ -194,7 +194,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def write_split(folder: Path, parts: int, eval_parts: int, generation_parts: int = 1) -> None:
     saved = {"parts": parts, "eval_parts": eval_parts}
-    if generation_parts > 1:  # GRPO's rollouts: generate calls per generation batch (grpo_oom.py)
+    if generation_parts > 1:  # GRPO's rollouts: generate calls per generation batch (grpo/oom.py)
         saved["generation_parts"] = generation_parts
     (folder / SPLIT_FILE).write_text(json.dumps(saved) + "\n")
 

@@ -20,16 +20,17 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import LengthGroupedSampler
 from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import layer_costs, optimizers
-from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.memory import layer_costs, layout_costs, optimizers
+from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.model import adapters
-from qlora_kit.training import layout_costs, private_hooks
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.micro_batches import OomPolicy
-from qlora_kit.training.oom_recovery import SplitOnOom
-from qlora_kit.training.outputs import move_into_place, staging_dir
-from qlora_kit.training.step import TrainingStep
-from qlora_kit.training.throughput import Throughput
+from qlora_kit.training.run_folder.outputs import move_into_place, staging_dir
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.oom_recovery import SplitOnOom
+from qlora_kit.training.step.oom_split import OomPolicy
+from qlora_kit.training.step.step import TrainingStep
+from qlora_kit.training.watch.metrics_log import MetricsLog
+from qlora_kit.training.watch.throughput import Throughput
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -45,7 +46,7 @@ def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precisi
 
 
 def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> dict[str, Any]:
-    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: dpo.py)."""
+    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: objectives/dpo.py)."""
     train, opt = recipe.train, recipe.optimizer
     evaluating = has_eval and train.eval_steps is not None
     return dict(
@@ -87,7 +88,7 @@ def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precisio
         # (early stopping compares the same metric); lower is better for a name ending in "loss"
         load_best_model_at_end=train.keep_best is not None,
         metric_for_best_model=train.keep_best or ("eval_loss" if train.early_stopping_patience else None),
-        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (trackers.py)
+        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (watch/trackers.py)
         run_name=train.run_name or Path(output_dir).name,
         project=train.project,
         dataloader_pin_memory=torch.cuda.is_available(),
@@ -146,7 +147,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         self.guard = guard
         self.chunk_tokens = chunk_tokens
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
-        self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (resolved.py)
+        self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (training/resolved.py)
         self.layout_costs: layout_costs.LayoutCosts | None = None  # data.packing auto's
         self._staging: Path | None = None
 

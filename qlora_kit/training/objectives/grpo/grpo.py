@@ -39,18 +39,17 @@ from trl import GRPOConfig, GRPOTrainer
 
 from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
-from qlora_kit.training import private_hooks
-from qlora_kit.training.grpo_explain import GrpoExplainer
-from qlora_kit.training.grpo_oom import GrpoSplitOnOom
-from qlora_kit.training.guards import TrainingGuard, _all_zero
-from qlora_kit.training.reward_checks import checked
-from qlora_kit.training.row_sampling import rows_seeded
-from qlora_kit.training.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.objectives.grpo.explain import GrpoExplainer
+from qlora_kit.training.objectives.grpo.oom import GrpoSplitOnOom
+from qlora_kit.training.objectives.grpo.reward_checks import checked
+from qlora_kit.training.objectives.grpo.row_sampling import rows_seeded
+from qlora_kit.training.objectives.reference_adapter import describe_reference
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard, all_zero
+from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
-
-REFERENCE = "ref"  # TRL's name of the frozen copy of the adapter (GRPOTrainer.__init__)
 
 
 def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> GRPOConfig:
@@ -129,12 +128,12 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
         if model.training:
             self.throughput.count(counted)
         loss = super().compute_loss(model, counted, return_outputs, num_items_in_batch)
-        share = self.part_share(inputs) if model.training else 1.0  # a split policy step (grpo_oom.py)
+        share = self.part_share(inputs) if model.training else 1.0  # a split policy step (grpo/oom.py)
         return loss * share if share != 1.0 else loss
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo_oom.py)
+        self.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo/oom.py)
         return result
 
     def _send_telemetry(self) -> None:
@@ -159,7 +158,7 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
         whole = super()._generate_single_turn
 
         def generate_rows(rows: list[list[int]], first: int):
-            # one call for the slice (all of it unless split: grpo_oom.py)
+            # one call for the slice (all of it unless split: grpo/oom.py)
             if not self.seed_each_completion:
                 if len(rows) == len(prompt_ids):
                     return whole(rows, images, multimodal_fields, num_generations, has_tool_images)
@@ -180,9 +179,7 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
     def reference_description(self, adapter: str | None) -> str:
         if self.beta == 0:
             return "not used (grpo.beta is 0: no KL penalty, no reference forward)"
-        if adapter is None:
-            return "the base model (the reference adapter is the new adapter's start, B = 0)"
-        return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+        return describe_reference(adapter)
 
 
 def rollout_seed(seed: int, step: int, prompt_ids: list[int], copy: int) -> int:
@@ -200,7 +197,7 @@ class RewardGuard(TrainingGuard):
     adapter; the dead-gradient check waits for a step that has one."""
 
     def _check_dead(self, step: int) -> None:
-        if all(_all_zero({name: p.grad for name, p in self.lora.items()}).values()):
+        if all(all_zero({name: p.grad for name, p in self.lora.items()}).values()):
             return
         super()._check_dead(step)
 

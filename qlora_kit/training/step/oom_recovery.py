@@ -50,8 +50,8 @@ import torch.distributed as dist
 
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.distributed import over_ranks
-from qlora_kit.training.micro_batches import (
+from qlora_kit.training.step.distributed import over_ranks
+from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,
     concat,
@@ -86,7 +86,7 @@ class SplitOnOom:
         self.oom_policy = policy
         self.parts = 1  # chunks each training micro-batch runs in
         self.eval_parts = 1  # chunks each evaluation batch runs in
-        self.generation_parts = 1  # GRPO: generate calls each process's rollouts run in (grpo_oom.py)
+        self.generation_parts = 1  # GRPO: generate calls each process's rollouts run in (grpo/oom.py)
         self.in_parts: dict[str, Any] | None = None  # the micro-batch whose parts are running
         self.probe_pending = probe
         self.probing = False  # the probe's tokens are not training's (throughput)
@@ -216,7 +216,7 @@ class SplitOnOom:
 
     def _split_or_stop(self, model, inputs, num_items_in_batch, failure: Failure, index: int) -> None:
         """Split the step's micro-batches in twice the parts and clear the step, or stop with one line."""
-        from qlora_kit.training.guards import kept
+        from qlora_kit.training.step.guards import kept
 
         step = self.state.global_step + 1
         where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
@@ -257,7 +257,7 @@ class SplitOnOom:
             self.metrics_log.record(record)
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        from qlora_kit.training.guards import kept
+        from qlora_kit.training.step.guards import kept
 
         while True:
             result, failure = self._predict_attempt(model, inputs, prediction_loss_only, ignore_keys)

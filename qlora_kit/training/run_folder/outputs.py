@@ -28,7 +28,7 @@ from qlora_kit.errors import OutputDirError
 from qlora_kit.model import moe_experts
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.registries.optimizers import OPTIMIZERS
-from qlora_kit.training.manifest import build_manifest, write_manifest
+from qlora_kit.training.run_folder.manifest import build_manifest, write_manifest
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

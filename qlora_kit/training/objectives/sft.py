@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from qlora_kit.data import images
 from qlora_kit.data import prepare as data
 from qlora_kit.errors import RecipeError
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.trainer import GuardedTrainer, training_arguments
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.trainer import GuardedTrainer, training_arguments
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

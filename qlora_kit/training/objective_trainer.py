@@ -1,16 +1,18 @@
-"""Training stage: ``train.objective`` -> the Trainer that runs it, with qlora_kit's callbacks.
+"""Training stage: ``train.objective`` -> its module, and the Trainer that runs it with qlora_kit's callbacks.
 
-Each objective's module, named by its entry in the objective table (registries/objectives.py), builds
-its Trainer's class and arguments: SFT runs on ``GuardedTrainer`` (sft.py, trainer.py), DPO on
-``GuardedDPOTrainer`` (dpo.py, TRL's DPOTrainer under the same additions), GRPO on ``GuardedGRPOTrainer``
-(grpo.py, TRL's GRPOTrainer, with the reward functions of data/rewards.py and the explanations of
-grpo_explain.py). All get the same callbacks, in the order that lets the memory and throughput
-figures reach every log (step.py's ``callbacks``).
+``MODULES`` imports each objective's module (training/objectives/), explicitly and on first use; its entry
+in the objective table (registries/objectives.py) holds its traits. Each module builds its Trainer's
+class and arguments: SFT runs on ``GuardedTrainer`` (objectives/sft.py, step/trainer.py), DPO on
+``GuardedDPOTrainer`` (objectives/dpo.py, TRL's DPOTrainer under the same additions), GRPO on
+``GuardedGRPOTrainer`` (objectives/grpo/grpo.py, TRL's GRPOTrainer, with the reward functions of
+data/rewards.py and the explanations of grpo/explain.py), KTO on ``GuardedKTOTrainer`` (objectives/kto.py).
+All get the same callbacks, in the order that lets the memory and throughput figures reach every log
+(step/step.py's ``callbacks``).
 """
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING
 
@@ -18,23 +20,55 @@ from transformers import EarlyStoppingCallback
 
 from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
-from qlora_kit.memory.monitor import MemoryMonitor, MetricsLog
+from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.registries import objectives
-from qlora_kit.training import expert_load, step
-from qlora_kit.training.expert_load import ExpertLoad
-from qlora_kit.training.micro_batches import oom_policy, probes_worst_batch
-from qlora_kit.training.throughput import Throughput, peak_tflops
-from qlora_kit.training.trackers import tracker_callbacks
-from qlora_kit.training.trainer import GuardedTrainer, pin_to_one_device
+from qlora_kit.training.step import step
+from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
+from qlora_kit.training.step.trainer import GuardedTrainer, pin_to_one_device
+from qlora_kit.training.watch import expert_load
+from qlora_kit.training.watch.expert_load import ExpertLoad
+from qlora_kit.training.watch.metrics_log import MetricsLog
+from qlora_kit.training.watch.throughput import Throughput, peak_tflops
+from qlora_kit.training.watch.trackers import tracker_callbacks
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
     from qlora_kit.training.resolved import ResolvedRun
 
 
+def _sft() -> ModuleType:
+    from qlora_kit.training.objectives import sft
+
+    return sft
+
+
+def _dpo() -> ModuleType:
+    from qlora_kit.training.objectives import dpo
+
+    return dpo
+
+
+def _grpo() -> ModuleType:
+    from qlora_kit.training.objectives.grpo import grpo
+
+    return grpo
+
+
+def _kto() -> ModuleType:
+    from qlora_kit.training.objectives import kto
+
+    return kto
+
+
+# train.objective -> the module that builds its data, arguments and Trainer, imported when a run asks for
+# it (TRL loads only for the objectives that run on it). The objective table cannot name the module
+# itself: it is standard library only, read by the recipe, which sits below training.
+MODULES: dict[str, Callable[[], ModuleType]] = {"sft": _sft, "dpo": _dpo, "grpo": _grpo, "kto": _kto}
+
+
 def builder(recipe: Recipe) -> ModuleType:
-    """The module that builds ``train.objective``'s data, arguments and Trainer (registries/objectives.py)."""
-    return importlib.import_module(objectives.of(recipe).module)
+    """The module that builds ``train.objective``'s data, arguments and Trainer."""
+    return MODULES[objectives.of(recipe).name]()
 
 
 def build_trainer(
@@ -52,7 +86,7 @@ def build_trainer(
     has_eval = val_set is not None
     # the objective's own module builds its Trainer's class, arguments and extras (TRL loads only for
     # the objectives that run on it)
-    trainer_class, args, guard_class, extra = importlib.import_module(run.objective.module).trainer_parts(
+    trainer_class, args, guard_class, extra = MODULES[run.objective.name]().trainer_parts(
         recipe, tokenizer, output_dir, has_eval, run.precision
     )
     objective_callbacks = extra.pop("callbacks", [])

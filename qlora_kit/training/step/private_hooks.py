@@ -13,7 +13,7 @@ from __future__ import annotations
 from importlib.metadata import version
 
 PRIVATE_OVERRIDES = {
-    # trainer.py
+    # step/trainer.py
     "_save_checkpoint": (
         "atomic checkpoints: on_save runs after the checkpoint is written, too late to stage it"
     ),
@@ -24,23 +24,23 @@ PRIVATE_OVERRIDES = {
     "_load_optimizer_and_scheduler": (
         "a resumed paged optimizer pages again: no callback runs between loading its state and step 1"
     ),
-    # oom_recovery.py
+    # step/oom_recovery.py
     "_run_epoch": (
         "the worst-batch probe: on_train_begin runs before the model is prepared (DDP, FSDP, autocast) "
         "and the optimizer built; _run_epoch is the first point after both"
     ),
-    # dpo.py
+    # objectives/dpo.py
     "_prepare_dataset": "DPO's rows arrive tokenized (data/preference.py); TRL has no switch to skip its own",
-    # dpo.py, grpo.py, kto.py
+    # objectives/reference_adapter.py (DPO, KTO), objectives/grpo/grpo.py
     "_send_telemetry": "TRL reports usage over the network; a training run here makes no such call",
-    # grpo.py
+    # objectives/grpo/grpo.py
     "_get_per_token_logps_and_entropies": (
-        "several processes agree on an out-of-memory error before TRL's loss all-reduces (grpo_oom.py)"
+        "several processes agree on an out-of-memory error before TRL's loss all-reduces (grpo/oom.py)"
     ),
     "_generate_single_turn": (
-        "grpo.seed_each_completion: each row of the generate call drawn from its own seed (row_sampling.py)"
+        "grpo.seed_each_completion: each row of the generate call drawn from its own seed (objectives/grpo/row_sampling.py)"
     ),
-    # grpo_oom.py
+    # objectives/grpo/oom.py
     "_prepare_inputs": "a split policy step reuses its sampled rollout instead of sampling again",
 }
 

@@ -11,10 +11,11 @@ mismatched prompt/answer pairs of the same batch (TRL rotates the answers within
 Trainer reads the rows in order: they are shuffled here once, with the recipe's seed).
 
 ``GuardedKTOTrainer`` is ``GuardedTrainer`` on top of TRL's ``KTOTrainer``, as dpo.py does for DPO, with
-the same changes to TRL's behaviour and for the same reasons: the reference is a frozen second adapter
-"ref" on the same 4-bit base (the base itself without ``model.adapter``), the policy gets its fp32 LoRA
-weights back after TRL's bf16 cast, the recipe's checkpointing is left alone around the reference
-forward, and TRL's telemetry ping is not sent. TRL tokenizes the rows (a text answer with the tokenizer's
+the same changes to TRL's behaviour and for the same reasons (reference_adapter.py's
+``ReferenceAdapterTrainer``): the reference is a frozen second adapter "ref" on the same 4-bit base (the
+base itself without ``model.adapter``), the policy gets its fp32 LoRA weights back after TRL's bf16
+cast, the recipe's checkpointing is left alone around the reference forward, and TRL's telemetry ping
+is not sent. TRL tokenizes the rows (a text answer with the tokenizer's
 EOS, a conversation by the chat template; ``token_ids`` does it as TRL does for the data report and
 ``qlora-kit eval``, data/feedback.py); ``preference.beta`` is KTO's beta.
 """
@@ -31,10 +32,10 @@ from qlora_kit.data import feedback, sources
 from qlora_kit.data import prepare as data
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
-from qlora_kit.training import private_hooks
-from qlora_kit.training.dpo import _policy_back_to_fp32, describe_reference
-from qlora_kit.training.guards import TrainingGuard
-from qlora_kit.training.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.objectives.reference_adapter import ReferenceAdapterTrainer
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.guards import TrainingGuard
+from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -99,17 +100,5 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
 
 
 @private_hooks.checked
-class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
+class GuardedKTOTrainer(ReferenceAdapterTrainer, GuardedTrainer, KTOTrainer):
     """KTOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.policy_restored = _policy_back_to_fp32(self.model)
-        # TRL's reference forward toggles checkpointing when this says True (dpo.py says why not)
-        self.model.is_gradient_checkpointing = False
-
-    def _send_telemetry(self) -> None:
-        pass
-
-    def reference_description(self, adapter: str | None) -> str:
-        return describe_reference(adapter)

@@ -14,7 +14,7 @@ it runs out of memory:
   one would.
 - **The policy step**: TRL's ``_prepare_inputs`` turns the prompt rows into the rollout (completions,
   rewards and advantages, computed over each whole group before anything is split), and the rollout is
-  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (oom_recovery.py). The parts' losses add
+  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (training/step/oom_recovery.py). The parts' losses add
   up to the micro-batch's: TRL's dapo, cispo and vespo divide by the generation batch's token count
   already; its per-sequence or per-batch means (grpo, sapo, dr_grpo, luspo: rows; bnpo: tokens) are
   weighted by the part's share.
@@ -42,7 +42,7 @@ import torch
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.micro_batches import (
+from qlora_kit.training.step.oom_split import (
     Failure,
     memory_figures,
     release_memory,
@@ -103,7 +103,7 @@ class GrpoSplitOnOom:
 
     def policy_logps_done(self) -> None:
         """After the policy's forward and log-probabilities of a training part, before TRL's loss (whose
-        metrics all-reduce): every process got there, or all drop the attempt (oom_recovery.py)."""
+        metrics all-reduce): every process got there, or all drop the attempt (training/step/oom_recovery.py)."""
         if self.model.training and torch.is_grad_enabled():
             self.forward_done()
 
@@ -136,7 +136,7 @@ class GrpoSplitOnOom:
             set_rng_state(state)  # the redo draws from where the generation began
 
     def _split_generation(self, prompt_ids: list[list[int]], size: int, failure: Failure) -> None:
-        from qlora_kit.training.guards import kept
+        from qlora_kit.training.step.guards import kept
 
         step = self.state.global_step + 1
         where = "the worst-batch probe's rollouts" if self.probing else "generation"

@@ -1,6 +1,6 @@
 """A finished (or running) run read back from its folder: ``qlora-kit show DIR`` and the notebooks.
 
-A run folder holds ``recipe.yaml``, ``manifest.json`` and ``metrics.jsonl`` (pipeline.py writes them);
+A run folder holds ``recipe.yaml``, ``manifest.json`` and ``metrics.jsonl`` (training/pipeline.py writes them);
 this module reads them into a ``RunRecord``, says what the recipe changed from the defaults, and draws
 the losses and the learning rate into ``loss.png`` (matplotlib, the ``plot`` extra). ``cli/views.show_run``
 prints it.
@@ -131,7 +131,7 @@ def expert_rows(rows: list[dict[str, Any]]) -> list[tuple[str, str]]:
 
 
 def oom_rows(metrics: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    """One row per out-of-memory split (training/oom_recovery.py): where, and the micro-batch before and after."""
+    """One row per out-of-memory split (training/step/oom_recovery.py): where, and the micro-batch before and after."""
     rows = []
     for row in metrics:
         split = row.get(keys.OOM_SPLIT)

@@ -1,0 +1,64 @@
+"""What DPO and KTO share: the frozen reference policy as TRL's second adapter "ref" on the same 4-bit base.
+
+The reference policy is never a second copy of the 4-bit base. TRL copies the trained adapter
+("default") into a frozen second adapter named "ref" on the same base when the trainer is built, and
+computes each step's reference log-probabilities with "ref" active: with ``model.adapter`` that is the
+starting adapter, without it the freshly initialised adapter (B = 0), i.e. the base itself. (GRPO's
+reference is made the same way; its trainer, grpo/grpo.py, restores the policy its own way and says
+what the reference is with ``describe_reference`` too.)
+
+``ReferenceAdapterTrainer`` goes first in DPO's and KTO's trainer classes (dpo.py, kto.py), before
+``GuardedTrainer`` and TRL's trainer, and changes TRL's behaviour in the same ways for both:
+
+- TRL casts a quantized model's trainable parameters to bf16 after making the "ref" copy; the policy
+  gets its fp32 values back from "ref" (bit-exact), as QLoRA keeps LoRA weights and the optimizer in
+  fp32 (bf16 weights lose small updates to rounding).
+- TRL turns checkpointing off and on around each reference forward with transformers' defaults, which
+  would replace the recipe's policy (every_n) by "every layer" and add an input-gradient hook each step;
+  the reference forward runs without grad, where checkpointing saves nothing, so it is left alone.
+- TRL's telemetry ping at construction is not sent.
+"""
+
+from __future__ import annotations
+
+import torch
+
+POLICY, REFERENCE = "default", "ref"  # TRL's adapter names (DPOTrainer.__init__, KTOTrainer.__init__)
+
+
+class ReferenceAdapterTrainer:
+    """The first base of a TRL trainer class whose reference is the "ref" adapter (see the module
+    docstring): ``policy_restored`` counts the parameters given back their fp32 values."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.policy_restored = policy_back_to_fp32(self.model)
+        # TRL's reference forward toggles checkpointing when this says True (see the module docstring)
+        self.model.is_gradient_checkpointing = False
+
+    def _send_telemetry(self) -> None:
+        pass
+
+    def reference_description(self, adapter: str | None) -> str:
+        return describe_reference(adapter)
+
+
+def describe_reference(adapter: str | None) -> str:
+    """What the frozen reference policy is (a second adapter on the same 4-bit base)."""
+    if adapter is None:
+        return "the base model (the reference adapter is the new adapter's start, B = 0)"
+    return f"the starting adapter {adapter}, frozen as a second adapter named {REFERENCE!r} on the same 4-bit base"
+
+
+def policy_back_to_fp32(model) -> int:
+    """Give the trained adapter back the fp32 values TRL copied into "ref" before casting it to bf16."""
+    restored = 0
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if not parameter.requires_grad or f".{POLICY}." not in name:
+                continue
+            reference = model.get_parameter(name.replace(f".{POLICY}.", f".{REFERENCE}."))
+            if parameter.dtype != reference.dtype:
+                parameter.data = reference.data.clone()
+                restored += 1
+    return restored

@@ -1,0 +1,9 @@
+"""The run folder: what a run leaves on disk, and reading it back.
+
+- ``outputs``: the output folder's policy (new, resume, overwrite; its lock) and atomic checkpoints;
+- ``manifest``: what produced an adapter (``manifest.json``);
+- ``run_record``: a run read back from its folder (``qlora-kit show``, the summary, the loss plot).
+
+Modules are imported by path (``from qlora_kit.training.run_folder import outputs``); this file imports
+nothing.
+"""
