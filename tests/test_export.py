@@ -528,7 +528,9 @@ def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_trainin
 def _comparison(against: str, top1: float, kl: float, positions: int):
     from qlora_kit.after.parity import Comparison
 
-    return Comparison("model.gguf", "llama.cpp", against, top1, kl, positions, 0.0, 0.0, 1.0, 16)
+    return Comparison(
+        "model.gguf", "llama.cpp", against, top1, kl, positions, 0.0, 0.0, 1.0, 16, decided=positions
+    )
 
 
 @pytest.mark.parametrize(

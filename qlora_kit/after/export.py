@@ -304,7 +304,7 @@ def _judge(comparison: parity.Comparison, floor: parity.Comparison | None, kind:
         failures.append(f"{where}: the chat template renders a different prompt than the tokenizer's")
     if floor is None:
         return failures
-    flips = FLOOR_FLIPS / max(comparison.positions, 1)  # two positions' share of this report's
+    flips = FLOOR_FLIPS / max(comparison.decided, 1)  # two positions' share of this report's counted
     if comparison.against == "floor":
         min_top1 = min(FLOOR_TOP1, 1 - flips)
         max_kl = floor_kl(kind, comparison.reader)

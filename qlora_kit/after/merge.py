@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.after.floor import MERGED_DTYPES, load_trained_exactly, merged_model
-from qlora_kit.after.parity import training_ids
+from qlora_kit.after.parity import DECIDED, training_ids
 from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
@@ -56,10 +56,9 @@ MERGED_DTYPE = "float16"
 # its bounds refuse a halved update (0.2 and more) but cannot see one layer's missing.
 MAX_KL = {"float16": 0.0005, "float32": 0.0005, "bfloat16": 0.05}  # at the answers
 MAX_ALL_KL = {"float16": 0.002, "float32": 0.002, "bfloat16": 0.06}  # at every position
-# Top-1 counts only where the trained model's choice leads its runner-up by DECIDED nats: rounding moves
-# logits by hundredths there, so a flip is an error, while near-ties flip under any rounding.
+# Top-1 counts only where the trained model's choice leads its runner-up by DECIDED nats (parity.py):
+# rounding moves logits by hundredths there, so a flip is an error, while near-ties flip under any rounding.
 MIN_TOP1 = 0.98
-DECIDED = 1.0
 DRIFT_PROMPTS = 16
 
 

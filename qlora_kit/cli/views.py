@@ -339,9 +339,9 @@ def show_run_folder(run_dir: str | Path, console: Console, plot: bool = True) ->
 
 
 def show_export(console: Console, report: dict) -> None:
-    """The parity report of ``qlora-kit export``: one row per reader and comparison; top-1 and KL at the
-    answer positions (teacher forcing) are judged against the floor of the export's type, the free-running
-    greedy agreement is shown."""
+    """The parity report of ``qlora-kit export``: one row per reader and comparison; KL at the answer
+    positions and top-1 at the decided ones (teacher forcing: parity.DECIDED) are judged against the floor
+    of the export's type, the free-running greedy agreement is shown."""
     source = report.get("prompts_from", "validation rows")
     table = Table(
         title=f"parity: {report['prompts']} prompts from the {source}, {report['tokens']} greedy tokens each"
@@ -361,11 +361,14 @@ def show_export(console: Console, report: dict) -> None:
     for c in report["comparisons"]:
         marks = {True: "same", False: "DIFFERS", None: "-"}
         allowed = c.get("floor")
+        counted = c.get(
+            "decided", c.get("positions")
+        )  # positions top-1 was counted at (an older report: all)
         table.add_row(
             plain(c["export"]),
             plain(c["reader"]),
             plain(c["against"]),
-            f"{c['top1_agreement']:.1%}",
+            f"{c['top1_agreement']:.1%}" + (f" of {counted}" if counted is not None else ""),
             f"{c['mean_kl']:.3g}",
             f">= {allowed['min_top1']:.1%}, <= {allowed['max_kl']:.3g}" if allowed else "-",
             f"{c['greedy_agreement']:.1%}",
