@@ -215,9 +215,11 @@ def test_the_plan_is_within_5_percent_of_the_measured_saved_bytes(real_run):
 
 
 def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
-    """The real model to a q8_0 GGUF and a merged folder (float16), each judged by its parity report on
-    the run's validation rows (the q8_0 file was refused before its report was judged against its type's
-    floor): each passes; the q8_0 file rewritten with the LoRA update scaled by 0.5 fails the same report.
+    """The real model to a q8_0 GGUF, judged by its parity report on the run's validation rows (the q8_0
+    file was refused before its report was judged against its type's floor, and again at llama.cpp's
+    near-tie flips): it passes; the file rewritten with the LoRA update scaled by 0.5 fails the same
+    report. The real model's merged folder: the merge test below (the same writer, checked by plain
+    transformers).
     One greedy token (the greedy continuation is shown, not judged). An f16 GGUF is the same writer as
     q8_0's with another tensor type: every family's f16 GGUF is read by llama.cpp in
     tests/test_export.py, and the real model's by the sweep."""
@@ -229,7 +231,7 @@ def test_the_real_model_exports_and_a_halved_update_fails(real_run, tmp_path):
 
     folder, _ = real_run
     run = {"prompt_count": PROMPTS, "tokens": 1}
-    for to, qtype in (("gguf", "q8_0"), ("merged", "f16")):
+    for to, qtype in (("gguf", "q8_0"),):
         done = export(folder / "out", to, out=tmp_path / f"{to}-{qtype}", qtype=qtype, **run)
         assert done.report["failures"] == [], (to, qtype, done.report["failures"])
         assert done.report["prompts_from"] == "validation rows"
@@ -262,8 +264,8 @@ def test_the_real_model_merges_at_the_defaults_and_a_merge_missing_a_tenth_of_th
     save_file(
         {k: v * 0.9 if "lora_B" in k else v for k, v in tensors.items()}, wrong / "adapter_model.safetensors"
     )
-    merge.merge_adapter(wrong, tmp_path / "wrong", force=True)
-    drift = merge.measure_drift(recipe_of(adapter), adapter, tmp_path / "wrong")
+    merge.write_merged(recipe_of(wrong), wrong, tmp_path / "wrong", "dequantized")  # written, not checked
+    drift = merge.measure_drift(recipe_of(adapter), adapter, tmp_path / "wrong")  # against the real adapter
     assert not drift.within(*bounds), drift
 
 
