@@ -27,7 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.after.floor import MERGED_DTYPES, load_trained_exactly, merged_model
-from qlora_kit.after.parity import DECIDED, training_ids
+from qlora_kit.after.parity import decided_positions, training_ids
 from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.images import ImageCollator
 from qlora_kit.errors import MergeDriftError, OutputDirError, RecipeError
@@ -196,9 +196,8 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
         reference, candidate = reference[:-1], candidate[:-1]
         kl.append(torch.nn.functional.kl_div(candidate, reference, log_target=True, reduction="none").sum(-1))
         same.append(reference.argmax(-1) == candidate.argmax(-1))
-        top2 = reference.topk(2, dim=-1).values
         answer.append(mask)
-        decided.append(mask & (top2[:, 0] - top2[:, 1] >= DECIDED))
+        decided.append(mask & decided_positions(reference))  # log-probabilities: the same margins
     kl, same, answer, decided = (torch.cat(x) for x in (kl, same, answer, decided))
     return Drift(
         mean_kl=float(kl[answer].mean()) if answer.any() else 0.0,
