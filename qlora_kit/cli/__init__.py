@@ -3,6 +3,7 @@
 - ``app``: the typer app, one thin function per subcommand;
 - ``exits``: how a command ends: user mistakes as one line and exit code 2, a stopped run's code;
 - ``recipes``: ``qlora-kit recipes`` lists, shows and copies out the shipped recipes;
+- ``talking``: ``qlora-kit generate`` and ``qlora-kit chat`` (the trained adapter answering, streamed);
 - ``exporting``: ``qlora-kit merge`` and ``qlora-kit export`` (a model to serve, with its parity report);
 - ``views``: rich tables and lines (a run, a run folder, the data view, a plan, an evaluation);
 - ``doctor``: prove a machine and plan a recipe on it;

@@ -14,9 +14,8 @@ import typer
 from rich.console import Console
 from rich.markup import escape  # a message's own brackets (data.sources[0], qlora-kit[wandb]) are text
 
-from qlora_kit.cli import exporting, recipes, views
+from qlora_kit.cli import exporting, recipes, talking, views
 from qlora_kit.cli.exits import USER_ERROR, errors, user_errors
-from qlora_kit.cli.exporting import AdapterOpt
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import shipped
@@ -31,7 +30,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.add_typer(recipes.app)  # qlora-kit recipes [show|copy]
-exporting.register(app)  # qlora-kit merge, qlora-kit export
+# The commands register in the order a run uses them, which is the order --help lists them.
 console = Console()
 
 RecipeArg = Annotated[
@@ -220,11 +219,6 @@ def plan(
     views.show_plan(console, the_plan, resolved, budget_gb)
 
 
-MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
-TemperatureOpt = Annotated[float, typer.Option(help="0 decodes greedily (repeatable); above 0 samples.")]
-TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, with --temperature > 0.")]
-
-
 @app.command("eval")
 @user_errors
 def eval_command(
@@ -262,110 +256,7 @@ def eval_command(
         console.print(f"results written to {output}", highlight=False, markup=False)
 
 
-@app.command()
-@user_errors
-def generate(
-    adapter: AdapterOpt,
-    # positional like ollama run and llm ("qlora-kit generate --adapter RUN 'a question'"); --prompt too
-    prompts: Annotated[
-        list[str] | None, typer.Argument(help="Prompts to answer.", show_default=False)
-    ] = None,
-    prompt: Annotated[list[str] | None, typer.Option("--prompt", help="A prompt (repeatable).")] = None,
-    file: Annotated[
-        Path | None, typer.Option("--file", help='JSONL file, one {"prompt": ...} per line.')
-    ] = None,
-    raw: Annotated[
-        bool, typer.Option(help="Send prompts as they are, without the training prompt format.")
-    ] = False,
-    max_new_tokens: MaxTokensOpt = 64,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    image: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--image", help="An image shown with each prompt (repeatable; a vision-language model)."
-        ),
-    ] = None,
-) -> None:
-    """Answer prompts with the trained adapter, streaming tokens as they come."""
-    configure_logging(errors)
-    from qlora_kit.after.generate import Sampling, complete, complete_with_images, image_prompt, wrap_prompt
-    from qlora_kit.data import images
-    from qlora_kit.data.sources import read_prompts
-    from qlora_kit.model import adapters
-
-    prompts = [*(prompts or []), *(prompt or [])] + (read_prompts(str(file)) if file is not None else [])
-    if not prompts:
-        raise RecipeError("generate: give a prompt (TEXT or --prompt TEXT) or --file prompts.jsonl")
-    sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
-    recipe, tokenizer, lm = adapters.load_trained(adapter)
-    if image:  # a vision-language model: the images' runs and pixels beside each prompt
-        runs = images.image_runs(recipe.model)
-        for text in prompts:
-            console.print(f"> {text}", style="bold", highlight=False, markup=False)
-            prompt_text = wrap_prompt(image_prompt(text, image, runs), recipe.data, tokenizer)
-            complete_with_images(lm, runs, prompt_text, list(image), sampling, stream=True)
-        return
-    for text in prompts:
-        console.print(f"> {text}", style="bold", highlight=False, markup=False)
-        complete(
-            lm,
-            tokenizer,
-            text if raw else wrap_prompt(text, recipe.data, tokenizer),
-            sampling,
-            stream=True,
-        )
-
-
-@app.command()
-@user_errors
-def chat(
-    adapter: AdapterOpt,
-    max_new_tokens: MaxTokensOpt = 128,
-    temperature: TemperatureOpt = 0.0,
-    top_p: TopPOpt = 1.0,
-    image: Annotated[
-        list[Path] | None,
-        typer.Option(
-            "--image",
-            help="An image the conversation is about, shown with its first turn (repeatable; a "
-            "vision-language model).",
-        ),
-    ] = None,
-) -> None:
-    """Talk to the trained adapter; an empty line or Ctrl-D ends the session."""
-    configure_logging(errors)
-    from qlora_kit.after.generate import Sampling, complete, complete_with_images, image_prompt, wrap_prompt
-    from qlora_kit.data import images
-    from qlora_kit.model import adapters
-    from qlora_kit.registries.formats import FORMATS
-
-    sampling = Sampling(max_new_tokens, temperature, top_p)  # its mistakes before the weights load
-    recipe, tokenizer, lm = adapters.load_trained(adapter)
-    files = list(image or [])
-    runs = images.image_runs(recipe.model) if files else None
-    if files:
-        image_prompt("", files, runs)  # a text-only model or a missing file: one line before the first turn
-    history: list[dict[str, str]] = []
-    keeps_history = FORMATS[recipe.data.format].multi_turn
-    console.print("chat with the adapter; an empty line ends it", style="dim")
-    while True:
-        try:
-            text = input("you> ").strip()
-        except EOFError:
-            break
-        if not text:
-            break
-        if files and not history:  # the images lead the first turn, as the training rows put them
-            text = image_prompt(text, files, runs)
-        console.print("model> ", end="")
-        prompt_text = wrap_prompt(text, recipe.data, tokenizer, history)
-        if files:  # every turn sees the images: the history keeps their markers
-            answer = complete_with_images(lm, runs, prompt_text, files, sampling, stream=True)
-        else:
-            answer = complete(lm, tokenizer, prompt_text, sampling, stream=True)
-        if keeps_history:
-            history += [{"role": "user", "content": text}, {"role": "assistant", "content": answer}]
+talking.register(app)  # qlora-kit generate, qlora-kit chat
 
 
 @app.command()
@@ -380,6 +271,9 @@ def show(
     from qlora_kit.cli.views import show_run_folder as show_run
 
     show_run(run_dir, console, plot=plot)
+
+
+exporting.register(app)  # qlora-kit merge, qlora-kit export
 
 
 @app.command()

@@ -25,9 +25,10 @@
   (kept in every checkpoint);
 - ``cut_model``: a few of the run's decoder layers built at random and loaded as the run loads them, and
   the clock that times them (for ``layer_costs`` and ``layout_costs``);
+- ``saved_facts``: writing and reading those measured figures beside a checkpoint;
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

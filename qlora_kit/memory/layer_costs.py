@@ -25,15 +25,16 @@ processes, which could each measure a different plan) auto counts FLOPs instead,
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from qlora_kit.memory import saved_facts
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -58,15 +59,12 @@ class LayerCosts:
 
 
 def write(folder: Path, costs: LayerCosts) -> None:
-    (folder / COSTS_FILE).write_text(json.dumps(asdict(costs)) + "\n")
+    saved_facts.write(folder, COSTS_FILE, costs)
 
 
 def read(folder: Path | None) -> LayerCosts | None:
     """The costs a checkpoint was trained with; None when it has none (it chose without measuring)."""
-    path = folder / COSTS_FILE if folder is not None else None
-    if path is None or not path.is_file():
-        return None
-    return LayerCosts(**json.loads(path.read_text()))
+    return saved_facts.read(folder, COSTS_FILE, LayerCosts)
 
 
 def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> LayerCosts | None:

@@ -28,11 +28,10 @@ built here. The run's random state is left as it was (``fork_rng``).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +39,7 @@ import torch
 
 from qlora_kit.data import images, layout, prepare
 from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
+from qlora_kit.memory import saved_facts
 from qlora_kit.registries import attention, objectives
 
 if TYPE_CHECKING:
@@ -79,15 +79,12 @@ class LayoutCosts:
 
 
 def write(folder: Path, costs: LayoutCosts) -> None:
-    (folder / LAYOUT_FILE).write_text(json.dumps(asdict(costs)) + "\n")
+    saved_facts.write(folder, LAYOUT_FILE, costs)
 
 
 def read(folder: Path | None) -> LayoutCosts | None:
     """The figures a checkpoint's run chose its layout by; None when it has none."""
-    path = folder / LAYOUT_FILE if folder is not None else None
-    if path is None or not path.is_file():
-        return None
-    return LayoutCosts(**json.loads(path.read_text()))
+    return saved_facts.read(folder, LAYOUT_FILE, LayoutCosts)
 
 
 def resolve(
