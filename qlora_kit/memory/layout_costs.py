@@ -2,8 +2,8 @@
 on a few of its own batches, and the layout with the most chosen.
 
 Padding share alone misleads where a computed position costs more in one layout than another: on
-SmolLM2-135M under this CPU's emulated bf16 a packed step cost 1.75x a padded one for 1.6x the real tokens
-(benchmarks/results/data-throughput-real-cpu.md), so packing, which pads least, was the slowest layout. So
+SmolLM2-135M under this CPU's emulated bf16, packing, which pads least, was the slowest layout (its step
+cost more than its extra real tokens: benchmarks/results/data-throughput-real-cpu.md). So
 before the weights load, as checkpointing auto times its layers (``memory/layer_costs.py``):
 
 1. each candidate (padding, group_by_length, packing: those the run may use) lays the training set out as

@@ -16,7 +16,7 @@ stops recomputing once every tensor backward needs is back (its early stop), and
 one a layer saves when nothing after the MLP saves its output (Llama's residual add does not), so the
 recompute stops before ``_Tiles`` and the MLP runs twice a step, as untiled under full checkpointing. One
 node (or each tile under its own ``checkpoint``, as this module did first) computes the MLP a third time
-there: measured on SmolLM2-135M at 4,096 tokens, 1.19x full checkpointing's step against 1.0x untiled. A
+there (the step times per layout: benchmarks/results/long-context-cpu.md and long-context-real-cpu.md). A
 family whose post-MLP norm saves the output (Gemma-2's) recomputes the tiles as before: correct, not faster.
 
 The gradients of the MLP's trainable weights (LoRA) leave ``_KeepInput`` as gradients of its inputs, so

@@ -73,8 +73,8 @@ def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precisio
         # accelerate's autocast and fp32 output conversion, on a CPU as on a GPU (precision.py)
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        # accelerate compiles the model when it prepares it (benchmarks/results/compile-cpu.md: same losses,
-        # 0.65-0.70x the step time after compiling, with checkpointing and the chunked loss head too)
+        # accelerate compiles the model when it prepares it (the same losses in less step time, with
+        # checkpointing and the chunked loss head too: benchmarks/results/compile-cpu.md)
         torch_compile=train.compile,
         # The Trainer's default for a PeftModel is True: a graph walk every step, and with LoRA on
         # lm_head under the chunked loss head (applied outside the forward) a crash. Every LoRA
