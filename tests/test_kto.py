@@ -39,7 +39,7 @@ def kto_recipe(output_dir: Path | str = "out", **overrides) -> Recipe:
             {"train": {"objective": "kto"}, "data": {"format": "feedback"}, "lora": {"bias": "all"}},
             "lora.bias: all not with train.objective kto",
         ),
-        ({"preference": {"beta": 0.5}}, "preference: only applies to train.objective: dpo or kto"),
+        ({"preference": {"beta": 0.5}}, "preference: only applies to train.objective: dpo or orpo or kto"),
     ],
 )
 def test_the_recipe_refuses_what_kto_cannot_do(values, message):

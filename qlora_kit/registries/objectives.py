@@ -74,6 +74,18 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             summary=((keys.EVAL_PREFERENCE_ACCURACY, "eval preference accuracy"),),
         ),
         ObjectiveSpec(
+            "orpo",
+            PAIRS,
+            "ORPOTrainer",
+            sequences_per_row=2,  # chosen and rejected in one forward pass; no reference policy
+            disables_dropout=True,
+            section="preference",
+            metric_keys=keys.PREFERENCE_KEYS,
+            console=PREFERENCE_CONSOLE,
+            eval_line=((keys.EVAL_PREFERENCE_ACCURACY, "preference accuracy"),),
+            summary=((keys.EVAL_PREFERENCE_ACCURACY, "eval preference accuracy"),),
+        ),
+        ObjectiveSpec(
             "grpo",
             PROMPTS,
             "GRPOTrainer",

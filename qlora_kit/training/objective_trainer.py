@@ -5,7 +5,8 @@ in the objective table (registries/objectives.py) holds its traits. Each module 
 class and arguments: SFT runs on ``GuardedTrainer`` (objectives/sft.py, step/trainer.py), DPO on
 ``GuardedDPOTrainer`` (objectives/dpo.py, TRL's DPOTrainer under the same additions), GRPO on
 ``GuardedGRPOTrainer`` (objectives/grpo/grpo.py, TRL's GRPOTrainer, with the reward functions of
-data/rewards.py and the explanations of grpo/explain.py), KTO on ``GuardedKTOTrainer`` (objectives/kto.py).
+data/rewards.py and the explanations of grpo/explain.py), KTO on ``GuardedKTOTrainer`` (objectives/kto.py), ORPO on
+``GuardedORPOTrainer`` (objectives/orpo.py).
 All get the same callbacks, in the order that lets the memory and throughput figures reach every log
 (step/step.py's ``callbacks``).
 """
@@ -48,6 +49,12 @@ def _dpo() -> ModuleType:
     return dpo
 
 
+def _orpo() -> ModuleType:
+    from qlora_kit.training.objectives import orpo
+
+    return orpo
+
+
 def _grpo() -> ModuleType:
     from qlora_kit.training.objectives.grpo import grpo
 
@@ -63,7 +70,13 @@ def _kto() -> ModuleType:
 # train.objective -> the module that builds its data, arguments and Trainer, imported when a run asks for
 # it (TRL loads only for the objectives that run on it). The objective table cannot name the module
 # itself: it is standard library only, read by the recipe, which sits below training.
-MODULES: dict[str, Callable[[], ModuleType]] = {"sft": _sft, "dpo": _dpo, "grpo": _grpo, "kto": _kto}
+MODULES: dict[str, Callable[[], ModuleType]] = {
+    "sft": _sft,
+    "dpo": _dpo,
+    "orpo": _orpo,
+    "grpo": _grpo,
+    "kto": _kto,
+}
 
 
 def builder(recipe: Recipe) -> ModuleType:

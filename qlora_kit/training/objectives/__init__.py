@@ -6,6 +6,7 @@ imports its module. Each module has ``prepare(recipe, tokenizer)`` and ``trainer
 - ``sft``: supervised fine-tuning on ``GuardedTrainer``;
 - ``dpo``: TRL's DPOTrainer with the same additions;
 - ``kto``: TRL's KTOTrainer with the same, on unpaired feedback;
+- ``orpo``: TRL's ORPOTrainer with the same, on pairs with no reference policy;
 - ``reference_adapter``: what DPO and KTO share: TRL's frozen "ref" adapter as the reference policy,
   the policy's fp32 LoRA weights given back, checkpointing left alone, no telemetry;
 - ``grpo/``: TRL's GRPOTrainer with the same (its rollouts, out-of-memory splits and explanations).
