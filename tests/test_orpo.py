@@ -37,7 +37,9 @@ def test_prepared_pairs_are_the_rows_trls_own_tokenizer_makes_of_their_texts(tok
     rows = prepared.val_rows
     for index in range(8):
         texts = preference.render_pair(rows[index], "alpaca", tokenizer, recipe.data)
-        theirs = ORPOTrainer.tokenize_row(trl_reader, dict(zip(("prompt", "chosen", "rejected"), texts)))
+        theirs = ORPOTrainer.tokenize_row(
+            trl_reader, dict(zip(("prompt", "chosen", "rejected"), texts, strict=True))
+        )
         row = ours(prepared.val[index])
         # TRL's old trainer prepends the BOS token itself; qlora_kit's rows (SFT's and DPO's too) hold the
         # special tokens the tokenizer adds, and the tiny model's adds none
