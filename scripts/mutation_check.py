@@ -306,7 +306,7 @@ MUTATIONS = [
     ),
     (
         "a pair's end token must be its very last token",
-        "qlora_kit/data/prepare.py",
+        "qlora_kit/data/row_tokens.py",
         "        if tokenizer.decode([token]).strip():\n",
         "        if True:\n",
         [

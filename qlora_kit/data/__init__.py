@@ -10,6 +10,7 @@
 - ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;
 - ``images``: chat rows with images for a vision-language model (image runs, text-side cuts, the collator);
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
+- ``row_tokens``: one row's token ids, masked labels and the facts the reports and the preflight read;
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators; ``prompt_examples``:
   rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;

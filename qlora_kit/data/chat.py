@@ -125,7 +125,7 @@ def prefix_consistent(
     return True
 
 
-# How a conversation's turn prompts render against the whole conversation (prepare.FACTS' prefix_ok)
+# How a conversation's turn prompts render against the whole conversation (row_tokens.FACTS' prefix_ok)
 PROMPTS_SAME, PROMPTS_DIFFER, SYSTEM_PLACED = 1, 0, 2
 
 

@@ -14,7 +14,7 @@ shows every result. Thresholds are ``data.preflight``'s. The silent failures pee
   start of the whole conversation's rendering, which is what training feeds it (a template that only
   moves the system prompt, as Mistral's does, passes with a warning: the family's own rendering).
 
-Every check reads per-example facts written while tokenizing (``prepare.FACTS``), so it costs one pass
+Every check reads per-example facts written while tokenizing (``row_tokens.FACTS``), so it costs one pass
 over small columns, never over the tokens of data that may be bigger than memory.
 """
 
@@ -52,7 +52,7 @@ class Check:
 def run_checks(prepared: PreparedData, data: DataSection, tokenizer, collator) -> list[Check]:
     """Every check's result on the prepared training set (see the module docstring); ``collator`` is
     None for preference pairs."""
-    from qlora_kit.data.prepare import end_token_ids
+    from qlora_kit.data.row_tokens import end_token_ids
 
     limits, facts = data.preflight, prepared.checks
     ends = end_token_ids(tokenizer)

@@ -2,7 +2,7 @@
 length policy, the split, the mixture of sources, and the collator (padding, or packing without padding).
 
 Tokenization runs through ``Dataset.map``, whose fingerprinted cache lets a second run of the same
-recipe skip it; it also writes small per-example facts the reports and the preflight read (``FACTS``).
+recipe skip it; one row's tokens, labels and facts are ``row_tokens.py``'s.
 Any problem with the user's data is one ``DataError`` line naming the file, the row (1-based, in file
 order) and what is wrong.
 """
@@ -10,19 +10,16 @@ order) and what is wrong.
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
 import random
-from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import datasets
 from datasets import Dataset
 from transformers import DataCollatorForSeq2Seq
 
-from qlora_kit.data import formats, images, preference, sources
+from qlora_kit.data import images, preference, row_tokens, sources
 from qlora_kit.data.errors import diagnose_load_failure
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.data.images import ImageRuns
@@ -103,12 +100,6 @@ class PreparedData:
         return max((len(files or []) for files in self.train[images.IMAGES_COLUMN]), default=0) or None
 
 
-ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a train/validation split
-# Columns the tokenizer writes besides input_ids and labels: facts the reports and the preflight read
-# without loading any example's tokens into memory (data bigger than RAM stays memory-mapped).
-FACTS = ("full_length", "trained_tokens", "trains_end", "double_bos", "digest", "prefix_ok")
-
-
 def prepare_datasets(
     data: DataSection, tokenizer, seed: int, max_prompt_len: int | None = None, runs: ImageRuns | None = None
 ) -> PreparedData:
@@ -121,7 +112,7 @@ def prepare_datasets(
     val_rows, val_format = None, data.format
     for source in data.source_list():
         fmt = data.format_of(source)
-        split = sources.split_source(source, data, seed, number_as=ROW)
+        split = sources.split_source(source, data, seed, number_as=row_tokens.ROW)
         tokenized, report = _tokenized(split.rows, data, fmt, tokenizer, split.train_from)
         parts.append(tokenized)
         train_reports.append(report)
@@ -138,7 +129,7 @@ def prepare_datasets(
     train = _mix(parts, data, seed, train_reports)
     val = _facts_removed(datasets.concatenate_datasets(val_parts)) if val_parts else None
     lengths = list(train["length"])
-    checks = train.select_columns([*FACTS, "length"])
+    checks = train.select_columns([*row_tokens.FACTS, "length"])
     train = _facts_removed(train)
     if data.packs:  # auto: resolved after tokenizing, by data/layout.py
         train = pack_dataset(train, data.max_seq_len)
@@ -218,8 +209,8 @@ def _tokenize_rows(
     preflight and the report read; rows left with no trained token are dropped."""
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
-    _check_columns(rows, fmt, source)
-    row_tokenizer = _RowTokenizer(data, fmt, tokenizer, source, max_prompt_len, runs)
+    row_tokens.check_columns(rows, fmt, source)
+    row_tokenizer = row_tokens.RowTokenizer(data, fmt, tokenizer, source, max_prompt_len, runs)
     try:
         with sources.quiet_datasets():
             tokenized = rows.map(
@@ -236,94 +227,6 @@ def _tokenize_rows(
     if len(keep) < len(tokenized):
         tokenized = tokenized.select(keep)
     return tokenized, report
-
-
-def _check_columns(rows: Dataset, fmt: str, source: str) -> None:
-    spec = FORMATS[fmt]
-    required = [n for n in spec.fields if n not in spec.optional]
-    missing = [n for n in required if n not in rows.column_names]
-    if missing:
-        raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format {fmt!r} "
-            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
-        )
-
-
-class _RowTokenizer:
-    """One row -> its token ids and labels (or a pair's three id lists), cut by the length policy, with
-    the facts the preflight reads (full length, trained tokens, a trained end token, a doubled BOS, a
-    digest for duplicates, and for sampled chat rows whether prompts render as trained)."""
-
-    def __init__(
-        self, data: DataSection, fmt: str, tokenizer, source: str, max_prompt_len: int | None, runs=None
-    ):
-        spec = FORMATS[fmt]
-        self.runs = runs  # a vision-language model's image runs: chat rows may hold images
-        self.folder = Path(source).expanduser().parent  # image paths are relative to the data file
-        self.data, self.fmt, self.tokenizer, self.source = data, fmt, tokenizer, source
-        self.max_prompt_len, self.pair_kind = max_prompt_len, spec.pair_kind
-        self.max_len, self.drop = data.max_seq_len, data.overlong == "drop"
-        self.add_bos = not spec.chat_template
-        self.ends = end_token_ids(tokenizer)
-        self.bos = tokenizer.bos_token_id
-        self.sampled = data.preflight.sample_rows if spec.chat_template else 0
-
-    def _row_error(self, row: dict[str, Any], index: int, exc: Exception) -> DataError:
-        return DataError(f"{self.source}: row {row.get(ROW, index + 1)}: {exc}")
-
-    def example(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        data, tokenizer = self.data, self.tokenizer
-        files: list[Path] = []
-        try:
-            if FORMATS[self.fmt].chat_template:  # a conversation may hold images (images.py)
-                marker = self.runs.marker if self.runs else None
-                row, files = images.with_images_as_markers(row, data, self.folder, marker)
-            segments = formats.render(row, self.fmt, tokenizer, data)
-            checked = index < self.sampled
-            prefix_ok = formats.prompts_render_as_trained(row, self.fmt, tokenizer, data) if checked else None
-            example = formats.tokenize(segments, tokenizer, data.train_on_inputs, self.add_bos)
-            if self.runs is not None:
-                example = images.expand(example, files, self.runs)
-        except formats.RowError as exc:
-            raise self._row_error(row, index, exc) from None
-        ids = example["input_ids"]
-        full = len(ids)
-        facts = {
-            "full_length": full,
-            "double_bos": self.bos is not None and ids[:2] == [self.bos, self.bos],
-            "digest": _digest(ids),
-            "prefix_ok": -1 if prefix_ok is None else int(prefix_ok),  # -1: not checked
-        }
-        if full > self.max_len:
-            keep = 0 if self.drop else self.max_len
-            if self.runs is not None:  # cut on the text side only, never inside an image's tokens
-                example = images.cut(example, keep)
-            else:
-                example = {key: values[:keep] for key, values in example.items()}
-        example.pop("spans", None)
-        trained = [t for t in example["labels"] if t != IGNORE_INDEX]
-        facts |= {"trained_tokens": len(trained), "trains_end": any(t in self.ends for t in trained)}
-        return {**example, **facts, "length": len(example["input_ids"])}
-
-    def pair(self, row: dict[str, Any], index: int) -> dict[str, Any]:
-        try:
-            texts = preference.render_pair(row, self.pair_kind, self.tokenizer, self.data)
-        except formats.RowError as exc:
-            raise self._row_error(row, index, exc) from None
-        pair, full = preference.tokenize_pair(
-            texts, self.tokenizer, self.add_bos, self.max_len, self.max_prompt_len, self.drop
-        )
-        prompt, answers = pair["prompt_ids"], (pair["chosen_ids"], pair["rejected_ids"])
-        return {
-            **pair,
-            "full_length": full,
-            "double_bos": self.bos is not None and prompt[:2] == [self.bos, self.bos],
-            "digest": _digest(prompt + [-1] + answers[0] + [-1] + answers[1]),
-            "prefix_ok": -1,  # a chat pair whose prompt renders differently is a row error
-            "trained_tokens": min(len(ids) for ids in answers),  # a pair trains only with both answers
-            "trains_end": all(_ends_with_end_token(ids, self.ends, self.tokenizer) for ids in answers),
-            "length": len(prompt) + max(len(ids) for ids in answers),
-        }
 
 
 def _length_report(tokenized: Dataset, source: str, data: DataSection) -> LengthReport:
@@ -345,32 +248,6 @@ def _length_report(tokenized: Dataset, source: str, data: DataSection) -> Length
             f"(longest {max(lengths)}, shortest {min(lengths)})"
         )
     return report
-
-
-def _ends_with_end_token(ids: list[int], ends: set[int], tokenizer) -> bool:
-    """The answer's last token other than whitespace is an end token: ChatML's templates render a reply
-    as ``...<|im_end|>\n``, so the end-of-turn marker comes before the template's line break."""
-    for token in reversed(ids):
-        if token in ends:
-            return True
-        if tokenizer.decode([token]).strip():
-            return False
-    return False
-
-
-def _digest(ids: list[int]) -> str:
-    return hashlib.blake2b(array("l", ids).tobytes(), digest_size=8).hexdigest()
-
-
-def end_token_ids(tokenizer) -> set[int]:
-    """Token ids that end a response: EOS and the chat template's end-of-turn markers (chat.py)."""
-    from qlora_kit.data.chat import end_of_turn_markers, special_tokens
-
-    markers = end_of_turn_markers(tokenizer, special_tokens(tokenizer))
-    ids = {tokenizer.convert_tokens_to_ids(m) for m in markers}
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return {i for i in ids if isinstance(i, int) and i != tokenizer.unk_token_id}
 
 
 def build_collator(tokenizer, packing: bool, attn_implementation: str = "sdpa"):

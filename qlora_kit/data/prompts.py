@@ -20,7 +20,8 @@ from datasets import Dataset
 
 from qlora_kit.data import formats, sources
 from qlora_kit.data.chat import apply_system_prompt_mode, sharegpt_messages, with_system_prompt
-from qlora_kit.data.prepare import LengthReport, PreparedData, _check_columns
+from qlora_kit.data.prepare import LengthReport, PreparedData
+from qlora_kit.data.row_tokens import check_columns
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
 from qlora_kit.registries.formats import FORMATS
@@ -103,7 +104,7 @@ def _prompts(
 ) -> tuple[Dataset, LengthReport]:
     if len(rows) == 0:
         raise DataError(f"{source}: no rows")
-    _check_columns(rows, fmt, source)
+    check_columns(rows, fmt, source)
 
     def convert(row: dict[str, Any], index: int) -> dict[str, Any]:
         try:
