@@ -217,7 +217,8 @@ def test_exports_answer_like_the_trained_adapter(exports, kind):
 
 
 # The families whose GGUF form or merge differs from the Llama run's (fused projections, Conv1D, Gemma's
-# norms and tied head): a short run of each, exported merged and as f16 and q8_0 GGUF (one reference).
+# norms and tied head): a short run of each, exported merged and as an f16 GGUF (one reference). q8_0 is
+# the same tensor layout in another type: the Llama run's q8_0 above and the real model's are judged.
 # Mistral, Qwen2 and Qwen3 are plain decoders like Llama (their writer round trip is above); they pass
 # this test too (2-3 minutes each on 2 shared cores), so they are left out of the suite.
 TRAINED_FAMILIES = ["tiny-phi3", "tiny-gpt2", "tiny-gemma2"]
@@ -234,7 +235,7 @@ def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_pa
     # a higher learning rate than the demo's, so 8 steps leave answers clear of near-ties q8_0 could flip
     overrides = {"model.path": str(path), "train.max_steps": 8, "optimizer.lr": 5e-3}
     run = train(quick_recipe(tmp_path / "run", **overrides))
-    for to, qtype in (("merged", "f16"), ("gguf", "f16"), ("gguf", "q8_0")):
+    for to, qtype in (("merged", "f16"), ("gguf", "f16")):
         out = tmp_path / f"{to}-{qtype}"
         result = export(run.output_dir, to, out=out, qtype=qtype, prompt_count=2, tokens=8)
         report = result.report
