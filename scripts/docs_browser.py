@@ -12,6 +12,7 @@ a row for each field of the recipe's first section. Exit 1 names what is missing
 
 from __future__ import annotations
 
+import argparse
 import shutil
 import subprocess
 import sys
@@ -118,16 +119,20 @@ def problems(front: Page, reference: Page, titles: list[str], first_section: lis
 
 
 def main(argv: list[str]) -> int:
-    args = [a for a in argv if not a.startswith("--")]
-    site = Path(args[0]) if args else ROOT / "site"
-    shots = Path(argv[argv.index("--shots") + 1]) if "--shots" in argv else Path("/tmp/docs-shots")
-    if "--shots" in argv:
-        args.remove(str(shots))
-        site = Path(args[0]) if args else ROOT / "site"
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "site", nargs="?", type=Path, default=ROOT / "site", help="the built site (mkdocs build)"
+    )
+    parser.add_argument(
+        "--shots", type=Path, default=Path("/tmp/docs-shots"), help="where the screenshots go"
+    )
+    parser.add_argument("--require", action="store_true", help="fail, not skip, without chromium (CI)")
+    args = parser.parse_args(argv)
+    site, shots = args.site, args.shots
     browser = find_browser()
     if browser is None:
         print("docs browser check skipped: no chromium (apt-get install chromium)")
-        return 1 if "--require" in argv else 0
+        return 1 if args.require else 0
     if not (site / "index.html").exists():
         print(f"{site}: no built site (mkdocs build --strict first)", file=sys.stderr)
         return 1

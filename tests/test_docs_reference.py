@@ -63,3 +63,23 @@ def test_included_benchmark_lines_are_a_tables_command_date_and_whole_table():
         assert start - 1 <= first and last <= end - 1, (
             f"{where}: cuts the table (lines {first + 1}-{last + 1})"
         )
+
+
+def github_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading (lower case, punctuation but - and _ dropped, spaces to -)."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_the_readmes_links_reach_a_file_and_its_heading():
+    # the README is read on GitHub and in the wheel, outside the site's strict build: its links are checked here
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = re.findall(r"\]\(([^)#\s]+)(?:#([^)\s]+))?\)", readme)
+    assert len(links) > 20
+    for path, anchor in links:
+        target = ROOT / path
+        assert target.exists(), f"README.md links {path}, which does not exist"
+        if anchor:
+            headings = re.findall(r"^#+ (.+)$", target.read_text(encoding="utf-8"), re.MULTILINE)
+            assert anchor in {github_anchor(h) for h in headings}, (
+                f"README.md links {path}#{anchor}: no such heading"
+            )
