@@ -41,7 +41,7 @@ def merge(
     max_kl: Annotated[
         float | None,
         typer.Option(
-            help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds calibrated for --dtype, README]."
+            help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds calibrated for --dtype, docs: after-training.md]."
         ),
     ] = None,
     min_top1: Annotated[

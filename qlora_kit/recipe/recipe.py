@@ -77,7 +77,7 @@ class QuantSection(Section):
     quant_storage: Literal["uint8", "bfloat16", "float16", "float32"] = "uint8"
     """Container dtype of the packed 4-bit weights; FSDP needs it equal to compute_dtype."""
     vision: bool = False
-    """On a vision-language model, the vision tower and the projector in 4 bits too; by default they stay in compute_dtype (README: Vision-language models)."""
+    """On a vision-language model, the vision tower and the projector in 4 bits too; by default they stay in compute_dtype (docs: vlm.md)."""
 
     FOUR_BIT_ONLY: ClassVar[tuple[str, ...]] = ("double_quant", "quant_type", "quant_storage", "vision")
 
@@ -113,7 +113,7 @@ class LoraSection(Section):
     vision: bool = False
     """On a vision-language model, LoRA on the vision tower and the projector too; by default only the language model adapts."""
     router: bool = False
-    """On a mixture-of-experts model, train each layer's router too (whole: a small experts x hidden matrix, in the compute dtype, saved in the adapter as peft's modules_to_save); frozen by default (README: Mixtures of experts)."""
+    """On a mixture-of-experts model, train each layer's router too (whole: a small experts x hidden matrix, in the compute dtype, saved in the adapter as peft's modules_to_save); frozen by default (docs: moe.md)."""
 
     AUTO_DROPOUT: ClassVar[float] = 0.05  # what lora.dropout auto is wherever dropout can apply
 
