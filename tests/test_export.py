@@ -106,6 +106,8 @@ def test_q8_0_tensors_are_quantized_and_norms_stay_f32(tmp_path):
         pytest.param(
             "tiny-gemma2", {"tie_word_embeddings": True}, "query_pre_attn_scalar is 256", id="gemma2-scale"
         ),
+        # a Qwen3-MoE whose routing weights are not renormalised (the config class's default)
+        pytest.param("tiny-qwen3-moe", {}, "norm_topk_prob is false", id="qwen3moe-unnormalised"),
     ],
 )
 def test_a_model_without_a_checked_gguf_form_is_refused_by_name(name, overrides, line, tmp_path):

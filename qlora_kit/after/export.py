@@ -104,6 +104,8 @@ def export(
     if to == "gguf":
         gguf_writer.require_gguf()
         gguf_writer.family_of(_base_config(recipe))
+        if lora_only:
+            gguf_writer.check_lora_form(adapter_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.exporting-", dir=out_dir.parent))
     try:

@@ -398,7 +398,17 @@ FAMILIES: dict[str, Family] = {
             attention_inputs=QKV,
             mlp=GATED,
             intermediate_key="moe_intermediate_size",
-            export=MOE_NO_GGUF,
+            export=Gguf(
+                "QWEN3MOE",
+                "decoder",
+                check="qwen3moe",
+                # transformers' loader maps no expert width (the config class's 768 otherwise)
+                unmapped_keys=(*HEAD_DIM_KEY, ("expert_feed_forward_length", "moe_intermediate_size")),
+                # llama.cpp's qwen3moe renormalises the top-k weights (Qwen3-30B-A3B's own setting);
+                # the builtin keeps Qwen3MoeConfig's default, false
+                tiny_overrides={"norm_topk_prob": True},
+                trained_layer_key=LLAMA_K,
+            ),
             experts=Experts(count_key="num_experts"),
         ),
         _family(

@@ -1,0 +1,73 @@
+"""qlora-kit export of a mixture of experts to GGUF: a trained Qwen3-MoE run written with llama.cpp's expert
+tensors (after/gguf_experts.py), read back by transformers and llama.cpp itself and held to the same parity
+report as a dense model's export (tests/test_export.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from qlora_kit.registries import families as table
+from tests.test_export import llama_cpp_installed, require_llama_cpp
+
+gguf = pytest.importorskip("gguf")
+
+MIXTURE = "tiny-qwen3-moe"
+
+
+@pytest.mark.slow
+def test_a_trained_mixture_exports_a_gguf_llama_cpp_reads_as_the_trained_model(tmp_path):
+    import numpy as np
+    import torch
+
+    from qlora_kit import export, train
+    from qlora_kit.after import floor
+    from qlora_kit.model import adapters
+    from qlora_kit.model.builtin import ensure_tiny_model
+    from tests.conftest import quick_recipe
+
+    path = ensure_tiny_model(MIXTURE, **table.by_tiny_name(MIXTURE).export.tiny_overrides)
+    # two steps at a high rate: the experts' LoRA moves (the update checked below), the run stays short
+    overrides = {"model.path": str(path), "train.max_steps": 2, "optimizer.lr": 1e-2}
+    run = train(quick_recipe(tmp_path / "run", **overrides))
+    result = export(run.output_dir, "gguf", out=tmp_path / "gguf", qtype="f16", prompt_count=4, tokens=8)
+    report = result.report
+    assert report["failures"] == [], report["failures"]
+    rows = {(c["reader"], c["against"]) for c in report["comparisons"]}
+    assert {("transformers", "trained"), ("transformers", "floor")} <= rows
+    if llama_cpp_installed():  # llama.cpp read it too, within the same bounds as a dense export
+        assert {("llama.cpp", "trained"), ("llama.cpp", "floor")} <= rows
+    else:
+        require_llama_cpp()  # CI: a failure; elsewhere the rows above are the report
+    folder = result.output_dir
+    assert sorted(p.name for p in folder.iterdir()) == ["Modelfile", "export_report.json", "model.gguf"]
+    assert "FROM ./model.gguf" in (folder / "Modelfile").read_text()
+
+    # llama.cpp's expert form: the counts and the experts' own width as its converter writes them, each
+    # projection one (experts, out, in) stack (GGUF lists dimensions innermost first), the router in F32
+    written = gguf.GGUFReader(folder / "model.gguf")
+    fields = {k: written.fields[k].contents() for k in written.fields if k.startswith("qwen3moe.expert")}
+    assert fields == {
+        "qwen3moe.expert_count": 8,
+        "qwen3moe.expert_used_count": 2,
+        "qwen3moe.expert_feed_forward_length": 128,
+    }
+    tensors = {t.name: t for t in written.tensors}
+    for projection in ("gate", "up", "down"):
+        assert tuple(tensors[f"blk.3.ffn_{projection}_exps.weight"].shape) == (128, 128, 8)
+        assert tensors[f"blk.3.ffn_{projection}_exps.weight"].tensor_type.name == "F16"
+    assert tensors["blk.3.ffn_gate_inp.weight"].tensor_type.name == "F32"
+    assert not any(".experts." in name or "ffn_gate.weight" in name for name in tensors)
+
+    # the experts' trained update is in the file: the stacks differ from the 4-bit base's own experts
+    recipe = adapters.recipe_of(run.output_dir)
+    base = floor.merged_model(recipe, None, "dequantized").model.layers[1].mlp.experts
+    gate_up = torch.cat([_stack(tensors, "blk.1.ffn_gate_exps"), _stack(tensors, "blk.1.ffn_up_exps")], dim=1)
+    for stack, base_stack in ((gate_up, base.gate_up_proj), (_stack(tensors, "blk.1.ffn_down_exps"), base.down_proj)):
+        moved = (stack - base_stack.detach().half().float()).abs()
+        assert np.prod(stack.shape) == base_stack.numel() and moved.max() > 1e-3  # f16's step here: ~1e-5
+
+
+def _stack(tensors, name: str):
+    import torch
+
+    return torch.from_numpy(tensors[f"{name}.weight"].data.astype("float32"))  # (experts, out, in)
