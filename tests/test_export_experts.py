@@ -62,7 +62,10 @@ def test_a_trained_mixture_exports_a_gguf_llama_cpp_reads_as_the_trained_model(t
     recipe = adapters.recipe_of(run.output_dir)
     base = floor.merged_model(recipe, None, "dequantized").model.layers[1].mlp.experts
     gate_up = torch.cat([_stack(tensors, "blk.1.ffn_gate_exps"), _stack(tensors, "blk.1.ffn_up_exps")], dim=1)
-    for stack, base_stack in ((gate_up, base.gate_up_proj), (_stack(tensors, "blk.1.ffn_down_exps"), base.down_proj)):
+    for stack, base_stack in (
+        (gate_up, base.gate_up_proj),
+        (_stack(tensors, "blk.1.ffn_down_exps"), base.down_proj),
+    ):
         moved = (stack - base_stack.detach().half().float()).abs()
         assert np.prod(stack.shape) == base_stack.numel() and moved.max() > 1e-3  # f16's step here: ~1e-5
 
@@ -71,3 +74,40 @@ def _stack(tensors, name: str):
     import torch
 
     return torch.from_numpy(tensors[f"{name}.weight"].data.astype("float32"))  # (experts, out, in)
+
+
+# the families whose GGUF llama.cpp alone reads back (Mixtral: the llama architecture with experts, which
+# transformers' GGUF loader reads as a dense Llama)
+LLAMA_CPP_ONLY = [f.tiny for f in table.exportable().values() if not f.export.transformers_reads]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", LLAMA_CPP_ONLY)
+def test_llama_cpp_reads_a_mixtral_gguf_as_transformers_computes_the_model(name, tmp_path):
+    """The writer's Mixtral file (q/k rows permuted for llama's rope, each layer's w1/w3/w2 stacked into
+    ffn_gate_exps/ffn_up_exps/ffn_down_exps, the router in F32), read by llama.cpp itself: its logits under
+    teacher forcing are transformers' on the checkpoint the file was written from."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from qlora_kit.after import gguf_writer, llama_cpp_reader
+    from qlora_kit.after.parity import kl_per_position
+    from qlora_kit.model.builtin import ensure_tiny_model
+
+    require_llama_cpp()
+    folder = ensure_tiny_model(name)
+    gguf_writer.write_model_gguf(folder, tmp_path / "m.gguf", "f16", name)
+    written = gguf.GGUFReader(tmp_path / "m.gguf")
+    assert written.fields["llama.expert_count"].contents() == 8
+    assert written.fields["llama.expert_used_count"].contents() == 2
+    types = {t.name: t.tensor_type.name for t in written.tensors}
+    assert types["blk.0.ffn_gate_exps.weight"] == "F16" and types["blk.0.ffn_gate_inp.weight"] == "F32"
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = AutoTokenizer.from_pretrained(folder)("### Instruction:\nWhat color is the sky?\n\n### Response:\n")
+    ids = ids["input_ids"]
+    reading = llama_cpp_reader.read(tmp_path / "m.gguf", [(ids[:1], ids[1:], 4)], [])
+    with torch.no_grad():
+        expected = source(input_ids=torch.tensor([ids])).logits[0, :-1]
+    got = reading.answer_logits(ids[:1], ids[1:])
+    kl = float(kl_per_position(expected, got).mean())
+    assert kl < 1e-3 and (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9, kl
