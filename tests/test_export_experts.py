@@ -111,3 +111,24 @@ def test_llama_cpp_reads_a_mixtral_gguf_as_transformers_computes_the_model(name,
     got = reading.answer_logits(ids[:1], ids[1:])
     kl = float(kl_per_position(expected, got).mean())
     assert kl < 1e-3 and (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9, kl
+
+
+@pytest.mark.slow
+def test_a_mixtral_export_without_llama_cpp_is_refused_in_one_line(
+    finished_run, tmp_path, monkeypatch, capsys
+):
+    """Without llama.cpp a Mixtral GGUF would have no reader in its parity report: refused before anything
+    is loaded or written."""
+    from tests.conftest import copy_run, run_cli
+
+    run = copy_run(finished_run, tmp_path)
+    recipe = run / "recipe.yaml"
+    recipe.write_text(recipe.read_text().replace("builtin:tiny-llama", "builtin:tiny-mixtral"))
+    monkeypatch.setenv("PATH", "")  # no node: llama.cpp's reader is not available
+    code, stderr = run_cli(
+        ["export", "--adapter", str(run), "--to", "gguf", "--out", str(tmp_path / "out")], monkeypatch, capsys
+    )
+    assert code == 2, stderr
+    assert "llama.cpp is the parity report's one reader, and it is not installed" in stderr
+    assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
