@@ -110,7 +110,9 @@ def test_llama_cpp_reads_a_mixtral_gguf_as_transformers_computes_the_model(name,
         expected = source(input_ids=torch.tensor([ids])).logits[0, :-1]
     got = reading.answer_logits(ids[:1], ids[1:])
     kl = float(kl_per_position(expected, got).mean())
-    assert kl < 1e-3 and (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9, kl
+    # the same weights (only f16 storage and the kernels' float order differ): KL ~5e-7 measured; the q/k
+    # rows left unpermuted for llama's rope, on this barely trained tiny model, are 1.6e-3
+    assert kl < 1e-5 and (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.9, kl
 
 
 @pytest.mark.slow
