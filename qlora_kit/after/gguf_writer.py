@@ -2,8 +2,9 @@
 
 llama.cpp's own converter (``convert_hf_to_gguf.py``) is not in the ``gguf`` wheel, and building llama.cpp
 to convert is what breaks for users, so this module does the converter's part for the families the
-pipeline trains that both llama.cpp and transformers' GGUF loader know (the families table's ``Gguf``
-entries, registries/families.py: Llama and Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2). The tensor names come from gguf's ``TensorNameMap``, the
+pipeline trains that llama.cpp and an independent reader know (the families table's ``Gguf`` entries,
+registries/families.py: Llama and Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2, and the mixtures Qwen3-MoE
+and Mixtral, whose experts after/gguf_experts.py stacks). The tensor names come from gguf's ``TensorNameMap``, the
 metadata keys from ``GGUFWriter``'s own ``add_*`` methods, merges/special ids/chat template from
 ``gguf.SpecialVocab``; only what the converter computes itself is repeated (each family's keys and tensor
 transforms, the token types, the pre-tokenizer name). ``write_lora_gguf`` writes the adapter alone, as
