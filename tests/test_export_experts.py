@@ -134,3 +134,46 @@ def test_a_mixtral_export_without_llama_cpp_is_refused_in_one_line(
     assert "llama.cpp is the parity report's one reader, and it is not installed" in stderr
     assert "Traceback" not in stderr and len(stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out").exists()
+
+
+def test_per_expert_and_fused_checkpoints_stack_into_the_same_llama_cpp_tensors():
+    """A checkpoint's per-expert matrices (what transformers saves) and transformers 5's fused stacks
+    (gate rows first in gate_up_proj) give the same (experts, out, in) tensors under the converter's names;
+    a layer missing an expert is refused."""
+    import torch
+
+    from qlora_kit.after.gguf_experts import ExpertStacks
+    from qlora_kit.errors import ExportError
+
+    gate, up, down = torch.randn(3, 4, 6), torch.randn(3, 4, 6), torch.randn(3, 6, 4)  # 3 experts
+    layer = "model.layers.0.mlp.experts"
+    stacks, got = ExpertStacks(3), {}
+    for expert in (2, 0, 1):  # any order: safetensors lists experts.10 before experts.2
+        for name, tensor in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            got.update(stacks.take(f"{layer}.{expert}.{name}.weight", tensor[expert]))
+    stacks.finish()
+    fused = dict(ExpertStacks(3).take(f"{layer}.gate_up_proj", torch.cat([gate, up], dim=1)))
+    fused.update(ExpertStacks(3).take(f"{layer}.down_proj", down))
+    assert (
+        got.keys() == fused.keys() == {f"{layer}.{n}.weight" for n in ("gate_proj", "up_proj", "down_proj")}
+    )
+    for name, expected in zip(sorted(got), (down, gate, up), strict=True):
+        assert torch.equal(got[name], expected) and torch.equal(fused[name], expected), name
+    assert ExpertStacks(3).take("model.layers.0.mlp.gate.weight", gate[0]) is None  # the router: not stacked
+    partial = ExpertStacks(3)
+    partial.take(f"{layer}.0.gate_proj.weight", gate[0])
+    with pytest.raises(ExportError, match=r"experts\.gate_proj\.weight has 1 of 3 experts"):
+        partial.finish()
+
+
+def test_lora_on_experts_is_refused_as_a_lora_gguf_in_one_line(tmp_path):
+    import json
+
+    from qlora_kit.after import gguf_writer
+    from qlora_kit.errors import ExportError
+
+    settings = {"r": 16, "lora_alpha": 32, "target_parameters": ["mlp.experts.gate_up_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(settings))
+    with pytest.raises(ExportError, match="LoRA on a mixture's experts has no LoRA GGUF form") as refusal:
+        gguf_writer.check_lora_form(tmp_path)
+    assert len(str(refusal.value).splitlines()) == 1
