@@ -103,7 +103,15 @@ def export(
     check_model_folder(model.resolve_model_path(recipe.model))
     if to == "gguf":
         gguf_writer.require_gguf()
-        gguf_writer.family_of(_base_config(recipe))
+        form = gguf_writer.family_of(_base_config(recipe))
+        if not form.transformers_reads and not parity.llama_cpp_installed():
+            raise ExportError(
+                "export --to gguf: transformers' GGUF loader reads this architecture's file as another, so "
+                "llama.cpp is the parity report's one reader, and it is not installed: "
+                "bash scripts/install_llama_cpp.sh"
+            )
+        if lora_only:
+            gguf_writer.check_lora_form(adapter_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.exporting-", dir=out_dir.parent))
     try:
@@ -182,7 +190,7 @@ def verify(
     against the floor of the export's type, and the failures among them (an export a reader cannot
     load, a truncated file say, is one)."""
     recipe = adapters.recipe_of(adapter_dir)
-    readers = list(_readers(folder, report))
+    readers = list(_readers(folder, report, recipe))
     if not readers:  # a LoRA GGUF without llama.cpp: nothing independent can read it
         return {"prompts": 0, "tokens": tokens, "comparisons": [], "failures": []}
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
@@ -273,7 +281,7 @@ def check_export(adapter_dir: str | Path, export_dir: str | Path, **kwargs) -> d
     return report
 
 
-def _readers(folder: Path, report: dict):
+def _readers(folder: Path, report: dict, recipe):
     """(label, open, againsts): every independent reader of what ``folder`` holds, opened on demand
     (``open`` takes the reference, whose prompts llama.cpp reads in one process)."""
     files = report["files"]
@@ -288,7 +296,8 @@ def _readers(folder: Path, report: dict):
             yield label, lambda ref: parity.llama_cpp_reader(gguf, ref, lora=lora), ("trained",)
         return
     # against the floor too, so the writer's own errors are told apart from the type's rounding
-    yield files["gguf"], lambda _: parity.transformers_reader(folder, files["gguf"]), ("trained", "floor")
+    if gguf_writer.family_of(_base_config(recipe)).transformers_reads:
+        yield files["gguf"], lambda _: parity.transformers_reader(folder, files["gguf"]), ("trained", "floor")
     if llama_cpp:
         yield files["gguf"], lambda ref: parity.llama_cpp_reader(gguf, ref), ("trained", "floor")
 

@@ -69,11 +69,15 @@ def merged_model(recipe, adapter_dir: Path | None, base: str):
 
 def round_into(lm, kind: str):
     """``lm``'s weights rounded in place as an export of ``kind`` stores them: a merged dtype rounds
-    every tensor; a GGUF type rounds each matrix (norms and biases stay F32, as the writer keeps them;
-    a q8_0 matrix whose rows do not tile 32-value blocks is F16, the writer's fallback)."""
+    every tensor; a GGUF type rounds each matrix (norms, biases and a mixture's router stay F32, as the
+    writer keeps them; a q8_0 matrix whose rows do not tile 32-value blocks is F16, the writer's
+    fallback)."""
+    _, experts = moe_experts.experts_of(lm)
+    router = f"{experts.router}.weight" if experts and kind in GGUF_TYPES else None
     with torch.no_grad():
-        for _, parameter in lm.named_parameters():  # a tied head is one parameter: rounded once
-            parameter.copy_(rounded(parameter.data, kind))
+        for name, parameter in lm.named_parameters():  # a tied head is one parameter: rounded once
+            if router is None or not name.endswith(router):
+                parameter.copy_(rounded(parameter.data, kind))
     return lm
 
 

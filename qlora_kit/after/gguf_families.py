@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from qlora_kit.after import gguf_experts
 from qlora_kit.errors import ExportError
 from qlora_kit.registries import families
 from qlora_kit.registries.families import Gguf
@@ -141,6 +142,17 @@ def _gpt2_refusal(config) -> str | None:
     return None
 
 
+def _qwen3moe_refusal(config) -> str | None:
+    """What llama.cpp's qwen3moe graph fixes (src/models/qwen3moe.cpp): every layer a mixture, the top-k
+    routing weights renormalised to sum to 1."""
+    if not getattr(config, "norm_topk_prob", True):
+        return "llama.cpp's qwen3moe renormalises the chosen experts' weights, and this model's norm_topk_prob is false"
+    dense = list(getattr(config, "mlp_only_layers", None) or [])
+    if dense or getattr(config, "decoder_sparse_step", 1) != 1:
+        return "llama.cpp's qwen3moe routes every layer through its experts, and this model has dense layers"
+    return None
+
+
 # The writers and checks the families table (registries/families.py) names by key.
 WRITERS: dict[str, Callable] = {
     "decoder+rope": lambda w, c: _decoder(w, c, rope_dims=True),
@@ -149,7 +161,11 @@ WRITERS: dict[str, Callable] = {
     "gemma2": _gemma2,
     "gpt2": _gpt2,
 }
-CHECKS: dict[str, Callable] = {"gemma2": _gemma2_refusal, "gpt2": _gpt2_refusal}
+CHECKS: dict[str, Callable] = {
+    "gemma2": _gemma2_refusal,
+    "gpt2": _gpt2_refusal,
+    "qwen3moe": _qwen3moe_refusal,
+}
 
 
 def family_of(config) -> Gguf:
@@ -174,8 +190,11 @@ def family_of(config) -> Gguf:
 
 
 def write_parameters(writer, config, form: Gguf) -> None:
-    """The converter's set_gguf_parameters for ``form``'s family."""
+    """The converter's set_gguf_parameters for ``form``'s family (a mixture's expert counts too)."""
     WRITERS[form.parameters](writer, config)
+    entry = families.family(config.model_type)
+    if entry is not None and entry.experts is not None:
+        gguf_experts.write_parameters(writer, config, entry)
 
 
 def stored(key: str, tensor: torch.Tensor, config, family: Gguf) -> torch.Tensor | None:

@@ -2,8 +2,9 @@
 
 llama.cpp's own converter (``convert_hf_to_gguf.py``) is not in the ``gguf`` wheel, and building llama.cpp
 to convert is what breaks for users, so this module does the converter's part for the families the
-pipeline trains that both llama.cpp and transformers' GGUF loader know (the families table's ``Gguf``
-entries, registries/families.py: Llama and Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2). The tensor names come from gguf's ``TensorNameMap``, the
+pipeline trains that llama.cpp and an independent reader know (the families table's ``Gguf`` entries,
+registries/families.py: Llama and Mistral, Qwen2, Qwen3, Phi-3, Gemma-2, GPT-2, and the mixtures Qwen3-MoE
+and Mixtral, whose experts after/gguf_experts.py stacks). The tensor names come from gguf's ``TensorNameMap``, the
 metadata keys from ``GGUFWriter``'s own ``add_*`` methods, merges/special ids/chat template from
 ``gguf.SpecialVocab``; only what the converter computes itself is repeated (each family's keys and tensor
 transforms, the token types, the pre-tokenizer name). ``write_lora_gguf`` writes the adapter alone, as
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from qlora_kit.after.gguf_experts import ExpertStacks, expert_count, stays_f32
 from qlora_kit.after.gguf_families import family_of, permuted, stored, write_parameters
 from qlora_kit.errors import ExportError
 
@@ -53,12 +55,18 @@ def write_model_gguf(folder: Path, out: Path, qtype: str, name: str) -> None:
     writer.add_file_type(_file_types()[qtype])
     _add_vocabulary(writer, folder, AutoTokenizer.from_pretrained(folder), config.vocab_size)
     names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    experts = ExpertStacks(expert_count(config))
     for path in sorted(folder.glob("*.safetensors")):
         with safe_open(path, "pt") as tensors:
             for key in tensors.keys():  # noqa: SIM118 - safe_open is not a mapping
                 tensor = stored(key, tensors.get_tensor(key).float(), config, family)
-                if tensor is not None:
-                    _add_tensor(writer, _gguf_name(names, key), tensor, qtype)
+                if tensor is None:
+                    continue
+                stacks = experts.take(key, tensor)  # a mixture's experts: one 3-D tensor a projection
+                for name, data in [(key, tensor)] if stacks is None else stacks:
+                    target = _gguf_name(names, name)
+                    _add_tensor(writer, target, data, "f32" if stays_f32(target) else qtype)
+    experts.finish()
     _write(writer)
 
 
@@ -82,9 +90,7 @@ def write_lora_gguf(adapter_dir: Path, base_config, out: Path) -> None:
 
     require_gguf()
     family = family_of(base_config)
-    settings = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
-    if settings.get("use_dora"):
-        raise ExportError("export --lora-only: a DoRA adapter has no llama.cpp LoRA form; export it merged")
+    settings = check_lora_form(adapter_dir)
     rank, alpha = settings["r"], float(settings["lora_alpha"])
     # llama.cpp scales by alpha / rank; rsLoRA's alpha / sqrt(rank) is that with alpha * sqrt(rank).
     if settings.get("use_rslora"):
@@ -109,6 +115,21 @@ def write_lora_gguf(adapter_dir: Path, base_config, out: Path) -> None:
         _add_tensor(writer, target + ".lora_a", lora_a, "f32")
         _add_tensor(writer, target + ".lora_b", lora_b, "f32")
     _write(writer)
+
+
+def check_lora_form(adapter_dir: Path) -> dict:
+    """The adapter's settings, or ExportError where it has no llama.cpp LoRA GGUF form written here."""
+    settings = json.loads((adapter_dir / "adapter_config.json").read_text(encoding="utf-8"))
+    if settings.get("use_dora"):
+        raise ExportError("export --lora-only: a DoRA adapter has no llama.cpp LoRA form; export it merged")
+    if settings.get("target_parameters"):
+        # peft's target_parameters LoRA is one (A, B) pair over a whole 3-D expert stack; llama.cpp's
+        # LoRA GGUF holds per-matrix pairs, and this writer writes no expert form of them
+        raise ExportError(
+            "export --lora-only: LoRA on a mixture's experts has no LoRA GGUF form here; "
+            "export it merged (--to gguf without --lora-only)"
+        )
+    return settings
 
 
 def _file_types() -> dict:
@@ -187,8 +208,9 @@ def _gguf_name(names, key: str) -> str:
 
 
 def _add_tensor(writer, name: str, tensor: torch.Tensor, qtype: str) -> None:
-    """1-D tensors (norms) stay F32, as llama.cpp keeps them; 2-D ones take the export's type, or F16
-    where a row does not tile Q8_0's 32-value blocks (llama.cpp's own fallback)."""
+    """1-D tensors (norms) stay F32, as llama.cpp keeps them; matrices (a mixture's 3-D expert stacks
+    too) take the export's type, or F16 where a row does not tile Q8_0's 32-value blocks (llama.cpp's
+    own fallback)."""
     data = tensor.numpy()
     kind = gguf.GGMLQuantizationType.F32
     if data.ndim > 1 and qtype != "f32":

@@ -359,7 +359,11 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
 # maps to an attribute the config class no longer reads: without them it takes the config class's
 # defaults, right only when the model happens to use those. (key suffix, config attribute) per GGUF arch,
 # from the families table (registries/families.py: Gguf.unmapped_keys).
-UNMAPPED_KEYS = {f.export.arch.lower(): list(f.export.unmapped_keys) for f in families.exportable().values()}
+UNMAPPED_KEYS = {
+    f.export.arch.lower(): list(f.export.unmapped_keys)
+    for f in families.exportable().values()
+    if f.export.transformers_reads  # Mixtral's llama-architecture file is llama.cpp's alone to read
+}
 
 
 def _gguf_config(folder: Path, gguf_file: str):

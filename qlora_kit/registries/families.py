@@ -48,6 +48,9 @@ class Gguf:
     unmapped_keys: tuple[tuple[str, str], ...] = ()
     # llama.cpp derives the attention scale from the head size (no key holds it): the reader must too
     derives_attention_scale: bool = False
+    # transformers' GGUF loader reads the file back as this family; False (Mixtral: the llama architecture,
+    # which it reads as a dense Llama): llama.cpp is the parity report's one reader, and export needs it
+    transformers_reads: bool = True
     tiny_overrides: dict = field(default_factory=dict)  # build overrides giving the tiny model this form
     trained_layer_key: str = "blk.1.attn_qkv.weight"  # a LoRA-adapted GGUF tensor (export tests)
 
@@ -136,16 +139,13 @@ TINY_TOWER = {
     "image_size": 56,
     "patch_size": 14,
 }
-# qlora_kit's GGUF writer writes a decoder's dense layers only: no vision tower (llama.cpp serves one from a
-# separate multimodal projector GGUF, mmproj) and no experts (export --to merged, then llama.cpp's converter)
+# qlora_kit's GGUF writer writes no vision tower (llama.cpp serves one from a separate multimodal projector
+# GGUF, mmproj)
 VISION_NO_GGUF = NoExport(
     "qlora_kit writes no multimodal projector file (llama.cpp's mmproj GGUF) for the vision tower; "
     "export --to merged keeps the whole model"
 )
-MOE_NO_GGUF = NoExport(
-    "qlora_kit's GGUF writer has no expert tensors (llama.cpp's ffn_gate_exps, ffn_up_exps, ffn_down_exps) "
-    "yet; convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
-)
+
 # the attention linears of a mixture-of-experts layer (its MLP is the router and the fused experts)
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 # the attention and MLP linears of a Llama-shaped layer
@@ -166,6 +166,12 @@ LLAMA_K = "blk.1.attn_k.weight"
 
 LLAMA_GGUF = Gguf(
     "LLAMA", "decoder+rope", permute_qk=True, unmapped_keys=HEAD_DIM_KEY, trained_layer_key=LLAMA_K
+)
+
+
+# llama.cpp's converter writes Mixtral as the llama architecture with expert tensors (LlamaModel)
+MIXTRAL_GGUF = Gguf(
+    "LLAMA", "decoder+rope", permute_qk=True, transformers_reads=False, trained_layer_key=LLAMA_K
 )
 
 
@@ -398,7 +404,17 @@ FAMILIES: dict[str, Family] = {
             attention_inputs=QKV,
             mlp=GATED,
             intermediate_key="moe_intermediate_size",
-            export=MOE_NO_GGUF,
+            export=Gguf(
+                "QWEN3MOE",
+                "decoder",
+                check="qwen3moe",
+                # transformers' loader maps no expert width (the config class's 768 otherwise)
+                unmapped_keys=(*HEAD_DIM_KEY, ("expert_feed_forward_length", "moe_intermediate_size")),
+                # llama.cpp's qwen3moe renormalises the top-k weights (Qwen3-30B-A3B's own setting);
+                # the builtin keeps Qwen3MoeConfig's default, false
+                tiny_overrides={"norm_topk_prob": True},
+                trained_layer_key=LLAMA_K,
+            ),
             experts=Experts(count_key="num_experts"),
         ),
         _family(
@@ -409,7 +425,7 @@ FAMILIES: dict[str, Family] = {
             linears=ATTENTION_LINEARS,
             attention_inputs=QKV,
             mlp=GATED,
-            export=MOE_NO_GGUF,
+            export=MIXTRAL_GGUF,
             experts=Experts(count_key="num_local_experts"),
         ),
         _family(
@@ -420,7 +436,10 @@ FAMILIES: dict[str, Family] = {
             linears=ATTENTION_LINEARS,
             attention_inputs=QKV,
             mlp=GATED,
-            export=MOE_NO_GGUF,
+            export=NoExport(
+                "qlora_kit's GGUF writer has no olmoe form yet (transformers' GGUF loader cannot read one "
+                "back); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
+            ),
             experts=Experts(count_key="num_experts"),
         ),
     )
@@ -443,5 +462,7 @@ def exportable() -> dict[str, Family]:
 
 
 def by_gguf_arch(arch: str) -> Gguf | None:
-    """The GGUF form whose file says ``general.architecture: arch`` (``llama``, ``gemma2``)."""
-    return next((f.export for f in exportable().values() if f.export.arch.lower() == arch), None)
+    """The GGUF form transformers reads from a file saying ``general.architecture: arch`` (``llama``,
+    ``gemma2``; Mixtral's llama-architecture file is read by llama.cpp alone)."""
+    forms = (f.export for f in exportable().values() if f.export.transformers_reads)
+    return next((form for form in forms if form.arch.lower() == arch), None)
