@@ -109,8 +109,11 @@ def model_shape(recipe: Recipe) -> ModelShape:
     stacks = expert_stacks(meta, config)
     if stacks and recipe.quant.bits == 4:
         moe_experts.check_packable(config.model_type)  # as loading it would be
-    counted: set[int] = {
-        id(p) for _, experts in moe_experts.fused_experts(meta) for p in experts.parameters()
+    counted: set[int] = {  # the stacks (their biases, gpt-oss's, stay in 16 bits: counted below)
+        id(getattr(experts, name))
+        for _, experts in moe_experts.fused_experts(meta)
+        for name in moe_experts.EXPERT_PARAMETERS
+        if getattr(experts, name, None) is not None
     }
     unquantized = 0
     for module in meta.modules():

@@ -1,0 +1,62 @@
+"""gpt-oss: its experts (biases, gate/up interleaved and stored transposed, the clamped SwiGLU) packed in 4 bits
+and run by the routed loop as transformers runs them, its router with its bias in the compute dtype, and its
+attention sinks through the kernels that take them (model/moe_experts.py, registries/attention.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from qlora_kit import Recipe
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import loading as model
+from qlora_kit.model import moe_experts
+from qlora_kit.registries import attention
+
+from .test_moe import batch, dequantized_16bit
+
+TINY = "builtin:tiny-gpt-oss"
+
+
+def gpt_oss_recipe(**values) -> Recipe:
+    return Recipe.from_dict({"model": {"path": TINY}, **values})
+
+
+def test_packed_experts_with_biases_compute_what_transformers_computes_dequantized():
+    """The 4-bit experts, with every bias nonzero (the builtin's init leaves them at zero) and the SwiGLU's
+    clamp reached, give the logits of transformers' own GptOssExperts on the same weights dequantized. In
+    float32, so a bias left out, a gate read from the up half or a stack read untransposed shows."""
+    recipe = gpt_oss_recipe(quant={"compute_dtype": "float32"})
+    four_bit = model.load_base_model(recipe.model, recipe.quant).eval()
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, param in four_bit.named_parameters():
+            if name.endswith(("_bias", "router.bias", "sinks")):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    reference = dequantized_16bit(four_bit, recipe)
+    for one, other in zip(moe_experts.fused_experts(four_bit), moe_experts.fused_experts(reference)):
+        one[1].limit = other[1].limit = 0.05  # the clamp bites on these small activations
+    ids = batch(four_bit)
+    with torch.no_grad():
+        ours, theirs = four_bit(ids).logits, reference(ids).logits
+    assert (ours - theirs).abs().max() < 1e-4 * theirs.abs().max()
+    biases = [p for n, p in four_bit.named_parameters() if ".experts." in n and n.endswith("_bias")]
+    assert len(biases) == 8 and all(p.dtype == torch.float32 and p.abs().sum() > 0 for p in biases)
+
+
+def test_attention_sinks_run_on_the_kernels_that_take_them_and_the_others_are_refused():
+    """auto is eager (transformers' gpt-oss has no sdpa); eager, flex_attention and the hub's vLLM
+    FlashAttention-3 add the sinks; sdpa and flash_attention_2/3 (which would drop them, or be swapped for a
+    hub kernel by transformers) are refused in one line naming the field, before any weight loads."""
+    config = transformers.GptOssConfig()
+    assert attention.resolve("auto", config) == "eager"
+    for name in ("eager", "flex_attention", "kernels-community/vllm-flash-attn3"):
+        assert attention.resolve(name, config) == name
+    for name in ("sdpa", "flash_attention_2", "flash_attention_3", "kernels-community/flash-attn2"):
+        with pytest.raises(ValueError, match=rf"^model\.attn_implementation: {name} cannot add gpt_oss's"):
+            attention.resolve(name, config)
+    assert attention.resolve("sdpa", transformers.Qwen3MoeConfig()) == "sdpa"  # no sinks, no refusal
+    recipe = gpt_oss_recipe(model={"path": TINY, "attn_implementation": "sdpa"})
+    with pytest.raises(RecipeError, match=r"^model\.attn_implementation: sdpa cannot add .*use eager"):
+        model.load_base_model(recipe.model, recipe.quant)
