@@ -23,6 +23,7 @@ def gpt_oss_recipe(**values) -> Recipe:
     return Recipe.from_dict({"model": {"path": TINY}, **values})
 
 
+@pytest.mark.slow  # two models loaded
 def test_packed_experts_with_biases_compute_what_transformers_computes_dequantized():
     """The 4-bit experts, with every bias nonzero (the builtin's init leaves them at zero) and the SwiGLU's
     clamp reached, give the logits of transformers' own GptOssExperts on the same weights dequantized. In
@@ -35,8 +36,8 @@ def test_packed_experts_with_biases_compute_what_transformers_computes_dequantiz
             if name.endswith(("_bias", "router.bias", "sinks")):
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
     reference = dequantized_16bit(four_bit, recipe)
-    for one, other in zip(moe_experts.fused_experts(four_bit), moe_experts.fused_experts(reference)):
-        one[1].limit = other[1].limit = 0.05  # the clamp bites on these small activations
+    for _, experts in [*moe_experts.fused_experts(four_bit), *moe_experts.fused_experts(reference)]:
+        experts.limit = 0.05  # the clamp bites on these small activations
     ids = batch(four_bit)
     with torch.no_grad():
         ours, theirs = four_bit(ids).logits, reference(ids).logits
