@@ -61,3 +61,27 @@ def test_attention_sinks_run_on_the_kernels_that_take_them_and_the_others_are_re
     recipe = gpt_oss_recipe(model={"path": TINY, "attn_implementation": "sdpa"})
     with pytest.raises(RecipeError, match=r"^model\.attn_implementation: sdpa cannot add .*use eager"):
         model.load_base_model(recipe.model, recipe.quant)
+
+
+UNSLOTH_GPT_OSS_20B_GB = 12.8  # unsloth's published gpt-oss-20b QLoRA figure: 1 x 2,048, LoRA on attention
+
+
+@pytest.mark.slow  # traces the 20B model's layer on fake tensors (~8 s)
+def test_the_shipped_gpt_oss_20b_recipe_is_planned_beside_unsloths_figure():
+    """The shipped recipe plans offline (the bundled config) on its 24 GB: every expert in NF4 (19.1B values
+    at about 4.13 bits), the embeddings and head in bf16, and a peak within 20% above unsloth's 12.8 GB (what
+    is above it: eager attention's scores and the 201,088-token head's logits, recomputed one layer at a
+    time)."""
+    from qlora_kit.memory.planner import GIB, plan
+    from qlora_kit.memory.shapes import model_shape, weight_bytes
+
+    from .conftest import ROOT
+
+    recipe = Recipe.from_yaml(ROOT / "recipes" / "gpt-oss-20b-24gb.yaml")
+    shape = model_shape(recipe)
+    assert shape.expert_values == 24 * 32 * 3 * 2880 * 2880
+    weights = weight_bytes(shape, recipe)
+    assert 8 * weights.experts / shape.expert_values < 4.2
+    peak = plan(recipe, device="cuda").chosen(recipe).peak
+    assert UNSLOTH_GPT_OSS_20B_GB < peak / 1e9 < 1.2 * UNSLOTH_GPT_OSS_20B_GB
+    assert peak < recipe.memory.budget_gb * GIB

@@ -257,8 +257,9 @@ def _project(experts, name: str, expert: int, x: torch.Tensor, lora) -> torch.Te
     """x @ W_e.T (+ scaling * x @ A_e.T @ B_e.T for each LoRA factor pair of ``name``)."""
     weight = getattr(experts, name)
     stats = getattr(experts, f"{name}_4bit", None)
-    if stats is None:
-        y = torch.nn.functional.linear(x, weight[expert])
+    if stats is None:  # 16-bit: the planner's trace, or quant.bits 16
+        transposed = getattr(experts, "is_transposed", False)
+        y = x @ weight[expert] if transposed else torch.nn.functional.linear(x, weight[expert])
     else:
         y = bnb.matmul_4bit(x, weight[expert], quant_state=stats.state(expert))
     if getattr(experts, "has_bias", False):  # gpt-oss: (E, out) biases, frozen in the compute dtype
