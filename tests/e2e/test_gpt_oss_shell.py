@@ -43,4 +43,7 @@ def test_gpt_oss_trains_from_the_shell_and_merges_into_a_folder_transformers_loa
     experts = model.model.layers[0].mlp.experts
     config = model.config
     assert experts.gate_up_proj.shape == (8, config.hidden_size, 2 * config.intermediate_size)  # (E, in, out)
-    assert experts.gate_up_proj.dtype != torch.uint8 and experts.down_proj_bias.shape == (8, config.hidden_size)
+    assert experts.gate_up_proj.dtype != torch.uint8 and experts.down_proj_bias.shape == (
+        8,
+        config.hidden_size,
+    )
