@@ -85,3 +85,43 @@ def test_the_shipped_gpt_oss_20b_recipe_is_planned_beside_unsloths_figure():
     peak = plan(recipe, device="cuda").chosen(recipe).peak
     assert UNSLOTH_GPT_OSS_20B_GB < peak / 1e9 < 1.2 * UNSLOTH_GPT_OSS_20B_GB
     assert peak < recipe.memory.budget_gb * GIB
+
+
+HARMONY_ROW = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "What sound does a cow make?"},
+    {"role": "assistant", "content": "moo", "thinking": "Cows are said to say moo."},
+    {"role": "developer", "content": "Be brief."},
+    {"role": "user", "content": "And a cat?"},
+    {"role": "assistant", "content": "meow", "thinking": "Cats meow."},
+]
+
+
+@pytest.mark.parametrize("train_reasoning", [False, True])
+def test_harmony_trains_the_final_answers_and_the_reasoning_only_when_asked(tokenizer, train_reasoning):
+    """gpt-oss's harmony rendering (tests/chat_templates.HARMONY): system, developer and user turns and the
+    channel headers never train; each final answer trains with its end (<|end|>, the last one <|return|>);
+    the analysis channel (the last turn's `thinking`, the only one the template keeps) trains with
+    data.train_reasoning alone."""
+    import copy
+
+    from qlora_kit.data.chat import render_chat
+
+    from .chat_templates import HARMONY, HARMONY_TOKENS
+
+    tokenizer = copy.deepcopy(tokenizer)
+    tokenizer.add_special_tokens({"additional_special_tokens": HARMONY_TOKENS})
+    tokenizer.chat_template = HARMONY
+    segments = render_chat(HARMONY_ROW, tokenizer, train_reasoning=train_reasoning)
+    trained = [s.text for s in segments if s.trained]
+    reasoning = ["Cats meow.<|end|>"] if train_reasoning else []
+    assert trained == ["moo<|end|>", *reasoning, "meow<|return|>"]
+    untrained = "".join(s.text for s in segments if not s.trained)
+    assert "Be brief." in untrained and "<|channel|>final<|message|>" in untrained
+    assert ("Cats meow." in untrained) != train_reasoning  # context, when it does not train
+    assert "Cows are said" not in untrained + "".join(trained)  # the template dropped it: never trained
+
+
+def test_train_reasoning_is_refused_where_no_chat_row_has_reasoning():
+    with pytest.raises(ValueError, match=r"data\.train_reasoning: only applies to formats chat and sharegpt"):
+        Recipe.from_dict({"data": {"format": "alpaca", "train_reasoning": True}})
