@@ -4,6 +4,9 @@ attention sinks through the kernels that take them (model/moe_experts.py, regist
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -11,7 +14,7 @@ import transformers
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as model
-from qlora_kit.model import moe_experts
+from qlora_kit.model import moe_experts, mxfp4
 from qlora_kit.registries import attention
 
 from .test_moe import batch, dequantized_16bit
@@ -125,3 +128,72 @@ def test_harmony_trains_the_final_answers_and_the_reasoning_only_when_asked(toke
 def test_train_reasoning_is_refused_where_no_chat_row_has_reasoning():
     with pytest.raises(ValueError, match=r"data\.train_reasoning: only applies to formats chat and sharegpt"):
         Recipe.from_dict({"data": {"format": "alpaca", "train_reasoning": True}})
+
+
+def mxfp4_checkpoint(folder, source) -> dict:
+    """The builtin's checkpoint with its experts stored as the released gpt-oss stores them: MXFP4 blocks
+    (experts x out x in/32 x 16 bytes, two FP4 values a byte) and a power-of-two scale per block of 32
+    (experts x out x in/32, exponent + 127), and the config saying so. transformers writes no MXFP4 on the
+    CPU (its quantize_to_mxfp4 needs the triton kernels), so the blocks are random bytes: any byte is two
+    valid FP4 values. Returns the blocks and scales by tensor name."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, folder)
+    tensors = load_file(folder / "model.safetensors")
+    generator = torch.Generator().manual_seed(5)
+    stored = {}
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, d_in, d_out = tensors.pop(name).shape  # transformers' (experts, in, out)
+        stored[f"{name}_blocks"] = torch.randint(
+            0, 256, (experts, d_out, d_in // 32, 16), generator=generator
+        )
+        stored[f"{name}_scales"] = torch.randint(118, 124, (experts, d_out, d_in // 32), generator=generator)
+    stored = {n: t.to(torch.uint8) for n, t in stored.items()}
+    save_file({**tensors, **stored}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return stored
+
+
+@pytest.mark.slow  # three loads of the tiny model, one through transformers MXFP4 code
+def test_an_mxfp4_checkpoint_is_dequantized_once_and_its_experts_packed_in_4_bits(tmp_path, caplog):
+    """A checkpoint stored in MXFP4 loads: dequantized once by transformers' own MXFP4 code into a 16-bit
+    folder in the cache (exactly convert_moe_packed_tensors' values), its experts then packed in NF4 at
+    <= 0.30x their bf16 bytes, the bytes stated in the log; a second load reuses the folder."""
+    from safetensors.torch import load_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    source = model.resolve_model_path(gpt_oss_recipe().model)
+    stored = mxfp4_checkpoint(tmp_path / "mxfp4", source)
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path / "mxfp4")}})
+    with caplog.at_level("INFO", logger="qlora_kit"):
+        base = model.load_base_model(recipe.model, recipe.quant)
+    assert "dequantized once" in caplog.text and "MiB in MXFP4" in caplog.text
+    folder = mxfp4.dequantized_folder(str(tmp_path / "mxfp4"), recipe.model)
+    dequantized = load_file(f"{folder}/model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    expected = convert_moe_packed_tensors(stored[f"{name}_blocks"], stored[f"{name}_scales"])
+    assert torch.equal(dequantized[name], expected)
+    assert "quantization_config" not in json.loads(Path(folder, "config.json").read_text())
+    experts = dict(moe_experts.fused_experts(base))["model.layers.1.mlp.experts"]
+    assert experts.gate_up_proj.dtype == torch.uint8
+    moe_experts.dequantize_experts(base)
+    nf4 = experts.gate_up_proj.float()
+    assert (nf4 - expected.float()).norm() < 0.15 * expected.float().norm()  # NF4 of the MXFP4 values
+    caplog.clear()
+    with caplog.at_level("INFO", logger="qlora_kit"):
+        again = model.load_base_model(recipe.model, recipe.quant)
+    assert "its dequantized copy" in caplog.text and "dequantized once" not in caplog.text
+    bf16 = sum(2 * 2 * t.numel() for n, t in stored.items() if n.endswith("_blocks"))  # two values a byte
+    assert moe_experts.bytes_by_kind(again)["experts"] <= 0.30 * bf16
