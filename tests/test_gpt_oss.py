@@ -13,6 +13,7 @@ import transformers
 
 from qlora_kit import Recipe
 from qlora_kit.errors import RecipeError
+from qlora_kit.memory.shapes import model_shape
 from qlora_kit.model import loading as model
 from qlora_kit.model import moe_experts, mxfp4
 from qlora_kit.registries import attention
@@ -64,6 +65,8 @@ def test_attention_sinks_run_on_the_kernels_that_take_them_and_the_others_are_re
     recipe = gpt_oss_recipe(model={"path": TINY, "attn_implementation": "sdpa"})
     with pytest.raises(RecipeError, match=r"^model\.attn_implementation: sdpa cannot add .*use eager"):
         model.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError, match=r"^model\.attn_implementation: sdpa cannot add"):
+        model_shape(recipe)  # qlora-kit plan refuses it as loading does
 
 
 UNSLOTH_GPT_OSS_20B_GB = 12.8  # unsloth's published gpt-oss-20b QLoRA figure: 1 x 2,048, LoRA on attention
