@@ -23,7 +23,7 @@ from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
 
-MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # Mixtral, OLMoE, Qwen3-MoE
+MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # gpt-oss, Mixtral, OLMoE, Qwen3-MoE
 
 
 def moe_recipe(name: str = "tiny-qwen3-moe", **values) -> Recipe:
