@@ -100,3 +100,25 @@ def family_tokenizer(demo_tokenizer, family: str):
     tokenizer.add_special_tokens({"additional_special_tokens": tokens})
     tokenizer.chat_template = template
     return tokenizer
+
+
+# gpt-oss's harmony format, as its template renders a conversation: its own system turn first, the recipe's
+# system prompt as the developer's instructions, each assistant turn as a final-channel message, the
+# reasoning (a message's `thinking`) as an analysis-channel message kept for the last turn only, and the
+# conversation's last answer ended by <|return|> where every other turn ends with <|end|>
+HARMONY = (
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium"
+    "\n\n# Valid channels: analysis, commentary, final.<|end|>"
+    "{% set ns = namespace(last=-1) %}{% for m in messages %}{% if m['role'] == 'assistant' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] in ('system', 'developer') %}"
+    "<|start|>developer<|message|># Instructions\n\n{{ m['content'] }}<|end|>"
+    "{% elif m['role'] == 'assistant' %}"
+    "{% if m.thinking and loop.index0 == ns.last %}"
+    "<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "<|start|>assistant<|channel|>final<|message|>{{ m['content'] }}"
+    "{% if loop.index0 == ns.last and not add_generation_prompt %}<|return|>{% else %}<|end|>{% endif %}"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}"
+)
+HARMONY_TOKENS = ["<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|return|>"]

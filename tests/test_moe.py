@@ -23,7 +23,7 @@ from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
 
-MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # Mixtral, OLMoE, Qwen3-MoE
+MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # gpt-oss, Mixtral, OLMoE, Qwen3-MoE
 
 
 def moe_recipe(name: str = "tiny-qwen3-moe", **values) -> Recipe:
@@ -35,7 +35,7 @@ def dequantized_16bit(four_bit, recipe: Recipe):
     merged or plain-peft reload compares against."""
     path = model.resolve_model_path(recipe.model)
     base = transformers.AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.bfloat16, device_map={"": "cpu"}
+        path, dtype=getattr(torch, recipe.quant.compute_dtype), device_map={"": "cpu"}
     )
     modules = dict(base.named_modules())
     for name, module in four_bit.named_modules():
@@ -49,7 +49,12 @@ def dequantized_16bit(four_bit, recipe: Recipe):
                 expert_weights = [
                     bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])
                 ]
-                getattr(modules[name], param).data.copy_(torch.stack(expert_weights))
+                stack = torch.stack(expert_weights)
+                getattr(modules[name], param).data.copy_(stack.transpose(1, 2) if stats.transposed else stack)
+    reference = dict(base.named_parameters())
+    for name, param in four_bit.named_parameters():  # what stayed in 16 bits (biases, norms, sinks) as is
+        if param.is_floating_point() and name in reference and reference[name].shape == param.shape:
+            reference[name].data.copy_(param.data)
     return base.eval()
 
 
@@ -71,14 +76,16 @@ def test_experts_are_loaded_in_4_bits(name):
             packed = getattr(module, param)
             e, out_features, in_features = moe_experts.logical_shape(module, param)
             assert packed.dtype == torch.uint8 and packed.shape == (e, out_features * in_features // 2)
+    # gpt-oss's expert biases, (experts x out) each, stay in 16 bits
+    biases = [p for n, p in base.named_parameters() if ".experts." in n and n.endswith("_bias")]
     floating = [n for n, p in base.named_parameters() if ".experts." in n and p.is_floating_point()]
-    assert floating == []
+    assert len(floating) == len(biases)
     sizes = moe_experts.bytes_by_kind(base)
     bf16 = sum(
         2 * e * o * i
         for _, m in experts
         for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
-    )
+    ) + sum(2 * p.numel() for p in biases)
     assert sizes["experts"] <= 0.30 * bf16
     routers = [p for n, p in base.named_parameters() if moe_experts.kind_of(n) == "router"]
     assert routers and all(p.dtype == torch.bfloat16 for p in routers)
@@ -97,11 +104,12 @@ def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_
 
 
 @pytest.mark.slow  # two models loaded
-def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path):
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])  # gpt-oss: stored transposed, biased
+def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, name):
     """The adapter trained on packed experts is peft's own target_parameters format: plain
     PeftModel.from_pretrained on the 16-bit model (peft's ParamWrapper) gives the same logits; the router
     carries no LoRA."""
-    recipe = moe_recipe()
+    recipe = moe_recipe(name)
     base = model.load_base_model(recipe.model, recipe.quant)
     reference = dequantized_16bit(base, recipe)  # before peft wraps the base's layers in place
     peft_model = adapters.attach_lora(base, recipe.lora)
@@ -191,25 +199,24 @@ def test_the_router_is_frozen_unless_asked_and_then_trains_and_saves_whole(tmp_p
 
 
 def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
-    """gpt-oss keeps biases and a transposed layout in its experts: refused in one line naming the family,
-    never loaded with its experts silently in 16 bits, and never planned."""
-    config = transformers.GptOssConfig(
+    """A mixture the families table does not list (PhiMoE): refused in one line naming the family, never
+    loaded with its experts silently in 16 bits, and never planned."""
+    config = transformers.PhimoeConfig(
         vocab_size=640,
         hidden_size=64,
         intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
-        head_dim=32,
         num_local_experts=4,
         num_experts_per_tok=2,
     )
     transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
     builtin.build_tokenizer().save_pretrained(tmp_path)
     recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(RecipeError, match=r"^model\.path: gpt_oss is a mixture of experts .*biases"):
+    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
         model.load_base_model(recipe.model, recipe.quant)
-    with pytest.raises(RecipeError, match=r"^model\.path: gpt_oss is a mixture of experts .*biases"):
+    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
         model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
 
 

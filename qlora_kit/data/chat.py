@@ -37,7 +37,8 @@ from typing import Any
 
 from qlora_kit.data.segments import RowError, Segment, show
 
-CHAT_ROLES = {"system", "user", "assistant", "tool"}
+# developer: harmony's (gpt-oss's) instructions turn, a prompt turn like system
+CHAT_ROLES = {"system", "developer", "user", "assistant", "tool"}
 # ShareGPT's speaker names (``from``) and the chat role of each; data.roles adds more
 SHAREGPT_ROLES = {
     "human": "user",
@@ -50,14 +51,21 @@ SHAREGPT_ROLES = {
 }
 SYSTEM_PROMPT_MODES = ("keep", "merge_into_first_user", "drop")
 REASONING_END = "</think>"
-_END_NAME = re.compile(r"end|eot|eos|</s>", re.IGNORECASE)
+# harmony (gpt-oss) ends a conversation's last answer with <|return|>, its other turns with <|end|>
+_END_NAME = re.compile(r"end|eot|eos|</s>|return", re.IGNORECASE)
 
 
 def render_chat(
-    messages: list[Any], tokenizer, system_prompt_mode: str = "keep", tools: list | str | None = None
+    messages: list[Any],
+    tokenizer,
+    system_prompt_mode: str = "keep",
+    tools: list | str | None = None,
+    train_reasoning: bool = False,
 ) -> list[Segment]:
     """Segments of a conversation: each assistant reply (or tool call) and its end-of-turn marker
-    trained, nothing else. ``tools``: the tool schemas the template renders (a list, or its JSON)."""
+    trained, nothing else. ``tools``: the tool schemas the template renders (a list, or its JSON).
+    ``train_reasoning``: an assistant message's ``thinking`` (harmony's analysis channel), where the
+    template renders it, trains too, with its end marker; off, it is context only."""
     _check_messages(messages)
     if tokenizer.chat_template is None:
         raise RowError("format 'chat' needs a tokenizer with a chat template; this one has none")
@@ -82,6 +90,16 @@ def render_chat(
         header = _assistant_header(tokenizer, messages[:i], system_prompt_mode, tools)
         at = text.find(header, cursor) if header else -1
         cursor = at + len(header) if at >= 0 else cursor
+        if message.get("thinking"):  # passed over either way: the answer is searched for after it
+            found = _locate_reasoning(
+                text, searchable, message["thinking"], cursor, tokenizer, special, header
+            )
+            if found is not None:  # a template that drops earlier turns' reasoning: nothing there
+                start, end = found
+                cursor = end
+                if train_reasoning:
+                    segments += [Segment(text[kept:start], False), Segment(text[start:end], True)]
+                    kept = end
         if message.get("tool_calls"):
             start, reply = _locate_tool_call(tokenizer, text, messages, i, cursor, system_prompt_mode, tools)
         else:
@@ -314,6 +332,18 @@ def _locate(text: str, content: str, cursor: int) -> tuple[int, str]:
             if start >= 0:
                 return start, candidate
     return -1, content
+
+
+def _locate_reasoning(
+    text: str, searchable: str, thinking: str, cursor: int, tokenizer, special: list[str], header: str
+) -> tuple[int, int] | None:
+    """(start, end) of a reply's reasoning in the rendered text, its end-of-turn marker included (harmony's
+    analysis message ends with <|end|>), or None where the template does not render it."""
+    start, found = _locate(searchable, thinking, cursor)
+    if start < 0:
+        return None
+    end = start + len(found)
+    return start, end + len(_marker_at(text, end, end_of_turn_markers(tokenizer, special, header)))
 
 
 def _marker_at(text: str, end: int, markers: list[str]) -> str:

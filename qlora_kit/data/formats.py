@@ -80,7 +80,13 @@ def render_text(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segme
 
 def render_conversation(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
     messages = _messages(row, data)
-    return render_chat(messages, tokenizer, data.system_prompt_mode, tools=row.get("tools"))
+    return render_chat(
+        messages,
+        tokenizer,
+        data.system_prompt_mode,
+        tools=row.get("tools"),
+        train_reasoning=data.train_reasoning,
+    )
 
 
 def _messages(row: dict[str, Any], data: DataSection) -> list[Any]:

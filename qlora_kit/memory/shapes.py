@@ -33,7 +33,7 @@ from qlora_kit.model import hub, moe_experts, vision
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.paths import first_line
-from qlora_kit.registries import families
+from qlora_kit.registries import attention, families
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -109,8 +109,15 @@ def model_shape(recipe: Recipe) -> ModelShape:
     stacks = expert_stacks(meta, config)
     if stacks and recipe.quant.bits == 4:
         moe_experts.check_packable(config.model_type)  # as loading it would be
-    counted: set[int] = {
-        id(p) for _, experts in moe_experts.fused_experts(meta) for p in experts.parameters()
+    try:  # a kernel that cannot run the model's attention sinks is refused as loading refuses it
+        attention.check_sinks(recipe.model.attn_implementation, config.get_text_config())
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+    counted: set[int] = {  # the stacks (their biases, gpt-oss's, stay in 16 bits: counted below)
+        id(getattr(experts, name))
+        for _, experts in moe_experts.fused_experts(meta)
+        for name in moe_experts.EXPERT_PARAMETERS
+        if getattr(experts, name, None) is not None
     }
     unquantized = 0
     for module in meta.modules():

@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import builtin, builtin_vision, hub, moe_experts, pretrained, vision
+from qlora_kit.model import builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -142,6 +142,8 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         )
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
+        if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
+            path = mxfp4.dequantized_folder(path, model)
         base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config))
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):

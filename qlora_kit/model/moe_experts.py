@@ -99,13 +99,9 @@ def use_routed_loop(model) -> None:
 
 
 def _check_layout(model_type: str, experts) -> None:
-    layout = {
-        "has_gate": True,
-        "has_bias": False,
-        "is_transposed": False,
-        "is_concatenated": True,
-        "has_post_expert_norm": False,
-    }
+    # biases and a transposed (in x out) stack are handled (gpt-oss); gate/up interleaved or concatenated
+    # is the module's own _apply_gate, which experts_forward calls
+    layout = {"has_gate": True, "has_post_expert_norm": False}
     wrong = [k for k, v in layout.items() if getattr(experts, k, v) != v]
     if wrong:
         raise RecipeError(
@@ -116,7 +112,8 @@ def _check_layout(model_type: str, experts) -> None:
 def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
     """Replace the 3-D parameter ``name`` with its packed 4-bit form (experts x values/2, uint8) and the
     per-expert quantization statistics beside it (``<name>_4bit``)."""
-    weight = getattr(experts, name).data  # (E, O, I)
+    weight = getattr(experts, name).data  # (E, O, I), or (E, I, O) for a transposed stack
+    transposed = getattr(experts, "is_transposed", False)
     if weight.shape[1] * weight.shape[2] % BLOCKSIZE:
         raise RecipeError(
             f"model.path: an expert's {name} has {weight.shape[1]}x{weight.shape[2]} values, not a multiple "
@@ -125,7 +122,7 @@ def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
     packed, states = [], []
     for e in range(weight.shape[0]):  # one expert at a time: the 16-bit copy never doubles
         data, state = bnbf.quantize_4bit(
-            weight[e].to(dtype),
+            (weight[e].t() if transposed else weight[e]).to(dtype).contiguous(),  # (O, I), as matmul_4bit
             blocksize=BLOCKSIZE,
             compress_statistics=quant.double_quant,
             quant_type=quant.quant_type,
@@ -133,20 +130,23 @@ def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
         )
         packed.append(data.view(-1))
         states.append(state)
-    shape = tuple(weight.shape)
+    shape = (weight.shape[0], *states[0].shape)  # (E, O, I) whichever way the stack was stored
     del weight
     setattr(experts, name, torch.nn.Parameter(torch.stack(packed), requires_grad=False))
-    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, dtype))
+    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, dtype, transposed))
 
 
 class ExpertStats(torch.nn.Module):
     """The 4-bit statistics of one packed expert stack: per-expert absmax (8-bit with double
-    quantization, then with their own absmax and offset), the code books, and the logical shape."""
+    quantization, then with their own absmax and offset), the code books, the logical shape (experts, out, in),
+    and whether transformers stores the stack transposed (experts, in, out)."""
 
-    def __init__(self, states: list, shape: tuple[int, int, int], dtype: torch.dtype) -> None:
+    def __init__(
+        self, states: list, shape: tuple[int, int, int], dtype: torch.dtype, transposed: bool = False
+    ) -> None:
         super().__init__()
         first = states[0]
-        self.shape, self.dtype = shape, dtype
+        self.shape, self.dtype, self.transposed = shape, dtype, transposed
         self.quant_type, self.blocksize, self.nested = first.quant_type, first.blocksize, first.nested
         self.register_buffer("absmax", torch.stack([s.absmax for s in states]))
         self.register_buffer("code", first.code)
@@ -190,6 +190,8 @@ def dequantize_experts(model) -> int:
             weight = torch.stack(
                 [bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])]
             )
+            if stats.transposed:
+                weight = weight.transpose(1, 2)  # back to transformers' (experts, in, out)
             setattr(experts, name, torch.nn.Parameter(weight.to(stats.dtype), requires_grad=False))
             delattr(experts, f"{name}_4bit")
             unpacked += 1
@@ -208,9 +210,12 @@ def check_no_16bit_experts(model) -> None:
 
 
 def logical_shape(experts, name: str) -> tuple[int, int, int]:
-    """(experts, out, in) of a fused weight, packed or not."""
+    """(experts, out, in) of a fused weight, packed or not (a transposed stack is stored (experts, in, out))."""
     stats = getattr(experts, f"{name}_4bit", None)
-    return stats.shape if stats is not None else tuple(getattr(experts, name).shape)
+    if stats is not None:
+        return stats.shape
+    e, first, second = getattr(experts, name).shape
+    return (e, second, first) if getattr(experts, "is_transposed", False) else (e, first, second)
 
 
 def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=None):
@@ -252,10 +257,13 @@ def _project(experts, name: str, expert: int, x: torch.Tensor, lora) -> torch.Te
     """x @ W_e.T (+ scaling * x @ A_e.T @ B_e.T for each LoRA factor pair of ``name``)."""
     weight = getattr(experts, name)
     stats = getattr(experts, f"{name}_4bit", None)
-    if stats is None:
-        y = torch.nn.functional.linear(x, weight[expert])
+    if stats is None:  # 16-bit: the planner's trace, or quant.bits 16
+        transposed = getattr(experts, "is_transposed", False)
+        y = x @ weight[expert] if transposed else torch.nn.functional.linear(x, weight[expert])
     else:
         y = bnb.matmul_4bit(x, weight[expert], quant_state=stats.state(expert))
+    if getattr(experts, "has_bias", False):  # gpt-oss: (E, out) biases, frozen in the compute dtype
+        y = y + getattr(experts, f"{name}_bias")[expert].to(y.dtype)
     for a, b, scaling in (lora or {}).get(name, ()):
         low = x.to(a.dtype) @ a[expert].t()  # (n, r): the rank-r bottleneck, never B @ A
         y = y + (low @ b[:, :, expert].t() * scaling).to(y.dtype)
@@ -268,11 +276,15 @@ class LoraExperts(ParamWrapper):
     nest (one per targeted parameter) runs the experts with the factors of all of them."""
 
     def _get_in_out_features(self, module):
-        # the logical (experts, out, in) shape, not the packed one; peft reads a stack as (experts, in,
-        # out) here and swaps the two for untransposed stacks in update_layer, so they go back as they are
-        self.num_experts, first, second = logical_shape(self.get_base_layer(), self.parameter_name)
+        # the stack's shape as transformers stores it, not the packed one; peft reads a stack as (experts,
+        # in, out) here and swaps the two for untransposed stacks in update_layer (a transposed one, gpt-oss's,
+        # is (experts, in, out) already), so they go back as they are
+        base = self.get_base_layer()
+        self.num_experts, out_features, in_features = logical_shape(base, self.parameter_name)
         self._param_ndim = 3
-        return first, second
+        if getattr(base, "is_transposed", False):
+            return in_features, out_features
+        return out_features, in_features
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         experts, factors = self.get_base_layer(), {}

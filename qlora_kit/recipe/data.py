@@ -73,6 +73,8 @@ class DataSection(Section):
     """What to do with an example longer than max_seq_len: cut its end off, or leave it out."""
     system_prompt_mode: Literal["keep", "merge_into_first_user", "drop"] = "keep"
     """Chat rows' system prompts: keep them, merge them into the first user message (templates without a system role), or drop them."""
+    train_reasoning: bool = False
+    """Chat rows: train an assistant message's reasoning (its 'thinking' field, gpt-oss's harmony analysis channel) where the template renders it. Off: only the final answer trains; the reasoning is context."""
     train_on_inputs: bool = False
     """Train on prompt tokens too. Off: loss only on the response / assistant turns (the QLoRA paper's)."""
     packing: bool | Literal["auto"] = "auto"
@@ -113,6 +115,10 @@ class DataSection(Section):
         if self.system_prompt_mode != "keep" and not chat_like:
             raise ValueError(
                 f"data.system_prompt_mode: only applies to formats chat and sharegpt (data.format is {self.format})"
+            )
+        if self.train_reasoning and not chat_like:
+            raise ValueError(
+                f"data.train_reasoning: only applies to formats chat and sharegpt (data.format is {self.format})"
             )
         if self.roles and "sharegpt" not in self.formats_used():
             raise ValueError("data.roles: only applies to format sharegpt")

@@ -141,6 +141,7 @@ def resolve(name: str, config) -> str | None:
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         return None if name == "auto" else name
+    check_sinks(name, config)
     if name == "auto":
         return "sdpa" if model_class._supports_sdpa else "eager"
     flag = SUPPORT_FLAGS.get(name)
@@ -150,6 +151,28 @@ def resolve(name: str, config) -> str | None:
             "use auto or eager"
         )
     return name
+
+
+# The kernels that add a family's attention sinks (families.Family.attention_sinks) to the softmax in
+# transformers 5.24: eager (eager_attention_forward), flex_attention (renormalised by its log-sum-exp, CUDA
+# only: integrations/flex_attention.py refuses sinks on the CPU), and the hub's vLLM FlashAttention-3, which
+# takes them as s_aux. sdpa has no place for them; flash_attention_2/3 would drop them silently
+# (modeling_flash_attention_utils passes s_aux only to a kernel that names it), and transformers swaps a
+# flash_attention_* request for the model's hub kernel behind the recipe's back.
+SINK_KERNELS = ("auto", "eager", "flex_attention", "kernels-community/vllm-flash-attn3")
+
+
+def check_sinks(name: str, config) -> None:
+    """A ValueError naming the field when ``config``'s family has attention sinks the kernel cannot add."""
+    from qlora_kit.registries import families
+
+    entry = families.family(getattr(config, "model_type", ""))
+    if entry is None or not entry.attention_sinks or name.split("@")[0].split(":")[0] in SINK_KERNELS:
+        return
+    raise ValueError(
+        f"model.attn_implementation: {name} cannot add {entry.model_type}'s attention sinks (a learned logit "
+        f"per head in every softmax); use {', '.join(SINK_KERNELS[1:])} (auto: eager)"
+    )
 
 
 # eager's scores per (batch, head, query, key): the scores in the compute dtype, their fp32 softmax, and its

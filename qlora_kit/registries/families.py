@@ -16,6 +16,8 @@ Each ``Family`` says, for its architecture:
 - ``experts``: for a mixture-of-experts family, where its router and experts are and which config keys
   count them (``Experts``); None for a dense one. A family whose config counts experts must have it
   (tests/test_families.py); ``EXPERTS_NOT_PACKED`` names the mixtures whose experts are refused, and why;
+- ``attention_sinks``: its attention adds a learned sink logit per head to each softmax (gpt-oss): only
+  the kernels that take the sinks may run it (registries/attention.py);
 - ``vision``: for a vision-language family, its processor, image marker, vision-side modules, the inputs
   its model takes beside the pixels, and how its builtin is made (``Vision``; model/vision.py,
   data/images.py, model/builtin_vision.py).
@@ -118,6 +120,8 @@ class Family:
     intermediate_key: str = "intermediate_size"
     experts: Experts | None = None
     vision: Vision | None = None  # a vision-language model: its config_class nests a text config
+    # a learned sink logit per head joins each softmax (gpt-oss): only the kernels that take it may run
+    attention_sinks: bool = False
 
 
 # config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
@@ -127,8 +131,6 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 EXPERTS_NOT_PACKED = {
     "qwen2_moe": "its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
     "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
-    "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
-    "qlora_kit does not quantize yet",
 }
 # the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
 TINY_TOWER = {
@@ -441,6 +443,38 @@ FAMILIES: dict[str, Family] = {
                 "back); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
             ),
             experts=Experts(count_key="num_experts"),
+        ),
+        # gpt-oss: experts with biases, gate/up interleaved and stored transposed (in x out), a clamped
+        # SwiGLU, a router with a bias, and a learned attention sink per head (model/gpt_oss.py)
+        _family(
+            "gpt_oss",
+            "GptOssConfig",
+            "tiny-gpt-oss",
+            tiny_config={
+                "head_dim": 32,
+                "num_local_experts": 8,
+                "num_experts_per_tok": 2,
+                "sliding_window": 32,
+                # gpt-oss's YaRN, its factor matching the tiny context (4 x 128 = 512 positions)
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 150000.0,
+                    "factor": 4.0,
+                    "beta_fast": 32.0,
+                    "beta_slow": 1.0,
+                    "truncate": False,
+                    "original_max_position_embeddings": 128,
+                },
+            },
+            linears=ATTENTION_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "qlora_kit's GGUF writer has no gpt-oss form yet (biased, interleaved experts and attention "
+                "sinks); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
+            ),
+            experts=Experts(count_key="num_local_experts", router="mlp.router"),
+            attention_sinks=True,
         ),
     )
 }
