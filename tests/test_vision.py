@@ -25,6 +25,7 @@ from qlora_kit.model.layers import is_linear
 VLM = "builtin:tiny-llava"
 IMAGE_TOKENS = 17  # (56 / 14)^2 patches and CLIP's class token
 VLMS = ["builtin:tiny-llava", "builtin:tiny-gemma3"]
+QWEN = "builtin:tiny-qwen2.5-vl"  # dynamic resolution (an image's tokens follow its size) and M-RoPE
 
 
 def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) -> Recipe:
@@ -40,7 +41,7 @@ def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) 
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm):
     """From the loaded modules: every 4-bit layer is the language model's; the vision tower and projector
     are plain linears unless quant.vision; LoRA adapts the language model only unless lora.vision."""
@@ -48,8 +49,9 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
     base = model.load_base_model(recipe.model, recipe.quant)
     four_bit = [n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert four_bit and all(".language_model." in n for n in four_bit)
+    facet = vision.vision_of(base.config)
     vision_linears = [
-        m for n, m in base.named_modules() if "vision_tower" in n and isinstance(m, torch.nn.Linear)
+        m for n, m in base.named_modules() if vision.on_vision_side(n, facet) and isinstance(m, torch.nn.Linear)
     ]
     assert vision_linears and all(m.weight.dtype == torch.float32 for m in vision_linears)
     trainable = [n for n, p in adapters.attach_lora(base, recipe.lora).named_parameters() if p.requires_grad]
@@ -57,7 +59,7 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
     both = vlm_recipe(model_path=vlm, quant={"vision": True}, lora={"vision": True})
     base = model.load_base_model(both.model, both.quant)
-    assert any("vision_tower" in n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert any(vision.on_vision_side(n, facet) for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit))
     vision_side = [  # Gemma-3's projector has no linear layer (a norm, a pooling and a matrix)
         n
         for n, m in base.named_modules()
@@ -68,11 +70,13 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm):
     """The oracle is transformers' processor of the family, on its own chat template's rendering: the same
-    tokens, pixels and (Gemma-3) token types as a prepared and collated row; and in the row, every token of
-    an image's run and of the prompt untrained, the answer and its end-of-turn marker trained."""
+    tokens, pixels, (Gemma-3) token types and (Qwen) image grids and token types as a prepared and collated
+    row, on images of both sizes of builtin:shapes; and in the row, every token of an image's run and of
+    the prompt untrained, the answer and its end-of-turn marker trained. Qwen's batch of both sizes: each
+    image its own token count, the grids and pixels of both in order."""
     recipe = vlm_recipe(model_path=vlm)
     runs = images.image_runs(recipe.model)
     processor, tokenizer = runs.processor, runs.processor.tokenizer
@@ -95,6 +99,9 @@ def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm
         types = theirs.get("token_type_ids", theirs.get("mm_token_type_ids"))
         if "token_type_ids" in processor.model_input_names:  # Gemma-3: the model reads them
             assert torch.equal(ours["token_type_ids"], types) and types.sum() > 0
+        if runs.vision.mrope:  # Qwen: the grids and token types get_rope_index reads
+            assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+            assert torch.equal(ours["mm_token_type_ids"], theirs["mm_token_type_ids"])
         ids, labels = example["input_ids"], example["labels"]
         run = runs.run(picture)  # the processor's tokens for one image, markers and framing included
         start = next(i for i in range(len(ids)) if ids[i : i + len(run)] == run)
@@ -104,6 +111,16 @@ def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm
         assert trained and all(labels[i] == IGNORE_INDEX for i in range(trained[0]))  # the prompt
         answer = row["messages"][1]["content"][0]["text"]
         assert tokenizer.decode([ids[i] for i in trained]) == answer + "<|im_end|>"
+    sizes = {images.open_image(prepared.val[i]["images"][0]).size for i in range(4)}
+    assert sizes == {(56, 56), (56, 84)}  # builtin:shapes: every other image taller
+    if runs.vision.dynamic_resolution:
+        square, tall = prepared.val[0], prepared.val[2]
+        batch = collator([square, tall])
+        alone = [collator([square]), collator([tall])]
+        counts = [int((row == runs.marker_id).sum()) for row in batch["input_ids"]]
+        assert counts == [4, 6]  # (56 / 28) x (56 / 28) and (56 / 28) x (84 / 28) merged patches
+        assert torch.equal(batch["image_grid_thw"], torch.cat([a["image_grid_thw"] for a in alone]))
+        assert torch.equal(batch["pixel_values"], torch.cat([a["pixel_values"] for a in alone]))
 
 
 def _part(part: dict) -> dict:

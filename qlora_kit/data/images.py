@@ -175,13 +175,18 @@ class ImageRuns:
         return self.vision.image_marker
 
     @property
+    def expanded(self) -> str:
+        """The marker's token that becomes the image's run (Qwen: the pad between its start/end markers)."""
+        return self.vision.expanded_token or self.vision.image_marker
+
+    @property
     def marker_id(self) -> int:
-        return self.processor.tokenizer.convert_tokens_to_ids(self.marker)
+        return self.processor.tokenizer.convert_tokens_to_ids(self.expanded)
 
     def run(self, image) -> list[int]:
         # no special tokens: a Llama tokenizer would put a BOS before every image's run
         return list(
-            self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0]
+            self.processor(text=self.expanded, images=[image], add_special_tokens=False)["input_ids"][0]
         )
 
     def model_inputs(self, input_ids, pictures: list) -> dict[str, Any]:
@@ -191,9 +196,11 @@ class ImageRuns:
         marks them."""
         made = self.processor.image_processor(pictures, return_tensors="pt") if pictures else {}
         inputs = {name: made[name] for name in self.vision.image_inputs if name in made}
+        feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
         if self.vision.token_type_ids and pictures:  # none: no block, and sdpa keeps its causal fast path
-            feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
             inputs["token_type_ids"] = (input_ids == feature).long()
+        if self.vision.mrope and pictures:  # what get_rope_index reads to give image tokens 3-D positions
+            inputs["mm_token_type_ids"] = (input_ids == feature).int()
         return inputs
 
 

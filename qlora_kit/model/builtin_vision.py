@@ -23,6 +23,7 @@ from qlora_kit.model.builtin import (
     build_tokenizer,
     cache_root,
 )
+from qlora_kit.model.vision import image_only_class
 from qlora_kit.registries.families import FAMILIES
 
 # The chat template the builtin VLMs ship: the builtin's ChatML with image parts, {% generation %} marking
@@ -85,7 +86,8 @@ def _build(family, folder) -> None:
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     image_processor = getattr(transformers, vision.image_processor_class)(**vision.tiny_image_processor)
-    processor = getattr(transformers, vision.processor_class)(
+    processor_class = image_only_class(vision) if vision.video_processor else getattr(transformers, vision.processor_class)
+    processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE.replace("IMAGE", vision.image_marker),
@@ -100,7 +102,9 @@ def _tokenizer(vision, folder):
     attributes the processor reads, through a reload (transformers sets them from ``extra_special_tokens``
     at load only)."""
     tokenizer = build_tokenizer()
-    tokens = dict.fromkeys([vision.image_marker, *vision.named_tokens.values()])
+    tokens = dict.fromkeys(
+        [vision.expanded_token or vision.image_marker, *vision.named_tokens.values(), *vision.token_ids.values()]
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     if not vision.named_tokens:
         return tokenizer
