@@ -51,7 +51,9 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
     assert four_bit and all(".language_model." in n for n in four_bit)
     facet = vision.vision_of(base.config)
     vision_linears = [
-        m for n, m in base.named_modules() if vision.on_vision_side(n, facet) and isinstance(m, torch.nn.Linear)
+        m
+        for n, m in base.named_modules()
+        if vision.on_vision_side(n, facet) and isinstance(m, torch.nn.Linear)
     ]
     assert vision_linears and all(m.weight.dtype == torch.float32 for m in vision_linears)
     trainable = [n for n, p in adapters.attach_lora(base, recipe.lora).named_parameters() if p.requires_grad]
@@ -59,7 +61,9 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
     both = vlm_recipe(model_path=vlm, quant={"vision": True}, lora={"vision": True})
     base = model.load_base_model(both.model, both.quant)
-    assert any(vision.on_vision_side(n, facet) for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert any(
+        vision.on_vision_side(n, facet) for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)
+    )
     vision_side = [  # Gemma-3's projector has no linear layer (a norm, a pooling and a matrix)
         n
         for n, m in base.named_modules()
@@ -232,9 +236,22 @@ def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens(vlm,
         assert not any("<start_of_image>" in text or "<image" in text for text, _ in runs)
 
 
+def packed_examples(packed: dict, image_token: int) -> list[dict]:
+    """A packed row's examples, each as a prepared row (its tokens, labels and images), in order."""
+    from qlora_kit.data.packing import examples_of
+
+    files = iter(packed["images"])
+    out = []
+    for example in examples_of(packed):
+        count = sum(1 for a, b in itertools.pairwise([None, *example["input_ids"]]) if b == image_token != a)
+        out.append({**example, "images": [next(files) for _ in range(count)]})
+    return out
+
+
 def rows_with_images_at_different_offsets(folder) -> str:
     """Chat rows whose image comes after 0, 2 and 4 words of text (a packed row's examples then
-    hold their images at different positions of their own), with their images; the file's path."""
+    hold their images at different positions of their own), with their images of three sizes (Qwen: 4, 6
+    and 9 tokens); the file's path."""
     from PIL import Image
 
     rows = []
@@ -243,7 +260,7 @@ def rows_with_images_at_different_offsets(folder) -> str:
         "Which colour?",
     ):  # twice each offset: the held-out share leaves each in training
         for index, colour in enumerate(["red", "blue", "green"]):
-            Image.new("RGB", (56, 56), colour).save(folder / f"{colour}.png")
+            Image.new("RGB", [(56, 56), (56, 84), (84, 84)][index], colour).save(folder / f"{colour}.png")
             lead = [{"type": "text", "text": " ".join(["look"] * 2 * index)}] if index else []
             question = [*lead, {"type": "image", "path": f"{colour}.png"}, {"type": "text", "text": asked}]
             answer = [{"type": "text", "text": colour}]
@@ -260,11 +277,13 @@ def rows_with_images_at_different_offsets(folder) -> str:
 
 
 @pytest.mark.slow  # runs the model
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkeypatch):
     """Rows whose images sit at different offsets, packed into one: through peft in training mode, each
     example's loss equals its loss alone on LLaVA (its own attention, positions and images), in float32
     where a leak between examples (0.3% of a loss here) stands out of the noise (bf16's is 0.1%).
+    Qwen-VL's, its images of three sizes: each example's 3-D positions in the packed row are the model's
+    get_rope_index of the example alone, and its loss its own.
     Gemma-3's packed examples leak through transformers' sliding-window mask (images.packing_refusal):
     measured here, so the refusal is lifted when transformers stops leaking; its image rows are padded,
     and data.packing: true is one line."""
@@ -291,7 +310,8 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
             logits = lm(**inputs).logits
         labels = batch["labels"][0, 1:]
         per_token = torch.nn.functional.cross_entropy(logits[0, :-1], labels, reduction="none")
-        positions = batch.get("position_ids", torch.arange(len(labels) + 1)[None])[0].tolist()
+        positions = batch.get("position_ids", torch.arange(len(labels) + 1)[None])
+        positions = (positions[0] if positions.ndim == 3 else positions)[0].tolist()  # M-RoPE: the text row
         starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
         return [float(per_token[a : b - 1].sum()) for a, b in itertools.pairwise(starts)]
 
@@ -299,9 +319,16 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
     alone = sorted(losses(padded([row]))[0] for row in rows)
     packed_rows = pack_dataset(rows, recipe.data.max_seq_len * 3)
     assert len(packed_rows) == 1 and len(packed_rows[0]["images"]) == 3
-    together = sorted(
-        losses(images.ImageCollator(build_collator(tokenizer, packing=True), runs)(packed_rows))
-    )
+    packed_batch = images.ImageCollator(build_collator(tokenizer, packing=True), runs)(packed_rows)
+    together = sorted(losses(packed_batch))
+    if runs.vision.mrope:  # each example's slice of the packed positions: the model's own, on it alone
+        rope_index = lm.base_model.model.model.get_rope_index
+        start = 0
+        for row in (padded([row]) for row in packed_examples(packed_rows[0], runs.marker_id)):
+            length = row["input_ids"].shape[1]
+            theirs = rope_index(row["input_ids"], row["mm_token_type_ids"], row["image_grid_thw"])[0]
+            assert torch.equal(packed_batch["position_ids"][1:, :, start : start + length], theirs)
+            start += length
     refusal = images.packing_refusal(recipe.model)
     assert (together == pytest.approx(alone, rel=1e-5)) == (refusal is None), (together, alone)
 
@@ -332,6 +359,26 @@ def test_the_plan_counts_a_batchs_pixels_as_the_image_processor_makes_them(vlm):
     )
     assert batch["pixel_values"].dtype == torch.float32
     assert plan(recipe, device="cpu").pixels == batch["pixel_values"].numel() * (4 + 4)
+
+
+@pytest.mark.slow  # prepares every image row
+def test_a_dynamic_resolution_plan_counts_the_datas_largest_images_or_max_pixels():
+    """Qwen-VL's pixels are patches whose count follows each image's size: the plan of a batch of the
+    data's largest (tall) images counts their patches as the image processor hands them, from the data's
+    most image tokens in a row, and without the data from model.max_pixels (here the tall image's)."""
+    from qlora_kit.memory.planner import plan
+
+    recipe = vlm_recipe(model_path=QWEN, train={"micro_batch_size": 4})
+    runs = images.image_runs(recipe.model)
+    prepared = prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    largest = prepared.most_image_tokens_per_row()
+    tall = [row for row in prepared.train if row["input_ids"].count(runs.marker_id) == largest][:4]
+    batch = images.ImageCollator(build_collator(runs.processor.tokenizer, packing=False), runs)(tall)
+    assert largest == 6 and len(tall) == 4
+    held = batch["pixel_values"].numel() * (4 + 4)  # float32 pixels and the tower's float32 copy
+    assert plan(recipe, device="cpu", image_tokens=largest).pixels == held
+    bounded = vlm_recipe(model_path=QWEN, model={"max_pixels": 56 * 84}, train={"micro_batch_size": 4})
+    assert plan(bounded, device="cpu").pixels == held
 
 
 @pytest.mark.slow  # loads the model

@@ -169,6 +169,7 @@ class ImageRuns:
 
     processor: Any  # transformers' processor of the model (its image processor and tokenizer)
     vision: Vision  # the families table's facet
+    config: Any = None  # the model's config, for an M-RoPE family's packed positions (data/mrope.py)
 
     @property
     def marker(self) -> str:
@@ -189,11 +190,12 @@ class ImageRuns:
             self.processor(text=self.expanded, images=[image], add_special_tokens=False)["input_ids"][0]
         )
 
-    def model_inputs(self, input_ids, pictures: list) -> dict[str, Any]:
+    def model_inputs(self, input_ids, pictures: list, position_ids=None) -> dict[str, Any]:
         """The image processor's outputs for ``pictures`` (the batch's images in order) that the model
         takes (``pixel_values``, and e.g. Qwen-VL's grid sizes: the facet's ``image_inputs``) and, for a
         family that takes them, ``token_type_ids``: 1 on each image feature's token, as its processor
-        marks them."""
+        marks them. For an M-RoPE family, its token types and, for packed rows (``position_ids``), each
+        example's own 3-D positions (data/mrope.py)."""
         made = self.processor.image_processor(pictures, return_tensors="pt") if pictures else {}
         inputs = {name: made[name] for name in self.vision.image_inputs if name in made}
         feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
@@ -201,6 +203,14 @@ class ImageRuns:
             inputs["token_type_ids"] = (input_ids == feature).long()
         if self.vision.mrope and pictures:  # what get_rope_index reads to give image tokens 3-D positions
             inputs["mm_token_type_ids"] = (input_ids == feature).int()
+            if position_ids is not None:
+                from qlora_kit.data import mrope
+
+                rope_index = mrope.rope_index_of(self.config)
+                grids = inputs["image_grid_thw"]
+                inputs["position_ids"] = mrope.packed_positions(
+                    rope_index, input_ids, position_ids, feature, grids
+                )
         return inputs
 
 
@@ -209,7 +219,10 @@ def image_runs(model_section) -> ImageRuns | None:
     from qlora_kit.model import loading
 
     found = loading.load_processor(model_section)
-    return ImageRuns(*found) if found else None
+    if not found:
+        return None
+    processor, vision = found
+    return ImageRuns(processor, vision, loading.load_config(model_section) if vision.mrope else None)
 
 
 def one_example_a_row(data):
@@ -298,5 +311,5 @@ class ImageCollator:
         ]
         text = [{k: v for k, v in f.items() if k in TEXT_COLUMNS} for f in features]
         batch = self.text_collator(text)
-        batch.update(self.runs.model_inputs(batch["input_ids"], pictures))
+        batch.update(self.runs.model_inputs(batch["input_ids"], pictures, batch.get("position_ids")))
         return batch

@@ -246,8 +246,13 @@ def _trace(
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
-        if facet is not None:
+        if facet is not None and not facet.dynamic_resolution:
             inputs |= _images(model.config, facet, inputs, images)
+        elif facet is not None and "position_ids" in inputs:
+            # M-RoPE's packed rows: the restarting text positions first, which build the packed mask, then
+            # the 3-D ones (their values change no shape). The images are not traced: the tower's grid
+            # sizes are read as Python ints, which fake tensors have not, and a frozen tower keeps nothing
+            inputs["position_ids"] = inputs["position_ids"][None].expand(4, -1, -1)
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):

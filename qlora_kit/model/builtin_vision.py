@@ -86,7 +86,9 @@ def _build(family, folder) -> None:
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     image_processor = getattr(transformers, vision.image_processor_class)(**vision.tiny_image_processor)
-    processor_class = image_only_class(vision) if vision.video_processor else getattr(transformers, vision.processor_class)
+    processor_class = (
+        image_only_class(vision) if vision.video_processor else getattr(transformers, vision.processor_class)
+    )
     processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
@@ -103,7 +105,11 @@ def _tokenizer(vision, folder):
     at load only)."""
     tokenizer = build_tokenizer()
     tokens = dict.fromkeys(
-        [vision.expanded_token or vision.image_marker, *vision.named_tokens.values(), *vision.token_ids.values()]
+        [
+            vision.expanded_token or vision.image_marker,
+            *vision.named_tokens.values(),
+            *vision.token_ids.values(),
+        ]
     )
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     if not vision.named_tokens:

@@ -69,14 +69,18 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
     return tokenizer
 
 
-def vision_facet(model: ModelSection):
-    """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
+def load_config(model: ModelSection):
+    """The model's transformers config (no weights)."""
     path = resolve_model_path(model)
     with _model_path_errors(path, revision=model.revision):
-        config = AutoConfig.from_pretrained(
+        return AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
-    return vision.vision_of(config)
+
+
+def vision_facet(model: ModelSection):
+    """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
+    return vision.vision_of(load_config(model))
 
 
 def load_processor(model: ModelSection):

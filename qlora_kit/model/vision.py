@@ -71,7 +71,9 @@ def load_processor(
     if vision is not None and vision.video_processor and not torchvision_imports():
         processor = image_only(vision, path, trust_remote_code, revision)
     else:
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+        processor = AutoProcessor.from_pretrained(
+            path, trust_remote_code=trust_remote_code, revision=revision
+        )
     if max_pixels is not None:
         size = processor.image_processor.size  # transformers' SizeDict, or a dict in older saves
         processor.image_processor.size = type(size)(**{**dict(size.items()), "longest_edge": max_pixels})
