@@ -201,6 +201,24 @@ def test_bad_image_input_is_one_line_naming_the_file_and_row(tmp_path):
         prepare_datasets(text_only.data, tokenizer, 0)
 
 
+def test_a_video_part_and_max_pixels_off_qwen_are_one_line_each(tmp_path):
+    """torchvision does not import here: a video part says so, naming the row; model.max_pixels on a
+    family that does not resize by pixel count names the field."""
+    from qlora_kit.errors import RecipeError
+
+    row = chat_row("red.png")
+    row["messages"][0]["content"][0] = {"type": "video", "path": "clip.mp4"}
+    write_rows(tmp_path / "video.jsonl", [row])
+    recipe = vlm_recipe(str(tmp_path / "video.jsonl"))
+    runs = images.image_runs(recipe.model)
+    with pytest.raises(DataError) as error:
+        prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    assert "row 1: a video part: qlora_kit trains on image parts only" in str(error.value)
+    assert "torchvision, which does not import here" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(RecipeError, match=r"^model\.max_pixels: builtin:tiny-llava does not resize images"):
+        images.image_runs(vlm_recipe(model={"max_pixels": 3136}).model)
+
+
 def test_sharegpt_rows_take_their_images_from_the_images_column(tmp_path):
     from PIL import Image
 

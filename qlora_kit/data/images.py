@@ -54,6 +54,15 @@ def has_images(messages: list[Any]) -> bool:
     return bool(image_paths(messages))
 
 
+def _parts(message: dict) -> list:
+    content = message.get("content")
+    return content if isinstance(content, list) else []
+
+
+def _is_video(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "video"
+
+
 def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
@@ -77,6 +86,19 @@ def flattened(messages: list[Any], marker: str) -> list[dict[str, Any]]:
             message = {**message, "content": text}
         out.append(message)
     return out
+
+
+def video_refusal() -> str:
+    """Why a row's video part is refused: qlora_kit prepares images only, and where torchvision does not
+    import (transformers' video processors need it) no video could be read either."""
+    from qlora_kit.model.vision import torchvision_imports
+
+    why = (
+        ""
+        if torchvision_imports()
+        else " (and transformers' video processors need torchvision, which does not import here)"
+    )
+    return f"a video part: qlora_kit trains on image parts only{why}; give the frames as images"
 
 
 def sharegpt_images(messages: list[dict[str, Any]], images: list[str]) -> list[dict[str, Any]]:
@@ -116,6 +138,8 @@ def with_images_as_markers(
         )
     else:
         return row, []
+    if any(_is_video(part) for m in messages if isinstance(m, dict) for part in _parts(m)):
+        raise RowError(video_refusal())
     paths = image_paths(messages)
     if not paths:
         return row, []
