@@ -347,6 +347,10 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
             theirs = rope_index(row["input_ids"], row["mm_token_type_ids"], row["image_grid_thw"])[0]
             assert torch.equal(packed_batch["position_ids"][1:, :, start : start + length], theirs)
             start += length
+        # packed rows without images too: 1-D positions alone would build no packed mask (examples joined)
+        text_only = {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8], "position_ids": [0, 1, 0, 1]}
+        positions = images.ImageCollator(build_collator(tokenizer, packing=True), runs)([text_only])
+        assert positions["position_ids"][:, 0].tolist() == [[0, 1, 0, 1]] * 4
     refusal = images.packing_refusal(recipe.model)
     assert (together == pytest.approx(alone, rel=1e-5)) == (refusal is None), (together, alone)
 

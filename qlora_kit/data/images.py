@@ -227,14 +227,16 @@ class ImageRuns:
             inputs["token_type_ids"] = (input_ids == feature).long()
         if self.vision.mrope and pictures:  # what get_rope_index reads to give image tokens 3-D positions
             inputs["mm_token_type_ids"] = (input_ids == feature).int()
-            if position_ids is not None:
-                from qlora_kit.data import mrope
+        if self.vision.mrope and position_ids is not None:
+            # packed rows, with images or without: 1-D positions alone would be spread over the three axes
+            # and build no packed mask (transformers reads it from the 4-row form only), joining examples
+            from qlora_kit.data import mrope
 
-                rope_index = mrope.rope_index_of(self.config)
-                grids = inputs["image_grid_thw"]
-                inputs["position_ids"] = mrope.packed_positions(
-                    rope_index, input_ids, position_ids, feature, grids
-                )
+            rope_index = mrope.rope_index_of(self.config)
+            grids = inputs.get("image_grid_thw")
+            inputs["position_ids"] = mrope.packed_positions(
+                rope_index, input_ids, position_ids, feature, grids
+            )
         return inputs
 
 

@@ -29,7 +29,11 @@ def rope_index_of(config):
 
 
 def packed_positions(
-    rope_index, input_ids: torch.Tensor, position_ids: torch.Tensor, image_token: int, grids: torch.Tensor
+    rope_index,
+    input_ids: torch.Tensor,
+    position_ids: torch.Tensor,
+    image_token: int,
+    grids: torch.Tensor | None,
 ) -> torch.Tensor:
     """(4, B, L) positions of packed rows: the restarting 1-D positions (B, L), then each example's 3-D
     positions from ``rope_index`` on the example alone with its own images' ``grids`` (n, 3), in order."""
