@@ -1,5 +1,6 @@
-"""Vision-language QLoRA on the builtin tiny LLaVA and Gemma-3 (one placeholder per patch feature; pooled
-soft tokens between markers, attending to each other both ways): the language model in 4 bits and the
+"""Vision-language QLoRA on the builtin tiny LLaVA, Gemma-3 and Qwen2.5-VL (one placeholder per patch
+feature; pooled soft tokens between markers, attending to each other both ways; a token count that follows
+the image's size, and 3-D positions): the language model in 4 bits and the
 vision side in 16, LoRA on the language model, image rows made as the family's own processor makes them
 whose image and prompt tokens are never trained, cut on the text side only, packed with each example's
 loss its own, and bad image input as one line naming the row (model/vision.py, data/images.py)."""

@@ -9,6 +9,11 @@ patches, a two-layer projector, a Llama decoder of 4 layers): 17 image tokens an
 ``builtin:tiny-gemma3``: Gemma-3's (a SigLIP tower of 2 layers on the same images, its 16 patches pooled
 to 4 soft tokens framed by start/end-of-image markers, a Gemma-3 decoder of 4 layers with sliding-window
 layers): 10 tokens an image, the 4 soft tokens attending to each other both ways.
+
+``builtin:tiny-qwen2.5-vl``: Qwen2.5-VL's (a tower of 2 layers, one of them windowed, on any image size in
+14-pixel patches merged 2 x 2 into tokens, a Qwen2 decoder of 4 layers with M-RoPE): 4 tokens for a
+56 x 56 image, 6 for 56 x 84, between <|vision_start|> and <|vision_end|>. Its processor has no video half
+(model/vision.py: ``image_only_class``), so the build needs no torchvision.
 """
 
 from __future__ import annotations
