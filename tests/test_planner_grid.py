@@ -55,6 +55,9 @@ CASES = [
     # then keeps activations), Gemma-3 under bf16 (its image tokens' both-ways mask)
     ("tiny-llava", "every_n", "images", True, 0.0, True, "no", 0),
     ("tiny-gemma3", "none", "images", False, 0.0, True, "bf16", 0),
+    # Qwen2.5-VL packed: images of two sizes (4 and 6 tokens), each example's own 3-D positions; its
+    # frozen tower keeps nothing under checkpointing (transformers made its patch embedding require grad)
+    ("tiny-qwen2.5-vl", "every_n", "images", True, 0.0, True, "no", 0),
     # DoRA builds its weight norm through lora_B(lora_A(eye)) and drops that branch within the forward:
     # the saved-tensor count forgot the freed storages' addresses and missed later tensors stored there
     # (plan and run 3-21% low), found off the grid (issue 59)

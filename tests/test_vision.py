@@ -1,5 +1,6 @@
-"""Vision-language QLoRA on the builtin tiny LLaVA and Gemma-3 (one placeholder per patch feature; pooled
-soft tokens between markers, attending to each other both ways): the language model in 4 bits and the
+"""Vision-language QLoRA on the builtin tiny LLaVA, Gemma-3 and Qwen2.5-VL (one placeholder per patch
+feature; pooled soft tokens between markers, attending to each other both ways; a token count that follows
+the image's size, and 3-D positions): the language model in 4 bits and the
 vision side in 16, LoRA on the language model, image rows made as the family's own processor makes them
 whose image and prompt tokens are never trained, cut on the text side only, packed with each example's
 loss its own, and bad image input as one line naming the row (model/vision.py, data/images.py)."""
@@ -25,6 +26,7 @@ from qlora_kit.model.layers import is_linear
 VLM = "builtin:tiny-llava"
 IMAGE_TOKENS = 17  # (56 / 14)^2 patches and CLIP's class token
 VLMS = ["builtin:tiny-llava", "builtin:tiny-gemma3"]
+QWEN = "builtin:tiny-qwen2.5-vl"  # dynamic resolution (an image's tokens follow its size) and M-RoPE
 
 
 def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) -> Recipe:
@@ -40,7 +42,7 @@ def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) 
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm):
     """From the loaded modules: every 4-bit layer is the language model's; the vision tower and projector
     are plain linears unless quant.vision; LoRA adapts the language model only unless lora.vision."""
@@ -48,8 +50,11 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
     base = model.load_base_model(recipe.model, recipe.quant)
     four_bit = [n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)]
     assert four_bit and all(".language_model." in n for n in four_bit)
+    facet = vision.vision_of(base.config)
     vision_linears = [
-        m for n, m in base.named_modules() if "vision_tower" in n and isinstance(m, torch.nn.Linear)
+        m
+        for n, m in base.named_modules()
+        if vision.on_vision_side(n, facet) and isinstance(m, torch.nn.Linear)
     ]
     assert vision_linears and all(m.weight.dtype == torch.float32 for m in vision_linears)
     trainable = [n for n, p in adapters.attach_lora(base, recipe.lora).named_parameters() if p.requires_grad]
@@ -57,7 +62,9 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
     both = vlm_recipe(model_path=vlm, quant={"vision": True}, lora={"vision": True})
     base = model.load_base_model(both.model, both.quant)
-    assert any("vision_tower" in n for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit))
+    assert any(
+        vision.on_vision_side(n, facet) for n, m in base.named_modules() if isinstance(m, bnb.nn.Linear4bit)
+    )
     vision_side = [  # Gemma-3's projector has no linear layer (a norm, a pooling and a matrix)
         n
         for n, m in base.named_modules()
@@ -68,11 +75,13 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm):
     """The oracle is transformers' processor of the family, on its own chat template's rendering: the same
-    tokens, pixels and (Gemma-3) token types as a prepared and collated row; and in the row, every token of
-    an image's run and of the prompt untrained, the answer and its end-of-turn marker trained."""
+    tokens, pixels, (Gemma-3) token types and (Qwen) image grids and token types as a prepared and collated
+    row, on images of both sizes of builtin:shapes; and in the row, every token of an image's run and of
+    the prompt untrained, the answer and its end-of-turn marker trained. Qwen's batch of both sizes: each
+    image its own token count, the grids and pixels of both in order."""
     recipe = vlm_recipe(model_path=vlm)
     runs = images.image_runs(recipe.model)
     processor, tokenizer = runs.processor, runs.processor.tokenizer
@@ -95,6 +104,9 @@ def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm
         types = theirs.get("token_type_ids", theirs.get("mm_token_type_ids"))
         if "token_type_ids" in processor.model_input_names:  # Gemma-3: the model reads them
             assert torch.equal(ours["token_type_ids"], types) and types.sum() > 0
+        if runs.vision.mrope:  # Qwen: the grids and token types get_rope_index reads
+            assert torch.equal(ours["image_grid_thw"], theirs["image_grid_thw"])
+            assert torch.equal(ours["mm_token_type_ids"], theirs["mm_token_type_ids"])
         ids, labels = example["input_ids"], example["labels"]
         run = runs.run(picture)  # the processor's tokens for one image, markers and framing included
         start = next(i for i in range(len(ids)) if ids[i : i + len(run)] == run)
@@ -104,6 +116,16 @@ def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm
         assert trained and all(labels[i] == IGNORE_INDEX for i in range(trained[0]))  # the prompt
         answer = row["messages"][1]["content"][0]["text"]
         assert tokenizer.decode([ids[i] for i in trained]) == answer + "<|im_end|>"
+    sizes = {images.open_image(prepared.val[i]["images"][0]).size for i in range(4)}
+    assert sizes == {(56, 56), (56, 84)}  # builtin:shapes: every other image taller
+    if runs.vision.dynamic_resolution:
+        square, tall = prepared.val[0], prepared.val[2]
+        batch = collator([square, tall])
+        alone = [collator([square]), collator([tall])]
+        counts = [int((row == runs.marker_id).sum()) for row in batch["input_ids"]]
+        assert counts == [4, 6]  # (56 / 28) x (56 / 28) and (56 / 28) x (84 / 28) merged patches
+        assert torch.equal(batch["image_grid_thw"], torch.cat([a["image_grid_thw"] for a in alone]))
+        assert torch.equal(batch["pixel_values"], torch.cat([a["pixel_values"] for a in alone]))
 
 
 def _part(part: dict) -> dict:
@@ -180,6 +202,24 @@ def test_bad_image_input_is_one_line_naming_the_file_and_row(tmp_path):
         prepare_datasets(text_only.data, tokenizer, 0)
 
 
+def test_a_video_part_and_max_pixels_off_qwen_are_one_line_each(tmp_path):
+    """torchvision does not import here: a video part says so, naming the row; model.max_pixels on a
+    family that does not resize by pixel count names the field."""
+    from qlora_kit.errors import RecipeError
+
+    row = chat_row("red.png")
+    row["messages"][0]["content"][0] = {"type": "video", "path": "clip.mp4"}
+    write_rows(tmp_path / "video.jsonl", [row])
+    recipe = vlm_recipe(str(tmp_path / "video.jsonl"))
+    runs = images.image_runs(recipe.model)
+    with pytest.raises(DataError) as error:
+        prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    assert "row 1: a video part: qlora_kit trains on image parts only" in str(error.value)
+    assert "torchvision, which does not import here" in str(error.value) and "\n" not in str(error.value)
+    with pytest.raises(RecipeError, match=r"^model\.max_pixels: builtin:tiny-llava does not resize images"):
+        images.image_runs(vlm_recipe(model={"max_pixels": 3136}).model)
+
+
 def test_sharegpt_rows_take_their_images_from_the_images_column(tmp_path):
     from PIL import Image
 
@@ -215,9 +255,22 @@ def test_qlora_kit_data_shows_an_image_as_one_mark_with_its_size_and_tokens(vlm,
         assert not any("<start_of_image>" in text or "<image" in text for text, _ in runs)
 
 
+def packed_examples(packed: dict, image_token: int) -> list[dict]:
+    """A packed row's examples, each as a prepared row (its tokens, labels and images), in order."""
+    from qlora_kit.data.packing import examples_of
+
+    files = iter(packed["images"])
+    out = []
+    for example in examples_of(packed):
+        count = sum(1 for a, b in itertools.pairwise([None, *example["input_ids"]]) if b == image_token != a)
+        out.append({**example, "images": [next(files) for _ in range(count)]})
+    return out
+
+
 def rows_with_images_at_different_offsets(folder) -> str:
     """Chat rows whose image comes after 0, 2 and 4 words of text (a packed row's examples then
-    hold their images at different positions of their own), with their images; the file's path."""
+    hold their images at different positions of their own), with their images of three sizes (Qwen: 4, 6
+    and 9 tokens); the file's path."""
     from PIL import Image
 
     rows = []
@@ -226,7 +279,7 @@ def rows_with_images_at_different_offsets(folder) -> str:
         "Which colour?",
     ):  # twice each offset: the held-out share leaves each in training
         for index, colour in enumerate(["red", "blue", "green"]):
-            Image.new("RGB", (56, 56), colour).save(folder / f"{colour}.png")
+            Image.new("RGB", [(56, 56), (56, 84), (84, 84)][index], colour).save(folder / f"{colour}.png")
             lead = [{"type": "text", "text": " ".join(["look"] * 2 * index)}] if index else []
             question = [*lead, {"type": "image", "path": f"{colour}.png"}, {"type": "text", "text": asked}]
             answer = [{"type": "text", "text": colour}]
@@ -243,11 +296,13 @@ def rows_with_images_at_different_offsets(folder) -> str:
 
 
 @pytest.mark.slow  # runs the model
-@pytest.mark.parametrize("vlm", VLMS)
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
 def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkeypatch):
     """Rows whose images sit at different offsets, packed into one: through peft in training mode, each
     example's loss equals its loss alone on LLaVA (its own attention, positions and images), in float32
     where a leak between examples (0.3% of a loss here) stands out of the noise (bf16's is 0.1%).
+    Qwen-VL's, its images of three sizes: each example's 3-D positions in the packed row are the model's
+    get_rope_index of the example alone, and its loss its own.
     Gemma-3's packed examples leak through transformers' sliding-window mask (images.packing_refusal):
     measured here, so the refusal is lifted when transformers stops leaking; its image rows are padded,
     and data.packing: true is one line."""
@@ -274,7 +329,8 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
             logits = lm(**inputs).logits
         labels = batch["labels"][0, 1:]
         per_token = torch.nn.functional.cross_entropy(logits[0, :-1], labels, reduction="none")
-        positions = batch.get("position_ids", torch.arange(len(labels) + 1)[None])[0].tolist()
+        positions = batch.get("position_ids", torch.arange(len(labels) + 1)[None])
+        positions = (positions[0] if positions.ndim == 3 else positions)[0].tolist()  # M-RoPE: the text row
         starts = [i for i, p in enumerate(positions) if p == 0] + [len(positions)]
         return [float(per_token[a : b - 1].sum()) for a, b in itertools.pairwise(starts)]
 
@@ -282,9 +338,20 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
     alone = sorted(losses(padded([row]))[0] for row in rows)
     packed_rows = pack_dataset(rows, recipe.data.max_seq_len * 3)
     assert len(packed_rows) == 1 and len(packed_rows[0]["images"]) == 3
-    together = sorted(
-        losses(images.ImageCollator(build_collator(tokenizer, packing=True), runs)(packed_rows))
-    )
+    packed_batch = images.ImageCollator(build_collator(tokenizer, packing=True), runs)(packed_rows)
+    together = sorted(losses(packed_batch))
+    if runs.vision.mrope:  # each example's slice of the packed positions: the model's own, on it alone
+        rope_index = lm.base_model.model.model.get_rope_index
+        start = 0
+        for row in (padded([row]) for row in packed_examples(packed_rows[0], runs.marker_id)):
+            length = row["input_ids"].shape[1]
+            theirs = rope_index(row["input_ids"], row["mm_token_type_ids"], row["image_grid_thw"])[0]
+            assert torch.equal(packed_batch["position_ids"][1:, :, start : start + length], theirs)
+            start += length
+        # packed rows without images too: 1-D positions alone would build no packed mask (examples joined)
+        text_only = {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8], "position_ids": [0, 1, 0, 1]}
+        positions = images.ImageCollator(build_collator(tokenizer, packing=True), runs)([text_only])
+        assert positions["position_ids"][:, 0].tolist() == [[0, 1, 0, 1]] * 4
     refusal = images.packing_refusal(recipe.model)
     assert (together == pytest.approx(alone, rel=1e-5)) == (refusal is None), (together, alone)
 
@@ -315,6 +382,26 @@ def test_the_plan_counts_a_batchs_pixels_as_the_image_processor_makes_them(vlm):
     )
     assert batch["pixel_values"].dtype == torch.float32
     assert plan(recipe, device="cpu").pixels == batch["pixel_values"].numel() * (4 + 4)
+
+
+@pytest.mark.slow  # prepares every image row
+def test_a_dynamic_resolution_plan_counts_the_datas_largest_images_or_max_pixels():
+    """Qwen-VL's pixels are patches whose count follows each image's size: the plan of a batch of the
+    data's largest (tall) images counts their patches as the image processor hands them, from the data's
+    most image tokens in a row, and without the data from model.max_pixels (here the tall image's)."""
+    from qlora_kit.memory.planner import plan
+
+    recipe = vlm_recipe(model_path=QWEN, train={"micro_batch_size": 4})
+    runs = images.image_runs(recipe.model)
+    prepared = prepare_datasets(recipe.data, runs.processor.tokenizer, 0, runs=runs)
+    largest = prepared.most_image_tokens_per_row()
+    tall = [row for row in prepared.train if row["input_ids"].count(runs.marker_id) == largest][:4]
+    batch = images.ImageCollator(build_collator(runs.processor.tokenizer, packing=False), runs)(tall)
+    assert largest == 6 and len(tall) == 4
+    held = batch["pixel_values"].numel() * (4 + 4)  # float32 pixels and the tower's float32 copy
+    assert plan(recipe, device="cpu", image_tokens=largest).pixels == held
+    bounded = vlm_recipe(model_path=QWEN, model={"max_pixels": 56 * 84}, train={"micro_batch_size": 4})
+    assert plan(bounded, device="cpu").pixels == held
 
 
 @pytest.mark.slow  # loads the model

@@ -194,7 +194,8 @@ def plan(
             )
         views.show_longest_fits(console, fits, resolved, room)
         return
-    share, images_per_row = 1.0, None  # without the data: every position trained, images_in_a_row's bound
+    # without the data: every position trained, images_in_a_row's bound (and max_pixels' for Qwen-VL)
+    share, images_per_row, image_tokens = 1.0, None, None
     if with_data and objectives.of(resolved).chunked_head:  # TRL's heads (DPO, GRPO) keep no selection
         from qlora_kit.data import images
         from qlora_kit.data.prepare import prepare_datasets
@@ -204,6 +205,7 @@ def plan(
         tokenizer = runs.processor.tokenizer if runs else load_tokenizer(resolved.model)
         prepared = prepare_datasets(resolved.data, tokenizer, resolved.train.seed, runs=runs)
         share, images_per_row = prepared.largest_trained_share(), prepared.most_images_per_row()
+        image_tokens = prepared.most_image_tokens_per_row()
     the_plan = make_plan(
         resolved,
         batch=batch,
@@ -212,6 +214,7 @@ def plan(
         processes=processes,
         trained_share=share,
         images_per_row=images_per_row,
+        image_tokens=image_tokens,
     )
     if as_json:
         print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))

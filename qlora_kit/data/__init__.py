@@ -9,6 +9,7 @@
   evaluation both score with them);
 - ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;
 - ``images``: chat rows with images for a vision-language model (image runs, text-side cuts, the collator);
+  ``mrope``: an M-RoPE family's (Qwen-VL) packed rows, each example's 3-D positions as it has them alone;
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``row_tokens``: one row's token ids, masked labels and the facts the reports and the preflight read;
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators; ``prompt_examples``:

@@ -54,6 +54,15 @@ def has_images(messages: list[Any]) -> bool:
     return bool(image_paths(messages))
 
 
+def _parts(message: dict) -> list:
+    content = message.get("content")
+    return content if isinstance(content, list) else []
+
+
+def _is_video(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") == "video"
+
+
 def _is_image(part: Any) -> bool:
     return isinstance(part, dict) and part.get("type") == "image"
 
@@ -77,6 +86,19 @@ def flattened(messages: list[Any], marker: str) -> list[dict[str, Any]]:
             message = {**message, "content": text}
         out.append(message)
     return out
+
+
+def video_refusal() -> str:
+    """Why a row's video part is refused: qlora_kit prepares images only, and where torchvision does not
+    import (transformers' video processors need it) no video could be read either."""
+    from qlora_kit.model.vision import torchvision_imports
+
+    why = (
+        ""
+        if torchvision_imports()
+        else " (and transformers' video processors need torchvision, which does not import here)"
+    )
+    return f"a video part: qlora_kit trains on image parts only{why}; give the frames as images"
 
 
 def sharegpt_images(messages: list[dict[str, Any]], images: list[str]) -> list[dict[str, Any]]:
@@ -116,6 +138,8 @@ def with_images_as_markers(
         )
     else:
         return row, []
+    if any(_is_video(part) for m in messages if isinstance(m, dict) for part in _parts(m)):
+        raise RowError(video_refusal())
     paths = image_paths(messages)
     if not paths:
         return row, []
@@ -169,31 +193,50 @@ class ImageRuns:
 
     processor: Any  # transformers' processor of the model (its image processor and tokenizer)
     vision: Vision  # the families table's facet
+    config: Any = None  # the model's config, for an M-RoPE family's packed positions (data/mrope.py)
 
     @property
     def marker(self) -> str:
         return self.vision.image_marker
 
     @property
+    def expanded(self) -> str:
+        """The marker's token that becomes the image's run (Qwen: the pad between its start/end markers)."""
+        return self.vision.expanded_token or self.vision.image_marker
+
+    @property
     def marker_id(self) -> int:
-        return self.processor.tokenizer.convert_tokens_to_ids(self.marker)
+        return self.processor.tokenizer.convert_tokens_to_ids(self.expanded)
 
     def run(self, image) -> list[int]:
         # no special tokens: a Llama tokenizer would put a BOS before every image's run
         return list(
-            self.processor(text=self.marker, images=[image], add_special_tokens=False)["input_ids"][0]
+            self.processor(text=self.expanded, images=[image], add_special_tokens=False)["input_ids"][0]
         )
 
-    def model_inputs(self, input_ids, pictures: list) -> dict[str, Any]:
+    def model_inputs(self, input_ids, pictures: list, position_ids=None) -> dict[str, Any]:
         """The image processor's outputs for ``pictures`` (the batch's images in order) that the model
         takes (``pixel_values``, and e.g. Qwen-VL's grid sizes: the facet's ``image_inputs``) and, for a
         family that takes them, ``token_type_ids``: 1 on each image feature's token, as its processor
-        marks them."""
+        marks them. For an M-RoPE family, its token types and, for packed rows (``position_ids``), each
+        example's own 3-D positions (data/mrope.py)."""
         made = self.processor.image_processor(pictures, return_tensors="pt") if pictures else {}
         inputs = {name: made[name] for name in self.vision.image_inputs if name in made}
+        feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
         if self.vision.token_type_ids and pictures:  # none: no block, and sdpa keeps its causal fast path
-            feature = self.processor.tokenizer.convert_tokens_to_ids(self.vision.feature_token)
             inputs["token_type_ids"] = (input_ids == feature).long()
+        if self.vision.mrope and pictures:  # what get_rope_index reads to give image tokens 3-D positions
+            inputs["mm_token_type_ids"] = (input_ids == feature).int()
+        if self.vision.mrope and position_ids is not None:
+            # packed rows, with images or without: 1-D positions alone would be spread over the three axes
+            # and build no packed mask (transformers reads it from the 4-row form only), joining examples
+            from qlora_kit.data import mrope
+
+            rope_index = mrope.rope_index_of(self.config)
+            grids = inputs.get("image_grid_thw")
+            inputs["position_ids"] = mrope.packed_positions(
+                rope_index, input_ids, position_ids, feature, grids
+            )
         return inputs
 
 
@@ -202,7 +245,10 @@ def image_runs(model_section) -> ImageRuns | None:
     from qlora_kit.model import loading
 
     found = loading.load_processor(model_section)
-    return ImageRuns(*found) if found else None
+    if not found:
+        return None
+    processor, vision = found
+    return ImageRuns(processor, vision, loading.load_config(model_section) if vision.mrope else None)
 
 
 def one_example_a_row(data):
@@ -291,5 +337,5 @@ class ImageCollator:
         ]
         text = [{k: v for k, v in f.items() if k in TEXT_COLUMNS} for f in features]
         batch = self.text_collator(text)
-        batch.update(self.runs.model_inputs(batch["input_ids"], pictures))
+        batch.update(self.runs.model_inputs(batch["input_ids"], pictures, batch.get("position_ids")))
         return batch

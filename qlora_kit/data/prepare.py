@@ -76,6 +76,7 @@ class PreparedData:
     val_format: str = "alpaca"  # the format of val_rows
     checks: Dataset | None = None  # per-example facts of the training set, for the preflight
     sources: int = 1  # the first `sources` reports are the training sources'
+    image_token: int | None = None  # a dynamic-resolution family's image token (its count follows the image)
 
     @property
     def train_reports(self) -> list[LengthReport]:
@@ -98,6 +99,13 @@ class PreparedData:
         if images.IMAGES_COLUMN not in self.train.column_names:
             return None
         return max((len(files or []) for files in self.train[images.IMAGES_COLUMN]), default=0) or None
+
+    def most_image_tokens_per_row(self) -> int | None:
+        """A dynamic-resolution family's rows (Qwen-VL): the most image tokens one training row holds, which
+        its images' sizes set; None for other rows. The planner sizes the batch's patches by it."""
+        if self.image_token is None:
+            return None
+        return max((ids.count(self.image_token) for ids in self.train["input_ids"]), default=0) or None
 
 
 def prepare_datasets(
@@ -135,7 +143,11 @@ def prepare_datasets(
         train = pack_dataset(train, data.max_seq_len)
         val = pack_dataset(val, data.max_seq_len) if val is not None else None
     reports = train_reports + val_reports
-    return PreparedData(train, val, reports, lengths, val_rows, val_format, checks, len(train_reports))
+    dynamic = runs is not None and runs.vision.dynamic_resolution
+    image_token = runs.marker_id if dynamic else None
+    return PreparedData(
+        train, val, reports, lengths, val_rows, val_format, checks, len(train_reports), image_token
+    )
 
 
 def _mix(parts: list[Dataset], data: DataSection, seed: int, reports: list[LengthReport]) -> Dataset:

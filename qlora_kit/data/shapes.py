@@ -18,11 +18,14 @@ from pathlib import Path
 from PIL import Image, ImageDraw
 
 SIZE = 56  # pixels a side: the tiny vision tower's input, no resize
+# every other image is taller, its shapes on the same 56 x 56 square in the middle: a dynamic-resolution
+# family (Qwen-VL) gives it more tokens (6 to 4), LLaVA's centre crop keeps the square, Gemma-3 squeezes it
+TALL = 84
 COLOURS = {"red": (220, 40, 40), "green": (40, 170, 60), "blue": (40, 80, 220), "yellow": (230, 200, 30)}
 SHAPES = ("square", "circle", "triangle")
 COUNTS = {1: "one", 2: "two", 3: "three"}
 TRAIN_IMAGES, VAL_IMAGES = 96, 24
-VERSION = 2  # bump when the drawing changes, so an older cache is not reused
+VERSION = 3  # bump when the drawing changes, so an older cache is not reused
 
 
 def draw(shape: str, colour: str, count: int, rng: random.Random) -> Image.Image:
@@ -61,6 +64,15 @@ def rows_for(image: str, shape: str, colour: str, count: int) -> list[dict]:
     return [row(f"What colour is the {shape}?", colour), row(f"How many {shape}s are there?", COUNTS[count])]
 
 
+def canvas(image: Image.Image, index: int) -> Image.Image:
+    """The odd-numbered images on a taller white canvas (two sizes in every batch), the drawing centred."""
+    if index % 2 == 0:
+        return image
+    tall = Image.new("RGB", (SIZE, TALL), "white")
+    tall.paste(image, (0, (TALL - SIZE) // 2))
+    return tall
+
+
 def write_split(folder: Path, name: str, images: int, seed: int) -> Path:
     rng = random.Random(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
@@ -68,7 +80,7 @@ def write_split(folder: Path, name: str, images: int, seed: int) -> Path:
     for index in range(images):
         shape, colour, count = rng.choice(SHAPES), rng.choice(list(COLOURS)), rng.choice(list(COUNTS))
         relative = f"images/{name}-{index:03d}.png"
-        draw(shape, colour, count, rng).save(folder / relative)
+        canvas(draw(shape, colour, count, rng), index).save(folder / relative)
         rows += rows_for(relative, shape, colour, count)
     path = folder / f"{name}.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
@@ -80,7 +92,7 @@ def ensure_shapes(cache: Path) -> tuple[Path, Path]:
     from qlora_kit.model.builtin import build_into
 
     key = hashlib.sha256(
-        json.dumps([VERSION, SIZE, COLOURS, SHAPES, TRAIN_IMAGES, VAL_IMAGES]).encode()
+        json.dumps([VERSION, SIZE, TALL, COLOURS, SHAPES, TRAIN_IMAGES, VAL_IMAGES]).encode()
     ).hexdigest()
     folder = cache / "datasets" / f"shapes-{key[:12]}"
     if not (folder / "val.jsonl").exists():

@@ -16,7 +16,7 @@
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
-- ``planner``: peak memory predicted per policy;
+- ``planner``: peak memory predicted per policy; ``pixels``: a vision-language batch's images in it;
 - ``max_length``: the longest row each way of keeping activations fits (``plan --max-seq-len``);
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
@@ -28,7 +28,7 @@
 - ``saved_facts``: writing and reading those measured figures beside a checkpoint;
 - ``oom_faults``: a fault injector that raises a real out-of-memory error past a cap (tests, CPU).
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> tracing -> checkpointing -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

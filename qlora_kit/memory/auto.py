@@ -111,10 +111,11 @@ def resolve_auto(
     checkpoint: Path | None = None,
     trained_share: float = 1.0,
     images_per_row: int | None = None,
+    image_tokens: int | None = None,
 ) -> tuple[MemorySection, LayerCosts | None]:
     """The memory section with ``checkpointing: auto`` replaced by the planner's choice (logged, with why):
     a uniform policy, every_n, or per_layer with ``layer_policies``, planned with the data's
-    ``trained_share`` (and a vision-language data's ``images_per_row``); and the measured costs it chose with (``layer_costs``: read back from
+    ``trained_share`` (and a vision-language data's ``images_per_row`` and ``image_tokens``); and the measured costs it chose with (``layer_costs``: read back from
     ``checkpoint`` when a resumed run's has them, else measured here; None where FLOPs were counted),
     which every checkpoint keeps."""
     memory = recipe.memory
@@ -124,7 +125,12 @@ def resolve_auto(
     # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
     processes = int(os.environ.get("WORLD_SIZE", "1"))
     the_plan = plan(
-        recipe, device=device, processes=processes, trained_share=trained_share, images_per_row=images_per_row
+        recipe,
+        device=device,
+        processes=processes,
+        trained_share=trained_share,
+        images_per_row=images_per_row,
+        image_tokens=image_tokens,
     )
     if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
         smallest = min(the_plan.policies, key=lambda p: p.peak)

@@ -84,6 +84,7 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     model.activation_checkpointing_enable(kwargs)
+    _vision_side_without_input_grads(model)
     if memory.checkpointing == "every_n":
         # transformers' every_n_layers counts every layer that can checkpoint, a vision tower's first: a
         # vision-language model's decoder would then start wherever the tower's count left off. So the
@@ -95,6 +96,26 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     if memory.offload_activations:
         _offload(layers)
     return checkpointed_layers(model)
+
+
+def _vision_side_without_input_grads(model: PreTrainedModel) -> None:
+    """transformers' activation_checkpointing_enable makes the input embeddings' output of every sub-model
+    require grad, a vision tower's patch embedding too: a frozen tower (Qwen-VL's) would then keep its
+    activations and run backward for no gradient (measured: tests/test_planner_grid.py). Its hooks on the
+    vision side are removed; LoRA's weights there (lora.vision) get their gradients regardless, as the
+    checkpoints are non-reentrant."""
+    from qlora_kit.model import vision
+
+    facet = vision.vision_of(getattr(model, "config", None))
+    hooks = getattr(model, "_require_grads_hooks", None)
+    if facet is None or not hooks:
+        return
+    vision_hooks = [
+        module._forward_hooks for name, module in model.named_modules() if vision.on_vision_side(name, facet)
+    ]
+    for hook in hooks:
+        if any(hook.id in registered for registered in vision_hooks):
+            hook.remove()
 
 
 def _context_fn(selective_layers: bool, injector: oom_faults.FaultInjector):

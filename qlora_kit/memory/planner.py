@@ -82,10 +82,10 @@ from qlora_kit.memory.formula import (
     rollout_bytes,
     selected_positions_bytes,
 )
+from qlora_kit.memory.pixels import images_in_a_row, pixel_bytes
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
-from qlora_kit.model import vision
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries import objectives
 from qlora_kit.registries.optimizers import OPTIMIZERS
@@ -334,23 +334,6 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
     return [("none", 0), *every, ("selective", 1), ("full", 1)]
 
 
-def images_in_a_row(recipe: Recipe, images_per_row: int | None) -> int:
-    """The images a vision-language row holds: the data's most (a run plans with it, as ``plan
-    --with-data`` does), else one an example, two examples a packed row (as the trace packs rows)."""
-    return images_per_row or (2 if recipe.data.packs else 1)
-
-
-def pixel_bytes(config, recipe: Recipe, rows: int, images_per_row: int | None = None) -> int:
-    """A vision-language batch's images on the device for the whole step: the image processor's float32
-    pixels and the vision tower's copy in the compute dtype, at the tower's size; 0 for a text-only model."""
-    if config is None or vision.vision_of(config) is None:
-        return 0
-    towers = config.vision_config
-    images = rows * images_in_a_row(recipe, images_per_row)
-    values = images * getattr(towers, "num_channels", 3) * towers.image_size**2
-    return values * (4 + DTYPE_BYTES[recipe.quant.compute_dtype])
-
-
 def plan(
     recipe: Recipe,
     batch: int | None = None,
@@ -359,12 +342,14 @@ def plan(
     processes: int = 1,
     trained_share: float = 1.0,
     images_per_row: int | None = None,
+    image_tokens: int | None = None,
 ) -> Plan:
     """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence
     (a DPO batch of n pairs is 2n sequences; its reference forward runs without grad and keeps
     nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without);
     ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``);
-    ``images_per_row``: a vision-language data's most images in a row (``images_in_a_row``)."""
+    ``images_per_row``: a vision-language data's most images in a row (``images_in_a_row``);
+    ``image_tokens``: a dynamic-resolution data's most image tokens in a row (``patches_in_a_row``)."""
     shape = model_shape(recipe)
     # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
     batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
@@ -382,7 +367,7 @@ def plan(
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
     result.images_per_row = images_per_row
-    result.pixels = pixel_bytes(shape.config, recipe, batch, images_per_row)
+    result.pixels = pixel_bytes(shape.config, recipe, batch, images_per_row, image_tokens)
     uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     wanted = candidate_policies(shape.layers)

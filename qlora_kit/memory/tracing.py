@@ -246,8 +246,10 @@ def _trace(
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
         inputs = _batch(batch, seq, recipe.data.packs)
-        if facet is not None:
+        if facet is not None and not facet.dynamic_resolution:
             inputs |= _images(model.config, facet, inputs, images)
+        elif facet is not None:
+            inputs |= _image_features(model.config, inputs)
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
@@ -334,9 +336,31 @@ def _placeholders_without_count_check(model) -> None:
     makes it (the positions holding the image token), without the check. The meta model is the trace's
     own, so the instance is patched."""
     token = model.config.image_token_id
+    if vision.vision_of(model.config).dynamic_resolution:  # Qwen-VL's: the image mask and the video one
+        model.model.get_placeholder_mask = lambda input_ids, inputs_embeds, **_: (
+            (input_ids == token).unsqueeze(-1),
+            torch.zeros_like(input_ids, dtype=torch.bool).unsqueeze(-1),
+        )
+        return
     model.model.get_placeholder_mask = lambda input_ids, inputs_embeds, **_: (
         (input_ids == token).unsqueeze(-1).expand_as(inputs_embeds)
     )
+
+
+def _image_features(config, inputs: dict[str, torch.Tensor]) -> dict:
+    """A dynamic-resolution (Qwen-VL) batch's image features, handed to the model as its encoder's output
+    and scattered into the embeddings as in a run; packed rows' positions as the collator makes them (the
+    restarting text positions first, which build the packed mask, then the 3-D ones: their values change
+    no shape). The tower itself is not traced: it reads its grid sizes as Python ints, which fake tensors
+    have not, and frozen (LoRA on the language model) it keeps nothing for backward."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    ids = inputs["input_ids"]
+    features = torch.zeros(ids.numel(), config.vision_config.out_hidden_size)  # at most every position
+    extra: dict = {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features])}}
+    if "position_ids" in inputs:
+        extra["position_ids"] = inputs["position_ids"][None].expand(4, -1, -1)
+    return extra
 
 
 def _images(config, facet, inputs: dict[str, torch.Tensor], per_row: int) -> dict[str, torch.Tensor]:

@@ -9,6 +9,11 @@ patches, a two-layer projector, a Llama decoder of 4 layers): 17 image tokens an
 ``builtin:tiny-gemma3``: Gemma-3's (a SigLIP tower of 2 layers on the same images, its 16 patches pooled
 to 4 soft tokens framed by start/end-of-image markers, a Gemma-3 decoder of 4 layers with sliding-window
 layers): 10 tokens an image, the 4 soft tokens attending to each other both ways.
+
+``builtin:tiny-qwen2.5-vl``: Qwen2.5-VL's (a tower of 2 layers, one of them windowed, on any image size in
+14-pixel patches merged 2 x 2 into tokens, a Qwen2 decoder of 4 layers with M-RoPE): 4 tokens for a
+56 x 56 image, 6 for 56 x 84, between <|vision_start|> and <|vision_end|>. Its processor has no video half
+(model/vision.py: ``image_only_class``), so the build needs no torchvision.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from qlora_kit.model.builtin import (
     build_tokenizer,
     cache_root,
 )
+from qlora_kit.model.vision import image_only_class
 from qlora_kit.registries.families import FAMILIES
 
 # The chat template the builtin VLMs ship: the builtin's ChatML with image parts, {% generation %} marking
@@ -85,7 +91,10 @@ def _build(family, folder) -> None:
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     image_processor = getattr(transformers, vision.image_processor_class)(**vision.tiny_image_processor)
-    processor = getattr(transformers, vision.processor_class)(
+    processor_class = (
+        image_only_class(vision) if vision.video_processor else getattr(transformers, vision.processor_class)
+    )
+    processor = processor_class(
         image_processor=image_processor,
         tokenizer=tokenizer,
         chat_template=CHAT_TEMPLATE.replace("IMAGE", vision.image_marker),
@@ -100,7 +109,13 @@ def _tokenizer(vision, folder):
     attributes the processor reads, through a reload (transformers sets them from ``extra_special_tokens``
     at load only)."""
     tokenizer = build_tokenizer()
-    tokens = dict.fromkeys([vision.image_marker, *vision.named_tokens.values()])
+    tokens = dict.fromkeys(
+        [
+            vision.expanded_token or vision.image_marker,
+            *vision.named_tokens.values(),
+            *vision.token_ids.values(),
+        ]
+    )
     tokenizer.add_special_tokens({"additional_special_tokens": list(tokens)})
     if not vision.named_tokens:
         return tokenizer

@@ -69,25 +69,37 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
     return tokenizer
 
 
-def vision_facet(model: ModelSection):
-    """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
+def load_config(model: ModelSection):
+    """The model's transformers config (no weights)."""
     path = resolve_model_path(model)
     with _model_path_errors(path, revision=model.revision):
-        config = AutoConfig.from_pretrained(
+        return AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
-    return vision.vision_of(config)
+
+
+def vision_facet(model: ModelSection):
+    """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
+    return vision.vision_of(load_config(model))
 
 
 def load_processor(model: ModelSection):
     """A vision-language model's processor (image processor, tokenizer, chat template) and its families-table
     vision facet, or None for a text-only model (vision.py)."""
     facet = vision_facet(model)
+    if model.max_pixels is not None and not (facet and facet.dynamic_resolution):
+        raise RecipeError(
+            f"model.max_pixels: {model.path} does not resize images by their pixel count (only a "
+            "dynamic-resolution family such as Qwen-VL does); remove it"
+        )
     if facet is None:
         return None
     path = resolve_model_path(model)
     with _model_path_errors(path, revision=model.revision):
-        return vision.load_processor(path, model.trust_remote_code, model.revision), facet
+        processor = vision.load_processor(
+            path, model.trust_remote_code, model.revision, facet, max_pixels=model.max_pixels
+        )
+        return processor, facet
 
 
 def check_vocab_fits(

@@ -56,8 +56,63 @@ def excluded_from_lora(model, vision_too: bool) -> str | None:
     return rf"(.*\.)?({'|'.join(vision.vision_modules)})(\..*)?"
 
 
-def load_processor(path: str, trust_remote_code: bool = False, revision: str | None = None):
-    """The model folder's processor (image processor, tokenizer, chat template)."""
+def load_processor(
+    path: str,
+    trust_remote_code: bool = False,
+    revision: str | None = None,
+    vision: Vision | None = None,
+    max_pixels: int | None = None,
+):
+    """The model folder's processor (image processor, tokenizer, chat template); ``max_pixels`` bounds a
+    dynamic-resolution family's images (the processor's own bound when None). A family whose processor
+    has a video half gets the image half alone where torchvision does not import (``image_only``)."""
     from transformers import AutoProcessor
 
-    return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code, revision=revision)
+    if vision is not None and vision.video_processor and not torchvision_imports():
+        processor = image_only(vision, path, trust_remote_code, revision)
+    else:
+        processor = AutoProcessor.from_pretrained(
+            path, trust_remote_code=trust_remote_code, revision=revision
+        )
+    if max_pixels is not None:
+        size = processor.image_processor.size  # transformers' SizeDict, or a dict in older saves
+        processor.image_processor.size = type(size)(**{**dict(size.items()), "longest_edge": max_pixels})
+    return processor
+
+
+def torchvision_imports() -> bool:
+    """Whether torchvision imports here: transformers' video processors need it (the CPU wheels of some
+    torch builds fail at import: ``operator torchvision::nms does not exist``)."""
+    from transformers.utils import is_torchvision_available
+
+    if not is_torchvision_available():
+        return False
+    try:
+        import torchvision  # noqa: F401
+    except Exception:  # a wheel built for another torch raises RuntimeError at import
+        return False
+    return True
+
+
+def image_only_class(vision: Vision):
+    """transformers' processor class of ``vision`` without its video half: the same class but for an
+    ``__init__`` that takes no video processor, so ProcessorMixin neither asks for one nor checks its class
+    (which needs torchvision). It saves as transformers' own class, so the folder loads elsewhere."""
+    import transformers
+
+    base = getattr(transformers, vision.processor_class)
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        base.__init__(self, image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__})
+
+
+def image_only(vision: Vision, path: str, trust_remote_code: bool = False, revision: str | None = None):
+    """``vision``'s processor made of the folder's slow (PIL) image processor, tokenizer and chat template."""
+    import transformers
+
+    options = {"trust_remote_code": trust_remote_code, "revision": revision}
+    image_processor = getattr(transformers, vision.image_processor_class).from_pretrained(path, **options)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path, **options)
+    return image_only_class(vision)(image_processor, tokenizer, chat_template=tokenizer.chat_template)

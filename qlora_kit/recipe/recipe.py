@@ -51,6 +51,8 @@ class ModelSection(Section):
     """A trained adapter folder to start from (a qlora-kit train output): train.objective dpo tunes the SFT adapter and keeps it, frozen, as the reference; sft continues training it."""
     attn_implementation: str = "auto"
     """Attention kernel: auto (sdpa where the model supports it, else eager), sdpa, eager, flex_attention, flash_attention_2, flash_attention_3, or a kernels-hub id."""
+    max_pixels: int | None = Field(default=None, gt=0)
+    """Qwen-VL (dynamic resolution): the most pixels an image is resized to, bounding its tokens (pixels / 784); None: the processor's own (Qwen2.5-VL's 12,845,056)."""
 
     @field_validator("adapter")
     @classmethod

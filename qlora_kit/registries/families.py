@@ -93,12 +93,24 @@ class Vision:
     named_tokens: dict = field(default_factory=dict)  # tokenizer attributes the processor reads (boi_token)
     token_ids: dict = field(default_factory=dict)  # config key -> the token whose id it holds
     image_token: str = ""  # the token each image feature replaces (default: the marker itself)
+    # the one token of the marker that the processor expands into the image's run (default: the marker);
+    # Qwen's marker frames it: <|vision_start|><|image_pad|><|vision_end|>, the pad becoming the run
+    expanded_token: str = ""
     # what the model's forward takes of its image processor's outputs (Gemma-3's processor also returns
     # num_crops, which only the processor reads; generate refuses a keyword the model does not take)
     image_inputs: tuple[str, ...] = ("pixel_values",)
     # the model takes token_type_ids, 1 on image tokens (Gemma-3: an image's tokens attend both ways); a
     # batch without them trains every image causally, which the model never saw and inference never does
     token_type_ids: bool = False
+    # its processor has a video half, which needs torchvision: without it, the processor is made of the image
+    # processor and tokenizer alone (model/vision.py), and video parts are refused
+    video_processor: bool = False
+    # an image's token count follows its size (Qwen: 14-pixel patches merged 2 x 2, the image resized to
+    # between min_pixels and max_pixels): model.max_pixels bounds it, the planner reads the images' sizes
+    dynamic_resolution: bool = False
+    # 3-D rotary positions (M-RoPE: time, height, width) that the model's get_rope_index computes from the
+    # token types and image grids; a packed row carries them per example (data/mrope.py)
+    mrope: bool = False
 
     @property
     def feature_token(self) -> str:
@@ -389,6 +401,48 @@ FAMILIES: dict[str, Family] = {
                 },
                 image_token="<image_soft_token>",
                 token_type_ids=True,
+            ),
+        ),
+        _family(
+            "qwen2_5_vl",
+            "Qwen2_5_VLConfig",
+            "tiny-qwen2.5-vl",
+            # the language model's config: M-RoPE's 3-D positions (time, height, width) over head_dim 32
+            tiny_config={
+                "model_type": "qwen2_5_vl_text",
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "mrope_section": [4, 6, 6]},
+            },
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=VISION_NO_GGUF,
+            vision=Vision(
+                processor_class="Qwen2_5_VLProcessor",
+                # the processor frames it: <|vision_start|><|image_pad|> x (patches / 4)<|vision_end|>
+                image_marker="<|vision_start|><|image_pad|><|vision_end|>",
+                expanded_token="<|image_pad|>",
+                vision_modules=("visual",),
+                image_processor_class="Qwen2VLImageProcessorPil",
+                tiny_vision_config={
+                    "depth": 2,
+                    "hidden_size": 64,
+                    "intermediate_size": 128,
+                    "num_heads": 4,
+                    "out_hidden_size": 128,
+                    "window_size": 56,
+                    "fullatt_block_indexes": [1],
+                },
+                token_ids={
+                    "image_token_id": "<|image_pad|>",
+                    "video_token_id": "<|video_pad|>",
+                    "vision_start_token_id": "<|vision_start|>",
+                    "vision_end_token_id": "<|vision_end|>",
+                },
+                image_token="<|image_pad|>",
+                image_inputs=("pixel_values", "image_grid_thw"),
+                video_processor=True,
+                dynamic_resolution=True,
+                mrope=True,
             ),
         ),
         # Mixtures of experts (builtins of 8 experts, 2 per token): fused 3-D experts behind a router

@@ -181,7 +181,9 @@ def _build_checked(
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
-    memory, costs = auto.resolve_auto(recipe, checkpoint, share, prepared.most_images_per_row())
+    memory, costs = auto.resolve_auto(
+        recipe, checkpoint, share, prepared.most_images_per_row(), prepared.most_image_tokens_per_row()
+    )
     resolved = ResolvedRun(
         recipe, as_written, spec, launch, precision, memory, costs, output_dir, layout_figures
     )
