@@ -122,8 +122,6 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
 # is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
 EXPERTS_NOT_PACKED = {
-    "qwen2_moe": "its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
-    "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
     "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
     "qlora_kit does not quantize yet",
 }
@@ -148,6 +146,14 @@ MOE_NO_GGUF = NoExport(
 )
 # the attention linears of a mixture-of-experts layer (its MLP is the router and the fused experts)
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+# a shared expert beside the routed ones (Qwen2-MoE): a dense gated MLP every token runs through, scaled by
+# a sigmoid gate of its own; LoRA adapts them as the linear layers they are
+SHARED_EXPERT_LINEARS = (
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
+)
 # the attention and MLP linears of a Llama-shaped layer
 LLAMA_LINEARS = (
     "self_attn.q_proj",
@@ -411,6 +417,24 @@ FAMILIES: dict[str, Family] = {
             mlp=GATED,
             export=MOE_NO_GGUF,
             experts=Experts(count_key="num_local_experts"),
+        ),
+        _family(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "tiny-qwen2-moe",
+            tiny_config={
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 128,
+                "shared_expert_intermediate_size": 256,
+                "use_sliding_window": False,
+            },
+            linears=(*ATTENTION_LINEARS, *SHARED_EXPERT_LINEARS),
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=MOE_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
         ),
         _family(
             "olmoe",
