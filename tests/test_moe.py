@@ -231,6 +231,37 @@ def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
         model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
 
 
+def test_deepseek_v3_is_refused_at_load_naming_its_shared_experts(tmp_path):
+    """DeepSeek-V3 builds here, and its experts' layout packs, but peft would move the LoRA of its shared
+    experts onto the fused experts: refused in one line saying so, never trained without them."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=640,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    builtin.build_tokenizer().save_pretrained(tmp_path)
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
+    with pytest.raises(
+        RecipeError, match=r"^model\.path: deepseek_v3 is a mixture of experts .*shared experts"
+    ):
+        model.load_base_model(recipe.model, recipe.quant)
+
+
 @pytest.mark.slow
 def test_moe_trains_through_the_trainer_under_bf16_autocast(tmp_path):
     """The MoE demo's path, short: the Trainer under accelerate's bf16 autocast (a GPU's default), experts in

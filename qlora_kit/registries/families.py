@@ -122,6 +122,9 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
 # is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
 EXPERTS_NOT_PACKED = {
+    "deepseek_v3": "peft 0.21 takes its shared experts' and dense layers' gate_proj, up_proj and down_proj for "
+    "the experts of a transformers-4 checkpoint and moves their LoRA onto the fused experts (its "
+    "transformers_weight_conversion): LoRA would miss the shared experts",
     "gpt_oss": "its experts carry biases and store gate/up interleaved and transposed (in x out), a layout "
     "qlora_kit does not quantize yet",
 }
