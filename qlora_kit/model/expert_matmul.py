@@ -79,11 +79,7 @@ def looped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch
     """x @ W_e.T (+ each LoRA pair's scaling * x @ A_e.T @ B_e.T) over the sorted rows, expert by expert."""
     weight = getattr(experts, name)
     stats = getattr(experts, f"{name}_4bit", None)
-    # each expert's B made contiguous once for the stack (a strided (out, r) slice is copied by every matmul)
-    factors = [
-        (a.unbind(0), b.permute(2, 0, 1).contiguous().unbind(0), scaling)
-        for a, b, scaling in (lora or {}).get(name, ())
-    ]
+    factors = [(a.unbind(0), b.unbind(2), scaling) for a, b, scaling in (lora or {}).get(name, ())]
     active = [expert for expert, count in enumerate(routing.counts) if count]
     # one split, whose backward is one concatenation (a slice per expert would zero an x-sized gradient each)
     pieces = x.split([routing.counts[expert] for expert in active])
