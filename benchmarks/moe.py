@@ -18,6 +18,16 @@ planned peak on a GPU, beside the figures their trainers publish.
     python benchmarks/moe.py [--tokens 512 --steps 3]
     python benchmarks/moe.py --smoke --out /tmp/x   # hidden 128, 8 experts, 64 tokens, one step each
     python benchmarks/moe.py --compute-dtype float32  # on CPUs without AVX512-BF16 (bf16 matmuls emulated)
+
+``--expert-counts``: the cost of the expert loop as the experts grow at equal active weights and tokens
+(8 experts top-2 of intermediate 3072, 64 and 128 top-8 of 768: Qwen3-30B-A3B's layer has the last). One
+layer's mixture block (router, experts, LoRA r=16 on every expert), forward + backward on the same random
+states, for each expert count side by side: 4-bit experts looped (the CPU's path) and grouped (CUDA's path,
+torch's grouped GEMM, here on its CPU kernel), and 16-bit experts looped (no dequantization: what is left is
+the loop's own cost). Timed in process CPU seconds with one torch thread, so that other work on a shared
+machine does not enter the ratios. Writes moe-expert-count-DEVICE.md.
+
+    python benchmarks/moe.py --expert-counts --tokens 512 2048 4096
 """
 
 from __future__ import annotations
@@ -29,7 +39,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import markdown_table, parser, write_result
+from common import device_name, markdown_table, parser, write_result
 
 REALISTIC = {
     "hidden_size": 2048,
@@ -138,6 +148,98 @@ def planned_rows() -> list[list[str]]:
     return rows
 
 
+# (experts, experts per token): equal active weights when the intermediate width is ACTIVE_WIDTH / top-k
+EXPERT_COUNTS = ((8, 2), (64, 8), (128, 8))
+ACTIVE_WIDTH = 6144  # Qwen3-30B-A3B: 8 experts of 768 a token
+COUNT_SETTINGS = (("4-bit", "looped"), ("4-bit", "grouped"), ("16-bit", "looped"))
+
+
+def expert_count_blocks(shape: dict, compute_dtype: str, folder: Path) -> dict:
+    """{(experts, top-k, bits): the LoRA-wrapped mixture block of a one-layer model}."""
+    from qlora_kit import Recipe
+    from qlora_kit.model import adapters
+    from qlora_kit.model import loading as model
+
+    blocks = {}
+    for experts, top_k in EXPERT_COUNTS:
+        layer = {**shape, "num_experts": experts, "num_experts_per_tok": top_k}
+        layer["moe_intermediate_size"] = active_width(shape) // top_k
+        save_layer(layer, folder / f"{experts}")
+        for bits in ("4-bit", "16-bit"):
+            recipe = Recipe.from_dict(
+                {
+                    "model": {"path": str(folder / f"{experts}")},
+                    "quant": {"bits": int(bits.split("-")[0]), "compute_dtype": compute_dtype},
+                    "lora": {"dropout": 0.0},
+                }
+            )
+            peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+            blocks[experts, top_k, bits] = peft_model.train().base_model.model.model.layers[0].mlp
+    return blocks
+
+
+def active_width(shape: dict) -> int:
+    """The intermediate values a token runs through: ACTIVE_WIDTH at the realistic hidden size, scaled."""
+    return ACTIVE_WIDTH * shape["hidden_size"] // REALISTIC["hidden_size"]
+
+
+def block_step(block, states) -> float:
+    """Process CPU seconds of one forward + backward of a mixture block."""
+    states = states.detach().requires_grad_(True)
+    start = time.process_time()
+    out = block(states)
+    (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
+    block.zero_grad(set_to_none=True)
+    return time.process_time() - start
+
+
+def expert_count_table(args, shape: dict, token_counts: list[int], steps: int) -> str:
+    from qlora_kit.model import moe_experts
+
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        blocks = expert_count_blocks(shape, args.compute_dtype, Path(tmp))
+        dtype = getattr(torch, args.compute_dtype)
+        rows = []
+        for tokens in token_counts:
+            states = torch.randn(1, tokens, shape["hidden_size"], generator=torch.Generator().manual_seed(0))
+            states = states.to(dtype)
+            runs = [(e, k, bits, path) for e, k in EXPERT_COUNTS for bits, path in COUNT_SETTINGS]
+            times = {run: [] for run in runs}
+            for repeat in range(steps + 1):  # the first a warm-up step each
+                for e, k, bits, path in runs:
+                    moe_experts.set_matmul_path(blocks[e, k, bits], path)
+                    seconds = block_step(blocks[e, k, bits], states)
+                    if repeat:
+                        times[e, k, bits, path].append(seconds)
+            medians = {run: statistics.median(t) for run, t in times.items()}
+            for bits, path in COUNT_SETTINGS:
+                first = medians[(*EXPERT_COUNTS[0], bits, path)]
+                cells = [
+                    f"{medians[(e, k, bits, path)]:.3f} ({medians[(e, k, bits, path)] / first:.2f}x)"
+                    for e, k in EXPERT_COUNTS
+                ]
+                rows.append([str(tokens), f"{bits} experts, {path}", *cells])
+    headers = ["tokens", "experts", *(f"{e} experts top-{k} (s)" for e, k in EXPERT_COUNTS)]
+    return markdown_table(headers, rows)
+
+
+def expert_counts_main(args) -> None:
+    shape, tokens, steps = (SMOKE, [64], 1) if args.smoke else (REALISTIC, args.tokens, args.steps)
+    table = expert_count_table(args, shape, tokens, steps)
+    write_result(
+        f"moe-expert-count-{device_name()}",
+        "Mixture-of-experts QLoRA: the expert loop's cost as the experts grow, at equal active weights",
+        table,
+        f"One Qwen3-MoE layer's mixture block: hidden {shape['hidden_size']}, {active_width(shape)} active "
+        f"intermediate values a token ({', '.join(f'{e} experts top-{k}' for e, k in EXPERT_COUNTS)}); "
+        f"LoRA r=16 on every expert; {args.compute_dtype} weights and compute; forward + backward in process "
+        f"CPU seconds, one torch thread, median of {steps} steps after one warm-up, settings stepped in turn; "
+        "in brackets, the ratio to 8 experts top-2 in the same row.",
+        args.out,
+    )
+
+
 def step(peft_model, ids) -> float:
     start = time.perf_counter()
     peft_model(input_ids=ids, labels=ids).loss.backward()
@@ -147,7 +249,7 @@ def step(peft_model, ids) -> float:
 
 def main() -> None:
     options = parser(__doc__)
-    options.add_argument("--tokens", type=int, default=512)
+    options.add_argument("--tokens", type=int, nargs="+", default=[512])
     options.add_argument("--steps", type=int, default=3)
     options.add_argument(
         "--compute-dtype",
@@ -155,8 +257,15 @@ def main() -> None:
         choices=["bfloat16", "float32"],
         help="the weights' and LoRA's compute dtype for all three settings",
     )
+    options.add_argument(
+        "--expert-counts",
+        action="store_true",
+        help="the expert loop's cost at 8, 64 and 128 experts (equal active weights) instead",
+    )
     args = options.parse_args()
-    shape, tokens, steps = (SMOKE, 64, 1) if args.smoke else (REALISTIC, args.tokens, args.steps)
+    if args.expert_counts:
+        return expert_counts_main(args)
+    shape, tokens, steps = (SMOKE, 64, 1) if args.smoke else (REALISTIC, args.tokens[0], args.steps)
     with tempfile.TemporaryDirectory() as tmp:
         save_layer(shape, Path(tmp))
         models = {setting: load(setting, Path(tmp), args.compute_dtype) for setting in SETTINGS}

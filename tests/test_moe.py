@@ -23,7 +23,7 @@ from qlora_kit.model import loading as model
 
 from .conftest import quick_recipe
 
-MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # gpt-oss, Mixtral, OLMoE, Qwen3-MoE
+MOE_BUILTINS = sorted(builtin.TINY_MOE_ARCHITECTURES)  # gpt-oss, Mixtral, OLMoE, Qwen2-MoE, Qwen3-MoE
 
 
 def moe_recipe(name: str = "tiny-qwen3-moe", **values) -> Recipe:
@@ -104,12 +104,14 @@ def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_
 
 
 @pytest.mark.slow  # two models loaded
-@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-gpt-oss"])  # gpt-oss: stored transposed, biased
-def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, name):
+# gpt-oss: stored transposed and biased; Qwen2-MoE: a shared expert beside the routed ones
+@pytest.mark.parametrize("family", ["tiny-qwen3-moe", "tiny-gpt-oss", "tiny-qwen2-moe"])
+def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, family):
     """The adapter trained on packed experts is peft's own target_parameters format: plain
     PeftModel.from_pretrained on the 16-bit model (peft's ParamWrapper) gives the same logits; the router
-    carries no LoRA."""
-    recipe = moe_recipe(name)
+    carries no LoRA. Qwen2-MoE's shared expert and its gate carry LoRA as the linear layers they are, saved
+    beside the routed experts' and read back by plain peft."""
+    recipe = moe_recipe(family)
     base = model.load_base_model(recipe.model, recipe.quant)
     reference = dequantized_16bit(base, recipe)  # before peft wraps the base's layers in place
     peft_model = adapters.attach_lora(base, recipe.lora)
@@ -122,6 +124,15 @@ def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, na
     assert sorted(config["target_parameters"]) == ["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]
     counts = moe_experts.trainable_by_kind(peft_model)
     assert counts["experts"] > 0 and counts["attention"] > 0 and counts["router"] == 0
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    shared = {key.split(".mlp.")[1].split(".lora_")[0] for key in saved if ".shared_expert" in key}
+    if family == "tiny-qwen2-moe":
+        assert shared == {f"shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj")} | {
+            "shared_expert_gate"
+        }
+        assert counts["shared experts"] > 0
+    else:
+        assert shared == set()
 
     plain = PeftModel.from_pretrained(reference, str(tmp_path)).eval()
     assert type(plain.base_model.model.model.layers[0].mlp.experts).__module__ == "peft.tuners.lora.layer"
@@ -133,6 +144,13 @@ def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, na
     scale = theirs.abs().max()
     assert (ours - theirs).abs().max() < 0.1 * scale  # the dense models' tolerance (test_after_training)
     assert (theirs - without).abs().max() > 0.3 * scale  # the LoRA moves the logits more than that
+    if family == "tiny-qwen2-moe":  # the shared expert's LoRA alone moves them too: it was read back
+        with torch.no_grad():
+            for key, param in plain.named_parameters():
+                if "lora_B" in key and ".shared_expert" not in key:
+                    param.zero_()
+            only_shared = plain(ids).logits.float()
+        assert (only_shared - without).abs().max() > 0.05 * scale
 
 
 class LargestTensor(TorchDispatchMode):
@@ -218,6 +236,37 @@ def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
         model.load_base_model(recipe.model, recipe.quant)
     with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
         model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
+
+
+def test_deepseek_v3_is_refused_at_load_naming_its_shared_experts(tmp_path):
+    """DeepSeek-V3 builds here, and its experts' layout packs, but peft would move the LoRA of its shared
+    experts onto the fused experts: refused in one line saying so, never trained without them."""
+    config = transformers.DeepseekV3Config(
+        vocab_size=640,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        q_lora_rank=32,
+        kv_lora_rank=32,
+        qk_rope_head_dim=16,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    builtin.build_tokenizer().save_pretrained(tmp_path)
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
+    with pytest.raises(
+        RecipeError, match=r"^model\.path: deepseek_v3 is a mixture of experts .*shared experts"
+    ):
+        model.load_base_model(recipe.model, recipe.quant)
 
 
 @pytest.mark.slow
@@ -310,16 +359,18 @@ def test_an_expert_without_tokens_for_many_steps_is_warned_of_once(caplog):
 
 
 @pytest.mark.slow  # trains 3 steps and merges
-def test_a_mixture_saved_by_transformers_trains_merges_and_reloads_at_the_defaults(tmp_path, caplog):
+@pytest.mark.parametrize("name", ["tiny-qwen3-moe", "tiny-qwen2-moe"])
+def test_a_mixture_saved_by_transformers_trains_merges_and_reloads_at_the_defaults(tmp_path, caplog, name):
     """Issue 58's user: a Qwen3-MoE saved with save_pretrained (16 experts, 4 per token), a recipe with
     no lora section (lora.dropout auto: none, as peft allows on the experts; lora.experts on): it trains,
     the adapter holds LoRA on the experts without dropout, and merge's drift check passes at its bounds,
-    the merged folder read back by plain transformers."""
+    the merged folder read back by plain transformers. A Qwen2-MoE the same, with LoRA on its shared
+    expert too, merged into its dense linear layers."""
     from transformers import AutoConfig, AutoTokenizer
 
     from qlora_kit.after.merge import merge_adapter
 
-    source = model.resolve_model_path(moe_recipe().model)
+    source = model.resolve_model_path(moe_recipe(name).model)
     config = AutoConfig.from_pretrained(source)
     config.num_experts, config.num_experts_per_tok = 16, 4
     torch.manual_seed(0)
@@ -347,3 +398,11 @@ def test_a_mixture_saved_by_transformers_trains_merges_and_reloads_at_the_defaul
     assert "lora.dropout auto: 0 (LoRA on the experts takes no dropout)" in caplog.text  # said in the log
     result = merge_adapter(out, tmp_path / "merged")  # refused past its bounds: no force
     assert result.drift.positions > 0 and (tmp_path / "merged" / "config.json").is_file()
+    if name == "tiny-qwen2-moe":  # the shared expert trained (LoRA moved) and merged into plain linears
+        saved_lora = load_file(out / "adapter_model.safetensors")
+        shared = [v for k, v in saved_lora.items() if ".shared_expert" in k and "lora_B" in k]
+        assert len(shared) == 4 * config.num_hidden_layers and all(v.abs().sum() > 0 for v in shared)
+        merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+        layer = merged.model.layers[0].mlp
+        assert type(layer.shared_expert.up_proj) is torch.nn.Linear
+        assert type(layer.shared_expert_gate) is torch.nn.Linear

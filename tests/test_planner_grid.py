@@ -51,6 +51,8 @@ CASES = [
     # mixtures of experts: the experts' loop traced with its picks spread evenly, the run's routed as they fall
     ("tiny-qwen3-moe", "none", "chat", True, 0.0, True, "bf16", 40),
     ("tiny-mixtral", "every_n", "text", False, 0.0, False, "no", 30),
+    # a shared expert (Qwen2-MoE): a dense MLP and its gate beside the routed experts, LoRA on both
+    ("tiny-qwen2-moe", "full", "chat", True, 0.0, True, "no", 40),
     # vision-language: image rows (builtin:shapes); LLaVA packed with LoRA on its vision tower too (which
     # then keeps activations), Gemma-3 under bf16 (its image tokens' both-ways mask)
     ("tiny-llava", "every_n", "images", True, 0.0, True, "no", 0),

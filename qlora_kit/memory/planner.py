@@ -86,6 +86,7 @@ from qlora_kit.memory.pixels import images_in_a_row, pixel_bytes
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
+from qlora_kit.model import expert_matmul
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries import objectives
 from qlora_kit.registries.optimizers import OPTIMIZERS
@@ -300,12 +301,17 @@ class Plan:
         return tokens * (3 * shape.intermediate * c + (2 * shape.hidden + shape.intermediate) * 4)
 
     def dequantized_expert(self) -> int:
-        """A mixture of experts in 4 bits: the one expert weight dequantized for its tokens' matmul (forward
-        and backward run the experts one at a time, moe_experts.py); 0 for a dense model."""
+        """A mixture of experts in 4 bits: the expert weights dequantized at once for their tokens' matmuls
+        (forward and backward alike; 0 for a dense model). The CPU's loop holds one expert's; CUDA's grouped
+        matmuls a run of experts up to expert_matmul.DEQUANTIZED_RUN_BYTES (model/expert_matmul.py)."""
         if self.recipe.quant.bits == 16 or not self.shape.expert_stacks:
             return 0
         c = DTYPE_BYTES[self.recipe.quant.compute_dtype]
-        return max(s.d_out * s.d_in for s in self.shape.expert_stacks) * c
+        one = max(s.d_out * s.d_in for s in self.shape.expert_stacks) * c
+        if self.device != "cuda":
+            return one
+        experts = max(s.experts for s in self.shape.expert_stacks)
+        return one * min(experts, max(1, expert_matmul.DEQUANTIZED_RUN_BYTES // one))
 
     def offloaded(self, recomputed_layers: int) -> int:
         """Host bytes of offloaded checkpoints: each recomputed layer's input (batch x seq x hidden in the

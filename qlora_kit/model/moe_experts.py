@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import logging
 
-import bitsandbytes as bnb
 import bitsandbytes.functional as bnbf
 import torch
 from peft.tuners.lora.layer import ParamWrapper
-from torch._subclasses.fake_tensor import FakeTensor
 from transformers.integrations.moe import ExpertsInterface
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import expert_matmul
 from qlora_kit.model.layers import is_linear
 from qlora_kit.registries import families
 
@@ -219,55 +218,47 @@ def logical_shape(experts, name: str) -> tuple[int, int, int]:
 
 
 def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=None):
-    """transformers' experts contract, (T, H) states and (T, K) routing in, (T, H) out: each expert the
-    batch routes to runs on its tokens only, its weight dequantized for that matmul alone. ``lora``:
-    {parameter name: [(A (E, r, in), B (out, r, E), scaling)]} from LoraExperts."""
-    out = torch.zeros_like(hidden_states)
+    """transformers' experts contract, (T, H) states and (T, K) routing in, (T, H) out: the picks sorted by
+    expert once, each expert run on its tokens only (expert_matmul.py: a loop on the CPU, grouped matmuls
+    on CUDA; ``set_matmul_path`` chooses). ``lora``: {parameter name: [(A (E, r, in), B (out, r, E),
+    scaling)]} from LoraExperts."""
+    path = getattr(experts, "matmul_path", "auto")
+    if path == "auto":
+        path = "grouped" if grouped_mm_runs(hidden_states) else "looped"
+    project = expert_matmul.grouped if path == "grouped" else expert_matmul.looped
+    routing = expert_matmul.route(top_k_index, experts.num_experts)
+    x = hidden_states[routing.tokens[: routing.routed]]  # (S, H): the picks' states in expert order
+    h = experts._apply_gate(project(experts, "gate_up_proj", x, routing, lora))
+    y = project(experts, "down_proj", h, routing, lora)  # (S, H)
+    unrouted = routing.order.numel() - routing.routed  # picks of an expert past the stack add nothing
+    if unrouted:
+        y = torch.cat([y, y.new_zeros(unrouted, y.shape[1])])
+    # back to (token, slot) order and summed over the slots, as transformers' grouped_mm path does
+    # (deterministic on CUDA too, where index_add_ with repeated tokens is not)
+    picks = torch.empty_like(routing.order)
+    picks[routing.order] = torch.arange(routing.order.numel(), device=picks.device)
+    weighted = y[picks] * top_k_weights.reshape(-1, 1)
     k = top_k_index.shape[-1]
-    order, counts = _routing(top_k_index.reshape(-1), experts.num_experts)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0 or expert >= experts.num_experts:
-            start += count
-            continue
-        picks = order[start : start + count]
-        start += count
-        tokens, slots = picks // k, picks % k
-        x = hidden_states[tokens]
-        h = experts._apply_gate(_project(experts, "gate_up_proj", expert, x, lora))
-        y = _project(experts, "down_proj", expert, h, lora) * top_k_weights[tokens, slots, None]
-        out.index_add_(0, tokens, y.to(out.dtype))
-    return out
+    return weighted.to(hidden_states.dtype).view(-1, k, hidden_states.shape[-1]).sum(dim=1)
 
 
-@torch.no_grad()
-def _routing(flat: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, list[int]]:
-    """The (token, slot) picks sorted by expert, and how many each expert got.
-
-    The planner traces this loop on fake tensors, which hold no routing: there the picks are spread evenly.
-    What the loop keeps for backward grows linearly with an expert's tokens and costs nothing for an expert
-    with none, so its total is the same for any routing of the same picks."""
-    if isinstance(flat, FakeTensor):
-        share, extra = divmod(flat.numel(), num_experts)
-        return torch.arange(flat.numel()), [share + (e < extra) for e in range(num_experts)]
-    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts).tolist()
+MATMUL_PATHS = ("auto", "looped", "grouped")
 
 
-def _project(experts, name: str, expert: int, x: torch.Tensor, lora) -> torch.Tensor:
-    """x @ W_e.T (+ scaling * x @ A_e.T @ B_e.T for each LoRA factor pair of ``name``)."""
-    weight = getattr(experts, name)
-    stats = getattr(experts, f"{name}_4bit", None)
-    if stats is None:  # 16-bit: the planner's trace, or quant.bits 16
-        transposed = getattr(experts, "is_transposed", False)
-        y = x @ weight[expert] if transposed else torch.nn.functional.linear(x, weight[expert])
-    else:
-        y = bnb.matmul_4bit(x, weight[expert], quant_state=stats.state(expert))
-    if getattr(experts, "has_bias", False):  # gpt-oss: (E, out) biases, frozen in the compute dtype
-        y = y + getattr(experts, f"{name}_bias")[expert].to(y.dtype)
-    for a, b, scaling in (lora or {}).get(name, ()):
-        low = x.to(a.dtype) @ a[expert].t()  # (n, r): the rank-r bottleneck, never B @ A
-        y = y + (low @ b[:, :, expert].t() * scaling).to(y.dtype)
-    return y
+def set_matmul_path(model, path: str) -> None:
+    """How ``model``'s experts run their matmuls: ``auto`` (grouped where torch's grouped GEMM runs on
+    CUDA, else looped), or one of the two forced (the benchmark and the tests compare them)."""
+    if path not in MATMUL_PATHS:
+        raise ValueError(f"matmul path must be one of {MATMUL_PATHS}, got {path!r}")
+    for _, experts in fused_experts(model):
+        experts.matmul_path = path
+
+
+def grouped_mm_runs(x: torch.Tensor) -> bool:
+    """torch's grouped GEMM has a kernel for ``x``'s device: CUDA from compute capability 8.0 (its CPU
+    kernel is a loop of its own; the CPU keeps ours, which skips idle experts)."""
+    grouped = hasattr(torch.nn.functional, "grouped_mm") or hasattr(torch, "_grouped_mm")
+    return grouped and x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 class LoraExperts(ParamWrapper):

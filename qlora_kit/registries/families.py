@@ -141,8 +141,9 @@ EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
 # is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
 EXPERTS_NOT_PACKED = {
-    "qwen2_moe": "its shared expert's linear layers (gate_proj, up_proj, down_proj) share their names with "
-    "the experts of transformers 4, which peft maps onto the fused experts: LoRA would miss the shared expert",
+    "deepseek_v3": "peft 0.21 takes its shared experts' and dense layers' gate_proj, up_proj and down_proj for "
+    "the experts of a transformers-4 checkpoint and moves their LoRA onto the fused experts (its "
+    "transformers_weight_conversion): LoRA would miss the shared experts",
 }
 # the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
 TINY_TOWER = {
@@ -162,6 +163,14 @@ VISION_NO_GGUF = NoExport(
 
 # the attention linears of a mixture-of-experts layer (its MLP is the router and the fused experts)
 ATTENTION_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+# a shared expert beside the routed ones (Qwen2-MoE): a dense gated MLP every token runs through, scaled by
+# a sigmoid gate of its own; LoRA adapts them as the linear layers they are
+SHARED_EXPERT_LINEARS = (
+    "mlp.shared_expert.gate_proj",
+    "mlp.shared_expert.up_proj",
+    "mlp.shared_expert.down_proj",
+    "mlp.shared_expert_gate",
+)
 # the attention and MLP linears of a Llama-shaped layer
 LLAMA_LINEARS = (
     "self_attn.q_proj",
@@ -483,6 +492,27 @@ FAMILIES: dict[str, Family] = {
             mlp=GATED,
             export=MIXTRAL_GGUF,
             experts=Experts(count_key="num_local_experts"),
+        ),
+        _family(
+            "qwen2_moe",
+            "Qwen2MoeConfig",
+            "tiny-qwen2-moe",
+            tiny_config={
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 128,
+                "shared_expert_intermediate_size": 256,
+                "use_sliding_window": False,
+            },
+            linears=(*ATTENTION_LINEARS, *SHARED_EXPERT_LINEARS),
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=NoExport(
+                "qlora_kit's GGUF writer has no qwen2moe form yet (its shared expert and gate); convert the "
+                "merged folder with llama.cpp's convert_hf_to_gguf.py"
+            ),
+            experts=Experts(count_key="num_experts"),
         ),
         _family(
             "olmoe",

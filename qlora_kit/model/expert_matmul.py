@@ -1,0 +1,218 @@
+"""Model stage: the matmuls of a mixture's routed experts, for ``moe_experts.experts_forward``.
+
+The batch's (token, slot) picks are sorted by expert once per layer (``route``) and their states gathered
+once in that order, so each expert's tokens are a slice of one tensor. Each projection (the fused gate/up,
+then down) then runs over the sorted rows in one of two ways, with the same results:
+
+- ``looped`` (the CPU's path): one matmul per expert that has tokens, an idle expert costing nothing; a
+  4-bit expert goes through bitsandbytes' ``matmul_4bit``, which dequantizes it for that matmul alone (and
+  again in backward);
+- ``grouped`` (CUDA's path, where torch has a grouped GEMM): one grouped matmul over a run of experts
+  (``torch._grouped_mm`` through transformers' dispatcher), the run's 4-bit weights dequantized in one
+  bitsandbytes call, at most ``DEQUANTIZED_RUN_BYTES`` of them at a time, in forward and again in backward.
+
+LoRA on the experts follows its projection: each expert's update is ``x @ A_e.T @ B_e.T`` on its rows, the
+rank-r bottleneck, never ``B @ A``. The loop takes each expert's factors from one ``unbind`` of the
+stacked parameters, so backward writes the stacks' gradients once, not once per expert (indexing the stack
+per expert cost a zeroed stack-sized gradient per expert: quadratic in the experts).
+
+Why per expert and not per stack: 128 experts top-8 run the same active weights as 8 experts top-2 at four
+times the stored weights; what is paid per stored weight (dequantization) stays small beside the matmuls,
+and what was paid per expert (Python, small kernels) is what the grouped path removes on a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import bitsandbytes as bnb
+import bitsandbytes.functional as bnbf
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from transformers.integrations.moe import _grouped_mm  # torch's grouped GEMM where it runs, else a loop
+
+# The most bytes of dense expert weights the grouped path dequantizes at once (a run of experts): the loop
+# holds one expert's; a run of 256 MiB is ~40 of Qwen3-30B-A3B's gate/up experts, one of Mixtral's.
+DEQUANTIZED_RUN_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The picks of one layer in expert order: ``order`` (S,) indexes the flat (token x slot) picks,
+    ``counts`` how many each expert got (its rows are consecutive)."""
+
+    order: torch.Tensor
+    counts: list[int]
+    top_k: int
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.order // self.top_k
+
+    @property
+    def routed(self) -> int:
+        """Rows the experts compute (picks of an expert index past the stack, if any, are left out)."""
+        return sum(self.counts)
+
+    def offsets(self, first: int = 0, last: int | None = None) -> torch.Tensor:
+        """grouped_mm's ``offs`` for experts first..last: each one's end row, from the run's first row."""
+        counts = torch.tensor(self.counts[first:last], dtype=torch.int32)
+        return torch.cumsum(counts, 0, dtype=torch.int32).to(self.order.device)
+
+
+@torch.no_grad()
+def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
+    """Sort the (T, K) picks by expert, stably (a token's slots keep their order).
+
+    The planner traces the experts on fake tensors, which hold no routing: there the picks are spread
+    evenly. What the experts keep for backward grows linearly with an expert's tokens and costs nothing
+    for an expert with none, so its total is the same for any routing of the same picks."""
+    flat, k = top_k_index.reshape(-1), top_k_index.shape[-1]
+    if isinstance(flat, FakeTensor):
+        share, extra = divmod(flat.numel(), num_experts)
+        return Routing(torch.arange(flat.numel()), [share + (e < extra) for e in range(num_experts)], k)
+    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    return Routing(flat.argsort(stable=True), counts.tolist(), k)
+
+
+def looped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch.Tensor:
+    """x @ W_e.T (+ each LoRA pair's scaling * x @ A_e.T @ B_e.T) over the sorted rows, expert by expert."""
+    weight = getattr(experts, name)
+    stats = getattr(experts, f"{name}_4bit", None)
+    factors = [(a.unbind(0), b.unbind(2), scaling) for a, b, scaling in (lora or {}).get(name, ())]
+    active = [expert for expert, count in enumerate(routing.counts) if count]
+    # one split, whose backward is one concatenation (a slice per expert would zero an x-sized gradient each)
+    pieces = x.split([routing.counts[expert] for expert in active])
+    outputs = []
+    transposed, bias = getattr(experts, "is_transposed", False), _bias(experts, name)
+    for expert, rows in zip(active, pieces, strict=True):
+        if stats is None:  # 16-bit: the planner's trace, or quant.bits 16 (gpt-oss stores (in, out))
+            y = rows @ weight[expert] if transposed else torch.nn.functional.linear(rows, weight[expert])
+        else:
+            y = bnb.matmul_4bit(rows, weight[expert], quant_state=stats.state(expert))
+        if bias is not None:  # gpt-oss: (E, out) biases, frozen in the compute dtype
+            y = y + bias[expert].to(y.dtype)
+        for a, b, scaling in factors:
+            low = rows.to(a[expert].dtype) @ a[expert].t()  # (n, r): the rank-r bottleneck
+            y = y + (low @ b[expert].t() * scaling).to(y.dtype)
+        outputs.append(y)
+    return torch.cat(outputs)
+
+
+def grouped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch.Tensor:
+    """``looped``'s result with grouped matmuls: the base weights a run of experts at a time, each LoRA
+    factor over all experts at once."""
+    weight = getattr(experts, name)
+    stats = getattr(experts, f"{name}_4bit", None)
+    offsets = routing.offsets()
+    if stats is None:  # 16-bit: (E, out, in), or gpt-oss's (E, in, out) already as grouped_mm takes it
+        transposed = getattr(experts, "is_transposed", False)
+        y = _grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs=offsets)
+    else:
+        y = GroupedMatmul4bit.apply(x, weight, stats, routing.counts)
+    bias = _bias(experts, name)
+    if bias is not None:  # gpt-oss: each row gets its expert's bias
+        experts_of_rows = torch.repeat_interleave(
+            torch.arange(len(routing.counts), device=x.device),
+            torch.tensor(routing.counts, device=x.device),
+        )
+        y = y + bias[experts_of_rows].to(y.dtype)
+    device = x.device.type
+    for a, b, scaling in (lora or {}).get(name, ()):
+        # grouped_mm has no autocast rule: the factors go in autocast's dtype, as the loop's matmuls do
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else a.dtype
+        low = _grouped_mm(x, a.transpose(1, 2).to(dtype), offs=offsets)  # (S, r)
+        up = _grouped_mm(low, b.permute(2, 1, 0).to(dtype).contiguous(), offs=offsets)  # (S, out)
+        y = y + (up * scaling).to(y.dtype)
+    return y
+
+
+def _bias(experts, name: str) -> torch.Tensor | None:
+    """The (E, out) bias of a fused weight (gpt-oss's experts carry one), or None."""
+    return getattr(experts, f"{name}_bias") if getattr(experts, "has_bias", False) else None
+
+
+class GroupedMatmul4bit(torch.autograd.Function):
+    """x @ W_e.T over the sorted rows for a packed 4-bit stack; backward gives x's gradient only (the
+    weights are frozen), dequantizing again rather than keeping the 16-bit weights, as bitsandbytes'
+    MatMul4Bit does for one matrix."""
+
+    @staticmethod
+    def forward(ctx, x, packed, stats, counts):
+        ctx.stats, ctx.counts, ctx.x_dtype = stats, counts, x.dtype
+        ctx.save_for_backward(packed)
+        return _run_matmuls(x, packed, stats, counts, transpose=True)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (packed,) = ctx.saved_tensors
+        grad_x = _run_matmuls(grad, packed, ctx.stats, ctx.counts, transpose=False)
+        return grad_x.to(ctx.x_dtype), None, None, None
+
+
+def _run_matmuls(x, packed, stats, counts, transpose: bool) -> torch.Tensor:
+    """Over runs of consecutive experts with tokens: dequantize the run, one grouped matmul on its rows."""
+    _, d_out, d_in = stats.shape
+    width = d_out if transpose else d_in
+    out = x.new_empty(x.shape[0], width, dtype=stats.dtype)
+    row = 0
+    for first, last in expert_runs(counts, d_out * d_in * stats.dtype.itemsize):
+        rows = sum(counts[first:last])
+        dense = dequantize_run(packed, stats, first, last)  # (n, d_out, d_in)
+        offsets = torch.cumsum(torch.tensor(counts[first:last]), 0, dtype=torch.int32).to(x.device)
+        weight = dense.transpose(-2, -1) if transpose else dense
+        out[row : row + rows] = _grouped_mm(x[row : row + rows], weight, offs=offsets)
+        row += rows
+    return out
+
+
+def expert_runs(counts: list[int], expert_bytes: int) -> list[tuple[int, int]]:
+    """(first, last) ranges of consecutive experts with tokens, each at most DEQUANTIZED_RUN_BYTES of
+    dense weights (one expert at least): idle experts are never dequantized."""
+    per_run = max(1, DEQUANTIZED_RUN_BYTES // expert_bytes)
+    runs, first = [], None
+    for expert, count in enumerate([*counts, 0]):
+        if first is not None and (count == 0 or expert - first == per_run):
+            runs.append((first, expert))
+            first = None
+        if count and first is None:
+            first = expert
+    return runs
+
+
+def dequantize_run(packed: torch.Tensor, stats, first: int, last: int) -> torch.Tensor:
+    """Experts first..last of a packed stack as (n, out, in) in the compute dtype, in one bitsandbytes call
+    (the stack's experts are consecutive in memory, each a whole number of 64-value blocks)."""
+    n, (_, d_out, d_in) = last - first, stats.shape
+    # nested: each expert's 8-bit absmax, with its own second-level statistics and offset
+    absmax = _nested_absmax(stats, first, last) if stats.nested else stats.absmax[first:last]
+    state = bnbf.QuantState(
+        absmax=absmax.reshape(-1),
+        shape=(n * d_out, d_in),
+        code=stats.code,
+        blocksize=stats.blocksize,
+        quant_type=stats.quant_type,
+        dtype=stats.dtype,
+    )
+    return bnbf.dequantize_4bit(packed[first:last].reshape(-1), state).view(n, d_out, d_in)
+
+
+def _nested_absmax(stats, first: int, last: int) -> torch.Tensor:
+    """(n, blocks) float absmax of experts first..last: one call when each expert's 8-bit absmax fills
+    whole second-level blocks (so the run's blocks line up with the stacked second-level absmax)."""
+    blocks = stats.absmax.shape[1]
+    if blocks % stats.blocksize2:
+        return torch.stack([_absmax(stats, e) for e in range(first, last)])
+    nested = bnbf.QuantState(
+        absmax=stats.absmax2[first:last].reshape(-1),
+        code=stats.code2,
+        blocksize=stats.blocksize2,
+        dtype=torch.float32,
+    )
+    absmax = bnbf.dequantize_blockwise(stats.absmax[first:last].reshape(-1), nested)
+    return absmax.view(last - first, blocks) + stats.offset[first:last, None]
+
+
+def _absmax(stats, expert: int) -> torch.Tensor:
+    state = stats.state(expert)
+    return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset

@@ -1,0 +1,103 @@
+"""The two ways the routed experts run their matmuls (model/expert_matmul.py): the loop (the CPU's path) and
+grouped matmuls (CUDA's path: torch's grouped GEMM, whose CPU kernel runs it here) give the same outputs
+and gradients, on 4-bit and 16-bit experts with LoRA on them, with an idle expert and uneven loads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import transformers
+
+from qlora_kit.model import expert_matmul, moe_experts
+
+EXPERTS, TOP_K, HIDDEN, WIDTH, RANK = 6, 2, 64, 64, 4
+
+
+def tiny_experts(bits: int, family: str = "qwen3_moe"):
+    """One layer's experts module (fp32), packed in 4 bits with double quantization or not: Qwen3-MoE's, or
+    gpt-oss's (stored transposed, (experts, in, out), with a bias per expert, here random and nonzero)."""
+    shape = {"vocab_size": 64, "hidden_size": HIDDEN, "num_experts_per_tok": TOP_K, "num_hidden_layers": 1}
+    shape |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
+    if family == "gpt_oss":
+        config = transformers.GptOssConfig(intermediate_size=WIDTH, num_local_experts=EXPERTS, **shape)
+    else:
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=WIDTH, num_experts=EXPERTS, **shape)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    experts = model.model.layers[0].mlp.experts
+    with torch.no_grad():
+        for name in ("gate_up_proj_bias", "down_proj_bias"):
+            if hasattr(experts, name):
+                getattr(experts, name).normal_(0, 0.5)
+    if bits == 4:
+        quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
+        assert moe_experts.quantize_experts(model, quant) == 1
+    return model.model.layers[0].mlp.experts
+
+
+def lora_factors(generator):
+    """{parameter: [(A (E, r, in), B (out, r, E), scaling)]}, peft's layout, as LoraExperts passes them."""
+    factors = {}
+    for name, (d_out, d_in) in {"gate_up_proj": (2 * WIDTH, HIDDEN), "down_proj": (HIDDEN, WIDTH)}.items():
+        a = torch.randn(EXPERTS * RANK, d_in, generator=generator).reshape(EXPERTS, RANK, d_in)
+        b = torch.randn(d_out, RANK * EXPERTS, generator=generator).reshape(d_out, RANK, EXPERTS)
+        factors[name] = [(a.requires_grad_(), b.requires_grad_(), 0.5)]
+    return factors
+
+
+def routed_step(experts, path: str, states, index, weights, lora):
+    experts.matmul_path = path
+    states = states.clone().requires_grad_()
+    out = moe_experts.experts_forward(experts, states, index, weights, lora=lora)
+    out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape))
+    grads = [states.grad] + [p.grad for pairs in lora.values() for a, b, _ in pairs for p in (a, b)]
+    result = out.detach(), [g.clone() for g in grads]
+    for pairs in lora.values():
+        for a, b, _ in pairs:
+            a.grad = b.grad = None
+    return result
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("bits", [4, 16])
+def test_grouped_matmuls_give_the_loops_outputs_and_gradients(bits, family):
+    """Expert 3 gets no token, the others uneven loads: the grouped path (runs of consecutive experts with
+    tokens, dequantized a run at a time) computes what the loop computes, forward and backward; gpt-oss's
+    transposed, biased stacks too."""
+    experts = tiny_experts(bits, family)
+    generator = torch.Generator().manual_seed(1)
+    tokens = 20
+    states = torch.randn(tokens, HIDDEN, generator=generator)
+    choices = torch.tensor([0, 1, 2, 4, 5, 5, 0, 0])  # expert 3 idle; 0 and 5 the busiest
+    index = torch.stack([choices[torch.arange(tokens) % 8], choices[(torch.arange(tokens) + 3) % 8]], 1)
+    index[index[:, 0] == index[:, 1], 1] = 1  # a token's two picks differ, as top-k's do
+    weights = torch.rand(tokens, TOP_K, generator=generator)
+    lora = lora_factors(generator)
+    looped_out, looped_grads = routed_step(experts, "looped", states, index, weights, lora)
+    grouped_out, grouped_grads = routed_step(experts, "grouped", states, index, weights, lora)
+    assert looped_out.abs().max() > 0
+    torch.testing.assert_close(grouped_out, looped_out, rtol=1e-5, atol=1e-5)
+    for grouped, looped in zip(grouped_grads, looped_grads, strict=True):  # fp32 sums in another order
+        scale = looped.abs().max()
+        assert scale > 0 and (grouped - looped).abs().max() <= 1e-5 * scale
+    for grads in (looped_grads, grouped_grads):
+        a_grad = grads[1]  # gate_up's A, (E, r, in)
+        assert a_grad[3].abs().max() == 0 and a_grad[0].abs().max() > 0
+
+
+def test_runs_skip_idle_experts_and_respect_the_byte_budget(monkeypatch):
+    """The grouped path dequantizes runs of consecutive experts with tokens, never an idle one, each run at
+    most DEQUANTIZED_RUN_BYTES (one expert at least)."""
+    monkeypatch.setattr(expert_matmul, "DEQUANTIZED_RUN_BYTES", 300)
+    assert expert_matmul.expert_runs([2, 1, 0, 3, 4, 5, 0], expert_bytes=100) == [(0, 2), (3, 6)]
+    assert expert_matmul.expert_runs([2, 1, 1, 1, 0], expert_bytes=100) == [(0, 3), (3, 4)]
+    assert expert_matmul.expert_runs([1, 1], expert_bytes=1000) == [(0, 1), (1, 2)]
+
+
+def test_the_auto_path_is_the_loop_on_the_cpu():
+    experts = tiny_experts(4)
+    assert not moe_experts.grouped_mm_runs(torch.zeros(1))
+    with pytest.raises(ValueError, match="matmul path"):
+        moe_experts.set_matmul_path(experts, "fast")
