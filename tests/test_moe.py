@@ -110,8 +110,12 @@ def test_lora_on_experts_reloads_with_plain_peft_on_the_16bit_model(tmp_path, fa
     """The adapter trained on packed experts is peft's own target_parameters format: plain
     PeftModel.from_pretrained on the 16-bit model (peft's ParamWrapper) gives the same logits; the router
     carries no LoRA. Qwen2-MoE's shared expert and its gate carry LoRA as the linear layers they are, saved
-    beside the routed experts' and read back by plain peft."""
-    recipe = moe_recipe(family)
+    beside the routed experts' and read back by plain peft. gpt-oss in float32: in bfloat16 the comparison
+    failed on some runs (max difference 0.44 of the logits' scale), most likely its router's top-2 of 8
+    flipping at near-ties between the low-rank and the merged update."""
+    recipe = moe_recipe(
+        family, **({"quant": {"compute_dtype": "float32"}} if family == "tiny-gpt-oss" else {})
+    )
     base = model.load_base_model(recipe.model, recipe.quant)
     reference = dequantized_16bit(base, recipe)  # before peft wraps the base's layers in place
     peft_model = adapters.attach_lora(base, recipe.lora)

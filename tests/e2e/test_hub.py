@@ -224,8 +224,10 @@ def test_without_network_says_so_in_seconds(tmp_path):
         results = run_cases(cases, hub_env(tmp_path / "hf-dead", dead.url))
     for name, overrides in WITHOUT_HUB.items():  # (a dropped connection reads as a cut-off download)
         assert_one_line(*results[name], f"{overrides[0].split('=')[0]}: ")
-    # each case asked once (its one line names what failed, so it did ask) and never again
-    assert dead.attempts == len(cases), f"{dead.attempts} connections for {len(cases)} cases"
+    # each case asked once (its one line names what failed, so it did ask) and never again; with
+    # transformers 5.25 and the kernels package it requires, one more connection in the process (3 for 2
+    # cases, measured 2026-12-03; the hub client's retries would be several a case)
+    assert len(cases) <= dead.attempts <= len(cases) + 1, f"{dead.attempts} connections for {len(cases)} cases"
 
 
 def test_offline_mode_with_nothing_cached(hub, tmp_path):
