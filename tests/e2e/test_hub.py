@@ -227,7 +227,9 @@ def test_without_network_says_so_in_seconds(tmp_path):
     # each case asked once (its one line names what failed, so it did ask) and never again; with
     # transformers 5.25 and the kernels package it requires, one more connection in the process (3 for 2
     # cases, measured 2026-12-03; the hub client's retries would be several a case)
-    assert len(cases) <= dead.attempts <= len(cases) + 1, f"{dead.attempts} connections for {len(cases)} cases"
+    assert len(cases) <= dead.attempts <= len(cases) + 1, (
+        f"{dead.attempts} connections for {len(cases)} cases"
+    )
 
 
 def test_offline_mode_with_nothing_cached(hub, tmp_path):
