@@ -48,6 +48,13 @@ class ObjectiveSpec:
 
 
 PREFERENCE_CONSOLE = ((keys.EVAL_PREFERENCE_ACCURACY, "eval acc"),)
+# what DPO and ORPO show of their pairs: TRL's reward figures, the held-out preference accuracy
+PAIR_FIGURES = {
+    "metric_keys": keys.PREFERENCE_KEYS,
+    "console": PREFERENCE_CONSOLE,
+    "eval_line": ((keys.EVAL_PREFERENCE_ACCURACY, "preference accuracy"),),
+    "summary": ((keys.EVAL_PREFERENCE_ACCURACY, "eval preference accuracy"),),
+}
 
 OBJECTIVES: dict[str, ObjectiveSpec] = {
     spec.name: spec
@@ -68,10 +75,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             reference=True,
             disables_dropout=True,
             section="preference",
-            metric_keys=keys.PREFERENCE_KEYS,
-            console=PREFERENCE_CONSOLE,
-            eval_line=((keys.EVAL_PREFERENCE_ACCURACY, "preference accuracy"),),
-            summary=((keys.EVAL_PREFERENCE_ACCURACY, "eval preference accuracy"),),
+            **PAIR_FIGURES,
         ),
         ObjectiveSpec(
             "orpo",
@@ -80,10 +84,7 @@ OBJECTIVES: dict[str, ObjectiveSpec] = {
             sequences_per_row=2,  # chosen and rejected in one forward pass; no reference policy
             disables_dropout=True,
             section="preference",
-            metric_keys=keys.PREFERENCE_KEYS,
-            console=PREFERENCE_CONSOLE,
-            eval_line=((keys.EVAL_PREFERENCE_ACCURACY, "preference accuracy"),),
-            summary=((keys.EVAL_PREFERENCE_ACCURACY, "eval preference accuracy"),),
+            **PAIR_FIGURES,
         ),
         ObjectiveSpec(
             "grpo",
