@@ -216,8 +216,8 @@ MUTATIONS = [
     (
         "the GGUF keeps Q/K rows in Hugging Face's order",
         "qlora_kit/registries/families.py",
-        '"LLAMA", "decoder+rope", permute_qk=True,',
-        '"LLAMA", "decoder+rope", permute_qk=False,',
+        '"LLAMA", "decoder+rope", permute_qk=True, unmapped_keys=HEAD_DIM_KEY,',
+        '"LLAMA", "decoder+rope", permute_qk=False, unmapped_keys=HEAD_DIM_KEY,',
         ["tests/test_export.py::test_gguf_reads_back_as_the_model_it_was_written_from[tiny-llama]"],
     ),
     (
@@ -286,8 +286,10 @@ MUTATIONS = [
     (
         "every_n counts a vision tower's layers before the decoder's",
         "qlora_kit/memory/checkpointing.py",
-        '    model.activation_checkpointing_enable(kwargs)\n    if memory.checkpointing == "every_n":\n',
-        "    model.activation_checkpointing_enable(kwargs, every_n_layers=memory.every_n)\n    if False:\n",
+        '    model.activation_checkpointing_enable(kwargs)\n    _vision_side_without_input_grads(model)\n'
+        '    if memory.checkpointing == "every_n":\n',
+        "    model.activation_checkpointing_enable(kwargs, every_n_layers=memory.every_n)\n"
+        "    _vision_side_without_input_grads(model)\n    if False:\n",
         ["tests/test_planner_grid.py::test_plan_matches_what_the_run_saves[tiny-llava-every_n-images]"],
     ),
     (
