@@ -462,6 +462,7 @@ def write_halved_gguf(adapter, path, qtype: str, onto: str = "dequantized") -> N
 
 def write_scaled_gguf(adapter, path, qtype: str, scale: float, onto: str = "dequantized") -> None:
     """A GGUF of base + ``scale`` * update (a wrong merge), written over ``path``."""
+    import copy
     import tempfile
 
     import torch
@@ -471,8 +472,9 @@ def write_scaled_gguf(adapter, path, qtype: str, scale: float, onto: str = "dequ
     from qlora_kit.model import loading as model
 
     recipe = adapters.recipe_of(adapter)
-    merged = floor.merged_model(recipe, adapter, onto)
     base = floor.merged_model(recipe, None, onto)
+    # floor.merged_model(recipe, adapter, onto) without loading and dequantizing the base a second time
+    merged = adapters.load_adapter(copy.deepcopy(base), adapter).merge_and_unload().float().eval()
     with torch.no_grad():
         for (_, weight), (_, base_weight) in zip(
             merged.named_parameters(), base.named_parameters(), strict=True

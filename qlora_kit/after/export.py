@@ -235,12 +235,28 @@ def _floor_name(report: dict) -> str:
     return f"floor: the trained weights in {report['type']}"
 
 
+# The last floor computed, with the reference it was computed for (parity keeps one reference per adapter
+# state): an export and its --check in one process (a notebook, the suite) merge and round the model once.
+_LAST_FLOOR: dict[tuple, tuple[parity.Reference, parity.Reference]] = {}
+
+
 def _floor_reference(
     recipe, adapter_dir: Path, report: dict, reference: parity.Reference
 ) -> parity.Reference:
     """The reference's figures read from the trained model's effective weights rounded as the export
     stores them (a LoRA GGUF: the base rounded into its type, the update applied in fp32 as llama.cpp
     applies it)."""
+    key = (report["type"], report["onto"], report["lora_only"])
+    hit = _LAST_FLOOR.get(key)
+    if hit is not None and hit[0] is reference:
+        return hit[1]
+    figures = _compute_floor(recipe, adapter_dir, report, reference)
+    _LAST_FLOOR.clear()
+    _LAST_FLOOR[key] = (reference, figures)
+    return figures
+
+
+def _compute_floor(recipe, adapter_dir: Path, report: dict, reference: parity.Reference) -> parity.Reference:
     merged = floor.merged_model(recipe, adapter_dir, report["onto"])
     if report["lora_only"]:
         base = floor.merged_model(recipe, None, report["onto"])

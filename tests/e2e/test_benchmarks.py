@@ -1,5 +1,6 @@
 """Every benchmark script runs at ``--smoke`` size and writes its table, in the form the committed one
-has, with finite figures: a script that stops running, or starts writing NaNs, fails the suite instead
+has, with finite figures (all of them in one process, tests/benchmark_smoke.py: 85 s against 166 s a
+process each, measured with ``pytest -n 0`` on this file): a script that stops running, or starts writing NaNs, fails the suite instead
 of leaving a stale table in benchmarks/results/ for the README to quote (vs_trl.py crashed for weeks
 while its table stood). The tables go to a temporary folder (``--out``), never over the committed ones.
 gpu_check.py and packing_check.py write JSON and are run by tests/e2e/test_gpu_check.py; compile.py and
@@ -8,6 +9,7 @@ the training are made on those very runs (``smoke_run`` checks their tables as h
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -178,9 +180,9 @@ def check_table(header: list[str], rows: list[list[str]], columns: list[tuple[st
 
 
 def smoke_run(script: str, out: Path, *options: str) -> tuple[str, list[tuple[list[str], list[list[str]]]]]:
-    """Run ``script --smoke --out OUT [options]`` and check what it wrote: the table in its committed form,
-    finite figures, what MEANING asks, the committed table untouched. Returns the text and its tables."""
-    name, tables = TABLES[script]
+    """Run ``script --smoke --out OUT [options]`` in a process of its own and check what it wrote (as
+    check_smoke_table does). Returns the text and its tables."""
+    name, _ = TABLES[script]
     committed = BENCHMARKS / "results" / name
     before = committed.read_bytes() if committed.exists() else None
     result = subprocess.run(
@@ -191,6 +193,14 @@ def smoke_run(script: str, out: Path, *options: str) -> tuple[str, list[tuple[li
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return check_smoke_table(script, out, before, options)
+
+
+def check_smoke_table(script: str, out: Path, before: bytes | None, options=()):
+    """What a smoke run of ``script`` wrote to ``out``: the table in its committed form, finite figures,
+    what MEANING asks, the committed table untouched (``before``: its bytes before the run)."""
+    name, tables = TABLES[script]
+    committed = BENCHMARKS / "results" / name
     text = (out / name).read_text()
     command = " ".join([f"python benchmarks/{script} --smoke --out {out}", *options])
     assert f"{command}`" in text  # the command that made it
@@ -207,10 +217,32 @@ def smoke_run(script: str, out: Path, *options: str) -> tuple[str, list[tuple[li
     return text, found
 
 
+SMOKED_HERE = sorted(set(TABLES) - set(ELSEWHERE))
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("script", sorted(set(TABLES) - set(ELSEWHERE)))
-def test_benchmark_runs_at_smoke_size_and_writes_a_table_of_finite_figures(script, tmp_path):
-    smoke_run(script, tmp_path)
+def test_every_benchmark_runs_at_smoke_size_and_writes_a_table_of_finite_figures(tmp_path):
+    """All of SMOKED_HERE in one process, one after another (tests/benchmark_smoke.py): each script's exit
+    and table are judged on their own, and every script's finding is reported, not only the first."""
+    committed = {script: BENCHMARKS / "results" / TABLES[script][0] for script in SMOKED_HERE}
+    before = {script: path.read_bytes() if path.exists() else None for script, path in committed.items()}
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.benchmark_smoke", str(tmp_path), *SMOKED_HERE],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    findings = {}
+    for script in SMOKED_HERE:
+        status = json.loads((tmp_path / script / "status.json").read_text())
+        try:
+            assert status["exit"] == 0, status.get("error")
+            check_smoke_table(script, tmp_path / script, before[script])
+        except AssertionError as finding:
+            findings[script] = str(finding)[-1500:]
+    assert not findings, "\n\n".join(f"{script}: {finding}" for script, finding in findings.items())
 
 
 @pytest.mark.parametrize("script", sorted(TABLES))

@@ -1,0 +1,54 @@
+"""Run several benchmark scripts at ``--smoke`` size in this one process, one after another, as
+``python benchmarks/SCRIPT --smoke --out OUT/SCRIPT`` would (tests/e2e/test_benchmarks.py): a process
+start (torch, transformers, peft, bitsandbytes: ~7 s on 2 cores) is paid once, not once a script.
+
+    python -m tests.benchmark_smoke OUT SCRIPT...
+
+Each script runs as ``__main__`` with its own ``sys.argv`` and ``benchmarks/`` first on ``sys.path``, as
+from the shell; the environment is put back after each (oom_recovery.py sets its fault variable).
+OUT/SCRIPT/status.json holds its exit code and, on failure, the traceback's tail."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def run_script(script: str, out: Path) -> dict:
+    argv, environ, path = sys.argv, dict(os.environ), list(sys.path)
+    sys.argv = [f"benchmarks/{script}", "--smoke", "--out", str(out)]
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+        return {"exit": 0}
+    except SystemExit as stop:  # argparse's or the script's own sys.exit
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        return {"exit": code, "error": "" if code == 0 else str(stop.code)[-3000:]}
+    except Exception:  # the next script still runs; the test reports this one
+        return {"exit": 1, "error": traceback.format_exc()[-3000:]}
+    finally:
+        sys.argv, sys.path[:] = argv, path
+        os.environ.clear()
+        os.environ.update(environ)
+        gc.collect()
+
+
+def main() -> None:
+    out, scripts = Path(sys.argv[1]), sys.argv[2:]
+    for script in scripts:
+        folder = out / script
+        folder.mkdir(parents=True, exist_ok=True)
+        status = run_script(script, folder)
+        (folder / "status.json").write_text(json.dumps(status))
+        print(f"{script}: exit {status['exit']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
