@@ -240,6 +240,20 @@ def run_cli_output(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]
     return exit_info.value.code, captured.out, captured.err
 
 
+@pytest.fixture
+def qlora_kit_here(monkeypatch, capsys):
+    """``qlora-kit ARGS`` in this process, as a CompletedProcess (the shape of the tests' subprocess
+    helpers): for the commands a test runs on a run it trained from the shell (eval, generate, show,
+    merge), where starting a process (torch, transformers, peft: ~7 s on 2 cores) is most of their cost."""
+    import subprocess
+
+    def run(*args) -> subprocess.CompletedProcess:
+        code, out, err = run_cli_output([str(a) for a in args], monkeypatch, capsys)
+        return subprocess.CompletedProcess(list(args), code, out, err)
+
+    return run
+
+
 def run_cli(argv: list[str], monkeypatch, capsys) -> tuple[int, str]:
     """``qlora-kit ARGV`` in this process: its exit code and stderr (where its one-line errors go)."""
     code, _, err = run_cli_output(argv, monkeypatch, capsys)

@@ -61,8 +61,8 @@ def test_demo_learns_and_shows_answers_before_and_after(demo_run):
         assert line in result.stdout, line
 
 
-def test_validate_prints_resolved_values_with_overrides():
-    result = qlora_kit("validate", str(DEMO), "--set", "lora.rank=8", "--set", "quant.quant_type=fp4")
+def test_validate_prints_resolved_values_with_overrides(qlora_kit_here):
+    result = qlora_kit_here("validate", str(DEMO), "--set", "lora.rank=8", "--set", "quant.quant_type=fp4")
     assert result.returncode == 0, result.stderr
     assert "rank: 8" in result.stdout and "quant_type: fp4" in result.stdout
     assert "max_grad_norm: 0.3" in result.stdout  # defaults are printed too
@@ -104,8 +104,8 @@ def test_train_refuses_an_output_dir_in_use(tmp_path):
     assert (out / "notes.txt").read_text() == "mine"
 
 
-def test_data_command_shows_marked_examples_lengths_and_padding():
-    result = qlora_kit("data", str(DEMO), "--examples", "2")
+def test_data_command_shows_marked_examples_lengths_and_padding(qlora_kit_here):
+    result = qlora_kit_here("data", str(DEMO), "--examples", "2")
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("example ") == 2 and "⟦" in result.stdout
     assert "p50" in result.stdout and "p99" in result.stdout
@@ -147,16 +147,17 @@ def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["adapter_config.json"]
 
 
-def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path):
+def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path, qlora_kit_here):
+    """chat reads its stdin in a process of its own; eval, generate and merge run in this one."""
     out, _ = demo_run
-    evaluated = qlora_kit("eval", "--adapter", str(out), "--output", str(tmp_path / "eval.json"))
+    evaluated = qlora_kit_here("eval", "--adapter", str(out), "--output", str(tmp_path / "eval.json"))
     assert evaluated.returncode == 0, evaluated.stderr
     assert "exact_match" in evaluated.stdout
     assert json.loads((tmp_path / "eval.json").read_text())["exact_match"] >= 0.9
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "What sound does a dog make?"}\n')
-    generated = qlora_kit(
+    generated = qlora_kit_here(
         "generate", "--adapter", str(out), "What sound does a cow make?", "--file", str(prompts)
     )
     assert generated.returncode == 0, generated.stderr
@@ -174,15 +175,17 @@ def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path):
     assert chat.returncode == 0, chat.stderr
     assert "model> white" in chat.stdout
 
-    refused = qlora_kit("merge", "--adapter", str(out), "--out", str(tmp_path / "m"), "--base", "original")
+    refused = qlora_kit_here(
+        "merge", "--adapter", str(out), "--out", str(tmp_path / "m"), "--base", "original"
+    )
     assert refused.returncode == 3 and "refused: merged model drifts" in refused.stderr
     assert not (tmp_path / "m").exists()
-    merged = qlora_kit("merge", "--adapter", str(out), "--out", str(tmp_path / "m"))
+    merged = qlora_kit_here("merge", "--adapter", str(out), "--out", str(tmp_path / "m"))
     assert merged.returncode == 0, merged.stderr
     assert "top-1 agreement 100.0%" in merged.stdout
 
 
-def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path):
+def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path, qlora_kit_here):
     """Killed (SIGKILL) right after step 3, with checkpoint-2 on disk: --resume starts at step 3 and
     trains steps 3 and 4 only, each logged once."""
     out, recipe = tmp_path / "run", tmp_path / "recipe.yaml"
@@ -195,7 +198,8 @@ def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path):
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]
     assert not (out / "adapter_config.json").exists()
 
-    resumed = qlora_kit("train", str(recipe), "--output-dir", str(out), "--resume")
+    # the resume in this process (the killed run had one of its own)
+    resumed = qlora_kit_here("train", str(recipe), "--output-dir", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming from {out / 'checkpoint-2'}" in " ".join(resumed.stderr.split())
     trained = re.findall(r"^step (\d+)/4 ", resumed.stderr, re.MULTILINE)

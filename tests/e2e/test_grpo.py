@@ -154,8 +154,8 @@ DEMO_MARGIN = 1 / 56
 DEMO_STEPS, DEMO_LOGGING = 40, 5  # recipes/demo-grpo.yaml: max_steps, logging_steps
 
 
-def test_the_demo_raises_held_out_exact_match_from_the_shell(tmp_path):
-    def cli(*args: str) -> subprocess.CompletedProcess:
+def test_the_demo_raises_held_out_exact_match_from_the_shell(tmp_path, qlora_kit_here):
+    def cli(*args: str) -> subprocess.CompletedProcess:  # the trainings, each in a fresh process
         done = subprocess.run(
             [sys.executable, "-m", "qlora_kit", *args], capture_output=True, text=True, timeout=900, cwd=ROOT
         )
@@ -165,11 +165,11 @@ def test_the_demo_raises_held_out_exact_match_from_the_shell(tmp_path):
     sft, grpo = tmp_path / "demo-sft-early", tmp_path / "demo-grpo"
     start = ["--set", "data.path=builtin:demo-facts-mixed", "--set", "train.epochs=12"]
     cli("train", "recipes/demo.yaml", *start, "--output-dir", str(sft))
-    cli("eval", "--adapter", str(sft))
+    assert qlora_kit_here("eval", "--adapter", str(sft)).returncode == 0  # greedy: as in a process
     trained = cli(
         "train", "recipes/demo-grpo.yaml", "--set", f"model.adapter={sft}", "--output-dir", str(grpo)
     )
-    cli("eval", "--adapter", str(grpo))
+    assert qlora_kit_here("eval", "--adapter", str(grpo)).returncode == 0
     before = json.loads((sft / "eval.json").read_text())
     after = json.loads((grpo / "eval.json").read_text())
     assert 0 < before["exact_match"] < 0.5, before  # the starting point is neither at 0% nor at 100%

@@ -17,7 +17,7 @@ from .test_cli import ROOT, qlora_kit
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 
-def test_moe_demo_learns_from_the_shell_and_merges_into_a_folder_transformers_loads(tmp_path):
+def test_moe_demo_learns_from_the_shell_and_merges_into_a_folder_transformers_loads(tmp_path, qlora_kit_here):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "demo-moe"
@@ -31,13 +31,13 @@ def test_moe_demo_learns_from_the_shell_and_merges_into_a_folder_transformers_lo
     loads = [row["tokens_per_expert"] for row in rows if "tokens_per_expert" in row]
     assert loads and all(len(load) == 4 and len(load[0]) == 8 for load in loads)
 
-    shown = qlora_kit("show", str(out))
+    shown = qlora_kit_here("show", str(out))  # show and merge in this process
     assert shown.returncode == 0, shown.stderr
     assert "tokens per expert (fewest-most)" in shown.stdout and "layer 3:" in shown.stdout
     assert "experts" in shown.stdout.split("weights (MiB)")[1]
 
     merged = tmp_path / "merged"
-    result = qlora_kit("merge", "--adapter", str(out), "--out", str(merged))
+    result = qlora_kit_here("merge", "--adapter", str(out), "--out", str(merged))
     assert result.returncode == 0, result.stderr[-3000:]
     model = AutoModelForCausalLM.from_pretrained(merged)
     stacks = [p for n, p in model.named_parameters() if n.endswith("experts.gate_up_proj")]

@@ -22,7 +22,9 @@ pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner l
 RECIPE = str(ROOT / "recipes" / "demo-vlm.yaml")
 
 
-def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path):
+def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path, qlora_kit_here):
+    """train (the README's command) and chat (its stdin) in processes of their own; eval, generate and
+    merge in this one."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -36,7 +38,7 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
         ("base", ["--no-adapter", RECIPE, "--max-examples", "16"]),
         ("trained", ["--adapter", str(out)]),
     ):
-        result = qlora_kit("eval", *where, "--output", str(tmp_path / f"{name}.json"))
+        result = qlora_kit_here("eval", *where, "--output", str(tmp_path / f"{name}.json"))
         assert result.returncode == 0, result.stderr[-3000:]
         accuracy[name] = json.loads((tmp_path / f"{name}.json").read_text())["exact_match"]
     assert accuracy["trained"] >= accuracy["base"] + 0.3, accuracy
@@ -45,12 +47,12 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
     from qlora_kit.data.shapes import COLOURS
 
     image = _a_red_square(tmp_path)
-    answered = qlora_kit(
+    answered = qlora_kit_here(
         "generate", "--adapter", str(out), "What colour is the square?", "--image", str(image)
     )
     assert answered.returncode == 0, answered.stderr[-2000:]
     assert answered.stdout.strip().splitlines()[-1].strip() in COLOURS, answered.stdout
-    missing = qlora_kit("generate", "--adapter", str(out), "Hi", "--image", str(tmp_path / "none.png"))
+    missing = qlora_kit_here("generate", "--adapter", str(out), "Hi", "--image", str(tmp_path / "none.png"))
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.png: no such file")
     # chat --image: two turns about the image (the second sees it again through the history)
     talk = subprocess.run(
@@ -65,7 +67,7 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path)
     assert len(answers) == 2 and answers[0] in COLOURS, talk.stdout
 
     merged = tmp_path / "merged"
-    result = qlora_kit("merge", "--adapter", str(out), "--out", str(merged))
+    result = qlora_kit_here("merge", "--adapter", str(out), "--out", str(merged))
     assert result.returncode == 0, result.stderr[-3000:]
     processor = AutoProcessor.from_pretrained(merged)
     lm = AutoModelForImageTextToText.from_pretrained(merged).eval()
