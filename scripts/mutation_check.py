@@ -286,7 +286,7 @@ MUTATIONS = [
     (
         "every_n counts a vision tower's layers before the decoder's",
         "qlora_kit/memory/checkpointing.py",
-        '    model.activation_checkpointing_enable(kwargs)\n    _vision_side_without_input_grads(model)\n'
+        "    model.activation_checkpointing_enable(kwargs)\n    _vision_side_without_input_grads(model)\n"
         '    if memory.checkpointing == "every_n":\n',
         "    model.activation_checkpointing_enable(kwargs, every_n_layers=memory.every_n)\n"
         "    _vision_side_without_input_grads(model)\n    if False:\n",

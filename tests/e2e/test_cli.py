@@ -1,4 +1,6 @@
-"""The real CLI in a subprocess, as a user runs it."""
+"""The real CLI as a user runs it: trains, chat, kills and one-line errors each in a process of its own
+(what a user sees on stderr includes anything printed at import); eval, generate, merge, validate, data
+and a resume in the test's process (qlora_kit_here), where a process start was most of their time."""
 
 import json
 import os
