@@ -442,6 +442,13 @@ MUTATIONS = [
         "        return\n",
         ["tests/test_planner_grid.py::test_plan_matches_what_the_run_saves[tiny-llama-none-chat-dora]"],
     ),
+    (
+        "the expert loop gathers every pick's states into one (picks, hidden) tensor",
+        "qlora_kit/model/moe_experts.py",
+        '    if path == "looped":  # each expert\'s states gathered for it\n',
+        "    if False:\n",
+        ["tests/test_expert_matmul.py::test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size"],
+    ),
 ]
 
 

@@ -9,21 +9,22 @@ from types import SimpleNamespace
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_kit.model import expert_matmul, moe_experts
 
 EXPERTS, TOP_K, HIDDEN, WIDTH, RANK = 6, 2, 64, 64, 4
 
 
-def tiny_experts(bits: int, family: str = "qwen3_moe"):
+def tiny_experts(bits: int, family: str = "qwen3_moe", width: int = WIDTH):
     """One layer's experts module (fp32), packed in 4 bits with double quantization or not: Qwen3-MoE's, or
     gpt-oss's (stored transposed, (experts, in, out), with a bias per expert, here random and nonzero)."""
     shape = {"vocab_size": 64, "hidden_size": HIDDEN, "num_experts_per_tok": TOP_K, "num_hidden_layers": 1}
     shape |= {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
     if family == "gpt_oss":
-        config = transformers.GptOssConfig(intermediate_size=WIDTH, num_local_experts=EXPERTS, **shape)
+        config = transformers.GptOssConfig(intermediate_size=width, num_local_experts=EXPERTS, **shape)
     else:
-        config = transformers.Qwen3MoeConfig(moe_intermediate_size=WIDTH, num_experts=EXPERTS, **shape)
+        config = transformers.Qwen3MoeConfig(moe_intermediate_size=width, num_experts=EXPERTS, **shape)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     experts = model.model.layers[0].mlp.experts
@@ -37,10 +38,10 @@ def tiny_experts(bits: int, family: str = "qwen3_moe"):
     return model.model.layers[0].mlp.experts
 
 
-def lora_factors(generator):
+def lora_factors(generator, width: int = WIDTH):
     """{parameter: [(A (E, r, in), B (out, r, E), scaling)]}, peft's layout, as LoraExperts passes them."""
     factors = {}
-    for name, (d_out, d_in) in {"gate_up_proj": (2 * WIDTH, HIDDEN), "down_proj": (HIDDEN, WIDTH)}.items():
+    for name, (d_out, d_in) in {"gate_up_proj": (2 * width, HIDDEN), "down_proj": (HIDDEN, width)}.items():
         a = torch.randn(EXPERTS * RANK, d_in, generator=generator).reshape(EXPERTS, RANK, d_in)
         b = torch.randn(d_out, RANK * EXPERTS, generator=generator).reshape(d_out, RANK, EXPERTS)
         factors[name] = [(a.requires_grad_(), b.requires_grad_(), 0.5)]
@@ -101,3 +102,38 @@ def test_the_auto_path_is_the_loop_on_the_cpu():
     assert not moe_experts.grouped_mm_runs(torch.zeros(1))
     with pytest.raises(ValueError, match="matmul path"):
         moe_experts.set_matmul_path(experts, "fast")
+
+
+class OutputShapes(TorchDispatchMode):
+    """Every shape an aten op returns while the mode is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor):
+                self.shapes.add(tuple(tensor.shape))
+        return out
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
+    """At 128 experts top-8 a (picks, hidden) tensor is 8 times the states, and on a CPU its fresh pages cost
+    more than the copy into them: the loop gathers each expert's states for it and adds each expert's rows
+    into the tokens' sums, forward and backward (LoRA on the experts too), with the grouped path's outputs."""
+    experts = tiny_experts(bits, width=48)
+    generator = torch.Generator().manual_seed(3)
+    tokens = 20
+    states = torch.randn(tokens, HIDDEN, generator=generator)
+    index = torch.stack([torch.arange(tokens) % EXPERTS, (torch.arange(tokens) + 1) % EXPERTS], 1)
+    weights = torch.rand(tokens, TOP_K, generator=generator)
+    lora = lora_factors(generator, width=48)
+    with OutputShapes() as seen:
+        looped_out, looped_grads = routed_step(experts, "looped", states, index, weights, lora)
+    assert (tokens * TOP_K, HIDDEN) not in seen.shapes and (tokens, HIDDEN) in seen.shapes
+    grouped_out, grouped_grads = routed_step(experts, "grouped", states, index, weights, lora)
+    for looped, grouped in zip([looped_out, *looped_grads], [grouped_out, *grouped_grads], strict=True):
+        assert (grouped - looped).abs().max() <= 1e-5 * looped.abs().max()  # fp32 sums in another order

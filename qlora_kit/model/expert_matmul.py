@@ -1,24 +1,29 @@
 """Model stage: the matmuls of a mixture's routed experts, for ``moe_experts.experts_forward``.
 
-The batch's (token, slot) picks are sorted by expert once per layer (``route``) and their states gathered
-once in that order, so each expert's tokens are a slice of one tensor. Each projection (the fused gate/up,
-then down) then runs over the sorted rows in one of two ways, with the same results:
+The batch's (token, slot) picks are sorted by expert once per layer (``route``), so each expert's rows are
+consecutive. Each projection (the fused gate/up, then down) then runs over the sorted rows in one of two
+ways, with the same results:
 
 - ``looped`` (the CPU's path): one matmul per expert that has tokens, an idle expert costing nothing; a
   4-bit expert goes through bitsandbytes' ``matmul_4bit``, which dequantizes it for that matmul alone (and
-  again in backward);
+  again in backward). Its states are gathered an expert at a time (``rows_per_expert``) and its down
+  projection's rows added into the tokens' sums as they come (moe_experts.experts_forward): at 128 experts
+  top-8 a (picks, hidden) tensor is 8 times the states, and on a CPU its fresh pages cost more than the
+  copy into them;
 - ``grouped`` (CUDA's path, where torch has a grouped GEMM): one grouped matmul over a run of experts
   (``torch._grouped_mm`` through transformers' dispatcher), the run's 4-bit weights dequantized in one
   bitsandbytes call, at most ``DEQUANTIZED_RUN_BYTES`` of them at a time, in forward and again in backward.
 
 LoRA on the experts follows its projection: each expert's update is ``x @ A_e.T @ B_e.T`` on its rows, the
-rank-r bottleneck, never ``B @ A``. The loop takes each expert's factors from one ``unbind`` of the
+rank-r bottleneck, never ``B @ A``, scaled at the bottleneck (r values a row, not the output's). The loop takes each expert's factors from one ``unbind`` of the
 stacked parameters, so backward writes the stacks' gradients once, not once per expert (indexing the stack
 per expert cost a zeroed stack-sized gradient per expert: quadratic in the experts).
 
-Why per expert and not per stack: 128 experts top-8 run the same active weights as 8 experts top-2 at four
-times the stored weights; what is paid per stored weight (dequantization) stays small beside the matmuls,
-and what was paid per expert (Python, small kernels) is what the grouped path removes on a GPU.
+What 128 experts top-8 cost beside 8 top-2 at the same active weights (benchmarks/moe.py --expert-counts):
+four times the picks, which the loop never holds as (picks, hidden) tensors, and four times the stored
+weights, each expert with tokens dequantized in forward and again in backward. On a CPU that second part
+is what is left at a few hundred tokens a layer (bitsandbytes dequantizes about 10^9 values a second on one
+core); on a GPU dequantizing is a pass over memory, and the grouped path removes the per-expert kernels.
 """
 
 from __future__ import annotations
@@ -46,10 +51,6 @@ class Routing:
     top_k: int
 
     @property
-    def tokens(self) -> torch.Tensor:
-        return self.order // self.top_k
-
-    @property
     def routed(self) -> int:
         """Rows the experts compute (picks of an expert index past the stack, if any, are left out)."""
         return sum(self.counts)
@@ -75,16 +76,42 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     return Routing(flat.argsort(stable=True), counts.tolist(), k)
 
 
+def sum_over_slots(y: torch.Tensor, routing: Routing) -> torch.Tensor:
+    """(T, H): each token's sum of its weighted picks' rows ``y`` (S, H, in expert order); the picks of an
+    expert past the stack, last in that order and without a row, add nothing."""
+    order, k = routing.order, routing.top_k
+    if not y.is_cuda:  # one scatter into (T, H), no (S, H) copy, deterministic on the CPU
+        sums = y.new_zeros(order.numel() // k, y.shape[1])
+        return sums.index_put_((order[: y.shape[0]] // k,), y, accumulate=True)
+    # CUDA: back to (token, slot) order and summed over the slots, as transformers' grouped_mm path does
+    # (deterministic, where index_add_'s atomics with repeated tokens are not)
+    unrouted = order.numel() - y.shape[0]
+    if unrouted:
+        y = torch.cat([y, y.new_zeros(unrouted, y.shape[1])])
+    places = torch.empty_like(order)
+    places[order] = torch.arange(order.numel(), device=order.device)
+    return y[places].view(-1, k, y.shape[1]).sum(dim=1)
+
+
 def looped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch.Tensor:
     """x @ W_e.T (+ each LoRA pair's scaling * x @ A_e.T @ B_e.T) over the sorted rows, expert by expert."""
+    return torch.cat([y for _, y in each_expert(experts, name, x, routing, lora)])
+
+
+def each_expert(experts, name: str, x, routing: Routing, lora):
+    """(rows, y) for each expert with tokens, in expert order: ``rows`` the slice of the sorted rows it ran,
+    ``y`` their projection (``looped`` concatenates them; the experts' sums scatter them as they come). ``x``:
+    the sorted rows (S, in), or already one tensor per expert with tokens (``rows_per_expert``)."""
     weight = getattr(experts, name)
     stats = getattr(experts, f"{name}_4bit", None)
+    # each expert's A_e (r, in) and B_e (out, r), views of the parameters (a contiguous copy of B would be one
+    # more saved tensor of the stack's size a layer)
     factors = [(a.unbind(0), b.unbind(2), scaling) for a, b, scaling in (lora or {}).get(name, ())]
     active = [expert for expert, count in enumerate(routing.counts) if count]
     # one split, whose backward is one concatenation (a slice per expert would zero an x-sized gradient each)
-    pieces = x.split([routing.counts[expert] for expert in active])
-    outputs = []
-    transposed, bias = getattr(experts, "is_transposed", False), _bias(experts, name)
+    pieces = x if isinstance(x, tuple) else x.split([routing.counts[expert] for expert in active])
+    transposed, bias = getattr(experts, "is_transposed", False), bias_of(experts, name)
+    start = 0
     for expert, rows in zip(active, pieces, strict=True):
         if stats is None:  # 16-bit: the planner's trace, or quant.bits 16 (gpt-oss stores (in, out))
             y = rows @ weight[expert] if transposed else torch.nn.functional.linear(rows, weight[expert])
@@ -93,10 +120,39 @@ def looped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch
         if bias is not None:  # gpt-oss: (E, out) biases, frozen in the compute dtype
             y = y + bias[expert].to(y.dtype)
         for a, b, scaling in factors:
-            low = rows.to(a[expert].dtype) @ a[expert].t()  # (n, r): the rank-r bottleneck
-            y = y + (low @ b[expert].t() * scaling).to(y.dtype)
-        outputs.append(y)
-    return torch.cat(outputs)
+            low = rows.to(a[expert].dtype) @ a[expert].t() * scaling  # (n, r): scaled at the bottleneck
+            y = y + (low @ b[expert].t()).to(y.dtype)  # in the factors' dtype: B is not copied, nor saved
+        yield slice(start, start + rows.shape[0]), y
+        start += rows.shape[0]
+
+
+def rows_per_expert(states: torch.Tensor, tokens: torch.Tensor, routing: Routing) -> tuple:
+    """The states' rows of each expert with tokens (``tokens``: the picks' tokens in expert order), one tensor
+    an expert, for ``each_expert``."""
+    sizes = [count for count in routing.counts if count]
+    return GatherPerExpert.apply(states, tokens, sizes)
+
+
+class GatherPerExpert(torch.autograd.Function):
+    """``states[tokens]`` split by expert, gathered an expert at a time; backward adds each expert's gradient
+    straight into the states' gradient. Neither way makes an (S, H) tensor, picks x hidden: at 128 experts
+    top-8 that is 8 times the states, whose fresh pages cost a CPU more than the copy into them."""
+
+    @staticmethod
+    def forward(ctx, states, tokens, sizes):
+        ctx.save_for_backward(tokens)
+        ctx.sizes, ctx.shape = sizes, states.shape
+        return tuple(states.index_select(0, rows) for rows in tokens.split(sizes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (tokens,) = ctx.saved_tensors
+        grad = None
+        for rows, piece in zip(tokens.split(ctx.sizes), grads, strict=True):
+            if piece is not None:
+                grad = piece.new_zeros(ctx.shape) if grad is None else grad
+                grad.index_add_(0, rows, piece)
+        return grad, None, None
 
 
 def grouped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torch.Tensor:
@@ -110,7 +166,7 @@ def grouped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torc
         y = _grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs=offsets)
     else:
         y = GroupedMatmul4bit.apply(x, weight, stats, routing.counts)
-    bias = _bias(experts, name)
+    bias = bias_of(experts, name)
     if bias is not None:  # gpt-oss: each row gets its expert's bias
         experts_of_rows = torch.repeat_interleave(
             torch.arange(len(routing.counts), device=x.device),
@@ -127,7 +183,7 @@ def grouped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torc
     return y
 
 
-def _bias(experts, name: str) -> torch.Tensor | None:
+def bias_of(experts, name: str) -> torch.Tensor | None:
     """The (E, out) bias of a fused weight (gpt-oss's experts carry one), or None."""
     return getattr(experts, f"{name}_bias") if getattr(experts, "has_bias", False) else None
 

@@ -220,26 +220,38 @@ def logical_shape(experts, name: str) -> tuple[int, int, int]:
 def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=None):
     """transformers' experts contract, (T, H) states and (T, K) routing in, (T, H) out: the picks sorted by
     expert once, each expert run on its tokens only (expert_matmul.py: a loop on the CPU, grouped matmuls
-    on CUDA; ``set_matmul_path`` chooses). ``lora``: {parameter name: [(A (E, r, in), B (out, r, E),
-    scaling)]} from LoraExperts."""
+    on CUDA; ``set_matmul_path`` chooses), the routing weights applied on the narrower side of the down
+    projection. ``lora``: {parameter name: [(A (E, r, in), B (out, r, E), scaling)]} from LoraExperts."""
     path = getattr(experts, "matmul_path", "auto")
     if path == "auto":
         path = "grouped" if grouped_mm_runs(hidden_states) else "looped"
     project = expert_matmul.grouped if path == "grouped" else expert_matmul.looped
     routing = expert_matmul.route(top_k_index, experts.num_experts)
-    x = hidden_states[routing.tokens[: routing.routed]]  # (S, H): the picks' states in expert order
+    picks = routing.order[: routing.routed]
+    tokens = picks // routing.top_k
+    if path == "looped":  # each expert's states gathered for it
+        x = expert_matmul.rows_per_expert(hidden_states, tokens, routing)
+    else:  # (S, H): the picks' states in expert order
+        x = hidden_states[tokens]
     h = experts._apply_gate(project(experts, "gate_up_proj", x, routing, lora))
+    weights = top_k_weights.reshape(-1)[picks].unsqueeze(1)  # (S, 1): each pick's routing weight
+    # the down projection is linear: its input weighted is its output weighted, and the narrower of the two
+    # costs less (128 experts top-8: 768 values a row against 2,048); a bias must be weighted too, so not there
+    weigh_first = expert_matmul.bias_of(experts, "down_proj") is None and h.shape[1] < hidden_states.shape[1]
+    if weigh_first:
+        h = h * weights.to(h.dtype)
+    if path == "looped":  # each expert's rows added into the tokens' sums as they come: no (S, H) tensor
+        out = hidden_states.new_zeros(hidden_states.shape)
+        for rows, y in expert_matmul.each_expert(experts, "down_proj", h, routing, lora):
+            if not weigh_first:
+                y = y * weights[rows].to(y.dtype)
+            # index_put_ saves no copy of y for backward, as index_add_ would
+            out.index_put_((tokens[rows],), y.to(out.dtype), accumulate=True)
+        return out
     y = project(experts, "down_proj", h, routing, lora)  # (S, H)
-    unrouted = routing.order.numel() - routing.routed  # picks of an expert past the stack add nothing
-    if unrouted:
-        y = torch.cat([y, y.new_zeros(unrouted, y.shape[1])])
-    # back to (token, slot) order and summed over the slots, as transformers' grouped_mm path does
-    # (deterministic on CUDA too, where index_add_ with repeated tokens is not)
-    picks = torch.empty_like(routing.order)
-    picks[routing.order] = torch.arange(routing.order.numel(), device=picks.device)
-    weighted = y[picks] * top_k_weights.reshape(-1, 1)
-    k = top_k_index.shape[-1]
-    return weighted.to(hidden_states.dtype).view(-1, k, hidden_states.shape[-1]).sum(dim=1)
+    if not weigh_first:
+        y = y * weights.to(y.dtype)
+    return expert_matmul.sum_over_slots(y.to(hidden_states.dtype), routing)
 
 
 MATMUL_PATHS = ("auto", "looped", "grouped")
