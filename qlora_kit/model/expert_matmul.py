@@ -15,9 +15,10 @@ ways, with the same results:
   bitsandbytes call, at most ``DEQUANTIZED_RUN_BYTES`` of them at a time, in forward and again in backward.
 
 LoRA on the experts follows its projection: each expert's update is ``x @ A_e.T @ B_e.T`` on its rows, the
-rank-r bottleneck, never ``B @ A``, scaled at the bottleneck (r values a row, not the output's). The loop takes each expert's factors from one ``unbind`` of the
-stacked parameters, so backward writes the stacks' gradients once, not once per expert (indexing the stack
-per expert cost a zeroed stack-sized gradient per expert: quadratic in the experts).
+rank-r bottleneck, never ``B @ A``, scaled at the bottleneck (r values a row, not the output's). The loop
+takes each expert's factors from one ``unbind`` of the stacked parameters, so backward writes the stacks'
+gradients once, not once per expert (indexing the stack per expert cost a zeroed stack-sized gradient per
+expert: quadratic in the experts).
 
 What 128 experts top-8 cost beside 8 top-2 at the same active weights (benchmarks/moe.py --expert-counts):
 four times the picks, which the loop never holds as (picks, hidden) tensors, and four times the stored
@@ -135,8 +136,9 @@ def rows_per_expert(states: torch.Tensor, tokens: torch.Tensor, routing: Routing
 
 class GatherPerExpert(torch.autograd.Function):
     """``states[tokens]`` split by expert, gathered an expert at a time; backward adds each expert's gradient
-    straight into the states' gradient. Neither way makes an (S, H) tensor, picks x hidden: at 128 experts
-    top-8 that is 8 times the states, whose fresh pages cost a CPU more than the copy into them."""
+    straight into the states' gradient: no (picks, hidden) tensor either way (why: the module's docstring).
+    An expert's rows hold a token once, so each index_add_ is deterministic on CUDA too (a GPU below
+    compute capability 8.0 runs the loop)."""
 
     @staticmethod
     def forward(ctx, states, tokens, sizes):
