@@ -243,3 +243,19 @@ def test_a_selective_layer_keeps_at_least_its_4bit_matmuls_and_attention_outputs
     outputs = cfg.hidden_size + 2 * kv + cfg.hidden_size + 2 * cfg.intermediate_size + cfg.hidden_size
     attention = cfg.hidden_size  # sdpa's output, (tokens x heads x head_dim)
     assert kept >= tokens * bf16 * (outputs + attention), (kept, tokens * bf16 * (outputs + attention))
+
+
+class ContextBefore212:
+    """torch 2.4-2.11's SelectiveCheckpointContext: no ``op_output`` (the policy runs before the op)."""
+
+    def __init__(self, *, is_recompute, op_output=None) -> None:
+        self.is_recompute = is_recompute
+
+
+def test_selective_runs_and_counts_alike_on_a_torch_whose_context_has_no_op_output(monkeypatch):
+    """The H200 run (torch 2.11): ``selective`` and ``auto`` crashed reading ``ctx.op_output``. The same
+    losses, gradients and counted bytes as no checkpointing, with torch's context as 2.11 builds it."""
+    import torch.utils.checkpoint as torch_checkpoint
+
+    monkeypatch.setattr(torch_checkpoint, "SelectiveCheckpointContext", ContextBefore212)
+    compare("tiny-llama", "selective", packing=False)

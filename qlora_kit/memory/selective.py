@@ -23,17 +23,19 @@ element-wise products, residual adds, casts, dropout (non-reentrant checkpoint r
 before the replay, so LoRA dropout draws the same masks) and LoRA's B projection, which contracts over
 ``rank`` values only: memory-bound like an element-wise op, while its output is as wide as the layer's.
 
-Bytes kept this way do not pass through autograd's saved-tensor hooks, so the policy reports each kept
-output to ``accounting.note_saved`` (what ``SavedTensors`` counts, in a run and in the planner's trace).
+Bytes kept this way do not pass through autograd's saved-tensor hooks, so each kept output is reported to
+``accounting.note_saved`` (what ``SavedTensors`` counts, in a run and in the planner's trace) by a
+dispatch mode of ours above torch's, which sees the op's output on every torch in the declared range.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
 from torch.utils import _pytree as pytree
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     SelectiveCheckpointContext,
@@ -95,18 +97,56 @@ def keeps(func, args) -> bool:
 # (the planner's trace counts recompute costs with one).
 OBSERVERS: list[Callable] = []
 
+# Ops torch's caching mode passes through without asking the policy (detach, device queries, ...).
+_IGNORED = getattr(torch_checkpoint, "SAC_IGNORED_OPS", frozenset())
+
 
 def policy(ctx: SelectiveCheckpointContext, func, *args, **kwargs) -> CheckpointPolicy:
-    """torch's selective-checkpoint policy: called once per op in the forward pass, with its output."""
-    kept = keeps(func, args)
-    if not ctx.is_recompute:
+    """torch's selective-checkpoint policy: called once per op in the forward pass and again in the replay.
+
+    It decides from the op and its inputs alone: torch calls it before the op runs up to 2.11 (whose
+    context has no ``op_output``) and after it from 2.12 on, so what needs the output (the saved-bytes
+    count, the observers) is done by ``_KeptOutputs`` instead, the same way on every torch."""
+    return CheckpointPolicy.MUST_SAVE if keeps(func, args) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _KeptOutputs(TorchDispatchMode):
+    """A selective layer's forward context: torch's caching mode with this mode above it, which sees each
+    op's output, reports the kept ones to ``accounting.note_saved`` (they bypass autograd's saved-tensor
+    hooks) and every one to ``OBSERVERS``. A dispatch mode itself, as torch.compile requires of a
+    checkpoint's contexts."""
+
+    def __init__(self, caching: TorchDispatchMode) -> None:
+        super().__init__()
+        self.caching = caching
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # as torch's own caching mode: torch.compile traces through it
+
+    def __enter__(self):
+        self.caching.__enter__()  # first, so below this one: ours runs first and hands each op down
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        return self.caching.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _IGNORED:
+            return out
+        kept = keeps(func, args)
         for observer in OBSERVERS:
-            observer(func, args, kwargs, ctx.op_output, kept)
+            observer(func, args, kwargs, out, kept)
         if kept:
-            pytree.tree_map_only(torch.Tensor, note_saved, ctx.op_output)
-    return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.PREFER_RECOMPUTE
+            pytree.tree_map_only(torch.Tensor, note_saved, out)
+        return out
 
 
-# The context_fn handed to torch's checkpoint (through transformers' checkpointing kwargs): one fresh
-# pair of dispatch modes per checkpointed call.
-context_fn = functools.partial(create_selective_checkpoint_contexts, policy)
+def context_fn():
+    """The context_fn handed to torch's checkpoint (through transformers' checkpointing kwargs): one fresh
+    pair of contexts per checkpointed call."""
+    caching, cached = create_selective_checkpoint_contexts(policy)
+    return _KeptOutputs(caching), cached
