@@ -2,7 +2,9 @@
 injector's real error, the checkpoint's split file and how ``qlora-kit show`` reports a split
 (tests/e2e/test_oom.py trains)."""
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -92,3 +94,21 @@ def test_under_fsdp_split_falls_back_to_stop_with_one_warning(caplog):
         assert (
             oom_policy(Recipe.from_dict(stop)).on_oom == "stop" and not caplog.records
         )  # asked for: no warning
+
+
+def test_a_forward_pass_dropped_before_backward_frees_what_it_saved():
+    """The H200's unrecovered out-of-memory error: ``SavedTensors`` held each saved tensor with its
+    autograd node, and a saved output (exp, sigmoid, rsqrt save theirs) then forms a cycle through C++
+    that only a backward pass breaks. A forward pass stopped by an error kept its whole graph alive."""
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Sigmoid(), torch.nn.Linear(64, 16))
+    x = torch.randn(32, 16)
+
+    def forward_without_backward() -> weakref.ref:
+        with SavedTensors(model).counting():
+            hidden = model[1](model[0](x))  # sigmoid saves its output for backward
+            model[2](hidden).exp().sum()
+        return weakref.ref(hidden)
+
+    kept = forward_without_backward()
+    gc.collect()
+    assert kept() is None

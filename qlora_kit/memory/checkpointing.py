@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import offload, oom_faults, selective, tiled_mlp
+from qlora_kit.memory import allocator_faults, offload, oom_faults, selective, tiled_mlp
 from qlora_kit.memory.accounting import decoder_layers
 
 if TYPE_CHECKING:
@@ -70,6 +70,7 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     """Apply the memory section's policy to the decoder layers (checkpointing, offloaded checkpoints, MLP
     tiles); returns the indices of the layers that recompute in backward (selective or full)."""
     injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
+    allocator_faults.ALLOCATIONS.reload()  # and the allocation cap's
     if injector.cap is not None or injector.eval_cap is not None:
         injector.watch(model)
     tiled_mlp.enable_mlp_tiles(model, memory.mlp_tiles)

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from qlora_kit.errors import TrainingGuardError
+from qlora_kit.memory.allocator_faults import ALLOCATIONS
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.step.distributed import over_ranks
 from qlora_kit.training.step.oom_split import (
@@ -104,6 +105,10 @@ class SplitOnOom:
     def train_in_parts(self, model, inputs, num_items_in_batch=None):
         """The micro-batch's forward and backward passes, in ``parts`` chunks (step.py's item b); on an
         out-of-memory error the step's micro-batches so far again, in twice the parts."""
+        with ALLOCATIONS.micro_batch():  # a no-op unless a test caps the allocations (allocator_faults.py)
+            return self._train_in_parts(model, inputs, num_items_in_batch)
+
+    def _train_in_parts(self, model, inputs, num_items_in_batch):
         started = time.perf_counter()
         loss, failure = self._attempt(model, [inputs], num_items_in_batch)
         if failure is None:
@@ -127,6 +132,7 @@ class SplitOnOom:
 
     def _attempt(self, model, batches, num_items_in_batch):
         """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
+        ALLOCATIONS.attempt_started()
         try:
             total = None
             for batch in batches:
