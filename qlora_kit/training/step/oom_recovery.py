@@ -56,6 +56,7 @@ from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,
     concat,
+    held_after_release,
     memory_figures,
     read_generation_parts,
     read_split,
@@ -148,6 +149,8 @@ class SplitOnOom:
                 self._synchronise_gradients(model)  # every process passed the last backward's flag
             return total, None
         release_memory()
+        # What the retry starts from, as the allocator counts it: the failed attempt's bytes must be gone
+        failure.figures += f"; after the release {held_after_release()}"
         if own and self._phase is not None and not self.is_fsdp_enabled:
             self._agree(failed=True)  # the other processes wait at this point's flag: tell them
         self._phase = None

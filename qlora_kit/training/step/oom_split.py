@@ -176,6 +176,16 @@ def memory_figures() -> str:
     )
 
 
+def held_after_release() -> str:
+    """What is still allocated once a failed attempt is dropped (CUDA's allocator, or the CPU's
+    allocation cap in tests): the next attempt starts from it."""
+    from qlora_kit.memory.allocator_faults import ALLOCATIONS
+
+    if torch.cuda.is_available():
+        return f"allocated {torch.cuda.memory_allocated() / 1024**3:.2f} GiB"
+    return ALLOCATIONS.figures() or "no CUDA device"
+
+
 def rng_state() -> dict[str, Any]:
     """Every random state a step draws from (dropout: torch's; the probe also restores Python's, NumPy's)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "cpu": torch.get_rng_state()}
