@@ -152,6 +152,10 @@ def go_around() -> None:
     if _around is None:
         library = torch.library.Library("bitsandbytes", "FRAGMENT")
         library.impl("dequantize_4bit", _dequantize_in_blocks, "AutogradCPU")
+        # matmul_4bit's forward is the op gemm_4bit, whose kernel (bitsandbytes' default: it has no CPU one)
+        # dequantizes inside: below autograd when a dispatch mode runs it (selective checkpointing's), where
+        # the kernel above is not asked, so gemm_4bit gets a CPU kernel of its own
+        library.impl("gemm_4bit", _gemm_in_blocks, "CPU")
         _around = library
 
 
@@ -175,6 +179,30 @@ def _dequantize_in_blocks(A, absmax, blocksize, quant_type, shape, dtype):
         values = prod(shape)
         blocks = [values // blocksize, blocksize] if values % blocksize == 0 else [values]
         return op(A, absmax, blocksize, quant_type, blocks, dtype).view(*shape)
+
+
+def _gemm_in_blocks(
+    A,
+    B,
+    shapeB,
+    absmax,
+    blocksize,
+    quant_type,
+    bias=None,
+    absmax_8bit=None,
+    absmax_code=None,
+    absmax_offset=None,
+):
+    # bitsandbytes' default gemm_4bit (backends/default/ops.py), the weights dequantized in blocks
+    if absmax_8bit is not None:  # double quantization: absmax holds the second-level absmax, 256 a block
+        absmax = (
+            torch.ops.bitsandbytes.dequantize_blockwise.default(
+                absmax_8bit, absmax, absmax_code, 256, torch.float32
+            )
+            + absmax_offset
+        )
+    weight = _dequantize_in_blocks(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+    return torch.nn.functional.linear(A, weight, bias)
 
 
 def guard(model: torch.nn.Module) -> Verdict:
