@@ -205,13 +205,14 @@ def _gemm_in_blocks(
     return torch.nn.functional.linear(A, weight, bias)
 
 
-def guard(model: torch.nn.Module) -> Verdict:
+def guard(model: torch.nn.Module, verdict: Verdict | None = None) -> Verdict:
     """The self-test for the device of ``model``'s 4-bit weights, before they are used: a TrainingGuardError
-    in one line, naming a layer and its width, when they would be wrong there."""
+    in one line, naming a layer and its width, when they would be wrong there. ``verdict``: this process's
+    ``check`` unless given (a test gives a wrong one)."""
     layers = four_bit_widths(model)
     if not layers:
         return Verdict("none", ())
-    verdict = check(next(iter(layers.values()))[0])
+    verdict = verdict or check(next(iter(layers.values()))[0])
     if verdict.ok:
         return verdict
     odd = [(name, width) for name, (_, width) in layers.items() if width % BLOCKSIZE]
