@@ -1,6 +1,7 @@
 """The two ways the routed experts run their matmuls (model/expert_matmul.py): the loop (the CPU's path) and
-grouped matmuls (CUDA's path: torch's grouped GEMM, whose CPU kernel runs it here) give the same outputs
-and gradients, on 4-bit and 16-bit experts with LoRA on them, with an idle expert and uneven loads."""
+grouped matmuls (CUDA's path: torch's grouped GEMM, whose CPU kernel runs it here) each give the outputs and
+gradients of an independent reference (the weights dequantized by a few lines of plain torch, every product
+in float64), on 4-bit and 16-bit experts with LoRA on them, with an idle expert and uneven loads."""
 
 from __future__ import annotations
 
@@ -11,9 +12,18 @@ import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qlora_kit.model import expert_matmul, moe_experts
+from qlora_kit.model import bnb_selftest, expert_matmul, moe_experts
 
-EXPERTS, TOP_K, HIDDEN, WIDTH, RANK = 6, 2, 64, 64, 4
+EXPERTS, TOP_K, HIDDEN, WIDTH, RANK, TOKENS = 6, 2, 64, 64, 4, 20
+# Each path computes in float32 what the reference computes in float64. Every value is a chain of float32 sums
+# of products: the gate/up projection (HIDDEN terms, + RANK for LoRA), the down projection (2 * WIDTH at
+# most, + RANK), the sum over a token's TOP_K picks, and in backward the sums over the picks' rows of each
+# expert (TOKENS * TOP_K at most); the weights' own float32 rounding adds one more. A sum of n products in
+# float32 is within n * eps of the sum of their magnitudes (Higham's bound), which these small random
+# matrices keep of the order of the largest output: so each result is within (the chain's terms) * eps of
+# max |reference|. A wrong 4-bit block scale is off by a fraction of the weights: 0.3% of the outputs.
+CHAIN = HIDDEN + 2 * 48 + 2 * RANK + TOP_K + TOKENS * TOP_K + 1  # widths 48 and 64 are tested
+TOLERANCE = CHAIN * torch.finfo(torch.float32).eps  # ~2.4e-5 of max |reference|
 
 
 def tiny_experts(bits: int, family: str = "qwen3_moe", width: int = WIDTH):
@@ -35,7 +45,68 @@ def tiny_experts(bits: int, family: str = "qwen3_moe", width: int = WIDTH):
     if bits == 4:
         quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
         assert moe_experts.quantize_experts(model, quant) == 1
+        assert bnb_selftest.guard(model).ok  # as loading.load_base_model does after packing
     return model.model.layers[0].mlp.experts
+
+
+def dense_weights(experts, name: str) -> torch.Tensor:
+    """(E, out, in) float64 weights of one stack: unpacked by plain torch (bnb_selftest.reference_dequantize),
+    not by bitsandbytes, or the 16-bit stack itself."""
+    stats = getattr(experts, f"{name}_4bit", None)
+    if stats is None:
+        weight = getattr(experts, name).detach().double()
+        return weight.transpose(1, 2) if getattr(experts, "is_transposed", False) else weight
+    packed = getattr(experts, name)
+    return torch.stack(
+        [bnb_selftest.reference_dequantize(packed[e], stats.state(e)) for e in range(stats.shape[0])]
+    )
+
+
+def reference_step(experts, states, index, weights, lora):
+    """routed_step's output and gradients in float64, token by token and pick by pick: each pick's expert
+    projects the token (its LoRA pairs added), the gate applied, the down projection weighted and summed."""
+    dense = {name: dense_weights(experts, name) for name in moe_experts.EXPERT_PARAMETERS}
+    states = states.double().requires_grad_()
+    lora = {
+        n: [
+            (a.detach().double().requires_grad_(), b.detach().double().requires_grad_(), s)
+            for a, b, s in pairs
+        ]
+        for n, pairs in lora.items()
+    }
+
+    def project(name, x, e):
+        y = x @ dense[name][e].T
+        if getattr(experts, "has_bias", False):
+            y = y + getattr(experts, f"{name}_bias")[e].double()
+        for a, b, scaling in lora.get(name, ()):
+            y = y + (x @ a[e].T) @ b[:, :, e].T * scaling
+        return y
+
+    rows = []
+    for token in range(states.shape[0]):
+        picks = [
+            weights[token, k].double()
+            * project(
+                "down_proj",
+                experts._apply_gate(project("gate_up_proj", states[token], int(index[token, k]))),
+                int(index[token, k]),
+            )
+            for k in range(index.shape[1])
+        ]
+        rows.append(torch.stack(picks).sum(0))
+    out = torch.stack(rows)
+    out.backward(torch.linspace(-1, 1, out.numel(), dtype=torch.float64).reshape(out.shape))
+    return out.detach(), [states.grad] + [
+        p.grad for pairs in lora.values() for a, b, _ in pairs for p in (a, b)
+    ]
+
+
+def assert_matches_reference(results, reference):
+    """Each of a path's output and gradients within TOLERANCE of max |reference| (see TOLERANCE)."""
+    for got, expected in zip(results, reference, strict=True):
+        scale = expected.abs().max()
+        assert scale > 0 and (got.double() - expected).abs().max() <= TOLERANCE * scale
 
 
 def lora_factors(generator, width: int = WIDTH):
@@ -69,7 +140,7 @@ def test_grouped_matmuls_give_the_loops_outputs_and_gradients(bits, family):
     transposed, biased stacks too."""
     experts = tiny_experts(bits, family)
     generator = torch.Generator().manual_seed(1)
-    tokens = 20
+    tokens = TOKENS
     states = torch.randn(tokens, HIDDEN, generator=generator)
     choices = torch.tensor([0, 1, 2, 4, 5, 5, 0, 0])  # expert 3 idle; 0 and 5 the busiest
     index = torch.stack([choices[torch.arange(tokens) % 8], choices[(torch.arange(tokens) + 3) % 8]], 1)
@@ -78,11 +149,9 @@ def test_grouped_matmuls_give_the_loops_outputs_and_gradients(bits, family):
     lora = lora_factors(generator)
     looped_out, looped_grads = routed_step(experts, "looped", states, index, weights, lora)
     grouped_out, grouped_grads = routed_step(experts, "grouped", states, index, weights, lora)
-    assert looped_out.abs().max() > 0
-    torch.testing.assert_close(grouped_out, looped_out, rtol=1e-5, atol=1e-5)
-    for grouped, looped in zip(grouped_grads, looped_grads, strict=True):  # fp32 sums in another order
-        scale = looped.abs().max()
-        assert scale > 0 and (grouped - looped).abs().max() <= 1e-5 * scale
+    reference_out, reference_grads = reference_step(experts, states, index, weights, lora)
+    assert_matches_reference([looped_out, *looped_grads], [reference_out, *reference_grads])
+    assert_matches_reference([grouped_out, *grouped_grads], [reference_out, *reference_grads])
     for grads in (looped_grads, grouped_grads):
         a_grad = grads[1]  # gate_up's A, (E, r, in)
         assert a_grad[3].abs().max() == 0 and a_grad[0].abs().max() > 0
@@ -124,9 +193,9 @@ def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
     """At 128 experts top-8 a (picks, hidden) tensor is 8 times the states, and on a CPU its fresh pages cost
     more than the copy into them: the loop gathers each expert's states for it and adds each expert's rows
     into the tokens' sums, forward and backward (LoRA on the experts too), with the grouped path's outputs."""
-    experts = tiny_experts(bits, width=48)
+    experts = tiny_experts(bits, width=48)  # not a whole number of 64-value blocks a row: bnb_selftest.py
     generator = torch.Generator().manual_seed(3)
-    tokens = 20
+    tokens = TOKENS
     states = torch.randn(tokens, HIDDEN, generator=generator)
     index = torch.stack([torch.arange(tokens) % EXPERTS, (torch.arange(tokens) + 1) % EXPERTS], 1)
     weights = torch.rand(tokens, TOP_K, generator=generator)
@@ -135,5 +204,6 @@ def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
         looped_out, looped_grads = routed_step(experts, "looped", states, index, weights, lora)
     assert (tokens * TOP_K, HIDDEN) not in seen.shapes and (tokens, HIDDEN) in seen.shapes
     grouped_out, grouped_grads = routed_step(experts, "grouped", states, index, weights, lora)
-    for looped, grouped in zip([looped_out, *looped_grads], [grouped_out, *grouped_grads], strict=True):
-        assert (grouped - looped).abs().max() <= 1e-5 * looped.abs().max()  # fp32 sums in another order
+    reference = reference_step(experts, states, index, weights, lora)
+    assert_matches_reference([looped_out, *looped_grads], [reference[0], *reference[1]])
+    assert_matches_reference([grouped_out, *grouped_grads], [reference[0], *reference[1]])

@@ -1,6 +1,7 @@
 """``qlora-kit doctor``: the first thing to run on a new machine, and what every GPU check runs.
 
-It proves the machine end to end through ``qlora-kit train``'s own code path (``pipeline.run``), on the
+It checks bitsandbytes' 4-bit dequantization on this device against a plain-torch reference (going around
+a kernel known to be wrong: model/bnb_selftest.py), then proves the machine end to end through ``qlora-kit train``'s own code path (``pipeline.run``), on the
 builtin tiny model, with the device's defaults: 4-bit NF4 weights, LoRA, checkpointing, the default
 paged 8-bit optimizer, the chunked loss head and ``train.mixed_precision: auto`` (bf16 autocast on a
 bf16 GPU). Then the saved adapter is loaded back with plain peft onto a freshly loaded 4-bit base and
@@ -31,7 +32,7 @@ from qlora_kit.after.merge import merge_adapter
 from qlora_kit.errors import MergeDriftError
 from qlora_kit.memory.auto import choose_policy
 from qlora_kit.memory.planner import GIB, plan, policy_name
-from qlora_kit.model import driver
+from qlora_kit.model import bnb_selftest, driver
 from qlora_kit.model import loading as model
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe.base import one_line
@@ -69,6 +70,7 @@ def diagnose(
     ``console``: where the tiny run shows its progress (the run console of ``qlora-kit train``); none
     shows nothing of it, never the Trainer's printed log dicts and bars."""
     checks = [_versions(), _device(), _driver(), _llama_cpp()]
+    _attempt(checks, "bitsandbytes 4-bit", _dequantization)
     console = console if console is not None else Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
         run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder), console))
@@ -138,6 +140,13 @@ def _device() -> Check:
         f"{torch.cuda.get_device_name()} (compute capability {major}.{minor}, bf16 {'yes' if bf16 else 'no'}), "
         f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free, {torch.cuda.device_count()} visible",
     )
+
+
+def _dequantization():
+    """bitsandbytes' 4-bit dequantization on this device against a plain-torch reference: a pass where it is
+    right, or wrong and gone around (bnb_selftest.py); a failure where the weights would be wrong."""
+    verdict = bnb_selftest.check("cuda" if torch.cuda.is_available() else "cpu")
+    return verdict.ok, verdict.describe()
 
 
 def _driver() -> Check:

@@ -2,6 +2,8 @@
 
 - ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
 - ``adapters``: attach LoRA with peft, save it, load it back; ``layers``: what a linear layer is;
+- ``bnb_selftest``: bitsandbytes' 4-bit dequantization on this device against a plain-torch reference, and
+  the way around its AVX-512 CPU kernel's wrong widths;
 - ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;
 - ``mxfp4``: a checkpoint stored in MXFP4 (the released gpt-oss) dequantized once into a cached 16-bit folder;
 - ``expert_matmul``: the routed experts' matmuls, looped on the CPU, grouped on CUDA;

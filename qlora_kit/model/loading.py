@@ -27,7 +27,7 @@ from transformers import (
 )
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
+from qlora_kit.model import bnb_selftest, builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -162,6 +162,8 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         log.info(
             "experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant
         )
+    if quant.bits == 4:  # bitsandbytes checked on this device before its weights are used (bnb_selftest.py)
+        bnb_selftest.guard(base)
     log.info("weights by kind: %s", moe_experts.describe_sizes(moe_experts.bytes_by_kind(base)))
     if kernel is not None and base.config._attn_implementation != kernel:
         # A config.json carrying "_attn_implementation" wins over from_pretrained's argument (transformers
