@@ -286,8 +286,10 @@ class Plan:
         in_flight = self.lora_grads + 2 * tokens * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
         backward = in_flight + gradient_working_set(shape, recipe, tokens)
         recomputed = sum(p != "none" for p in layers)
-        if recomputed:
-            backward += max(self.activations("none").per_layer)
+        if recomputed:  # layer i recomputes when the layers above it have freed theirs: the worst such i
+            whole = self.activations("none").per_layer
+            kept = acts.per_layer
+            backward += max(0, max(sum(kept[:i]) + whole[i] for i in range(len(kept))) - sum(kept))
         backward += self.mlp_tile_transient() + self.dequantized_expert()
         host = self.offloaded(recomputed)
         if host:  # the input being recomputed from, back on the device, and the next one prefetched
