@@ -176,7 +176,9 @@ def policy_rows(
     for name, memory in policies:
         recipe = recipe_for(folder, data, memory, batch, seq, steps)
         usage = train(recipe)
-        chosen = plan(recipe, batch=batch, seq=seq, device=device).chosen(recipe)
+        chosen = plan(recipe, batch=batch, seq=seq, device=device, padded=False).chosen(
+            recipe
+        )  # rows of seq tokens
         label = name or policy_name(recipe.memory.checkpointing, recipe.memory.every_n)
         label += "" if recipe.memory.chunked_loss else " (full logits)"
         label += " + offload" if recipe.memory.offload_activations else ""

@@ -177,6 +177,8 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     console.print(table)
     if plan.activation_source == "traced":
         how = f"traced from the model's code under {plan.precision} autocast"
+        attention_kernels = "; ".join(plan.kernels) or "none run"
+        console.print(f"attention kernels assumed ({plan.device}): {attention_kernels}", highlight=False)
     else:
         how = "from the Llama-shaped formula (this model's code could not be traced)"
     policies = Table(title=f"per policy, at {plan.batch} x {plan.seq} tokens; activations {how}")
@@ -236,6 +238,7 @@ def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[st
         "precision": plan.precision,
         "activations_from": plan.activation_source,
         "loss_head_from": plan.head_source,
+        "attention_kernels": list(plan.kernels),
         "weights_quantized": weights.quantized,
         "weights_unquantized": weights.unquantized,
         "weights_experts": weights.experts,

@@ -31,6 +31,7 @@ class Activations:
     source: str = "formula"  # "traced": the layers' figures come from running the model's code (tracing.py)
     head_source: str = "closed form"  # how the head's figure was found (plan's "from" column)
     recompute_cost: list[float] = field(default_factory=list)  # per layer, what backward recomputes
+    kernels: tuple[str, ...] = ()  # traced: the attention kernels the trace ran (device_kernels.py)
 
     @property
     def total(self) -> int:
@@ -155,11 +156,24 @@ def selected_positions_bytes(
 
 
 def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
-    """The loss head's transient: 16-bit logits, their fp32 copy and log-probabilities (one chunk of tokens
-    with the chunked head)."""
-    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    """The loss head's transient, at its backward (measured on an H200, benchmarks/results/
+    planner-h200-2026-12-04.md: the backward's peak, not the forward's). The chunked head recomputes one
+    chunk's logits there: its float32 log-probabilities, their gradient and the logits' float32 gradient
+    are alive at once (12 bytes a logit; the 16-bit logits and their fp32 copy are freed as each is
+    consumed). transformers' head keeps its log-probabilities for backward (counted as kept), and
+    backward adds the two float32 gradients (8 bytes a logit) over every token."""
     rows = min(tokens, recipe.memory.loss_chunk_tokens) if chunked_head(shape, recipe) else tokens
-    return rows * shape.vocab * (c + 4 + 4)
+    per_logit = 4 + 4 + 4 if chunked_head(shape, recipe) else 4 + 4
+    return rows * shape.vocab * per_logit
+
+
+def gradient_working_set(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
+    """What a decoder layer's backward holds in flight at its widest LoRA-adapted linear (the MLP's down
+    projection): the input's gradient along the 4-bit path and along LoRA's (compute dtype each), and
+    LoRA's two float32 copies of it (its cast of the input to float32, and the dropout's gradient)."""
+    c = DTYPE_BYTES[recipe.quant.compute_dtype]
+    widest = max((li.d_in for li in targets(shape, recipe)), default=shape.hidden)
+    return tokens * widest * (2 * c + 2 * 4)
 
 
 def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:

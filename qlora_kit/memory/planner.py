@@ -76,6 +76,7 @@ from qlora_kit.memory import checkpointing
 from qlora_kit.memory.formula import (
     Activations,
     formula_activation_bytes,
+    gradient_working_set,
     kept_layer_bytes,
     lora_dropout,
     loss_spike,
@@ -119,6 +120,7 @@ def activation_bytes(
     trained_tokens: int | None = None,
     precision: str = "no",
     images_per_row: int | None = None,
+    padded: bool = True,
 ) -> Activations:
     """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy and the Trainer's
     autocast ``precision``: traced from the model's own code where it runs on fake tensors, else from
@@ -128,7 +130,7 @@ def activation_bytes(
     recomputing = any(p != "none" for p in policies)
     images = images_in_a_row(recipe, images_per_row)
     traced = (
-        trace_layers(shape.config, recipe, batch, seq, precision, images)
+        trace_layers(shape.config, recipe, batch, seq, precision, images, device, padded)
         if shape.config is not None
         else None
     )
@@ -153,7 +155,9 @@ def activation_bytes(
         if trained_tokens is not None:
             head_source += f" (at most {trained_tokens} of {batch * (seq - 1)}, from the data)"
     cost = traced.recompute_cost(policies)
-    return Activations(per_layer, head, source="traced", head_source=head_source, recompute_cost=cost)
+    return Activations(
+        per_layer, head, source="traced", head_source=head_source, recompute_cost=cost, kernels=traced.kernels
+    )
 
 
 @dataclass
@@ -189,6 +193,10 @@ class Plan:
     # The largest share of an example's tokens that are trained (PreparedData.largest_trained_share):
     # 1.0, every position, when the data is not seen (qlora-kit plan); a run plans from its data.
     trained_share: float = 1.0
+    # unpacked rows padded (the attention mask transformers builds for them kept) or all of one length
+    # (rows truncated to data.max_seq_len: no mask, and on CUDA the flash kernel)
+    padded: bool = True
+    kernels: tuple[str, ...] = ()  # the attention kernels the trace assumed (device_kernels.py)
 
     @property
     def trained_positions(self) -> int | None:
@@ -263,26 +271,30 @@ class Plan:
             self.trained_positions,
             self.precision,
             self.images_per_row,
+            self.padded,
         )
 
     def policy_plan(self, layers: list[str], label: str) -> PolicyPlan:
         """The row of one plan of per-layer policies: what is kept, backward's largest transient, the peak."""
         recipe, shape = self.recipe, self.shape
         acts = self.activations(layers)
-        # Backward holds the LoRA gradients and two hidden-state gradients in flight, plus, when a layer
-        # was checkpointed (fully or selectively), that layer's activations rematerialised.
-        backward = (
-            self.lora_grads
-            + 2 * self.batch * self.seq * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
-        )
+        # Backward holds the LoRA gradients and two hidden-state gradients in flight; in the head's backward
+        # its logits' gradients (loss_spike), in a layer's the gradients at its widest linear and, when the
+        # layer was checkpointed (fully or selectively), its activations rematerialised: the recompute
+        # spike, the peak a run must fit (a forward's peak is below the head's backward).
+        tokens = self.batch * self.seq
+        in_flight = self.lora_grads + 2 * tokens * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
+        backward = in_flight + gradient_working_set(shape, recipe, tokens)
         recomputed = sum(p != "none" for p in layers)
-        if recomputed:
-            backward += max(self.activations("none").per_layer)
+        if recomputed:  # layer i recomputes when the layers above it have freed theirs: the worst such i
+            whole = self.activations("none").per_layer
+            kept = acts.per_layer
+            backward += max(0, max(sum(kept[:i]) + whole[i] for i in range(len(kept))) - sum(kept))
         backward += self.mlp_tile_transient() + self.dequantized_expert()
         host = self.offloaded(recomputed)
         if host:  # the input being recomputed from, back on the device, and the next one prefetched
             backward += 2 * host // recomputed
-        spike = max(loss_spike(shape, recipe, self.batch * self.seq), backward)
+        spike = max(in_flight + loss_spike(shape, recipe, tokens), backward)
         peak = max(self.static + self.pixels + acts.total + spike, self.static + self.rollout, self.load_peak)
         full_layer = max(self.activations("full").recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
@@ -349,13 +361,15 @@ def plan(
     trained_share: float = 1.0,
     images_per_row: int | None = None,
     image_tokens: int | None = None,
+    padded: bool = True,
 ) -> Plan:
     """Predict memory for every checkpointing policy at the recipe's (or the given) batch x sequence
     (a DPO batch of n pairs is 2n sequences; its reference forward runs without grad and keeps
     nothing); per GPU of ``processes`` (sharded over them with ``train.fsdp``, replicated without);
     ``trained_share``: the data's largest trained share of an example (``Plan.trained_share``);
     ``images_per_row``: a vision-language data's most images in a row (``images_in_a_row``);
-    ``image_tokens``: a dynamic-resolution data's most image tokens in a row (``patches_in_a_row``)."""
+    ``image_tokens``: a dynamic-resolution data's most image tokens in a row (``patches_in_a_row``);
+    ``padded``: unpacked rows padded to the longest (the default, the larger) or all of one length."""
     shape = model_shape(recipe)
     # train.objective dpo: each pair is two sequences (chosen and rejected) in one forward pass
     batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
@@ -369,13 +383,14 @@ def plan(
     # what the Trainer's autocast will be on that device (a GPU: quant.compute_dtype's, by default)
     precision = resolve_mixed_precision(recipe, Device(cuda=device == "cuda", bf16=True))
     result = Plan(shape, weights, state, pageable, batch, seq, precision, device=device, recipe=recipe)
-    result.trained_share = trained_share
+    result.trained_share, result.padded = trained_share, padded
     result.shards = processes if recipe.train.fsdp else 1
     result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
     result.images_per_row = images_per_row
     result.pixels = pixel_bytes(shape.config, recipe, batch, images_per_row, image_tokens)
     uncheckpointed = result.activations("none")
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
+    result.kernels = uncheckpointed.kernels
     wanted = candidate_policies(shape.layers)
     own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
     if recipe.memory.checkpointing in ("none", "full", "selective"):

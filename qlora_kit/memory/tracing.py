@@ -46,7 +46,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.flop_counter import flop_registry
 from transformers import masking_utils
 
-from qlora_kit.memory import selective
+from qlora_kit.memory import device_kernels, selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.memory.tiled_mlp import tile_count
@@ -89,6 +89,7 @@ class TracedLayers:
     cost: dict[str, tuple[float, float]] = field(default_factory=dict)
     chunked_head: bool = False  # the run uses the chunked loss head: ``head`` is its forward pass without
     # the selection of trained positions (the planner adds that)
+    kernels: tuple[str, ...] = ()  # the attention kernels the traces ran (device_kernels.py)
 
     def per_layer(self, policies: list[str] | list[bool]) -> list[int]:
         """Bytes per layer for each layer's policy (none, selective or full; or checkpointed flags). Layer 0
@@ -131,10 +132,19 @@ def layer_types(config) -> tuple[str, ...]:
 
 
 def trace_layers(
-    config, recipe: Recipe, batch: int, seq: int, precision: str = "no", images: int = 1
+    config,
+    recipe: Recipe,
+    batch: int,
+    seq: int,
+    precision: str = "no",
+    images: int = 1,
+    device: str = "cpu",
+    padded: bool = True,
 ) -> TracedLayers | None:
     """The traced figures under the Trainer's autocast ``precision`` (bf16, fp16 or no), or None (logged)
-    when this architecture's code cannot run on fake tensors. A vision-language row holds ``images``."""
+    when this architecture's code cannot run on fake tensors. A vision-language row holds ``images``;
+    attention runs the kernel ``device`` picks (``device_kernels``); unpacked rows are ``padded`` (a batch
+    with an attention mask) or of one length (none)."""
     key = (
         config.to_json_string(),
         recipe.model_dump_json(
@@ -150,10 +160,10 @@ def trace_layers(
             }
         ),
     )
-    key += (batch, seq, precision, images)
+    key += (batch, seq, precision, images, device, padded)
     if key not in _TRACED:
         try:
-            _TRACED[key] = _trace_both(config, recipe, batch, seq, precision, images)
+            _TRACED[key] = _trace_both(config, recipe, Shape(batch, seq, images, device, padded), precision)
         except Exception as exc:  # a foreign model's code that fake tensors cannot run: the formula instead
             log.info("planner: tracing %s failed (%s); using the formula", config.model_type, exc)
             _TRACED[key] = None
@@ -163,14 +173,26 @@ def trace_layers(
 _TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: three traces serve them all
 
 
-def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str, images: int) -> TracedLayers:
+@dataclass(frozen=True)
+class Shape:
+    """What a trace runs: the batch's shape, and the device whose kernels it assumes."""
+
+    batch: int
+    seq: int
+    images: int = 1  # a vision-language row's images
+    device: str = "cpu"  # cuda: attention runs CUDA's kernel choice (device_kernels.py)
+    padded: bool = True  # unpacked rows padded (transformers' attention mask) or of one length (none)
+
+
+def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedLayers:
     types = layer_types(config)
     # the first layer, then one layer of every type (in the order they first appear)
     short_types = (types[0], *dict.fromkeys(types))
     short = _cut(config, short_types)
-    plain, _ = _trace(short, recipe, "none", batch, seq, precision, images)
-    full, _ = _trace(short, recipe, "full", batch, seq, precision, images)
-    chosen, costs = _trace(short, recipe, "selective", batch, seq, precision, images)
+    kernels: set[str] = set()
+    plain, _ = _trace(short, recipe, "none", shape, precision, kernels)
+    full, _ = _trace(short, recipe, "full", shape, precision, kernels)
+    chosen, costs = _trace(short, recipe, "selective", shape, precision, kernels)
     later = range(1, len(short_types))
     return TracedLayers(
         layer_types=types,
@@ -185,6 +207,7 @@ def _trace_both(config, recipe: Recipe, batch: int, seq: int, precision: str, im
         first_cost=costs["layer 0"],
         cost={short_types[i]: costs[f"layer {i}"] for i in later},
         chunked_head=uses_chunked_loss(recipe, config),
+        kernels=tuple(sorted(kernels)),
     )
 
 
@@ -199,10 +222,11 @@ def _cut(config, types: tuple[str, ...]):
 
 
 def _trace(
-    config, recipe: Recipe, policy: str, batch: int, seq: int, precision: str, images: int = 1
+    config, recipe: Recipe, policy: str, shape: Shape, precision: str, kernels: set[str]
 ) -> tuple[dict[str, int], dict[str, tuple[float, float]]]:
     """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
-    (full, selective)."""
+    (full, selective). The attention kernels it ran are added to ``kernels``."""
+    batch, seq, images = shape.batch, shape.seq, shape.images
     from qlora_kit.memory import checkpointing
     from qlora_kit.model import adapters, moe_experts
 
@@ -245,14 +269,15 @@ def _trace(
     if recipe.data.packs and flash:
         batch, seq = 1, batch * seq  # the micro-batch flattened into one sequence (packing.py)
     with mode:
-        inputs = _batch(batch, seq, recipe.data.packs)
+        inputs = _batch(batch, seq, recipe.data.packs, shape.padded)
         if facet is not None and not facet.dynamic_resolution:
             inputs |= _images(model.config, facet, inputs, images)
         elif facet is not None:
             inputs |= _image_features(model.config, inputs)
         counter = SavedTensors(peft_model)
         costs = RecomputeCost(counter)
-        with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows):
+        kernel_choice = _attention_kernels(shape.device, kernels)
+        with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows), kernel_choice:
             # the output is kept to the block's end, where the count is fixed: its graph holds what was saved
             if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
                 outputs = final_hidden_states(
@@ -375,12 +400,20 @@ def _images(config, facet, inputs: dict[str, torch.Tensor], per_row: int) -> dic
     return images
 
 
-def _batch(batch: int, seq: int, packing: bool) -> dict[str, torch.Tensor]:
+def _attention_kernels(device: str, kernels: set[str]):
+    """CUDA's attention kernel choice (``device_kernels``), or this CPU's own, named."""
+    if device == "cuda":
+        return device_kernels.cuda_attention(kernels)
+    kernels.add("this CPU's sdpa kernel (torch's choice)")
+    return contextlib.nullcontext()
+
+
+def _batch(batch: int, seq: int, packing: bool, padded: bool = True) -> dict[str, torch.Tensor]:
     """What the collator hands the model: every position trained (the worst case the planner assumes);
     packed rows carry restarting position ids (two examples a row) and no attention mask."""
     ids = torch.zeros(batch, seq, dtype=torch.long)
     inputs = {"input_ids": ids, "labels": ids}
-    if not packing and batch > 1:
+    if not packing and batch > 1 and padded:
         # (one row has no padding: transformers builds no mask for it, which long-context runs rely on)
         # The padding collator's mask. Of a batch of rows of one length transformers builds no attention
         # mask, of a padded batch one that attention keeps; it tells them apart by the mask's values,
