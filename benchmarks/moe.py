@@ -24,10 +24,13 @@ planned peak on a GPU, beside the figures their trainers publish.
 layer's mixture block (router, experts, LoRA r=16 on every expert), forward + backward on the same random
 states, for each expert count side by side: 4-bit experts looped (the CPU's path) and grouped (CUDA's path,
 torch's grouped GEMM, here on its CPU kernel), and 16-bit experts looped (no dequantization: what is left is
-the loop's own cost). Timed in process CPU seconds with one torch thread, so that other work on a shared
-machine does not enter the ratios. Writes moe-expert-count-DEVICE.md.
+the loop's own cost). Timed in process CPU seconds with one torch thread on a CPU, so that other work on a
+shared machine does not enter the ratios; on CUDA in wall-clock seconds between two synchronisations (a
+GPU's small kernels are launch-bound, which CPU seconds do not show), with 16-bit experts grouped too.
+Writes moe-expert-count-DEVICE.md.
 
     python benchmarks/moe.py --expert-counts --tokens 512 2048 4096
+    python benchmarks/moe.py --expert-counts --tokens 512 2048 8192 --out $OUT   # on an H200: ~1-2 min
 """
 
 from __future__ import annotations
@@ -184,13 +187,20 @@ def active_width(shape: dict) -> int:
 
 
 def block_step(block, states) -> float:
-    """Process CPU seconds of one forward + backward of a mixture block."""
+    """Seconds of one forward + backward of a mixture block: process CPU seconds on the CPU, wall clock
+    between two synchronisations on CUDA."""
     states = states.detach().requires_grad_(True)
-    start = time.process_time()
+    cuda = states.is_cuda
+    clock = time.perf_counter if cuda else time.process_time
+    if cuda:
+        torch.cuda.synchronize(states.device)
+    start = clock()
     out = block(states)
     (out[0] if isinstance(out, tuple) else out).float().square().mean().backward()
     block.zero_grad(set_to_none=True)
-    return time.process_time() - start
+    if cuda:
+        torch.cuda.synchronize(states.device)
+    return clock() - start
 
 
 def expert_count_table(args, shape: dict, token_counts: list[int], steps: int) -> str:
@@ -200,11 +210,13 @@ def expert_count_table(args, shape: dict, token_counts: list[int], steps: int) -
     with tempfile.TemporaryDirectory() as tmp:
         blocks = expert_count_blocks(shape, args.compute_dtype, Path(tmp))
         dtype = getattr(torch, args.compute_dtype)
+        device = next(next(iter(blocks.values())).parameters()).device  # where loading put the model
+        settings = COUNT_SETTINGS + ((("16-bit", "grouped"),) if device.type == "cuda" else ())
         rows = []
         for tokens in token_counts:
             states = torch.randn(1, tokens, shape["hidden_size"], generator=torch.Generator().manual_seed(0))
-            states = states.to(dtype)
-            runs = [(e, k, bits, path) for e, k in EXPERT_COUNTS for bits, path in COUNT_SETTINGS]
+            states = states.to(device=device, dtype=dtype)
+            runs = [(e, k, bits, path) for e, k in EXPERT_COUNTS for bits, path in settings]
             times = {run: [] for run in runs}
             for repeat in range(steps + 1):  # the first a warm-up step each
                 for e, k, bits, path in runs:
@@ -213,7 +225,7 @@ def expert_count_table(args, shape: dict, token_counts: list[int], steps: int) -
                     if repeat:
                         times[e, k, bits, path].append(seconds)
             medians = {run: statistics.median(t) for run, t in times.items()}
-            for bits, path in COUNT_SETTINGS:
+            for bits, path in settings:
                 first = medians[(*EXPERT_COUNTS[0], bits, path)]
                 cells = [
                     f"{medians[(e, k, bits, path)]:.3f} ({medians[(e, k, bits, path)] / first:.2f}x)"
@@ -227,14 +239,15 @@ def expert_count_table(args, shape: dict, token_counts: list[int], steps: int) -
 def expert_counts_main(args) -> None:
     shape, tokens, steps = (SMOKE, [64], 1) if args.smoke else (REALISTIC, args.tokens, args.steps)
     table = expert_count_table(args, shape, tokens, steps)
+    cuda = torch.cuda.is_available()
+    clock = "CUDA-synchronised wall-clock seconds" if cuda else "process CPU seconds, one torch thread"
     write_result(
         f"moe-expert-count-{device_name()}",
         "Mixture-of-experts QLoRA: the expert loop's cost as the experts grow, at equal active weights",
         table,
         f"One Qwen3-MoE layer's mixture block: hidden {shape['hidden_size']}, {active_width(shape)} active "
         f"intermediate values a token ({', '.join(f'{e} experts top-{k}' for e, k in EXPERT_COUNTS)}); "
-        f"LoRA r=16 on every expert; {args.compute_dtype} weights and compute; forward + backward in process "
-        f"CPU seconds, one torch thread, median of {steps} steps after one warm-up, settings stepped in turn; "
+        f"LoRA r=16 on every expert; {args.compute_dtype} weights and compute; forward + backward in {clock}, median of {steps} steps after one warm-up, settings stepped in turn; "
         "in brackets, the ratio to 8 experts top-2 in the same row.",
         args.out,
     )

@@ -5,14 +5,17 @@ in float64), on 4-bit and 16-bit experts with LoRA on them, with an idle expert 
 
 from __future__ import annotations
 
+import collections
 from types import SimpleNamespace
 
+import peft
 import pytest
 import torch
 import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from qlora_kit.model import bnb_selftest, expert_matmul, moe_experts
+from qlora_kit import Recipe
+from qlora_kit.model import adapters, bnb_selftest, expert_matmul, moe_experts
 
 EXPERTS, TOP_K, HIDDEN, WIDTH, RANK, TOKENS = 6, 2, 64, 64, 4, 20
 # Each path computes in float32 what the reference computes in float64. Every value is a chain of float32 sums
@@ -157,12 +160,14 @@ def test_grouped_matmuls_give_the_loops_outputs_and_gradients(bits, family):
         assert a_grad[3].abs().max() == 0 and a_grad[0].abs().max() > 0
 
 
-def test_runs_skip_idle_experts_and_respect_the_byte_budget(monkeypatch):
-    """The grouped path dequantizes runs of consecutive experts with tokens, never an idle one, each run at
-    most DEQUANTIZED_RUN_BYTES (one expert at least)."""
+def test_runs_are_byte_windows_trimmed_to_their_experts_with_tokens(monkeypatch):
+    """The grouped path dequantizes a window of at most DEQUANTIZED_RUN_BYTES (one expert at least) in one
+    call, trimmed to its first and last expert with tokens, an idle one between them included: the number of
+    calls does not follow the routing; a window without tokens is skipped."""
     monkeypatch.setattr(expert_matmul, "DEQUANTIZED_RUN_BYTES", 300)
     assert expert_matmul.expert_runs([2, 1, 0, 3, 4, 5, 0], expert_bytes=100) == [(0, 2), (3, 6)]
-    assert expert_matmul.expert_runs([2, 1, 1, 1, 0], expert_bytes=100) == [(0, 3), (3, 4)]
+    assert expert_matmul.expert_runs([2, 0, 1, 1, 0], expert_bytes=100) == [(0, 3), (3, 4)]
+    assert expert_matmul.expert_runs([0, 0, 0, 1], expert_bytes=100) == [(3, 4)]
     assert expert_matmul.expert_runs([1, 1], expert_bytes=1000) == [(0, 1), (1, 2)]
 
 
@@ -207,3 +212,72 @@ def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
     reference = reference_step(experts, states, index, weights, lora)
     assert_matches_reference([looped_out, *looped_grads], [reference[0], *reference[1]])
     assert_matches_reference([grouped_out, *grouped_grads], [reference[0], *reference[1]])
+
+
+class OperatorCount(TorchDispatchMode):
+    """How many operators dispatch while the mode is on, by name: on a GPU each is a launch at least, so
+    the count is the launch cost the CPU can see."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def mixture_block(experts: int, top_k: int, bits: int):
+    """One Qwen3-MoE layer's mixture block (router, experts, LoRA r=8 on every expert through LoraExperts),
+    at equal active weights for any expert count: 384 intermediate values a token, over top_k experts; each
+    expert's absmax fills no whole second-level block (the alignment the stacked statistics must not need)."""
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64,
+        hidden_size=HIDDEN,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=384 // top_k,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if bits == 4:
+        quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
+        moe_experts.quantize_experts(model, quant)
+    lora = Recipe.from_dict({"lora": {"dropout": 0.0, "rank": 8}}).lora
+    peft_model = peft.get_peft_model(model, adapters.lora_config(lora, model)).train()
+    return peft_model.base_model.model.model.layers[0].mlp
+
+
+def block_operators(block, states) -> collections.Counter:
+    states = states.detach().requires_grad_()
+    with OperatorCount() as count:
+        out = block(states)
+        (out[0] if isinstance(out, tuple) else out).square().mean().backward()
+    return count.ops
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_a_grouped_mixture_step_dispatches_as_many_operators_at_8_64_and_128_experts(bits):
+    """Forward + backward of one mixture block on the grouped path (CUDA's, here on torch's CPU grouped GEMM)
+    at equal active weights: the same operators at 8 experts top-2, 64 and 128 top-8 (every expert with
+    tokens), so no Python loop, dequantization call or index operation per expert is left, and nothing is
+    copied from the host; the loop, for contrast, grows."""
+    states = torch.randn(1, 512, HIDDEN, generator=torch.Generator().manual_seed(0))
+    counts = {}
+    for experts, top_k in ((8, 2), (64, 8), (128, 8)):
+        block = mixture_block(experts, top_k, bits)
+        moe_experts.set_matmul_path(block, "grouped")
+        counts[experts] = block_operators(block, states)
+    assert counts[8]["aten._grouped_mm"] > 0
+    # no tensor made from host values (offsets from a Python list): on CUDA a copy from pageable memory
+    # waits for the queue to drain, so the launches stop running ahead; one read of the counts a layer stays
+    assert counts[128]["aten.lift_fresh"] == 0 and counts[128]["aten._local_scalar_dense"] == 0
+    assert counts[64] == counts[8] and counts[128] == counts[8], {
+        op: [counts[e][op] for e in counts] for op in counts[128] if counts[128][op] != counts[8][op]
+    }
+    moe_experts.set_matmul_path(block, "looped")
+    assert sum(block_operators(block, states).values()) > 2 * sum(counts[128].values())

@@ -206,20 +206,28 @@ def plan(
         prepared = prepare_datasets(resolved.data, tokenizer, resolved.train.seed, runs=runs)
         share, images_per_row = prepared.largest_trained_share(), prepared.most_images_per_row()
         image_tokens = prepared.most_image_tokens_per_row()
-    the_plan = make_plan(
-        resolved,
-        batch=batch,
-        seq=seq,
-        device=device,
-        processes=processes,
-        trained_share=share,
-        images_per_row=images_per_row,
-        image_tokens=image_tokens,
-    )
+    options = {"batch": batch, "seq": seq, "processes": processes, "trained_share": share}
+    options |= {"images_per_row": images_per_row, "image_tokens": image_tokens}
+    head = None
+    if objectives.of(resolved).chunked_head:  # memory.chunked_loss auto: the head the run would choose
+        from qlora_kit.memory.loss_choice import choose_head, with_head
+
+        head = choose_head(resolved, device, budget_gb, **options)
+        resolved = with_head(resolved, head.chunked, head.chunk_tokens)
+    the_plan = make_plan(resolved, device=device, **options)
     if as_json:
-        print(json.dumps(views.plan_as_dict(the_plan, resolved, budget_gb), indent=2))
+        result = views.plan_as_dict(the_plan, resolved, budget_gb)
+        if head is not None:
+            result["loss_head"] = {
+                "chunked": head.chunked,
+                "chunk_tokens": head.chunk_tokens,
+                "why": head.why,
+            }
+        print(json.dumps(result, indent=2))
         return
     views.show_plan(console, the_plan, resolved, budget_gb)
+    if head is not None:
+        console.print(f"loss head: {head.describe()}")
 
 
 @app.command("eval")

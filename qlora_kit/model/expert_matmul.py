@@ -45,11 +45,14 @@ DEQUANTIZED_RUN_BYTES = 256 * 2**20
 @dataclass(frozen=True)
 class Routing:
     """The picks of one layer in expert order: ``order`` (S,) indexes the flat (token x slot) picks,
-    ``counts`` how many each expert got (its rows are consecutive)."""
+    ``counts`` how many each expert got (its rows are consecutive), read to the host once a layer, and
+    ``sizes`` the same on the picks' device: offsets made from it need no copy from the host, which from
+    pageable memory waits for the GPU's queue to drain first (the launches then no longer run ahead)."""
 
     order: torch.Tensor
     counts: list[int]
     top_k: int
+    sizes: torch.Tensor
 
     @property
     def routed(self) -> int:
@@ -58,8 +61,7 @@ class Routing:
 
     def offsets(self, first: int = 0, last: int | None = None) -> torch.Tensor:
         """grouped_mm's ``offs`` for experts first..last: each one's end row, from the run's first row."""
-        counts = torch.tensor(self.counts[first:last], dtype=torch.int32)
-        return torch.cumsum(counts, 0, dtype=torch.int32).to(self.order.device)
+        return torch.cumsum(self.sizes[first:last], 0, dtype=torch.int32)
 
 
 @torch.no_grad()
@@ -72,9 +74,11 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     flat, k = top_k_index.reshape(-1), top_k_index.shape[-1]
     if isinstance(flat, FakeTensor):
         share, extra = divmod(flat.numel(), num_experts)
-        return Routing(torch.arange(flat.numel()), [share + (e < extra) for e in range(num_experts)], k)
-    counts = torch.bincount(flat, minlength=num_experts)[:num_experts]
-    return Routing(flat.argsort(stable=True), counts.tolist(), k)
+        counts = [share + (e < extra) for e in range(num_experts)]
+        return Routing(torch.arange(flat.numel()), counts, k, torch.tensor(counts))
+    sizes = torch.bincount(flat, minlength=num_experts)[:num_experts]
+    # the layer's one host synchronisation: row slices (a run's, the loop's experts) need the counts in Python
+    return Routing(flat.argsort(stable=True), sizes.tolist(), k, sizes)
 
 
 def sum_over_slots(y: torch.Tensor, routing: Routing) -> torch.Tensor:
@@ -167,12 +171,11 @@ def grouped(experts, name: str, x: torch.Tensor, routing: Routing, lora) -> torc
         transposed = getattr(experts, "is_transposed", False)
         y = _grouped_mm(x, weight if transposed else weight.transpose(-2, -1), offs=offsets)
     else:
-        y = GroupedMatmul4bit.apply(x, weight, stats, routing.counts)
+        y = GroupedMatmul4bit.apply(x, weight, stats, routing)
     bias = bias_of(experts, name)
     if bias is not None:  # gpt-oss: each row gets its expert's bias
         experts_of_rows = torch.repeat_interleave(
-            torch.arange(len(routing.counts), device=x.device),
-            torch.tensor(routing.counts, device=x.device),
+            torch.arange(len(routing.counts), device=x.device), routing.sizes, output_size=routing.routed
         )
         y = y + bias[experts_of_rows].to(y.dtype)
     device = x.device.type
@@ -196,28 +199,28 @@ class GroupedMatmul4bit(torch.autograd.Function):
     MatMul4Bit does for one matrix."""
 
     @staticmethod
-    def forward(ctx, x, packed, stats, counts):
-        ctx.stats, ctx.counts, ctx.x_dtype = stats, counts, x.dtype
+    def forward(ctx, x, packed, stats, routing):
+        ctx.stats, ctx.routing, ctx.x_dtype = stats, routing, x.dtype
         ctx.save_for_backward(packed)
-        return _run_matmuls(x, packed, stats, counts, transpose=True)
+        return _run_matmuls(x, packed, stats, routing, transpose=True)
 
     @staticmethod
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        grad_x = _run_matmuls(grad, packed, ctx.stats, ctx.counts, transpose=False)
+        grad_x = _run_matmuls(grad, packed, ctx.stats, ctx.routing, transpose=False)
         return grad_x.to(ctx.x_dtype), None, None, None
 
 
-def _run_matmuls(x, packed, stats, counts, transpose: bool) -> torch.Tensor:
+def _run_matmuls(x, packed, stats, routing: Routing, transpose: bool) -> torch.Tensor:
     """Over runs of consecutive experts with tokens: dequantize the run, one grouped matmul on its rows."""
     _, d_out, d_in = stats.shape
     width = d_out if transpose else d_in
     out = x.new_empty(x.shape[0], width, dtype=stats.dtype)
-    row = 0
+    row, counts = 0, routing.counts
     for first, last in expert_runs(counts, d_out * d_in * stats.dtype.itemsize):
         rows = sum(counts[first:last])
         dense = dequantize_run(packed, stats, first, last)  # (n, d_out, d_in)
-        offsets = torch.cumsum(torch.tensor(counts[first:last]), 0, dtype=torch.int32).to(x.device)
+        offsets = routing.offsets(first, last)
         weight = dense.transpose(-2, -1) if transpose else dense
         out[row : row + rows] = _grouped_mm(x[row : row + rows], weight, offs=offsets)
         row += rows
@@ -225,16 +228,17 @@ def _run_matmuls(x, packed, stats, counts, transpose: bool) -> torch.Tensor:
 
 
 def expert_runs(counts: list[int], expert_bytes: int) -> list[tuple[int, int]]:
-    """(first, last) ranges of consecutive experts with tokens, each at most DEQUANTIZED_RUN_BYTES of
-    dense weights (one expert at least): idle experts are never dequantized."""
+    """(first, last) ranges of experts, each within one window of at most DEQUANTIZED_RUN_BYTES of dense
+    weights (one expert at least), trimmed to its first and last expert with tokens; a window without
+    tokens is left out. An idle expert between two busy ones is dequantized with them: one call a window,
+    however the tokens fall, costs less on a GPU than a call for each gap (an expert's dequantization is a
+    pass over a few MiB, a launch ~5 us), and keeps the number of calls independent of the routing."""
     per_run = max(1, DEQUANTIZED_RUN_BYTES // expert_bytes)
-    runs, first = [], None
-    for expert, count in enumerate([*counts, 0]):
-        if first is not None and (count == 0 or expert - first == per_run):
-            runs.append((first, expert))
-            first = None
-        if count and first is None:
-            first = expert
+    runs = []
+    for start in range(0, len(counts), per_run):
+        busy = [e for e in range(start, min(start + per_run, len(counts))) if counts[e]]
+        if busy:
+            runs.append((busy[0], busy[-1] + 1))
     return runs
 
 
@@ -256,21 +260,12 @@ def dequantize_run(packed: torch.Tensor, stats, first: int, last: int) -> torch.
 
 
 def _nested_absmax(stats, first: int, last: int) -> torch.Tensor:
-    """(n, blocks) float absmax of experts first..last: one call when each expert's 8-bit absmax fills
-    whole second-level blocks (so the run's blocks line up with the stacked second-level absmax)."""
-    blocks = stats.absmax.shape[1]
-    if blocks % stats.blocksize2:
-        return torch.stack([_absmax(stats, e) for e in range(first, last)])
-    nested = bnbf.QuantState(
-        absmax=stats.absmax2[first:last].reshape(-1),
-        code=stats.code2,
-        blocksize=stats.blocksize2,
-        dtype=torch.float32,
-    )
-    absmax = bnbf.dequantize_blockwise(stats.absmax[first:last].reshape(-1), nested)
-    return absmax.view(last - first, blocks) + stats.offset[first:last, None]
+    """(n, blocks) float absmax of experts first..last, for any number of them in a fixed number of operations.
 
-
-def _absmax(stats, expert: int) -> torch.Tensor:
-    state = stats.state(expert)
-    return bnbf.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    Each expert's 8-bit absmax was quantized on its own (its own second-level blocks from its first value),
+    so one bitsandbytes call over the run's flat absmax lines up only when an expert's blocks fill whole
+    second-level blocks; bitsandbytes' blockwise dequantization is ``code[q] * absmax2[block]``, written
+    here over the (expert, block) grid instead (exact: the same product in float32)."""
+    quantized = stats.absmax[first:last]  # (n, blocks) uint8
+    scales = stats.absmax2[first:last].repeat_interleave(stats.blocksize2, dim=1)[:, : quantized.shape[1]]
+    return stats.code2[quantized.long()] * scales + stats.offset[first:last, None]

@@ -1,7 +1,7 @@
 """The memory section: how a run keeps what backward needs (checkpointing per layer, the loss head).
 
 Read by ``memory/checkpointing.py`` (the policy applied to the decoder layers), ``memory/planner.py``
-(``auto`` resolved against ``budget_gb``) and the loss head; part of ``recipe.Recipe``.
+(``auto`` resolved against ``budget_gb``) and the loss head (``memory/loss_choice.py`` resolves its auto); part of ``recipe.Recipe``.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ class MemorySection(Section):
     mlp_tiles: int | Literal["auto"] = 1
     """Compute each decoder layer's MLP in this many tiles along the sequence, each recomputed in backward on
     its own, so one tile's intermediate exists at a time; auto: ceil(tokens / hidden) tiles; 1: untiled."""
-    chunked_loss: bool = True
-    """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept."""
+    chunked_loss: bool | Literal["auto"] = "auto"
+    """Compute the output head and loss in chunks of tokens, recomputed in backward: no full logits kept; auto:
+    full logits where the planned peak with them fits budget_gb (else the device's free memory), else chunked,
+    in the largest chunks that fit (memory/loss_choice.py; the run's log and qlora-kit plan say which)."""
     loss_chunk_tokens: int = Field(1024, gt=0)
-    """Tokens per chunk of the chunked loss (each chunk materialises chunk x vocab logits)."""
+    """Tokens per chunk of the chunked loss (each chunk materialises chunk x vocab logits); with chunked_loss
+    auto, the smallest chunk tried (doubled while the plan fits)."""
 
     @model_validator(mode="after")
     def _check_budget(self) -> MemorySection:

@@ -23,7 +23,7 @@ from transformers import TrainerState, set_seed
 from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import attention_fit, auto, checkpointing, layout_costs
+from qlora_kit.memory import attention_fit, auto, checkpointing, layout_costs, loss_choice
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -181,9 +181,12 @@ def _build_checked(
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
     share = prepared.largest_trained_share() if spec.chunked_head else 1.0
-    memory, costs = auto.resolve_auto(
-        recipe, checkpoint, share, prepared.most_images_per_row(), prepared.most_image_tokens_per_row()
-    )
+    images, image_tokens = prepared.most_images_per_row(), prepared.most_image_tokens_per_row()
+    if spec.chunked_head:  # memory.chunked_loss auto: full logits where they fit (TRL's heads keep none)
+        recipe = loss_choice.resolve_head(
+            recipe, trained_share=share, images_per_row=images, image_tokens=image_tokens
+        )
+    memory, costs = auto.resolve_auto(recipe, checkpoint, share, images, image_tokens)
     resolved = ResolvedRun(
         recipe, as_written, spec, launch, precision, memory, costs, output_dir, layout_figures
     )

@@ -169,6 +169,7 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path, m
     bf16 = [
         "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
         "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
+        "--set", "memory.chunked_loss=true",  # auto would choose full logits in the host's memory
     ]  # fmt: skip
     one, two, stderr = one_and_two_processes(tmp_path, in_this_process(monkeypatch, capsys), *bf16, *PACKED)
     assert "mixed precision: bf16" in stderr

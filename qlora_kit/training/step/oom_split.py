@@ -46,6 +46,8 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
         f"memory.checkpointing (now {memory.checkpointing}; full keeps the least), a lower data.max_seq_len "
         f"(now {data.max_seq_len}), a lower memory.loss_chunk_tokens (now {memory.loss_chunk_tokens})"
     )
+    if memory.chunked_loss is False:  # full logits (set, or chosen by auto): the chunked head keeps less
+        levers += " with memory.chunked_loss true (now full logits)"
     if objectives.of(recipe).rollouts:  # the rollouts' peak and the policy step's (grpo/oom.py)
         grpo = recipe.grpo
         levers = (
