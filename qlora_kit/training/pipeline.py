@@ -37,6 +37,7 @@ from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training import sample_prompts
+from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.objective_trainer import build_trainer, builder
 from qlora_kit.training.resolved import ResolvedRun
 from qlora_kit.training.run_folder.manifest import utc_now, write_manifest
@@ -56,7 +57,6 @@ from qlora_kit.training.run_folder.outputs import (
 )
 from qlora_kit.training.run_folder.run_record import tokens_per_s
 from qlora_kit.training.step import step
-from qlora_kit.training.step.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.step.interrupts import StopOnSignal
 from qlora_kit.training.step.trainer import GuardedTrainer
 from qlora_kit.training.watch import run_log, trackers
