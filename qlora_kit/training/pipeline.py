@@ -23,7 +23,7 @@ from transformers import TrainerState, set_seed
 from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import attention_fit, auto, checkpointing, layout_costs
+from qlora_kit.memory import attention_fit, auto, checkpointing
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -36,7 +36,7 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import sample_prompts
+from qlora_kit.training import batch_layout, sample_prompts
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.objective_trainer import build_trainer, builder
 from qlora_kit.training.resolved import ResolvedRun
@@ -175,7 +175,7 @@ def _build_checked(
         prepared = builder(recipe).prepare(recipe, tokenizer)
     as_written = recipe  # what recipe.yaml holds and the trackers log
     launch, precision = checked
-    recipe, prepared, layout_figures = layout_costs.resolve(
+    recipe, prepared, layout_figures = batch_layout.resolve(
         recipe, prepared, tokenizer, checkpoint, precision
     )
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
