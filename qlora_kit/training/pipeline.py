@@ -152,7 +152,7 @@ def build(
 
 
 def _build_checked(
-    recipe: Recipe,
+    as_written: Recipe,
     checked: tuple[dict[str, str] | None, str],
     output_dir: Path | None,
     callbacks: list | None,
@@ -161,22 +161,23 @@ def _build_checked(
 ) -> Setup:
     """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder), with the
     launch and precision it resolved; ``checkpoint``:
-    the one a resumed run continues (checkpointing auto chooses with the costs it measured)."""
-    output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
+    the one a resumed run continues (checkpointing auto chooses with the costs it measured).
+    ``as_written``: the recipe as given (what recipe.yaml holds and the trackers log); ``recipe``, from the
+    layout's stage on, the one the run trains by (data.packing resolved)."""
+    output_dir = output_dir or Path(as_written.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
     # first, in a few requests, before the data is tokenized or the weights are fetched.
-    hub.check_model(recipe.model)
-    hub.check_dataset(recipe.data)
-    set_seed(recipe.train.seed)
-    tokenizer = model.load_tokenizer(recipe.model)
+    hub.check_model(as_written.model)
+    hub.check_dataset(as_written.data)
+    set_seed(as_written.train.seed)
+    tokenizer = model.load_tokenizer(as_written.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    spec = objectives.of(recipe)
+    spec = objectives.of(as_written)
     with Ranks().main_first():  # the objective's module prepares its rows (registries/objectives.py)
-        prepared = builder(recipe).prepare(recipe, tokenizer)
-    as_written = recipe  # what recipe.yaml holds and the trackers log
+        rows = builder(as_written).prepare(as_written, tokenizer)
     launch, precision = checked
     recipe, prepared, layout_figures = batch_layout.resolve(
-        recipe, prepared, tokenizer, checkpoint, precision
+        as_written, rows, tokenizer, checkpoint, precision
     )
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
@@ -196,7 +197,9 @@ def _build_checked(
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
-    attention_fit.check_attention_fits(recipe, base.config)
+    attention_fit.check_attention_fits(
+        base.config, recipe.train.micro_batch_size, recipe.data.max_seq_len, recipe.memory.budget_gb
+    )
     checkpointed = checkpointing.enable_checkpointing(base, resolved.memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(
@@ -287,8 +290,10 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     if console is not None:
         step.show_on(setup.trainer, console)
     if ranks.is_main:
-        run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
-        run_log.log_optimizer_state(setup.model, setup.recipe)
+        run_log.log_setup(
+            setup.model, setup.checkpointed_layers, setup.data, setup.recipe.data, setup.recipe.train
+        )
+        run_log.log_optimizer_state(setup.model, setup.recipe.optimizer.name)
         if objectives.of(setup.recipe).rollouts:  # its two peaks (grpo/oom.py)
             run_log.log_grpo_peaks(setup.recipe, setup.trainer.args.device.type)
         # read back from accelerate, not the recipe: the autocast the forward will actually run under
