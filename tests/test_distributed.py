@@ -12,9 +12,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_ac
 
 from qlora_kit import Recipe, RecipeError
 from qlora_kit.cli import app as cli
+from qlora_kit.training.distributed import check_fsdp_launch, fsdp_settings_of
 from qlora_kit.training.pipeline import check_runnable
 from qlora_kit.training.run_folder.outputs import is_complete_checkpoint
-from qlora_kit.training.step.distributed import check_fsdp_launch, fsdp_settings_of
 from qlora_kit.training.step.guards import TrainingGuard
 from tests.conftest import lora_model
 
@@ -109,7 +109,7 @@ def test_the_guard_finds_lora_parameters_again_after_a_wrapper_renames_them():
 
 def test_cpu_ram_efficient_loading_is_said_to_save_nothing_with_4_bit(tmp_path, caplog):
     settings = fsdp_settings_of(config_with(tmp_path, fsdp_cpu_ram_efficient_loading=True))
-    with caplog.at_level("WARNING", logger="qlora_kit.training.step.distributed"):
+    with caplog.at_level("WARNING", logger="qlora_kit.training.distributed"):
         check_fsdp_launch(Recipe.from_yaml(FSDP_RECIPE), settings)
     assert "fsdp_cpu_ram_efficient_loading saves nothing with a 4-bit model" in caplog.text
     caplog.clear()

@@ -153,7 +153,7 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
     run takes the layout its checkpoint's figures name, and a checkpoint without figures the least
     padding, neither timing again (a second timing could differ by noise). Timing leaves the run's random
     state as it found it."""
-    from qlora_kit.memory.layout_costs import resolve as _resolve_layout
+    from qlora_kit.training.batch_layout import resolve as _resolve_layout
 
     recipe = Recipe.from_dict(
         {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "output_dir": str(tmp_path)}}

@@ -9,26 +9,23 @@ from qlora_kit.training.pipeline import build
 from .conftest import quick_recipe
 
 TRAINING = Path(__file__).resolve().parents[1] / "qlora_kit" / "training"
-LAYOUT_COSTS = (
-    TRAINING.parent / "memory" / "layout_costs.py"
-)  # the layout's stage, which pipeline.build calls
 RESOLVERS = [
     "resolve_mixed_precision",
-    "layout_costs.resolve",
+    "batch_layout.resolve",
     "resolve_layout",
     "resolve_auto",
     "launched_fsdp_settings",
 ]
 # where each may be called: pipeline.build's checks and stages (resolved.py's ``as_given`` serves a
 # Trainer built outside the pipeline); the layout's choice inside its stage, which pipeline.build calls
-CALLERS = {"resolve_layout": {"layout_costs.py"}}
+CALLERS = {"resolve_layout": {"batch_layout.py"}}
 
 
 def test_the_training_stages_resolve_nothing_again():
-    """Each resolver is called once in training/ (and the layout stage, memory/layout_costs.py), by the
-    stage that owns it."""
+    """Each resolver is called once in training/ (the layout's choice in its stage, batch_layout.py), by
+    the stage that owns it."""
     calls = {}
-    for path in [*TRAINING.rglob("*.py"), LAYOUT_COSTS]:
+    for path in TRAINING.rglob("*.py"):
         for name in RESOLVERS:
             for _ in re.finditer(
                 rf"(?<!def )(?<![\w.]){re.escape(name)}\(|\.{re.escape(name)}\(", path.read_text()

@@ -309,7 +309,7 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
     from qlora_kit.data import layout
     from qlora_kit.data.packing import pack_dataset
     from qlora_kit.errors import RecipeError
-    from qlora_kit.memory.layout_costs import resolve as _resolve_layout
+    from qlora_kit.training.batch_layout import resolve as _resolve_layout
     from qlora_kit.training.objectives.sft import prepare
 
     recipe = vlm_recipe(rows_with_images_at_different_offsets(tmp_path), model_path=vlm)

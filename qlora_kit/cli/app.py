@@ -103,7 +103,7 @@ def validate(
     ] = None,
 ) -> None:
     """Load a recipe, apply overrides, and print every resolved value."""
-    from qlora_kit.training.step.distributed import (
+    from qlora_kit.training.distributed import (
         check_fsdp_launch,
         fsdp_settings_of,
         launched_fsdp_settings,

@@ -4,7 +4,7 @@
   labels (which formats exist is ``registries/formats``);
 - ``chat``: chat-template rendering and where the trained assistant spans are; ``segments``: the pieces;
 - ``preference``: preference pairs and labelled answers rendered and checked; ``feedback``: labelled
-  answers as TRL's KTOTrainer reads and tokenizes them; ``prompts``: prompts and references for GRPO;
+  answers as TRL's KTOTrainer reads and tokenizes them (KTO's data); ``prompts``: prompts and references for GRPO;
 - ``rewards``: GRPO's reward functions, scoring completions against the references (training and
   evaluation both score with them);
 - ``demo``: the builtin demo datasets and their files; ``shapes``: the vision-language demo's images;
@@ -12,7 +12,9 @@
   ``mrope``: an M-RoPE family's (Qwen-VL) packed rows, each example's 3-D positions as it has them alone;
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``row_tokens``: one row's token ids, masked labels and the facts the reports and the preflight read;
-- ``prepare``: tokenizing, the length policy, the split, mixing sources, collators; ``prompt_examples``:
+- ``mixture``: the data path every objective takes: each source split, in the objective's row format,
+  mixed (``weight``, ``rows``), deduplicated and reported; ``PreparedData``, ``LengthReport``;
+- ``prepare``: SFT's, DPO's and ORPO's row format (tokenizing under the length policy), collators; ``prompt_examples``:
   rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;
 - ``packing``: best-fit packing of examples into rows, and the packed-row collator;

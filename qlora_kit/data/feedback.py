@@ -1,6 +1,7 @@
 """Labelled answers (formats feedback and feedback_chat, ``train.objective: kto``) as TRL's KTOTrainer reads
-and tokenizes them: the training stage hands TRL these rows, and the data report and ``qlora-kit eval``
-count and score the ids ``token_ids`` gives, which are TRL's own rule.
+and tokenizes them: ``prepare_feedback`` gives the training stage these rows through the data path every
+objective takes (mixture.py), and the data report and ``qlora-kit eval`` count and score the ids
+``token_ids`` gives, which are TRL's own rule.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import datasets
 from trl.data_utils import common_prefix_length
 
 from qlora_kit.data import preference
+from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
 from qlora_kit.registries.formats import FORMATS
@@ -18,18 +20,53 @@ from qlora_kit.registries.formats import FORMATS
 COLUMNS = ("prompt", "completion", "label")  # what TRL's KTOTrainer reads
 
 
-def trl_rows(rows: datasets.Dataset, section, source: str, tokenizer) -> datasets.Dataset:
+def prepare_feedback(data, tokenizer, seed: int) -> PreparedData:
+    """The labelled answers as TRL's text columns (each source's own rows, or its builtin split), mixed
+    and deduplicated as every objective's, then shuffled once with the seed (TRL reads them in order:
+    its KL baseline); validation rows from data.val_path, data.val_fraction or the builtin set."""
+
+    def answers(rows: datasets.Dataset, fmt: str, source: str) -> tuple[datasets.Dataset, LengthReport]:
+        return _answers(trl_rows(rows, data, source, tokenizer, fmt), source, tokenizer)
+
+    mixture = mix_sources(data, seed, answers)
+    train = mixture.train.shuffle(seed=seed)
+    lengths = list(train["length"])
+    val = mixture.val.select_columns(list(COLUMNS)) if mixture.val is not None else None
+    return mixture.prepared(train.select_columns(list(COLUMNS)), val, lengths)
+
+
+def _answers(rows: datasets.Dataset, source: str, tokenizer) -> tuple[datasets.Dataset, LengthReport]:
+    """A source's TRL rows with each row's tokens and digest, and the source's report: TRL keeps every
+    row (it truncates to preference.max_length itself), each answer's tokens trained."""
+    ids = [token_ids(row, tokenizer) for row in rows]
+    lengths = [len(p) + len(a) for p, a in ids]
+    digests = [text_digest(r["prompt"], r["completion"], r["label"]) for r in rows]
+    labelled = sum(rows["label"])
+    report = LengthReport(
+        source,
+        len(rows),
+        lengths=lengths,
+        trained_tokens=sum(len(a) for _, a in ids),
+        labels=f" ({labelled} desirable, {len(rows) - labelled} undesirable answers)",
+    )
+    return rows.add_column("length", lengths).add_column(DIGEST, digests), report
+
+
+def trl_rows(
+    rows: datasets.Dataset, section, source: str, tokenizer, fmt: str | None = None
+) -> datasets.Dataset:
     """TRL's prompt/completion/label columns: texts (format feedback, data.system_prompt before the
     prompt) or conversations (feedback_chat: the prompt's messages with data.system_prompt, the
     assistant's reply as a message list), which TRL renders with the chat template itself; one line
-    naming the row for a missing or wrong field."""
+    naming the row for a missing or wrong field. ``fmt``: the source's format (default data.format)."""
+    fmt = fmt or section.format
     missing = [name for name in COLUMNS if name not in rows.column_names]
     if missing:
         raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format {section.format} "
+            f"{source}: row 1: missing field {missing[0]!r} for format {fmt} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
         )
-    chat = FORMATS[section.format].chat_template
+    chat = FORMATS[fmt].chat_template
     columns = {name: [] for name in COLUMNS}
     for index, row in enumerate(rows.select_columns(list(COLUMNS))):
         try:
@@ -67,9 +104,3 @@ def token_ids(row: dict[str, Any], tokenizer) -> tuple[list[int], list[int]]:
 def _ids(rendered) -> list[int]:
     # apply_chat_template(tokenize=True) returns the ids, or a BatchEncoding of them (transformers 5)
     return list(rendered["input_ids"] if hasattr(rendered, "keys") else rendered)
-
-
-def lengths(rows: datasets.Dataset, tokenizer) -> tuple[list[int], int]:
-    """Each row's tokens and all answers' tokens (what KTO scores), as TRL tokenizes them."""
-    ids = [token_ids(row, tokenizer) for row in rows]
-    return [len(p) + len(a) for p, a in ids], sum(len(a) for _, a in ids)

@@ -14,19 +14,81 @@ micro-batch and seed.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from qlora_kit.data import prepare
-from qlora_kit.data.packing import pack_dataset
+from qlora_kit.data import images, prepare
+from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
+from qlora_kit.registries import attention, objectives
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.data import DataSection
+    from qlora_kit.recipe.recipe import Recipe
 
 log = logging.getLogger(__name__)
 
 LAYOUTS = ("padding", "group_by_length", "packing")  # in order of preference when shares tie
 AUTO = LAYOUTS  # what auto chooses from: the layouts a resume reproduces exactly (all three)
+
+
+COLUMNS = ("input_ids", "labels", "position_ids")  # what the collators read from a row
+
+
+def allowed_layouts(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[str, ...]:
+    """The layouts this run may use: preference pairs and rollouts pad (TRL pads them itself); a kernel
+    not known to keep packed examples apart, or image rows the family cannot pack (logged), do not pack."""
+    if not objectives.of(recipe).packs:
+        return ("padding",)
+    if attention.kernel(recipe.model.attn_implementation).packing is None:
+        return ("padding", "group_by_length")
+    if images.IMAGES_COLUMN in prepared.train.column_names and (why := images.packing_refusal(recipe.model)):
+        if recipe.data.packing == "auto":
+            log.info("data.packing auto: not packing: %s", why)
+        return ("padding", "group_by_length")
+    return AUTO
+
+
+@dataclass
+class LaidOut:
+    """The training set as one layout trains on it: its rows, the epoch's batches of row indices in the
+    Trainer's seeded order, the collator, and the pad share of the positions it computes in an epoch."""
+
+    rows: object
+    batches: list[list[int]]
+    collator: object
+    pad_share: float
+
+    def collated(self, count: int) -> list[dict]:
+        """``count`` of the epoch's batches, evenly spaced from the first to the last, collated (on the CPU)."""
+        picked = self.batches
+        if len(picked) > count:
+            step = (len(picked) - 1) / (count - 1)
+            picked = [picked[round(i * step)] for i in range(count)]
+        kept = [c for c in COLUMNS if c in self.rows.column_names]
+        batches = [self.collator(list(self.rows.select(batch).select_columns(kept))) for batch in picked]
+        return [{k: v for k, v in inputs.items() if k != "labels"} for inputs in batches]
+
+
+def lay_out(
+    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...]
+) -> dict[str, LaidOut]:
+    """Each ``allowed`` layout of the training set as the run would lay it out (``prepare.epoch_batches``,
+    the run's collator)."""
+    data, train = recipe.data, recipe.train
+    seed, size = train.seed, train.micro_batch_size
+    laid_out = {}
+    for name in allowed:
+        rows = pack_dataset(prepared.train, data.max_seq_len) if name == "packing" else prepared.train
+        lengths = [len(ids) for ids in rows["input_ids"]]
+        grouped = name == "group_by_length"  # megabatches of the global batch, as the Trainer groups
+        batches = prepare.epoch_batches(lengths, size, grouped, seed, size * train.grad_accum)
+        collator = prepare.build_collator(tokenizer, name == "packing", recipe.model.attn_implementation)
+        flattened = isinstance(collator, FlattenedRowsCollator)
+        positions = sum(
+            sum(lengths[i] for i in b) if flattened else max(lengths[i] for i in b) * len(b) for b in batches
+        )
+        laid_out[name] = LaidOut(rows, batches, collator, 1 - sum(lengths) / positions)
+    return laid_out
 
 
 def choose_layout(shares: dict[str, float], allowed: tuple[str, ...] = AUTO) -> str:

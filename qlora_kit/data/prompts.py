@@ -15,12 +15,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import datasets
 from datasets import Dataset
 
 from qlora_kit.data import formats, sources
 from qlora_kit.data.chat import apply_system_prompt_mode, sharegpt_messages, with_system_prompt
-from qlora_kit.data.prepare import LengthReport, PreparedData
+from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
 from qlora_kit.data.row_tokens import check_columns
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
@@ -36,37 +35,16 @@ def prepare_prompts(data: DataSection, tokenizer, seed: int, completion_tokens: 
     """Training and validation prompts (with references) from the recipe's data, each source in its own
     format; ``completion_tokens``: the room each prompt leaves for its completion."""
     budget = data.max_seq_len - completion_tokens
-    train_parts, val_parts, train_reports, val_reports = [], [], [], []
-    val_rows, val_format = None, data.format
-    for source in data.source_list():
-        fmt = data.format_of(source)
-        split = sources.split_source(source, data, seed)
-        part, report = _prompts(split.rows, fmt, data, tokenizer, split.train_from, budget)
-        train_parts.append(part)
-        train_reports.append(report)
-        if split.held_out is not None:
-            part, report = _prompts(split.held_out, fmt, data, tokenizer, split.held_from, budget)
-            val_parts.append(part)
-            val_reports.append(report)
-            if val_rows is None:
-                val_rows, val_format = split.held_out, fmt
-    if data.val_path is not None:
-        val_rows = sources.load_val_rows(data)
-        part, report = _prompts(val_rows, data.format, data, tokenizer, data.val_path, budget)
-        val_parts, val_reports, val_format = [part], [report], data.format
-    train = _concatenate(train_parts).shuffle(seed=seed) if data.sources else _concatenate(train_parts)
-    val = _concatenate(val_parts) if val_parts else None
+
+    def prompts(rows: Dataset, fmt: str, source: str) -> tuple[Dataset, LengthReport]:
+        return _prompts(rows, fmt, data, tokenizer, source, budget)
+
+    mixture = mix_sources(data, seed, prompts, common_columns=True)
+    train = mixture.train.shuffle(seed=seed) if data.sources else mixture.train
     lengths = list(train["length"])
-    return PreparedData(
-        train.remove_columns("length"),
-        val.remove_columns("length") if val is not None else None,
-        train_reports + val_reports,
-        lengths,
-        val_rows,
-        val_format,
-        checks=None,
-        sources=len(train_reports),
-    )
+    made = ["length", DIGEST]  # what only the data path reads: TRL would pass them to the rewards
+    val = mixture.val.remove_columns(made) if mixture.val is not None else None
+    return mixture.prepared(train.remove_columns(made), val, lengths)
 
 
 def prompt_and_reference(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> tuple[Any, str]:
@@ -111,7 +89,13 @@ def _prompts(
             prompt, reference = prompt_and_reference(row, fmt, tokenizer, data)
         except (RowError, KeyError, TypeError) as exc:
             raise DataError(f"{source}: row {index + 1}: {exc}") from None
-        return {PROMPT: prompt, REFERENCE: reference, "length": prompt_length(prompt, tokenizer)}
+        length = prompt_length(prompt, tokenizer)
+        return {
+            PROMPT: prompt,
+            REFERENCE: reference,
+            "length": length,
+            DIGEST: text_digest(prompt, reference),
+        }
 
     with sources.quiet_datasets():
         converted = rows.map(convert, with_indices=True, desc="prompts")
@@ -130,11 +114,3 @@ def _prompts(
             f"(shortest {min(lengths)})"
         )
     return (converted.select(keep) if len(keep) < len(lengths) else converted), report
-
-
-def _concatenate(parts: list[Dataset]) -> Dataset:
-    """One dataset of several sources' prompts: the columns they all have (TRL passes them to rewards)."""
-    if len(parts) == 1:
-        return parts[0]
-    shared = set.intersection(*(set(p.column_names) for p in parts))
-    return datasets.concatenate_datasets([p.select_columns(sorted(shared)) for p in parts])

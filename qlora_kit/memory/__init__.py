@@ -21,8 +21,9 @@
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
 - ``layer_costs``: auto's recompute costs, timed once per run on its device (kept in every checkpoint);
-- ``layout_costs``: ``data.packing: auto``'s real tokens a second per layout, timed on the run's own data
-  (kept in every checkpoint);
+- ``layout_costs``: ``data.packing: auto``'s real tokens a second per layout, timed on batches of the
+  run's own data that data/layout.py lays out (kept in every checkpoint); memory/ imports nothing from
+  data/, the stage that joins them is training/batch_layout.py;
 - ``cut_model``: a few of the run's decoder layers built at random and loaded as the run loads them, and
   the clock that times them (for ``layer_costs`` and ``layout_costs``);
 - ``saved_facts``: writing and reading those measured figures beside a checkpoint;

@@ -15,9 +15,9 @@ before the weights load, as checkpointing auto times its layers (``memory/layer_
    its clock; a layout's cost per computed position is its median round's seconds over its positions;
 3. real tokens a second = (1 - pad share) / cost per position, and the most wins.
 
-``resolve`` is the stage ``pipeline.build`` calls: the layouts this run may use (preference pairs pad; a
-kernel not known to keep packed examples apart, or image rows a family cannot pack, do not pack), timed
-or read back, and the choice (``data/layout.py``).
+The layouts this run may use, their batches and the choice are the data's (``data/layout.py``); the
+stage that times them or reads them back is ``training/batch_layout.py``, which ``pipeline.build`` calls.
+This module times the batches it is given and imports nothing from ``data/``.
 
 A resumed run must lay its data out as the run it continues did, so the figures are written into every
 checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
@@ -37,10 +37,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from qlora_kit.data import images, layout, prepare
-from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
 from qlora_kit.memory import saved_facts
-from qlora_kit.registries import attention, objectives
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -50,7 +47,6 @@ log = logging.getLogger(__name__)
 LAYOUT_FILE = "layout_costs.json"  # in each checkpoint: the figures a resumed run chooses its layout by
 BATCHES = 3  # timed batches of each layout, spread over its epoch
 ROUNDS = 3  # timed rounds (their median) after one warm-up round
-COLUMNS = ("input_ids", "labels", "position_ids")  # what the collators read from a row
 
 
 @dataclass(frozen=True)
@@ -87,53 +83,11 @@ def read(folder: Path | None) -> LayoutCosts | None:
     return saved_facts.read(folder, LAYOUT_FILE, LayoutCosts)
 
 
-def resolve(
-    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, checkpoint: Path | None, precision: str
-) -> tuple[Recipe, prepare.PreparedData, LayoutCosts | None]:
-    """``data.packing: auto`` -> the layout with the most real tokens per second, timed here or read back
-    from the checkpoint a resumed run continues, else the least padding (data/layout.py); the rest of the
-    run reads the resolved recipe. Returns the figures too, for every checkpoint."""
-    if not objectives.of(recipe).packs:
-        allowed = ("padding",)  # TRL pads its pairs and its rollouts itself
-    elif attention.kernel(recipe.model.attn_implementation).packing is None:
-        allowed = ("padding", "group_by_length")  # a kernel not known to keep packed examples apart
-    elif images.IMAGES_COLUMN in prepared.train.column_names and (
-        why := images.packing_refusal(recipe.model)
-    ):
-        allowed = ("padding", "group_by_length")
-        if recipe.data.packing == "auto":
-            log.info("data.packing auto: not packing: %s", why)
-    else:
-        allowed = layout.AUTO
-    costs = None
-    if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
-        # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
-        if checkpoint is not None:
-            costs = read(checkpoint)
-        else:
-            costs = measure(recipe, prepared, tokenizer, allowed, precision)
-    train = recipe.train
-    speeds = costs.tokens_per_s() if costs else None
-    data, prepared = layout.resolve_layout(
-        prepared,
-        recipe.data,
-        train.micro_batch_size,
-        train.seed,
-        allowed,
-        speeds,
-        costs.source if costs else "",
-    )
-    return recipe.model_copy(update={"data": data}), prepared, costs
-
-
 def measure(
-    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...], precision: str
+    recipe: Recipe, batches: dict[str, list[dict]], pad_shares: dict[str, float], precision: str
 ) -> LayoutCosts | None:
-    """Time the ``allowed`` layouts on the run's own data (module docstring); None (logged) where they
-    cannot be timed here."""
-    if images.IMAGES_COLUMN in prepared.train.column_names:
-        log.info("data.packing auto: image rows are not timed; choosing by padding")
-        return None
+    """Time each layout's collated ``batches`` (``BATCHES`` of its epoch, from data/layout.py; module
+    docstring); None (logged) where they cannot be timed here. ``pad_shares``: each layout's, over its epoch."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         log.info(
             "data.packing auto: %s processes would time apart; choosing by padding", os.environ["WORLD_SIZE"]
@@ -146,7 +100,7 @@ def measure(
         # the cut model's random weights and dropout draw here, not from the run's streams
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            return _time_layouts(recipe, load_config(recipe), prepared, tokenizer, allowed, precision)
+            return _time_layouts(recipe, load_config(recipe), batches, pad_shares, precision)
     except Exception as exc:  # a foreign model's code that cannot be built or run here: choose by padding
         log.info("data.packing auto: timing the layouts failed (%s); choosing by padding", exc)
         return None
@@ -154,62 +108,22 @@ def measure(
         release()  # the cut model's memory, before the run's model loads
 
 
-@dataclass
-class _Layout:
-    rows: object  # the dataset as this layout trains on it
-    batches: list[list[int]]  # the epoch's batches of row indices, in a seeded order
-    collator: object
-    pad_share: float
-
-
-def _layouts(
-    recipe: Recipe, prepared: prepare.PreparedData, tokenizer, allowed: tuple[str, ...]
-) -> dict[str, _Layout]:
-    data, train = recipe.data, recipe.train
-    seed, size = train.seed, train.micro_batch_size
-    laid_out = {}
-    for name in allowed:
-        rows = pack_dataset(prepared.train, data.max_seq_len) if name == "packing" else prepared.train
-        lengths = [len(ids) for ids in rows["input_ids"]]
-        grouped = name == "group_by_length"  # megabatches of the global batch, as the Trainer groups
-        batches = prepare.epoch_batches(lengths, size, grouped, seed, size * train.grad_accum)
-        collator = prepare.build_collator(tokenizer, name == "packing", recipe.model.attn_implementation)
-        flattened = isinstance(collator, FlattenedRowsCollator)
-        positions = sum(
-            sum(lengths[i] for i in b) if flattened else max(lengths[i] for i in b) * len(b) for b in batches
-        )
-        laid_out[name] = _Layout(rows, batches, collator, 1 - sum(lengths) / positions)
-    return laid_out
-
-
 def _time_layouts(
-    recipe: Recipe,
-    config,
-    prepared: prepare.PreparedData,
-    tokenizer,
-    allowed: tuple[str, ...],
-    precision: str,
+    recipe: Recipe, config, batches: dict[str, list[dict]], pad_shares: dict[str, float], precision: str
 ) -> LayoutCosts:
     from qlora_kit.memory.cut_model import LAYERS, cut_model
     from qlora_kit.memory.loss_head import final_hidden_states
     from qlora_kit.memory.tracing import layer_types
 
-    laid_out = _layouts(recipe, prepared, tokenizer, allowed)
     memory = recipe.memory
     if memory.checkpointing not in ("none", "selective", "full"):  # auto and per-layer plans: as full
         memory = memory.model_copy(update={"checkpointing": "full", "layer_policies": None})
     with cut_model(recipe, config, memory, precision) as cut:
 
-        def collated(layout: _Layout, batch: list[int]) -> dict:
-            rows = layout.rows.select(batch).select_columns(
-                [c for c in COLUMNS if c in layout.rows.column_names]
-            )
-            inputs = layout.collator(list(rows))
-            return {
-                k: v.to(cut.device) if torch.is_tensor(v) else v for k, v in inputs.items() if k != "labels"
-            }
+        def on_device(inputs: dict) -> dict:
+            return {k: v.to(cut.device) if torch.is_tensor(v) else v for k, v in inputs.items()}
 
-        timed = {name: [collated(lay, b) for b in _spread(lay.batches)] for name, lay in laid_out.items()}
+        timed = {name: [on_device(inputs) for inputs in laid] for name, laid in batches.items()}
         positions = {name: sum(b["input_ids"].numel() for b in batches) for name, batches in timed.items()}
 
         def seconds(batches: list[dict]) -> float:
@@ -235,12 +149,4 @@ def _time_layouts(
         f"measured on {device}{'' if device == 'cuda' else ' (one thread)'} through {layers} layers, "
         f"{BATCHES} batches a layout"
     )
-    return LayoutCosts(per_position, {name: lay.pad_share for name, lay in laid_out.items()}, source)
-
-
-def _spread(batches: list[list[int]]) -> list[list[int]]:
-    """``BATCHES`` of the epoch's batches, evenly spaced from the first to the last."""
-    if len(batches) <= BATCHES:
-        return batches
-    step = (len(batches) - 1) / (BATCHES - 1)
-    return [batches[round(i * step)] for i in range(BATCHES)]
+    return LayoutCosts(per_position, {name: pad_shares[name] for name in per_position}, source)

@@ -7,18 +7,21 @@ Assembling a run, here at the top:
   auto, the objective, the launch), resolved once into one object every later stage reads;
 - ``objective_trainer``: ``train.objective`` -> its module (each imported explicitly, on first use) and
   the Trainer that runs it, with qlora_kit's callbacks;
-- ``sample_prompts``: the validation prompts a run answers before and after training.
+- ``sample_prompts``: the validation prompts a run answers before and after training;
+- ``batch_layout``: ``data.packing: auto``'s stage: the data's layouts (data/layout.py) timed
+  (memory/layout_costs.py) or read back from a checkpoint, and the choice;
+- ``distributed``: what one process of several does differently (DDP, FSDP2): the ranks, the launch's
+  FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it).
 
 And four sub-packages, each listing its modules:
 
-- ``step/``: the Trainer subclass and one training step (guards, interrupts, out-of-memory recovery,
-  several processes);
+- ``step/``: the Trainer subclass and one training step (guards, interrupts, out-of-memory recovery);
 - ``objectives/``: each ``train.objective``'s module (sft, dpo, kto, ``grpo/``) and what they share;
 - ``watch/``: what a run reports while it trains (metrics file, throughput, trackers, experts' routing,
   console, log);
 - ``run_folder/``: the output folder (policy, atomic checkpoints), the manifest and the run read back.
 
-(``data.packing: auto``'s timed layouts are ``memory/layout_costs``, beside checkpointing auto's
+(``data.packing: auto``'s timing is ``memory/layout_costs``, beside checkpointing auto's
 ``memory/layer_costs``.) Modules are imported by path (``from qlora_kit.training import pipeline``); this
 file imports nothing.
 """

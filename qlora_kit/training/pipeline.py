@@ -23,7 +23,7 @@ from transformers import TrainerState, set_seed
 from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import attention_fit, auto, checkpointing, layout_costs, loss_choice
+from qlora_kit.memory import attention_fit, auto, checkpointing, loss_choice
 from qlora_kit.model import adapters, builtin, hub
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -36,7 +36,8 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import sample_prompts
+from qlora_kit.training import batch_layout, sample_prompts
+from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.objective_trainer import build_trainer, builder
 from qlora_kit.training.resolved import ResolvedRun
 from qlora_kit.training.run_folder.manifest import utc_now, write_manifest
@@ -56,7 +57,6 @@ from qlora_kit.training.run_folder.outputs import (
 )
 from qlora_kit.training.run_folder.run_record import tokens_per_s
 from qlora_kit.training.step import step
-from qlora_kit.training.step.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.step.interrupts import StopOnSignal
 from qlora_kit.training.step.trainer import GuardedTrainer
 from qlora_kit.training.watch import run_log, trackers
@@ -152,7 +152,7 @@ def build(
 
 
 def _build_checked(
-    recipe: Recipe,
+    as_written: Recipe,
     checked: tuple[dict[str, str] | None, str],
     output_dir: Path | None,
     callbacks: list | None,
@@ -161,22 +161,23 @@ def _build_checked(
 ) -> Setup:
     """``build`` after ``check_runnable`` (``run`` checks before it takes the output folder), with the
     launch and precision it resolved; ``checkpoint``:
-    the one a resumed run continues (checkpointing auto chooses with the costs it measured)."""
-    output_dir = output_dir or Path(recipe.train.output_dir).expanduser().resolve()
+    the one a resumed run continues (checkpointing auto chooses with the costs it measured).
+    ``as_written``: the recipe as given (what recipe.yaml holds and the trackers log); ``recipe``, from the
+    layout's stage on, the one the run trains by (data.packing resolved)."""
+    output_dir = output_dir or Path(as_written.train.output_dir).expanduser().resolve()
     # What the hub can refuse (a gated or missing model or dataset, no network, a full disk) is asked
     # first, in a few requests, before the data is tokenized or the weights are fetched.
-    hub.check_model(recipe.model)
-    hub.check_dataset(recipe.data)
-    set_seed(recipe.train.seed)
-    tokenizer = model.load_tokenizer(recipe.model)
+    hub.check_model(as_written.model)
+    hub.check_dataset(as_written.data)
+    set_seed(as_written.train.seed)
+    tokenizer = model.load_tokenizer(as_written.model)
     # Data before weights: a mistake in the data is found in seconds, not after loading a large model.
-    spec = objectives.of(recipe)
+    spec = objectives.of(as_written)
     with Ranks().main_first():  # the objective's module prepares its rows (registries/objectives.py)
-        prepared = builder(recipe).prepare(recipe, tokenizer)
-    as_written = recipe  # what recipe.yaml holds and the trackers log
+        rows = builder(as_written).prepare(as_written, tokenizer)
     launch, precision = checked
-    recipe, prepared, layout_figures = layout_costs.resolve(
-        recipe, prepared, tokenizer, checkpoint, precision
+    recipe, prepared, layout_figures = batch_layout.resolve(
+        as_written, rows, tokenizer, checkpoint, precision
     )
     # checkpointing auto: planned from the config and the data's trained share (before the weights load),
     # refused here if no policy fits
@@ -199,7 +200,9 @@ def _build_checked(
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
     base = model.load_base_model(recipe.model, recipe.quant)
-    attention_fit.check_attention_fits(recipe, base.config)
+    attention_fit.check_attention_fits(
+        base.config, recipe.train.micro_batch_size, recipe.data.max_seq_len, recipe.memory.budget_gb
+    )
     checkpointed = checkpointing.enable_checkpointing(base, resolved.memory)
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(
@@ -290,8 +293,10 @@ def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     if console is not None:
         step.show_on(setup.trainer, console)
     if ranks.is_main:
-        run_log.log_setup(setup.model, setup.checkpointed_layers, setup.data, setup.recipe)
-        run_log.log_optimizer_state(setup.model, setup.recipe)
+        run_log.log_setup(
+            setup.model, setup.checkpointed_layers, setup.data, setup.recipe.data, setup.recipe.train
+        )
+        run_log.log_optimizer_state(setup.model, setup.recipe.optimizer.name)
         if objectives.of(setup.recipe).rollouts:  # its two peaks (grpo/oom.py)
             run_log.log_grpo_peaks(setup.recipe, setup.trainer.args.device.type)
         # read back from accelerate, not the recipe: the autocast the forward will actually run under

@@ -2,7 +2,7 @@
 ``pipeline.build``) and read by every stage after it, none of which resolves it again:
 
 - the objective's entry in the objective table (registries/objectives.py);
-- the launch: accelerate's FSDP settings when launched with them, else None (step/distributed.py);
+- the launch: accelerate's FSDP settings when launched with them, else None (distributed.py);
 - the mixed precision: ``auto`` -> bf16, fp16 or no on this device (model/precision.py);
 - the layout: ``data.packing: auto`` -> padding, group_by_length or packing, whichever trains the most
   real tokens a second as timed (memory/layout_costs.py; else the least padding, data/layout.py), in ``recipe``,
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import objectives
-from qlora_kit.training.step.distributed import launched_fsdp_settings
+from qlora_kit.training.distributed import launched_fsdp_settings
 
 if TYPE_CHECKING:
     from qlora_kit.memory.layer_costs import LayerCosts

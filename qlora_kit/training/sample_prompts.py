@@ -10,7 +10,7 @@ from qlora_kit.model.generation import complete
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
-    from qlora_kit.training.step.distributed import Ranks
+    from qlora_kit.training.distributed import Ranks
 
 
 def examples(

@@ -25,11 +25,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import datasets
 from trl import KTOConfig, KTOTrainer
 
-from qlora_kit.data import feedback, sources
-from qlora_kit.data import prepare as data
+from qlora_kit.data import feedback
+from qlora_kit.data.mixture import PreparedData
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.training.objectives.reference_adapter import ReferenceAdapterTrainer
@@ -41,35 +40,10 @@ if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
 
 
-def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
-    """The labelled answers as TRL's text columns (each source's own rows, or its builtin split), shuffled
-    once with the recipe's seed; validation rows from data.val_path, data.val_fraction or the builtin set."""
-    section = recipe.data
-    seed = recipe.train.seed
-    train_parts, val_parts, reports = [], [], []
-    val_rows = None
-    for source in section.source_list():
-        split = sources.split_source(source, section, seed)
-        train_parts.append(feedback.trl_rows(split.rows, section, split.train_from, tokenizer))
-        if split.held_out is not None:
-            val_parts.append(feedback.trl_rows(split.held_out, section, split.held_from, tokenizer))
-            val_rows = val_rows if val_rows is not None else split.held_out
-    if section.val_path is not None:
-        val_rows = sources.load_val_rows(section)
-        val_parts = [feedback.trl_rows(val_rows, section, section.val_path, tokenizer)]
-    train = datasets.concatenate_datasets(train_parts).shuffle(seed=seed)
-    val = datasets.concatenate_datasets(val_parts) if val_parts else None
-    lengths, answers = feedback.lengths(train, tokenizer)
-    labelled = sum(list(train["label"]))
-    reports = [
-        data.LengthReport(
-            f"{section.path} ({labelled} desirable, {len(train) - labelled} undesirable answers)",
-            len(train),
-            lengths=lengths,
-            trained_tokens=answers,
-        )
-    ]
-    return data.PreparedData(train, val, reports, lengths, val_rows, section.format, checks=None)
+def prepare(recipe: Recipe, tokenizer) -> PreparedData:
+    """The labelled answers as TRL's text columns, through the data path every objective takes
+    (data/feedback.py)."""
+    return feedback.prepare_feedback(recipe.data, tokenizer, recipe.train.seed)
 
 
 def kto_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> KTOConfig:

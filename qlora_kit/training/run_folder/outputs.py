@@ -298,7 +298,7 @@ def prepare_run_folder(
     if aside is not None:
         log.info("--overwrite: the earlier run is kept in %s until this run has a checkpoint", aside)
     try:
-        check_writable(output_dir, _output_bytes(peft_model, recipe))
+        check_writable(output_dir, _output_bytes(peft_model, recipe.optimizer.name))
         clear_staging(output_dir)
         if resume:
             truncate_metrics(output_dir, checkpoint_step(checkpoint))
@@ -314,9 +314,9 @@ def prepare_run_folder(
     return manifest, aside
 
 
-def _output_bytes(peft_model, recipe: Recipe) -> int:
-    """Room for a checkpoint (adapter + optimizer state) and the final adapter, with a margin."""
-    spec = OPTIMIZERS[recipe.optimizer.name]
+def _output_bytes(peft_model, optimizer_name: str) -> int:
+    """Room for a checkpoint (adapter + the optimizer's state) and the final adapter, with a margin."""
+    spec = OPTIMIZERS[optimizer_name]
     params = [p for p in peft_model.parameters() if p.requires_grad]
     adapter = sum(p.numel() * 4 for p in params)
     return 2 * (2 * adapter + sum(spec.state_bytes(p.numel()) for p in params)) + 64 * 2**20

@@ -8,8 +8,10 @@
 - ``interrupts``: a signal -> a checkpoint;
 - ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
 - ``oom_split``: the out-of-memory split policy, without a Trainer (the policy from the recipe, a
-  micro-batch cut in parts, the split file, the messages);
-- ``distributed``: what one process of several does differently (DDP, FSDP2).
+  micro-batch cut in parts, the split file, the messages).
+
+What one process of several does differently (DDP, FSDP2) is ``training/distributed.py``, which the step
+and what watches it (``watch/``) both read.
 
 Modules are imported by path (``from qlora_kit.training.step import trainer``); this file imports nothing.
 """

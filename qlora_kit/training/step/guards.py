@@ -30,8 +30,8 @@ from torch.distributed.tensor import DTensor
 from transformers import TrainerCallback
 
 from qlora_kit.errors import TrainingGuardError
+from qlora_kit.training.distributed import over_ranks
 from qlora_kit.training.run_folder.outputs import complete_checkpoints
-from qlora_kit.training.step.distributed import over_ranks
 
 if TYPE_CHECKING:
     from collections.abc import Iterable

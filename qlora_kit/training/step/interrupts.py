@@ -12,7 +12,7 @@ import threading
 
 from transformers import TrainerCallback
 
-from qlora_kit.training.step.distributed import any_rank
+from qlora_kit.training.distributed import any_rank
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 

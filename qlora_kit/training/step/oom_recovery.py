@@ -51,7 +51,7 @@ import torch.distributed as dist
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory.allocator_faults import ALLOCATIONS
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.step.distributed import over_ranks
+from qlora_kit.training.distributed import over_ranks
 from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,

@@ -28,7 +28,7 @@ from transformers import TrainerCallback
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.model import moe_experts
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training.step.distributed import over_ranks
+from qlora_kit.training.distributed import over_ranks
 
 log = logging.getLogger("qlora_kit.training.pipeline")
 

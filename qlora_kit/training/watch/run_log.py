@@ -16,12 +16,17 @@ from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe.recipe import Recipe
+    from qlora_kit.recipe.data import DataSection
+    from qlora_kit.recipe.recipe import Recipe, TrainSection
 
 log = logging.getLogger("qlora_kit.training.pipeline")
 
 
-def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recipe: Recipe) -> None:
+def log_setup(
+    peft_model, checkpointed: list[int], prepared: PreparedData, data: DataSection, train: TrainSection
+) -> None:
+    """The adapter's size, the checkpointed layers, each data source's report and the batches' padding
+    (``data``, ``train``: the resolved recipe's sections)."""
     trainable, total = trainable_parameter_count(peft_model)
     log.info(
         "trainable parameters: %s of %s (%.2f%%)", f"{trainable:,}", f"{total:,}", 100 * trainable / total
@@ -39,8 +44,8 @@ def log_setup(peft_model, checkpointed: list[int], prepared: PreparedData, recip
     log.info("checkpointed decoder layers: %s", checkpointed or "none")
     for report in prepared.reports:
         log.info("data %s", report.summary())
-    shares = pad_shares(prepared, recipe.data, recipe.train.micro_batch_size, recipe.train.seed)
-    mode = "packing" if recipe.data.packs else "group_by_length" if recipe.data.group_by_length else "padding"
+    shares = pad_shares(prepared, data, train.micro_batch_size, train.seed)
+    mode = "packing" if data.packs else "group_by_length" if data.group_by_length else "padding"
     log.info(
         "data: %d training examples in %d rows; pad tokens per batch: %.1f%% with %s (%.1f%% if padded)",
         len(prepared.example_lengths),
@@ -65,10 +70,11 @@ def log_grpo_peaks(recipe: Recipe, device: str) -> None:
     log.info("memory: %s", the_plan.grpo_peaks(row))
 
 
-def log_optimizer_state(peft_model, recipe: Recipe) -> None:
-    """How much optimizer state the paged optimizer can page; warn when it is asked to page nothing."""
+def log_optimizer_state(peft_model, optimizer_name: str) -> None:
+    """How much state optimizer.name keeps, how much of it a paged optimizer can page; warn when it is
+    asked to page nothing."""
     params = [p for p in peft_model.parameters() if p.requires_grad]
-    report = optimizer_state_report(params, recipe.optimizer.name)
+    report = optimizer_state_report(params, optimizer_name)
     log.info(
         "optimizer state: %.2f MiB, of which %.2f MiB pageable (%d of %d tensors have >= %s elements)",
         report.total_bytes / 2**20,
@@ -77,13 +83,13 @@ def log_optimizer_state(peft_model, recipe: Recipe) -> None:
         report.parameters,
         f"{PAGEABLE_MIN_ELEMENTS:,}",
     )
-    spec = OPTIMIZERS[recipe.optimizer.name]
+    spec = OPTIMIZERS[optimizer_name]
     if spec.paged and report.pageable_bytes == 0:
         unpaged = [s.name for s in OPTIMIZERS.values() if not s.paged and s.eight_bit == spec.eight_bit]
         log.warning(
             "optimizer.name %s pages nothing here: bitsandbytes pages only tensors of >= %s elements and the "
             "largest LoRA tensor has %s (raise lora.rank, or use %s)",
-            recipe.optimizer.name,
+            optimizer_name,
             f"{PAGEABLE_MIN_ELEMENTS:,}",
             f"{max(p.numel() for p in params):,}",
             unpaged[0] if unpaged else "an optimizer that is not paged",

@@ -27,7 +27,7 @@ from transformers import TrainerCallback
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.formats import IGNORE_INDEX
-from qlora_kit.training.step.distributed import over_ranks
+from qlora_kit.training.distributed import over_ranks
 
 # Dense bf16 tensor-core peaks (fp16 on V100 and T4), TFLOPS per device, from the vendors' data sheets;
 # the first name found in torch.cuda.get_device_name() wins.
