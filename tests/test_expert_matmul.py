@@ -223,7 +223,10 @@ class OperatorCount(TorchDispatchMode):
         self.ops = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket)] += 1
+        # Views launch nothing (metadata only); bnb_selftest's way around a wrong CPU dequantization
+        # reshapes by the matrix's last block, which is not work per expert
+        if not func.is_view:
+            self.ops[str(func.overloadpacket)] += 1
         return func(*args, **(kwargs or {}))
 
 

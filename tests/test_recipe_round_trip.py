@@ -55,6 +55,7 @@ SPECIAL = {
     "data.config_name": st.none() | st.just("default"),
     "data.val_path": st.none() | st.just("/data/val.jsonl"),
     "data.packing": st.sampled_from([True, False, "auto"]),
+    "memory.chunked_loss": st.sampled_from([True, False, "auto"]),
     "train.probe_worst_batch": st.sampled_from([True, False, "auto"]),
     "memory.mlp_tiles": st.sampled_from([1, 2, 4, "auto"]),
     "lora.dropout": st.sampled_from(["auto", 0.0]) | st.floats(0, 0.99),
