@@ -253,7 +253,7 @@ def main() -> None:
     scale = 1
     if args.gpu:  # the H200 note's settings (../shared/notes/gpu-h200-2026-12-04.md)
         import torch
-        from gpu_check import FULL_SHAPE, TINY_SHAPE
+        from gpu_rows import FULL_SHAPE, TINY_SHAPE
 
         if not torch.cuda.is_available():
             sys.exit("vs_trl.py --gpu: no CUDA device here")
