@@ -363,6 +363,7 @@ def oom_case(setup: Setup) -> dict:
 
 # Each case's rows, in the order gpu_check.py runs them (the fixes a GPU must confirm first)
 CASES = {
+    "prepare": lambda setup: {"model": str(setup.folder)},
     "selective": selective_case,
     "auto": auto_case,
     "oom": oom_case,
