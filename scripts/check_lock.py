@@ -2,6 +2,7 @@
 
     python scripts/check_lock.py docker/requirements-cpu.lock installed.txt          # the image: exact
     python scripts/check_lock.py --drift docker/requirements-cpu.lock installed.txt  # CI: what is newer
+    python scripts/check_lock.py --floors .ci/floors.txt installed.txt                # CI: the floors' venv
 
 Without ``--drift``: the same names, the same versions, nothing more, nothing less (the project itself
 and pip aside); exit 1 otherwise. The image build checks its environment so (scripts/build_image.sh).
@@ -10,6 +11,9 @@ With ``--drift``: the lock's packages whose installed version differs, each on a
 suite runs on the newest releases pyproject.toml allows, as a user's ``pip install -e .`` gets them, so
 this line in its log names each release that came out since the lock was written, beside the suite's
 verdict on it; ``UPGRADE=1 bash scripts/lock.sh`` moves the lock (and the image) to them.
+
+With ``--floors``: each pin of the constraints file installed at exactly its version (other packages
+may be there too); exit 1 otherwise. CI's log so names the releases its floor stage ran on.
 """
 
 from __future__ import annotations
@@ -42,8 +46,16 @@ def drift(lock: dict[str, str], installed: dict[str, str]) -> list[str]:
 
 def main(argv: list[str]) -> int:
     drift_only = argv[:1] == ["--drift"]
-    lock_file, installed_file = argv[1:3] if drift_only else argv[:2]
+    floors_only = argv[:1] == ["--floors"]
+    lock_file, installed_file = argv[1:3] if drift_only or floors_only else argv[:2]
     lock, installed = (pins(Path(arg).read_text()) for arg in (lock_file, installed_file))
+    if floors_only:
+        lines = drift(lock, installed)
+        for line in lines:
+            print(f"  {line}", file=sys.stderr)
+        floors = ", ".join(f"{name} {version}" for name, version in lock.items())
+        print(f"{'the floors' if not lines else 'NOT the floors'} ({lock_file}): {floors}")
+        return 1 if lines else 0
     if drift_only:
         lines = drift(lock, installed)
         for line in lines:

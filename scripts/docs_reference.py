@@ -210,7 +210,7 @@ def param_row(param) -> list[str]:
     elif getattr(param, "is_flag", False):
         kind = "on/off"
     else:
-        kind = type_name(descriptor.annotation) if descriptor is not None else param.type.name
+        kind = type_name(descriptor.annotation) if descriptor is not None else click_type_name(param)
         kind = {"Path": "path", "list of Path": "list of path"}.get(kind, kind)
         if getattr(param, "multiple", False):
             kind = kind.removeprefix("list of ") + " (repeatable)"
@@ -220,6 +220,14 @@ def param_row(param) -> list[str]:
     else:
         default = code(yaml_value(default))
     return [f"`{name}`", kind, default, getattr(param, "help", None) or ""]
+
+
+def click_type_name(param) -> str:
+    """The type column from click's own objects (typer before 0.29, e.g. at pyproject.toml's floor), as
+    typer 0.29's annotation gives it: click names a bounded int "int range", and says that an argument
+    takes any number of values only through its nargs."""
+    name = {"int range": "int", "float range": "float"}.get(param.type.name, param.type.name)
+    return f"list of {name}" if param.nargs == -1 else name
 
 
 # --- the registries -----------------------------------------------------------------------------

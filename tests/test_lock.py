@@ -87,3 +87,35 @@ def test_the_drift_names_each_locked_package_installed_at_another_version():
         "accelerate: locked 1.15.0, installed 1.16.0",
         "peft: locked 0.21.2, installed nothing",
     ]
+
+
+FLOORS = ROOT / ".ci" / "floors.txt"
+
+
+def lower_bound(requirement: Requirement) -> Version:
+    """The release a ``>=`` bound names: the floor .ci/run installs."""
+    bounds = [Version(spec.version) for spec in requirement.specifier if spec.operator == ">="]
+    assert len(bounds) == 1, (
+        f"{requirement.name}: needs one >= bound, so CI knows its floor (got {requirement})"
+    )
+    return bounds[0]
+
+
+def test_the_floors_ci_installs_are_each_dependencys_lower_bound():
+    """.ci/floors.txt pins every declared dependency at its >= bound, and nothing else: a floor raised or
+    added in pyproject.toml without the constraints file (or the reverse) is red here, not untested."""
+    floors = {name: Version(version) for name, version in pins(FLOORS.read_text()).items()}
+    expected = {re.sub(r"[-_.]+", "-", req.name).lower(): lower_bound(req) for req in declared()}
+    assert floors == expected
+
+
+def test_the_floor_check_fails_when_a_floor_is_installed_at_another_version(tmp_path, capsys):
+    from check_lock import main
+
+    (tmp_path / "floors.txt").write_text("# floors\ntorch==2.6.0\ntyper==0.27.0\n")
+    (tmp_path / "exact.txt").write_text("torch==2.6.0\ntyper==0.27.0\npytest==9.2.0\n")
+    (tmp_path / "newer.txt").write_text("torch==2.6.0\ntyper==0.29.2\n")
+    floors = str(tmp_path / "floors.txt")
+    assert main(["--floors", floors, str(tmp_path / "exact.txt")]) == 0
+    assert main(["--floors", floors, str(tmp_path / "newer.txt")]) == 1
+    assert "typer: locked 0.27.0, installed 0.29.2" in capsys.readouterr().err

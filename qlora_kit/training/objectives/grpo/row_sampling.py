@@ -90,7 +90,8 @@ def rows_seeded(model, seeds: list[int], device: torch.device) -> Iterator[None]
     # so dropout and the checkpointed random state (resume) are what they would be without the option
     accelerators = [device] if device.type != "cpu" else []
     try:
-        with torch.random.fork_rng(devices=accelerators, device_type=device.type if accelerators else None):
+        # the device's own type, cpu included: torch 2.7 cannot take device_type=None (torch.device(None))
+        with torch.random.fork_rng(devices=accelerators, device_type=device.type):
             yield
     finally:
         if had_own:
