@@ -45,12 +45,6 @@ FSDP_SETTINGS = [
 ]  # fmt: skip
 
 
-# Measured with the allocation cap (2026-12-04): a failed recompute in backward leaves 4.0 MiB of the
-# tiny run's 7.3 MiB alive (torch's _CheckpointFrame, reached from the failed graph's saved inputs);
-# the retry still fits here. Under none nothing is left (accounting.py's detached saved tensors).
-RECOMPUTE_KEPT = "a checkpointed layer's failed recompute leaves its checkpoint frame alive"
-
-
 def rows() -> list[dict]:
     short = [{"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(39)]
     long = {"instruction": "Repeat: " + " ".join(f"w{i}" for i in range(40)), "input": "", "output": "ok"}
@@ -481,20 +475,14 @@ def allocation_capped(folder: Path, monkeypatch, cap: int, policy: str):
     return result, allocations
 
 
-@pytest.mark.parametrize(
-    "policy",
-    [
-        "none",
-        pytest.param("full", marks=pytest.mark.xfail(strict=True, reason=RECOMPUTE_KEPT)),
-        pytest.param("selective", marks=pytest.mark.xfail(strict=True, reason=RECOMPUTE_KEPT)),
-        pytest.param("offload", marks=pytest.mark.xfail(strict=True, reason=RECOMPUTE_KEPT)),
-    ],
-)
+@pytest.mark.parametrize("policy", ["none", "full", "selective", "offload"])
 def test_a_failed_attempt_leaves_nothing_allocated_for_the_retry(tmp_path, monkeypatch, policy):
     """Out of memory raised from the allocation path, as CUDA's allocator raises it (the H200's step
     split 4 -> 2 -> 1 with 13.3 GiB of a 13.46 GiB cap still held at every retry): the micro-batch
     holding the long row passes a cap at 0.8 of its own peak, the step is split and redone, and no
-    tensor allocated by the failed attempt is alive when the retry begins."""
+    tensor allocated by the failed attempt is alive when the retry begins: under none a forward pass's
+    graph (accounting.py's saved tensors, held detached), under the checkpointing policies a failed
+    recompute's nodes left in autograd's ready queue (oom_split.release_memory drains it)."""
     _, allocations = allocation_capped(tmp_path / "free", monkeypatch, 10**15, policy)
     cap = int(0.8 * max(allocations.peaks))
     result, allocations = allocation_capped(tmp_path / "capped", monkeypatch, cap, policy)
