@@ -2,7 +2,9 @@
 
 The model is loaded as the run loads it (4-bit, the recipe's checkpointing, peft LoRA); the batch is
 ``--batch`` rows of ``--seq`` random tokens, with a padding mask when ``--padded`` (one row a quarter
-shorter). The table prints the largest differences first (``qlora_kit/memory/saved_by_op.py``):
+shorter). The run's loss is transformers' (full logits); the trace counts the chunked head's selection in
+closed form, so under ``memory.chunked_loss`` the head's rows are the run's alone. The largest
+differences print first (``qlora_kit/memory/saved_by_op.py``):
 
     python benchmarks/saved_by_op.py recipes/demo.yaml --batch 2 --seq 128 --padded
 """
