@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from qlora_kit import Recipe
-from qlora_kit.memory import checkpointing, tracing
+from qlora_kit.memory import checkpointing, fake_forward, tracing
 from qlora_kit.memory.accounting import OUTSIDE, measure_saved_bytes
 from qlora_kit.memory.planner import activation_bytes, plan
 from qlora_kit.memory.shapes import model_shape
@@ -117,13 +117,13 @@ def test_a_65b_plan_traces_two_layers_not_eighty(monkeypatch):
     """Counted, not timed: every model the tracer runs has two decoder layers, and a plan of every
     policy runs it three times (without checkpointing, with full and with selective checkpointing)."""
     traced_layers = []
-    real_trace = tracing._trace
+    real_trace = fake_forward.trace
 
     def counting(config, *args):
         traced_layers.append(config.num_hidden_layers)
         return real_trace(config, *args)
 
-    monkeypatch.setattr(tracing, "_trace", counting)
+    monkeypatch.setattr(fake_forward, "trace", counting)
     monkeypatch.setattr(tracing, "_TRACED", {})  # no figures cached by an earlier test
     recipe = Recipe.from_dict({"model": {"path": "huggyllama/llama-65b"}, "train": {"micro_batch_size": 1}})
     the_plan = plan(recipe, seq=2048)

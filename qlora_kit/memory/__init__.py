@@ -15,6 +15,8 @@
   ``training/watch/metrics_log``);
 - ``shapes``: a model's shapes and weight bytes from its config alone;
 - ``tracing``: the bytes each decoder layer keeps, traced on fake tensors through the run's own code;
+  ``fake_forward``: one such traced forward pass, counted;
+- ``saved_by_op``: what a real forward saved and what the trace counted, per op and module, side by side;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy; ``pixels``: a vision-language batch's images in it;
 - ``max_length``: the longest row each way of keeping activations fits (``plan --max-seq-len``);
@@ -33,7 +35,7 @@
 - ``device_kernels``: the attention kernel the target device runs, for the planner's trace;
 - ``loss_choice``: ``memory.chunked_loss: auto``, full logits where the plan with them fits.
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> tracing -> checkpointing -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> tracing -> fake_forward -> checkpointing; saved_by_op -> fake_forward -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, oom_faults; max_length -> planner; monitor -> accounting -> oom_faults. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

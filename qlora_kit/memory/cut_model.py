@@ -50,11 +50,12 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
     from transformers import AutoModelForCausalLM
 
     from qlora_kit.memory import checkpointing
-    from qlora_kit.memory.tracing import AUTOCAST, _cut, layer_types
+    from qlora_kit.memory.fake_forward import AUTOCAST, cut
+    from qlora_kit.memory.tracing import layer_types
     from qlora_kit.model import adapters, loading
 
     types = layer_types(config)
-    short = _cut(config, tuple(types[: min(LAYERS, len(types))]))
+    short = cut(config, tuple(types[: min(LAYERS, len(types))]))
     with tempfile.TemporaryDirectory(prefix="qlora-kit-cut-model-") as name:
         folder = Path(name)
         dense = AutoModelForCausalLM.from_config(
