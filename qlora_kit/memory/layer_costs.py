@@ -102,9 +102,8 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
             f"{p} +{extra[p] * 1000:.2f} ms" + (" a layer" if i == 0 else "") for i, p in enumerate(extra)
         )
     )
-    fields = ("selective", "full")
-    more = {p: s for p, s in extra.items() if p not in fields}
-    return LayerCosts(*(extra[p] for p in fields), source, more)
+    named = {p: s for p, s in extra.items() if p in LayerCosts.__dataclass_fields__}  # selective, full
+    return LayerCosts(**named, source=source, more={p: s for p, s in extra.items() if p not in named})
 
 
 def _time_policies(recipe: Recipe, config, batch: int, seq: int, precision: str) -> dict:
