@@ -287,7 +287,7 @@ MUTATIONS = [
         "every_n counts a vision tower's layers before the decoder's",
         "qlora_kit/memory/checkpointing.py",
         "    model.activation_checkpointing_enable(kwargs)\n    _vision_side_without_input_grads(model)\n"
-        '    if memory.checkpointing == "every_n":\n',
+        "    if len(set(policies)) > 1:\n",
         "    model.activation_checkpointing_enable(kwargs, every_n_layers=memory.every_n)\n"
         "    _vision_side_without_input_grads(model)\n    if False:\n",
         ["tests/test_planner_grid.py::test_plan_matches_what_the_run_saves[tiny-llava-every_n-images]"],

@@ -37,6 +37,7 @@ from qlora_kit.model import loading as model
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.recipe.base import one_line
 from qlora_kit.recipe.recipe import Recipe
+from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.pipeline import run
 
@@ -216,7 +217,7 @@ def _plan(recipe: Recipe):
         free = psutil.virtual_memory().available / GIB
         device = "cpu"
     the_plan = plan(recipe, device=device)
-    chosen = the_plan.chosen(recipe) if recipe.memory.checkpointing != "auto" else None
+    chosen = the_plan.chosen(recipe) if not table.planned(recipe.memory.checkpointing) else None
     policy, every_n, why = choose_policy(recipe, free, the_plan)
     fits = bool(the_plan.fitting(free))
     label = policy_name(policy, every_n)

@@ -23,6 +23,7 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import shipped
 from qlora_kit.recipe.base import one_line
 from qlora_kit.recipe.recipe import Recipe
+from qlora_kit.registries import checkpointing as table
 
 app = typer.Typer(
     name="recipes",
@@ -82,7 +83,7 @@ def planned_memory(recipe: Recipe) -> str:
     except Exception as exc:  # a listing goes on: one recipe that cannot be planned says why on its line
         return f"cannot plan ({exc.__class__.__name__}: {one_line(str(exc))[:160]})"
     memory = recipe.memory
-    if memory.checkpointing == "auto":
+    if table.planned(memory.checkpointing):
         row = choose_layers(recipe, memory.budget_gb, the_plan)[0]
         name, peak = row.policy, row.peak
     else:

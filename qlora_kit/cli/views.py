@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from qlora_kit.registries import checkpointing as policy_table
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_folder.run_record import (
     memory_rows,
@@ -207,7 +208,7 @@ def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | N
     if budget_gb is not None:
         console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
     if plan.rollout:  # train.objective grpo: which of its two peaks sets the step's
-        own = recipe.memory.checkpointing != "auto"
+        own = not policy_table.planned(recipe.memory.checkpointing)
         row = plan.chosen(recipe) if own else min(plan.policies, key=lambda r: r.peak)
         console.print(plan.grpo_peaks(row), highlight=False)
 

@@ -18,6 +18,7 @@ from qlora_kit.memory import layer_costs
 from qlora_kit.memory.layer_choice import cheapest_fit
 from qlora_kit.memory.layer_costs import LayerCosts
 from qlora_kit.memory.planner import GIB, Plan, PolicyPlan, plan, policy_name
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.memory import MemorySection
@@ -40,18 +41,19 @@ def choose_layers(
     if the_plan.policies[0].peak <= budget:
         row = the_plan.policies[0]
         return row, f"predicted peak {row.peak / GIB:.2f} GiB <= budget {budget_gb:g} GiB with no recompute"
-    uniform = {p: the_plan.activations(p) for p in ("none", "selective", "full")}
-    full = the_plan.policy_plan(["full"] * layers, "full")
+    uniform = {p: the_plan.activations(p) for p in table.layer_policies()}
+    full = the_plan.policy_plan([table.FULL] * layers, table.FULL)
 
     def cost(policy: str, i: int) -> float:
         return costs.of(policy) if costs is not None else uniform[policy].recompute_cost[i]
 
-    fixed = full.peak - sum(uniform["full"].per_layer)  # weights, state, head, backward's spike
+    fixed = full.peak - sum(uniform[table.FULL].per_layer)  # weights, state, head, backward's spike
     options = [
-        {p: (uniform[p].per_layer[i], cost(p, i)) for p in uniform if i or p != "none"} for i in range(layers)
+        {p: (uniform[p].per_layer[i], cost(p, i)) for p in uniform if i or table.recomputes(p)}
+        for i in range(layers)
     ]
     chosen = cheapest_fit(options, int(budget - fixed)) if the_plan.load_peak <= budget else None
-    fitting = [r.layers for r in the_plan.policies[1:] if r.peak <= budget and r.policy != "per_layer"]
+    fitting = [r.layers for r in the_plan.policies[1:] if r.peak <= budget and r.policy != table.listed()]
     if chosen is None and not fitting:
         why = (
             f"nothing fits {budget_gb:g} GiB (full checkpointing needs {full.peak / GIB:.2f} GiB); using full"
@@ -67,11 +69,11 @@ def choose_layers(
         chosen is None or total[tuple(chosen)] >= total[tuple(uniform_best)] * (1 - 1e-9)
     ):
         chosen = uniform_best
-    name = chosen[0] if len(set(chosen)) == 1 else "per_layer"
+    name = chosen[0] if len(set(chosen)) == 1 else table.listed()
     row = next((r for r in the_plan.policies if r.layers == chosen), None) or the_plan.policy_plan(
         chosen, name
     )
-    mix = ", ".join(f"{chosen.count(p)} {p}" for p in ("none", "selective", "full") if p in chosen)
+    mix = ", ".join(f"{chosen.count(p)} {p}" for p in table.layer_policies() if p in chosen)
     if costs is None:
         recompute, source = f"{row.recompute_cost:.2f} layers' worth", "counted FLOPs"
     else:
@@ -95,8 +97,9 @@ def choose_policy(
 
 def _policy_of(row: PolicyPlan, recipe: Recipe) -> tuple[str, int]:
     """A plan row's label as the recipe's (checkpointing, every_n): "every_n=3" is every_n with n = 3."""
-    if row.policy.startswith("every_n="):
-        return "every_n", int(row.policy.partition("=")[2])
+    name, _, n = row.policy.partition("=")
+    if n:  # "every_n=3": every_n with n = 3 (planner.policy_name)
+        return name, int(n)
     return row.policy, recipe.memory.every_n
 
 
@@ -119,7 +122,7 @@ def resolve_auto(
     ``checkpoint`` when a resumed run's has them, else measured here; None where FLOPs were counted),
     which every checkpoint keeps."""
     memory = recipe.memory
-    if memory.checkpointing != "auto":
+    if not table.planned(memory.checkpointing):
         return memory, None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
@@ -154,7 +157,7 @@ def resolve_auto(
     update = {
         "checkpointing": policy,
         "every_n": every_n,
-        "layer_policies": row.layers if policy == "per_layer" else None,
+        "layer_policies": row.layers if policy == table.listed() else None,
     }
     log.info("memory.checkpointing auto: %s (%s)", policy_name(policy, every_n), why)
     return memory.model_copy(update=update), costs

@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import allocator_faults, offload, oom_faults, selective, tiled_mlp
+from qlora_kit.memory import allocator_faults, offload, oom_faults, tiled_mlp
 from qlora_kit.memory.accounting import decoder_layers
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -38,15 +40,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-LAYER_POLICIES = ("none", "selective", "full")
-
 
 def layer_policies(memory: MemorySection, layers: int) -> list[str]:
-    """Each decoder layer's policy (none, selective or full) under ``memory.checkpointing``."""
+    """Each decoder layer's policy (a layer policy of the table) under ``memory.checkpointing``."""
     policy = memory.checkpointing
-    if policy == "auto":
-        raise ValueError("memory.checkpointing: resolve auto with auto.resolve_checkpointing(recipe) first")
-    if policy == "per_layer":
+    if table.planned(policy):
+        raise ValueError(
+            f"memory.checkpointing: resolve {policy} with auto.resolve_checkpointing(recipe) first"
+        )
+    if table.policy(policy).expands == table.LISTED:
         chosen = list(memory.layer_policies or [])
         if len(chosen) != layers:
             raise RecipeError(
@@ -57,12 +59,14 @@ def layer_policies(memory: MemorySection, layers: int) -> list[str]:
 
 
 def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] | None = None) -> list[str]:
-    """A policy name as one policy per layer: every_n is full on layers 0, n, 2n, ... and none between;
-    per_layer is ``per_layer`` as given (the run checks its length: ``layer_policies``; the planner too)."""
-    if policy == "per_layer":
+    """A policy name as one policy per layer (the table's ``expands``): every_n is full on layers 0, n,
+    2n, ... and none between; per_layer is ``per_layer`` as given (the run checks its length:
+    ``layer_policies``; the planner too)."""
+    expands = table.policy(policy).expands
+    if expands == table.LISTED:
         return list(per_layer or [])
-    if policy == "every_n":
-        return ["full" if i % every_n == 0 else "none" for i in range(layers)]
+    if expands == table.EVERY_N:
+        return [table.FULL if i % every_n == 0 else table.NONE for i in range(layers)]
     return [policy] * layers
 
 
@@ -74,26 +78,30 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     if injector.cap is not None or injector.eval_cap is not None:
         injector.watch(model)
     tiled_mlp.enable_mlp_tiles(model, memory.mlp_tiles)
-    if memory.checkpointing == "none":
+    spec = table.policy(memory.checkpointing)
+    if spec.layer and not spec.recomputes:
         return []
     layers = decoder_layers(model)
     policies = layer_policies(memory, len(layers))
-    if set(policies) == {"none"}:
+    if not any(table.recomputes(p) for p in policies):
         return []
     kwargs: dict = {"use_reentrant": False}
-    context_fn = _context_fn("selective" in policies, injector)
+    # transformers sets one checkpoint function on every layer: with the context of the layers' policy
+    # that has one (a mix of two such contexts is refused), each other layer's set apart below
+    contexts = list(dict.fromkeys(p for p in policies if table.policy(p).context_fn))
+    if len(contexts) > 1:
+        raise RecipeError(f"memory.layer_policies: one of {', '.join(contexts)} at a time, not both")
+    context_fn = _context_fn(contexts[0] if contexts else None, injector)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     model.activation_checkpointing_enable(kwargs)
     _vision_side_without_input_grads(model)
-    if memory.checkpointing == "every_n":
+    if len(set(policies)) > 1:
         # transformers' every_n_layers counts every layer that can checkpoint, a vision tower's first: a
         # vision-language model's decoder would then start wherever the tower's count left off. So the
-        # decoder's layers are set by their own index, and a vision tower checkpoints throughout.
-        for layer, policy in zip(layers, policies, strict=True):
-            layer.gradient_checkpointing = policy != "none"  # full on layers 0, n, 2n, ... (expand_policy)
-    if memory.checkpointing in ("per_layer",):
-        _mix(layers, policies, _context_fn(False, injector))
+        # decoder's layers are set by their own index (every_n's and per_layer's alike), and a vision
+        # tower checkpoints throughout.
+        _mix(layers, policies, _context_fn(None, injector))
     if memory.offload_activations:
         _offload(layers)
     return checkpointed_layers(model)
@@ -119,19 +127,27 @@ def _vision_side_without_input_grads(model: PreTrainedModel) -> None:
             hook.remove()
 
 
-def _context_fn(selective_layers: bool, injector: oom_faults.FaultInjector):
-    """torch checkpoint's ``context_fn``: selective's op policy, and under the test fault injector its
-    recompute count too (out-of-memory in backward's recompute); None when neither applies."""
-    policy = selective.context_fn if selective_layers else None
+def _context_fn(policy: str | None, injector: oom_faults.FaultInjector):
+    """torch checkpoint's ``context_fn`` for layer policy ``policy``'s layers: the table's (selective's op
+    policy), and under the test fault injector its recompute count too (out-of-memory in backward's
+    recompute); None when neither applies."""
+    named = table.policy(policy).context_fn if policy is not None else None
+    context = _resolve(named) if named else None
     if injector.cap is None:
-        return policy
+        return context
 
     def contexts():
-        forward, recompute = policy() if policy else (contextlib.nullcontext(), contextlib.nullcontext())
+        forward, recompute = context() if context else (contextlib.nullcontext(), contextlib.nullcontext())
         return forward, _together(recompute, injector.recompute_context())
 
-    contexts.selective = policy is not None  # read back by applied_policies
+    contexts.policy = policy if context else None  # read back by applied_policies
     return contexts
+
+
+def _resolve(named: str):
+    """The table's ``"module:attribute"`` as the object (the registry names mechanisms, never imports them)."""
+    module, _, attribute = named.partition(":")
+    return getattr(importlib.import_module(module), attribute)
 
 
 @contextlib.contextmanager
@@ -141,18 +157,18 @@ def _together(first, second):
 
 
 def _mix(layers: list[torch.nn.Module], policies: list[str], full_context_fn) -> None:
-    """Per-layer policies on top of transformers' setup (every layer checkpointed, selectively if any layer
-    is): a full layer gets the same checkpoint function without the selective context (transformers'
-    own function, offload included; ``full_context_fn``: the fault injector's alone, in tests), a none
-    layer is not checkpointed."""
+    """Per-layer policies on top of transformers' setup (every layer checkpointed, with a policy's context
+    if any layer has one): a layer whose policy has no context gets the same checkpoint function without
+    it (transformers' own function, offload included; ``full_context_fn``: the fault injector's alone, in
+    tests), a layer that keeps everything is not checkpointed."""
     for layer, policy in zip(layers, policies, strict=True):
         func = layer._gradient_checkpointing_func
-        if policy == "full" and "context_fn" in func.keywords:
+        if table.policy(policy).context_fn is None and "context_fn" in func.keywords:
             keywords = {k: v for k, v in func.keywords.items() if k != "context_fn"}
             if full_context_fn is not None:
                 keywords["context_fn"] = full_context_fn
             layer._gradient_checkpointing_func = functools.partial(func.func, *func.args, **keywords)
-        layer.gradient_checkpointing = policy != "none"
+        layer.gradient_checkpointing = table.recomputes(policy)
 
 
 def _offload(layers: list[torch.nn.Module]) -> None:
@@ -182,15 +198,21 @@ def checkpointed_layers(model: PreTrainedModel) -> list[int]:
 
 
 def applied_policies(model: PreTrainedModel) -> list[str]:
-    """Each decoder layer's policy as applied (none, selective or full), read back from the layers."""
+    """Each decoder layer's policy as applied (a layer policy of the table), read back from the layers."""
+    uncheckpointed = next(p for p in table.layer_policies() if not table.recomputes(p))
+    plain = table.of_kind(table.KEEPS_INPUT)  # checkpointed with no policy's context
+    by_context = {
+        _resolve(spec.context_fn): name
+        for name, spec in table.POLICIES.items()
+        if spec.layer and spec.context_fn is not None
+    }
     found = []
     for layer in decoder_layers(model):
         if not layer.gradient_checkpointing:
-            found.append("none")
+            found.append(uncheckpointed)
             continue
         func = getattr(layer, "_gradient_checkpointing_func", None)
         keywords = getattr(func, "keywords", {}) or {}
         context_fn = keywords.get("context_fn")
-        chosen = context_fn is selective.context_fn or getattr(context_fn, "selective", False)
-        found.append("selective" if chosen else "full")
+        found.append(by_context.get(context_fn) or getattr(context_fn, "policy", None) or plain)
     return found

@@ -11,15 +11,12 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, targets
+from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import families
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
 
-# What a selective layer's recompute costs against a full one's where the model cannot be traced (the
-# CPU frontier measured by benchmarks/memory.py: the element-wise ops a selective layer replays are most
-# of a QLoRA layer's forward time there)
-SELECTIVE_SHARE = 0.8
 # the linears reading a layer's first norm, for a family the table (registries/families.py) does not list
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv_proj")
 
@@ -105,26 +102,29 @@ def formula_activation_bytes(
     """The closed form, for a Llama-shaped layer (the module docstring's terms)."""
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     n = batch * seq
-    recomputing = any(p != "none" for p in policies)
+    recomputing = any(table.recomputes(p) for p in policies)
     rope_rows = batch if recipe.data.packs else 1  # packed rows carry their own position ids
     per_layer, rope_counted = [], False
     for i, layer_policy in enumerate(policies):
-        if layer_policy != "none":
+        if table.recomputes(layer_policy):
             # its input; selective adds the 4-bit linears' outputs, attention's output and log-sum-exp
             # and LoRA's A outputs
             q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
             wide = mlp_outputs(shape) * shape.intermediate
             kept = n * c * (2 * q + 2 * kv + 2 * shape.hidden + wide) + n * shape.heads * 4
             kept += sum(n * recipe.lora.rank * c for _ in targets(shape, recipe))
-            per_layer.append(n * shape.hidden * c + (kept if layer_policy == "selective" else 0))
+            per_layer.append(
+                n * shape.hidden * c
+                + (kept if table.policy(layer_policy).keeps == table.KEEPS_EXPENSIVE else 0)
+            )
             continue
         kept = kept_layer_bytes(shape, recipe, n, device, input_grad=recomputing or i > 0)
         if not rope_counted:
             kept += 2 * rope_rows * seq * shape.head_dim * c
             rope_counted = True
         per_layer.append(kept)
-    # recompute cost untraced: a full layer 1, a selective one SELECTIVE_SHARE of it
-    cost = [{"none": 0.0, "selective": SELECTIVE_SHARE, "full": 1.0}[p] for p in policies]
+    # recompute cost untraced: each layer's recompute_share of a full layer's (registries/checkpointing.py)
+    cost = [table.policy(p).recompute_share for p in policies]
     return Activations(per_layer, head_bytes(shape, recipe, batch, seq, trained_tokens), recompute_cost=cost)
 
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 import logging
 import os
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from qlora_kit.memory import saved_facts
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -43,19 +44,23 @@ log = logging.getLogger(__name__)
 
 COSTS_FILE = "checkpointing_costs.json"  # in each checkpoint: the costs a resumed run chooses with
 ROUNDS = 7  # timed rounds (their median) after one warm-up round
-POLICIES = ("none", "selective", "full")
+POLICIES = tuple(table.layer_policies())  # timed in turn, the table's layer policies
 
 
 @dataclass(frozen=True)
 class LayerCosts:
-    """Seconds one decoder layer adds to a step under selective and under full checkpointing."""
+    """Seconds one decoder layer adds to a step under each recomputing layer policy (selective, full: the
+    fields a checkpoint's file has always held; ``more``: any later policy's)."""
 
     selective: float
     full: float
     source: str  # how they were found, for the log and ``plan``: "measured on cpu, ..."
+    more: dict[str, float] = field(default_factory=dict)
 
     def of(self, policy: str) -> float:
-        return {"none": 0.0, "selective": self.selective, "full": self.full}[policy]
+        if not table.recomputes(policy):
+            return 0.0
+        return self.more[policy] if policy in self.more else getattr(self, policy)
 
 
 def write(folder: Path, costs: LayerCosts) -> None:
@@ -88,13 +93,17 @@ def measure(recipe: Recipe, config, batch: int, seq: int, precision: str) -> Lay
     finally:
         release()  # the cut model's memory, before the run's model loads
     layers = seconds.pop("layers")
-    extra = {p: max(0.0, seconds[p] - seconds["none"]) / layers for p in ("selective", "full")}
+    base = seconds[table.NONE]
+    extra = {p: max(0.0, seconds[p] - base) / layers for p in POLICIES if table.recomputes(p)}
     device = seconds.pop("device")
     source = (
-        f"measured on {device}{'' if device == 'cuda' else ' (one thread)'}: a step of {layers} layers {seconds['none'] * 1000:.1f} ms, selective "
-        f"+{extra['selective'] * 1000:.2f} ms a layer, full +{extra['full'] * 1000:.2f} ms"
+        f"measured on {device}{'' if device == 'cuda' else ' (one thread)'}: a step of {layers} layers {base * 1000:.1f} ms, "
+        + ", ".join(
+            f"{p} +{extra[p] * 1000:.2f} ms" + (" a layer" if i == 0 else "") for i, p in enumerate(extra)
+        )
     )
-    return LayerCosts(extra["selective"], extra["full"], source)
+    named = {p: s for p, s in extra.items() if p in LayerCosts.__dataclass_fields__}  # selective, full
+    return LayerCosts(**named, source=source, more={p: s for p, s in extra.items() if p not in named})
 
 
 def _time_policies(recipe: Recipe, config, batch: int, seq: int, precision: str) -> dict:
@@ -105,7 +114,7 @@ def _time_policies(recipe: Recipe, config, batch: int, seq: int, precision: str)
 
     # Selective on every layer; full and none are that setup with the selective context taken off or
     # checkpointing switched off (``checkpointing._mix``, what a per-layer plan does).
-    selective = recipe.memory.model_copy(update={"checkpointing": "selective"})
+    selective = recipe.memory.model_copy(update={"checkpointing": table.of_kind(table.KEEPS_EXPENSIVE)})
     with cut_model(recipe, config, selective, precision) as cut:
         layers = decoder_layers(cut.base)
         selective_funcs = [layer._gradient_checkpointing_func for layer in layers]

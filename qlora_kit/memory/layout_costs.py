@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.memory import saved_facts
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -116,8 +117,8 @@ def _time_layouts(
     from qlora_kit.memory.tracing import layer_types
 
     memory = recipe.memory
-    if memory.checkpointing not in ("none", "selective", "full"):  # auto and per-layer plans: as full
-        memory = memory.model_copy(update={"checkpointing": "full", "layer_policies": None})
+    if not table.policy(memory.checkpointing).layer:  # auto and per-layer plans: as full
+        memory = memory.model_copy(update={"checkpointing": table.FULL, "layer_policies": None})
     with cut_model(recipe, config, memory, precision) as cut:
 
         def on_device(inputs: dict) -> dict:

@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from qlora_kit.memory.planner import GIB, plan
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -96,7 +97,7 @@ def choose_head(recipe: Recipe, device: str, budget_gb: float | None = None, **p
 def planned_peak(recipe: Recipe, device: str, plan_options: dict) -> int:
     """The planned peak under the recipe's checkpointing (auto: its least-memory policy)."""
     the_plan = plan(recipe, device=device, **plan_options)
-    if recipe.memory.checkpointing == "auto":
+    if table.planned(recipe.memory.checkpointing):
         return min(row.peak for row in the_plan.policies)
     return the_plan.chosen(recipe).peak
 

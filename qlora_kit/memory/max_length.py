@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from qlora_kit.memory.planner import GIB, PolicyPlan, plan
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -27,11 +28,13 @@ MAX_TRIES = 6  # traced candidates after the probes (a secant search on peak(seq
 
 # name -> the memory section's fields for it
 WAYS: dict[str, dict] = {
-    "none": {"checkpointing": "none", "offload_activations": False, "mlp_tiles": 1},
-    "selective": {"checkpointing": "selective", "offload_activations": False, "mlp_tiles": 1},
-    "full": {"checkpointing": "full", "offload_activations": False, "mlp_tiles": 1},
-    "full + offload": {"checkpointing": "full", "offload_activations": True, "mlp_tiles": 1},
-    "full + offload + tiles": {"checkpointing": "full", "offload_activations": True, "mlp_tiles": "auto"},
+    **{p: {"checkpointing": p, "offload_activations": False, "mlp_tiles": 1} for p in table.layer_policies()},
+    f"{table.FULL} + offload": {"checkpointing": table.FULL, "offload_activations": True, "mlp_tiles": 1},
+    f"{table.FULL} + offload + tiles": {
+        "checkpointing": table.FULL,
+        "offload_activations": True,
+        "mlp_tiles": "auto",
+    },
 }
 
 

@@ -89,6 +89,7 @@ from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model import expert_matmul
 from qlora_kit.model.precision import Device, resolve_mixed_precision
+from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import objectives
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
@@ -127,7 +128,7 @@ def activation_bytes(
     the Llama-shaped formula (which assumes no autocast). A vision-language model's rows hold
     ``images_per_row`` images (``images_in_a_row``)."""
     policies = layer_plan(policy, every_n, shape.layers, recipe)
-    recomputing = any(p != "none" for p in policies)
+    recomputing = any(table.recomputes(p) for p in policies)
     images = images_in_a_row(recipe, images_per_row)
     traced = (
         trace_layers(shape.config, recipe, batch, seq, precision, images, device, padded)
@@ -142,7 +143,7 @@ def activation_bytes(
         # layer keeps no mask: dropout is recomputed).
         n = batch * seq
         for i, layer_policy in enumerate(policies):
-            if layer_policy == "none":
+            if not table.recomputes(layer_policy):
                 grad = recomputing or i > 0
                 per_layer[i] -= kept_layer_bytes(shape, recipe, n, "cpu", grad) - kept_layer_bytes(
                     shape, recipe, n, device, grad
@@ -285,9 +286,9 @@ class Plan:
         tokens = self.batch * self.seq
         in_flight = self.lora_grads + 2 * tokens * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
         backward = in_flight + gradient_working_set(shape, recipe, tokens)
-        recomputed = sum(p != "none" for p in layers)
+        recomputed = sum(table.recomputes(p) for p in layers)
         if recomputed:  # layer i recomputes when the layers above it have freed theirs: the worst such i
-            whole = self.activations("none").per_layer
+            whole = self.activations(table.NONE).per_layer
             kept = acts.per_layer
             backward += max(0, max(sum(kept[:i]) + whole[i] for i in range(len(kept))) - sum(kept))
         backward += self.mlp_tile_transient() + self.dequantized_expert()
@@ -296,7 +297,7 @@ class Plan:
             backward += 2 * host // recomputed
         spike = max(in_flight + loss_spike(shape, recipe, tokens), backward)
         peak = max(self.static + self.pixels + acts.total + spike, self.static + self.rollout, self.load_peak)
-        full_layer = max(self.activations("full").recompute_cost) or 1.0
+        full_layer = max(self.activations(table.FULL).recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
         return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost, host)
 
@@ -335,11 +336,11 @@ class Plan:
 
 
 def policy_name(policy: str, every_n: int = 1) -> str:
-    return f"every_n={every_n}" if policy == "every_n" else policy
+    return f"{policy}={every_n}" if table.policy(policy).expands == table.EVERY_N else policy
 
 
 def candidate_policies(layers: int) -> list[tuple[str, int]]:
-    """Uniform policies, from the most memory to the least: none, every L-th layer ... every 2nd,
+    """The table's candidates, from the most memory to the least: none, every L-th layer ... every 2nd,
     selective, full."""
     spaced = sorted({n for n in range(2, layers + 1)}, reverse=True)
     # Keep the every_n values that checkpoint a different number of layers.
@@ -348,8 +349,11 @@ def candidate_policies(layers: int) -> list[tuple[str, int]]:
         count = math.ceil(layers / n)
         if count not in seen:
             seen.add(count)
-            every.append(("every_n", n))
-    return [("none", 0), *every, ("selective", 1), ("full", 1)]
+            every.append((table.every_n(), n))
+    candidates = [(name, spec) for name, spec in table.POLICIES.items() if spec.candidate]
+    return [
+        w for n, s in candidates for w in (every if s.expands == table.EVERY_N else [(n, int(s.recomputes))])
+    ]
 
 
 def plan(
@@ -388,14 +392,13 @@ def plan(
     result.rollout = rollout_bytes(shape, recipe) if objectives.of(recipe).rollouts else 0
     result.images_per_row = images_per_row
     result.pixels = pixel_bytes(shape.config, recipe, batch, images_per_row, image_tokens)
-    uncheckpointed = result.activations("none")
+    uncheckpointed = result.activations(table.NONE)
     result.activation_source, result.head_source = uncheckpointed.source, uncheckpointed.head_source
     result.kernels = uncheckpointed.kernels
     wanted = candidate_policies(shape.layers)
-    own = (recipe.memory.checkpointing, 1 if recipe.memory.checkpointing == "full" else recipe.memory.every_n)
-    if recipe.memory.checkpointing in ("none", "full", "selective"):
-        own = (recipe.memory.checkpointing, 0 if own[0] == "none" else 1)
-    if own[0] != "auto" and policy_name(*own) not in {policy_name(*w) for w in wanted}:
+    spec = table.policy(recipe.memory.checkpointing)
+    own = (spec.name, int(spec.recomputes) if spec.layer else recipe.memory.every_n)
+    if not table.planned(spec.name) and policy_name(*own) not in {policy_name(*w) for w in wanted}:
         wanted.append(own)  # the recipe's own every_n (another n checkpoints as many layers), or per_layer
     for policy, every_n in wanted:
         label = policy_name(policy, every_n)

@@ -41,6 +41,7 @@ from qlora_kit.memory import fake_forward
 from qlora_kit.memory.accounting import OUTSIDE
 from qlora_kit.memory.fake_forward import Shape
 from qlora_kit.memory.loss_head import uses_chunked_loss
+from qlora_kit.registries import checkpointing as table
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -77,30 +78,25 @@ class TracedLayers:
         is checkpointed under any policy that checkpoints at all (transformers' every_n_layers counts from
         it; ``auto`` keeps it so); a plan written by hand that leaves it alone while checkpointing others
         is planned as if its input needed no gradient."""
+        # a layer's figures are those of the trace of what its policy keeps (table.KINDS' order)
+        first = dict(
+            zip(table.KINDS, (self.first_kept, self.first_checkpointed, self.first_selective), strict=True)
+        )
+        later = dict(zip(table.KINDS, (self.kept, self.checkpointed, self.selective), strict=True))
         figures = []
         for index, (kind, policy) in enumerate(zip(self.layer_types, policies, strict=True)):
-            policy = {True: "full", False: "none"}.get(policy, policy)
-            if index == 0:
-                figures.append(
-                    {
-                        "none": self.first_kept,
-                        "full": self.first_checkpointed,
-                        "selective": self.first_selective,
-                    }[policy]
-                )
-            else:
-                figures.append(
-                    {"none": self.kept, "full": self.checkpointed, "selective": self.selective}[policy][kind]
-                )
+            kept = table.policy({True: table.FULL, False: table.NONE}.get(policy, policy)).keeps
+            figures.append(first[kept] if index == 0 else later[kept][kind])
         return figures
 
     def recompute_cost(self, policies: list[str]) -> list[float]:
         """What each layer's backward recomputes, in FLOP-equivalents (0 for a layer that keeps its ops)."""
-        column = {"none": None, "full": 0, "selective": 1}
+        column = dict(zip(table.KINDS, (None, 0, 1), strict=True))
         costs = []
         for index, (kind, policy) in enumerate(zip(self.layer_types, policies, strict=True)):
             pair = self.first_cost if index == 0 else self.cost[kind]
-            costs.append(0.0 if column[policy] is None else pair[column[policy]])
+            which = column[table.policy(policy).keeps]
+            costs.append(0.0 if which is None else pair[which])
         return costs
 
 
@@ -160,9 +156,12 @@ def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedL
     short_types = (types[0], *dict.fromkeys(types))
     short = fake_forward.cut(config, short_types)
     kernels: set[str] = set()
-    plain, _ = fake_forward.trace(short, recipe, "none", shape, precision, kernels)
-    full, _ = fake_forward.trace(short, recipe, "full", shape, precision, kernels)
-    chosen, costs = fake_forward.trace(short, recipe, "selective", shape, precision, kernels)
+    # one trace of each kind of layer the table's policies keep
+    plain, _ = fake_forward.trace(short, recipe, table.of_kind(table.KEEPS_ALL), shape, precision, kernels)
+    full, _ = fake_forward.trace(short, recipe, table.of_kind(table.KEEPS_INPUT), shape, precision, kernels)
+    chosen, costs = fake_forward.trace(
+        short, recipe, table.of_kind(table.KEEPS_EXPENSIVE), shape, precision, kernels
+    )
     later = range(1, len(short_types))
     return TracedLayers(
         layer_types=types,

@@ -6,21 +6,39 @@ Read by ``memory/checkpointing.py`` (the policy applied to the decoder layers), 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+from pydantic import AfterValidator, Field, model_validator
 
 from qlora_kit.recipe.base import Section
+from qlora_kit.registries import checkpointing as policies
+
+
+def _a_policy(value: str) -> str:
+    # read at validation time, not import time: the table (registries/checkpointing.py) is the one list
+    if value not in policies.POLICIES:
+        raise ValueError(f"must be one of {policies.one_of(policies.names())} (got {value!r})")
+    return value
+
+
+def _a_layer_policy(value: str) -> str:
+    if value not in policies.layer_policies():
+        raise ValueError(f"must be one of {policies.one_of(policies.layer_policies())} (got {value!r})")
+    return value
+
+
+Policy = Annotated[str, AfterValidator(_a_policy)]
+LayerPolicy = Annotated[str, AfterValidator(_a_layer_policy)]
 
 
 class MemorySection(Section):
-    checkpointing: Literal["none", "full", "selective", "every_n", "per_layer", "auto"] = "full"
+    checkpointing: Policy = policies.FULL
     """Activation checkpointing of decoder layers: none, full (keep a layer's input, recompute it all), selective
     (keep the 4-bit matmuls' and attention's outputs, recompute the cheap ops), every n-th layer full, per_layer
     (layer_policies), or auto (see budget_gb)."""
     every_n: int = Field(2, ge=1)
     """With checkpointing: every_n, checkpoint layers 0, n, 2n, ..."""
-    layer_policies: list[Literal["none", "selective", "full"]] | None = None
+    layer_policies: list[LayerPolicy] | None = None
     """With checkpointing: per_layer, each decoder layer's policy in order (what auto chooses, shown by qlora-kit plan)."""
     budget_gb: float | None = Field(None, gt=0)
     """With checkpointing: auto, the GPU memory (GiB) to fit: each layer gets none, selective or full so that the
@@ -46,8 +64,7 @@ class MemorySection(Section):
     def _check_budget(self) -> MemorySection:
         if self.mlp_tiles != "auto" and self.mlp_tiles < 1:
             raise ValueError(f"memory.mlp_tiles: must be >= 1 or auto (got {self.mlp_tiles})")
-        if self.checkpointing == "auto" and self.budget_gb is None:
-            raise ValueError("memory.budget_gb: required with memory.checkpointing: auto")
-        if self.checkpointing == "per_layer" and not self.layer_policies:
-            raise ValueError("memory.layer_policies: required with memory.checkpointing: per_layer")
+        needs = policies.policy(self.checkpointing).needs
+        if needs is not None and getattr(self, needs) in (None, []):
+            raise ValueError(f"memory.{needs}: required with memory.checkpointing: {self.checkpointing}")
         return self

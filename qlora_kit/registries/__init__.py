@@ -6,8 +6,11 @@
 - ``rewards``: one ``RewardSpec`` per builtin reward of ``grpo.rewards`` (its arguments, what it scores);
 - ``metric_keys``: the names of the figures a run writes to ``metrics.jsonl`` and reads back;
 - ``families``: one ``Family`` per model_type (layer names, MLP shape, GGUF form or why none, tiny config);
-- ``objectives``: one ``ObjectiveSpec`` per ``train.objective`` (its traits and the module that builds it).
+- ``objectives``: one ``ObjectiveSpec`` per ``train.objective`` (its traits and the module that builds it);
+- ``checkpointing``: one ``PolicySpec`` per ``memory.checkpointing`` (how it expands per layer, what a
+  layer keeps, its recompute share, its context function).
 
-Adding a format, an optimizer, a kernel, a model family or an objective is one entry here plus its tests. Modules are imported by path;
+Adding a format, an optimizer, a kernel, a model family, an objective or a checkpointing policy is one
+entry here plus its module and its tests. Modules are imported by path;
 this file imports nothing.
 """

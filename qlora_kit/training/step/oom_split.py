@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries import objectives
 
@@ -65,7 +66,9 @@ def oom_policy(recipe: Recipe) -> OomPolicy:
             the_plan = planner.plan(
                 recipe, batch=rows, seq=seq, device="cuda" if torch.cuda.is_available() else "cpu"
             )
-            policy = the_plan.chosen(recipe) if memory.checkpointing != "auto" else the_plan.policies[-1]
+            policy = (
+                the_plan.chosen(recipe) if not table.planned(memory.checkpointing) else the_plan.policies[-1]
+            )
         except Exception as error:
             log.debug("no plan for the failing batch: %s", error)
             return None

@@ -12,6 +12,7 @@ from qlora_kit.data.prepare import PreparedData, pad_shares
 from qlora_kit.memory.optimizers import optimizer_state_report
 from qlora_kit.model import moe_experts
 from qlora_kit.model.adapters import trainable_parameter_count
+from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.optimizers import OPTIMIZERS, PAGEABLE_MIN_ELEMENTS
 
@@ -62,7 +63,7 @@ def log_grpo_peaks(recipe: Recipe, device: str) -> None:
 
     try:  # the line is advice: a recipe the planner cannot plan still trains
         the_plan = planner.plan(recipe, device=device)
-        own = recipe.memory.checkpointing != "auto"
+        own = not table.planned(recipe.memory.checkpointing)
         row = the_plan.chosen(recipe) if own else min(the_plan.policies, key=lambda r: r.peak)
     except Exception as error:
         log.debug("no GRPO peaks: %s", error)
