@@ -32,6 +32,7 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.model.builtin import TINY_ARCHITECTURES
 from qlora_kit.recipe.data import SourceSection
 from qlora_kit.recipe.recipe import Recipe, apply_overrides
+from qlora_kit.registries import checkpointing as checkpointing_table
 from qlora_kit.registries.attention import KERNELS
 from qlora_kit.registries.formats import FORMATS
 
@@ -56,6 +57,7 @@ SPECIAL = {
     "data.val_path": st.none() | st.just("/data/val.jsonl"),
     "data.packing": st.sampled_from([True, False, "auto"]),
     "memory.chunked_loss": st.sampled_from([True, False, "auto"]),
+    "memory.checkpointing": st.sampled_from(checkpointing_table.names()),
     "train.probe_worst_batch": st.sampled_from([True, False, "auto"]),
     "memory.mlp_tiles": st.sampled_from([1, 2, 4, "auto"]),
     "lora.dropout": st.sampled_from(["auto", 0.0]) | st.floats(0, 0.99),
@@ -73,7 +75,7 @@ SPECIAL = {
         st.sampled_from(["tensorboard", "wandb", "mlflow", "trackio"]), unique=True, max_size=2
     ),
     "memory.layer_policies": st.none()
-    | st.lists(st.sampled_from(["none", "selective", "full"]), min_size=1, max_size=4),
+    | st.lists(st.sampled_from(checkpointing_table.layer_policies()), min_size=1, max_size=4),
     "lora.target_modules": st.just("all-linear")
     | st.lists(
         st.sampled_from(["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj"]),

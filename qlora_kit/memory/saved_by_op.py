@@ -7,7 +7,7 @@ it (parameters left out, a shared storage once). ``measured_by_op`` counts a rea
 real model, ``traced_by_op`` the planner's trace of the same recipe and batch, and ``compare`` lines
 them up, the largest difference first::
 
-    python benchmarks/saved_by_op.py recipes/x.yaml --batch 2 --seq 256
+    python scripts/saved_by_op.py recipes/x.yaml --batch 2 --seq 256
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ shorter). The run's loss is transformers' (full logits); the trace counts the ch
 closed form, so under ``memory.chunked_loss`` the head's rows are the run's alone. The largest
 differences print first (``qlora_kit/memory/saved_by_op.py``):
 
-    python benchmarks/saved_by_op.py recipes/demo.yaml --batch 2 --seq 128 --padded
+    python scripts/saved_by_op.py recipes/demo.yaml --batch 2 --seq 128 --padded
 """
 
 from __future__ import annotations
