@@ -19,10 +19,11 @@ would double what the head keeps), and the chunks run under the same autocast as
 under autocast.
 
 Nothing in transformers, peft or PyTorch does this on every device: Liger's and Apple's
-cut-cross-entropy fused kernels are CUDA/Triton only. This stays plain PyTorch (about twenty lines)
-and works with any output head module, LoRA on ``lm_head`` included, with packing, and under
-gradient accumulation: the sum of token losses is divided by the Trainer's ``num_items_in_batch``
-exactly as transformers' ``ForCausalLMLoss`` divides it.
+cut-cross-entropy fused kernels are CUDA/Triton only. So Liger-Kernel's fused linear cross-entropy runs
+the head where it can (CUDA, ``liger_kernel`` installed, a plain linear head: ``fused_loss``), and this
+plain PyTorch (about twenty lines) everywhere else: any output head module, LoRA on ``lm_head`` included.
+Both work with packing and under gradient accumulation: the sum of token losses is divided by the
+Trainer's ``num_items_in_batch`` exactly as transformers' ``ForCausalLMLoss`` divides it.
 """
 
 from __future__ import annotations
@@ -96,22 +97,47 @@ def chunked_lm_loss(
     targets = labels[:, 1:]  # (B, T-1): position t predicts token t + 1
     trained = targets != IGNORE_INDEX
     # (n, H): only positions whose next token is trained, in the head's dtype (a lossless cast back when
-    # accelerate converted bf16 outputs to fp32)
+    # accelerate converted bf16 outputs to fp32). The head's host syncs, once a step whatever the chunk
+    # count: on CUDA the first selection waits for the forward pass (the count of trained positions sizes
+    # the chunks), the second finds the queue drained already
     kept_hidden = hidden[:, :-1][trained].to(head.weight.dtype)
     kept_targets = targets[trained]  # (n,)
-    total = hidden[..., :1].sum().float() * 0.0  # stays in the graph when no token is trained
+    fused = fused_loss(head, kept_hidden) if kept_targets.numel() else None
     with autocast():  # torch's checkpoint records it and recomputes each chunk under it
-        for start in range(0, kept_targets.numel(), chunk_tokens):
-            end = start + chunk_tokens
-            total = total + checkpoint(
-                _chunk_loss, head, kept_hidden[start:end], kept_targets[start:end], use_reentrant=False
-            )
+        if fused is not None:  # Liger's kernel chunks the head itself and keeps no logits either
+            total = fused(head.weight, kept_hidden, kept_targets, head.bias)
+        else:
+            total = _chunks_loss(head, kept_hidden, kept_targets, chunk_tokens)
     denominator = num_items_in_batch if num_items_in_batch is not None else max(kept_targets.numel(), 1)
     loss = total / denominator
     aux = getattr(outputs, "aux_loss", None)
     if aux is not None:  # a mixture of experts' load balancing, added as transformers adds it with labels
         loss = loss + causal_lm.config.router_aux_loss_coef * aux.to(loss.device)
     return loss
+
+
+def fused_loss(head: torch.nn.Module, hidden: torch.Tensor) -> Callable | None:
+    """Liger-Kernel's fused linear cross-entropy (summed over positions) where it runs: ``liger_kernel``
+    installed (the ``liger`` extra), a CUDA device (its kernels are Triton's) and a head that is one plain
+    ``nn.Linear`` (it takes the weight alone: LoRA on ``lm_head`` or a 4-bit head run ours). None elsewhere."""
+    if hidden.device.type != "cuda" or type(head) is not torch.nn.Linear:
+        return None
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+    except ImportError:  # not installed, or no Triton
+        return None
+    return LigerFusedLinearCrossEntropyLoss(ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def _chunks_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+    """The summed loss of (n, H) ``hidden`` against (n,) ``targets``, ``chunk_tokens`` positions at a time."""
+    # The chunks are views from one split, whose backward joins their gradients once; slicing chunk by
+    # chunk would give each chunk's gradient the size of all n positions and add them up, once per chunk
+    chunks = zip(hidden.split(chunk_tokens), targets.split(chunk_tokens), strict=True)
+    losses = [checkpoint(_chunk_loss, head, h, t, use_reentrant=False) for h, t in chunks]
+    # one sum of the chunks' losses, not an addition per chunk; with no position trained the split's one
+    # empty chunk gives a zero that keeps the head in the graph
+    return torch.stack(losses).sum()
 
 
 def _chunk_loss(head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
