@@ -25,7 +25,9 @@ import torch
 
 from qlora_kit.after import floor, gguf_writer, modelfile, parity
 from qlora_kit.after.floor import MERGED_DTYPES
+from qlora_kit.after.image_parity import ImageInputs
 from qlora_kit.after.merge import MERGED_DTYPE, write_merged
+from qlora_kit.data import images
 from qlora_kit.errors import ExportError, ExportParityError, OutputDirError
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
@@ -268,7 +270,9 @@ def _compute_floor(recipe, adapter_dir: Path, report: dict, reference: parity.Re
         del base
     else:
         floor.round_into(merged, report["type"])
-    figures = parity.reference_from_reader(reference, parity.TransformersModel(merged, None))
+    runs = images.image_runs(recipe.model) if reference.images else None  # its image rows' pixels
+    reader = parity.TransformersModel(merged, None, ImageInputs(runs) if runs else None)
+    figures = parity.reference_from_reader(reference, reader)
     del merged
     parity.free_memory()
     return figures
