@@ -656,3 +656,49 @@ def test_generate_with_an_image_on_a_text_only_run_is_one_line(finished_run, tmp
         and lines[-1] == "error: --image: the adapter's base model is text-only (not a vision-language model)"
     ), err
     assert out.strip() in ("", "> What colour?") and "Traceback" not in err  # the prompt, no completion
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--budget-gb", "-4"], "error: --budget-gb: must be > 0.0 (got -4.0), as memory.budget_gb"),
+        (["--budget-gb", "0"], "error: --budget-gb: must be > 0.0 (got 0.0), as memory.budget_gb"),
+        (["--max-seq-len", "--budget-gb", "-4"], "error: --budget-gb: must be > 0.0 (got -4.0)"),
+        (["--max-seq-len", "--budget-gb", "0"], "error: --budget-gb: must be > 0.0 (got 0.0)"),
+        (["--batch", "0"], "error: --batch: must be > 0 (got 0), as train.micro_batch_size"),
+        (["--seq", "-3"], "error: --seq: must be > 0 (got -3), as data.max_seq_len"),
+        (["--processes", "0"], "error: --processes: must be >= 1 (got 0)"),
+    ],
+)
+def test_plan_numbers_out_of_range_are_one_line_as_the_recipes_fields_are(argv, line, monkeypatch, capsys):
+    """A budget of -4 GiB or 0 is refused as memory.budget_gb: -4 is, before anything is planned."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli_output(["plan", RECIPE, *argv], monkeypatch, capsys)
+    assert code == 2 and err.strip().startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert out == ""
+
+
+def test_every_numeric_option_of_every_command_is_checked():
+    """Each int or float option of the CLI is declared with a Checked (recipe/options.py): its recipe
+    field's validation, its own bounds, or the named check that takes it, so a new option cannot skip it."""
+    import inspect
+    import typing
+
+    from qlora_kit.cli.app import app
+    from qlora_kit.cli.exits import numeric_options
+    from qlora_kit.recipe.options import Checked
+
+    unchecked, seen = [], 0
+    for command in [
+        *app.registered_commands,
+        *(c for g in app.registered_groups for c in g.typer_instance.registered_commands),
+    ]:
+        function = inspect.unwrap(command.callback)
+        checked = numeric_options(function)
+        for name, hint in typing.get_type_hints(function, include_extras=True).items():
+            base = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+            if {int, float} & (set(typing.get_args(base)) or {base}):
+                seen += 1
+                if not isinstance(checked.get(name), Checked):
+                    unchecked.append(f"{command.callback.__name__} {name}")
+    assert seen >= 13 and unchecked == []
