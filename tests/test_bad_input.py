@@ -702,3 +702,61 @@ def test_every_numeric_option_of_every_command_is_checked():
                 if not isinstance(checked.get(name), Checked):
                     unchecked.append(f"{command.callback.__name__} {name}")
     assert seen >= 13 and unchecked == []
+
+
+USER = [{"role": "user", "content": "Hi"}]
+ASSISTANT = [{"role": "assistant", "content": "Hello"}]
+# one row of each format's shape (tests/test_bad_input.py checks the formats table holds no other)
+ROW_OF = {
+    "alpaca": {"instruction": "Say hi.", "input": "", "output": "Hi."},
+    "chat": {"messages": USER + ASSISTANT},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+    "completion": {"prompt": "Hi", "completion": "Hello"},
+    "text": {"text": "Hello there."},
+    "preference": {"prompt": "Hi", "chosen": "Hello", "rejected": "Go"},
+    "preference_alpaca": {"instruction": "Hi", "chosen": "Hello", "rejected": "Go"},
+    "preference_chat": {
+        "prompt": USER,
+        "chosen": ASSISTANT,
+        "rejected": [{"role": "assistant", "content": "Go"}],
+    },
+    "feedback": {"prompt": "Hi", "completion": "Hello", "label": True},
+    "feedback_chat": {"prompt": USER, "completion": ASSISTANT, "label": True},
+}
+OBJECTIVE_OF = {"sequences": "sft", "pairs": "dpo", "unpaired": "kto"}
+
+
+def format_pairs():
+    from qlora_kit.registries.formats import FORMATS
+
+    assert set(ROW_OF) == set(FORMATS), "a format without a row of its shape here"
+    return [
+        pytest.param(given, shaped, id=f"{shaped}-under-{given}")
+        for given, spec in FORMATS.items()
+        for shaped, other in FORMATS.items()
+        if shaped != given and other.rows == spec.rows
+    ]
+
+
+@pytest.mark.parametrize(("given", "shaped"), format_pairs())
+def test_a_row_in_another_formats_shape_names_that_format(given, shaped, tmp_path, monkeypatch, capsys):
+    """Under data.format GIVEN, a row of format SHAPED's shape (TRL's conversational feedback rows under
+    feedback, say) is refused in one line that ends naming SHAPED; or read, where GIVEN reads it too (a
+    chat format's prompt may be text)."""
+    from qlora_kit.registries.formats import FORMATS
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW_OF[shaped]) + "\n")
+    objective = OBJECTIVE_OF[FORMATS[given].rows]
+    sets = {"data.path": rows, "data.format": given, "train.objective": objective, "data.packing": "false"}
+    sets |= {"train.eval_steps": "null"}
+    argv = ["data", str(ROOT / RECIPE)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    if code == 0:
+        assert FORMATS[given].chat_template and not FORMATS[shaped].chat_template, err
+        return
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    chat, was_chat = FORMATS[shaped].chat_template, FORMATS[given].chat_template
+    what = "message lists" if chat and not was_chat else "text" if was_chat and not chat else "'"
+    assert f"(data.format: {shaped} reads {what}" in lines[0] and lines[0].endswith(")"), err

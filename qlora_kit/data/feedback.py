@@ -10,7 +10,7 @@ from typing import Any
 import datasets
 from trl.data_utils import common_prefix_length
 
-from qlora_kit.data import preference
+from qlora_kit.data import format_hints, preference
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
 from qlora_kit.registries.formats import FORMATS
@@ -28,6 +28,7 @@ def trl_rows(rows: datasets.Dataset, section, source: str, tokenizer) -> dataset
         raise DataError(
             f"{source}: row 1: missing field {missing[0]!r} for format {section.format} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+            f"{format_hints.columns_hint(rows, section.format)}"
         )
     chat = FORMATS[section.format].chat_template
     columns = {name: [] for name in COLUMNS}
@@ -35,7 +36,8 @@ def trl_rows(rows: datasets.Dataset, section, source: str, tokenizer) -> dataset
         try:
             prompt, _ = preference.render_feedback(row, chat, tokenizer, section)
         except RowError as exc:
-            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+            hint = format_hints.row_hint(row, section.format)
+            raise DataError(f"{source}: row {index + 1}: {exc}{hint}") from None
         if chat:
             columns["prompt"].append(preference.chat_prompt_messages(row["prompt"], section))
             columns["completion"].append(preference.assistant_messages(row["completion"], "completion"))

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import datasets
 from datasets import Dataset
 
-from qlora_kit.data import formats, sources
+from qlora_kit.data import format_hints, formats, sources
 from qlora_kit.data.chat import apply_system_prompt_mode, sharegpt_messages, with_system_prompt
 from qlora_kit.data.prepare import LengthReport, PreparedData
 from qlora_kit.data.row_tokens import check_columns
@@ -110,7 +110,7 @@ def _prompts(
         try:
             prompt, reference = prompt_and_reference(row, fmt, tokenizer, data)
         except (RowError, KeyError, TypeError) as exc:
-            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+            raise DataError(f"{source}: row {index + 1}: {exc}{format_hints.row_hint(row, fmt)}") from None
         return {PROMPT: prompt, REFERENCE: reference, "length": prompt_length(prompt, tokenizer)}
 
     with sources.quiet_datasets():
