@@ -46,16 +46,8 @@ def row_hint(row: dict[str, Any], fmt: str) -> str:
 
 
 def columns_hint(rows: Dataset, fmt: str) -> str:
-    """The same for rows that all lack one of ``fmt``'s fields: the first row's other format, or else one
-    whose fields are all columns."""
-    hint = row_hint(rows[0], fmt) if len(rows) else ""
-    if hint:
-        return hint
-    present = set(rows.column_names)
-    for other in _others(fmt):
-        if set(_required(other)) <= present:
-            return f" (data.format: {other.name} reads {_what(FORMATS[fmt], other)})"
-    return ""
+    """The same for rows that all lack one of ``fmt``'s fields: the first row's other format."""
+    return row_hint(rows[0], fmt) if len(rows) else ""
 
 
 def _has_shape(row: dict[str, Any], other: FormatSpec, spec: FormatSpec) -> bool:
