@@ -8,13 +8,15 @@ session's finished run): the commands read them, never write into them.
 
 from __future__ import annotations
 
+import io
 import json
+import sys
 
 import pytest
 import torch
 
 from qlora_kit.registries import families as table
-from tests.conftest import quick_recipe
+from tests.conftest import quick_recipe, run_cli_output
 
 pytestmark = pytest.mark.slow  # trains a run per kind
 
@@ -99,3 +101,61 @@ def test_a_vision_language_run_exports_merged_and_transformers_reads_it_on_an_im
     kl = float(kl_per_position(expected, got).mean())
     assert kl <= floor_kl + exporting.FLOOR_KL_OTHERS, (kl, floor_kl)
     assert (expected.argmax(-1) == got.argmax(-1)).float().mean() >= 0.95
+
+
+# --- every after-training command on every model kind: it runs, or refuses in one line naming why ---
+
+KINDS = ("dense", "mixture", "vision")
+NO_GGUF = {"mixture": "'qwen2_moe' is not supported", "vision": "'llava' is not supported"}
+# (kind, command) -> the refusal's words; every pair not listed runs (exit 0)
+REFUSED = {
+    **{(kind, "export-gguf"): why for kind, why in NO_GGUF.items()},
+    **{(kind, "export-lora-gguf"): why for kind, why in NO_GGUF.items()},
+}
+# what a command that runs leaves behind (the others print: their output is checked not to be empty)
+PRODUCES = {
+    "eval": "eval.json",
+    "merge": "merged/config.json",
+    "export-merged": "out/export_report.json",
+    "export-gguf": "out/model.gguf",
+    "export-lora-gguf": "out/adapter.gguf",
+}
+COMMANDS = ("eval", "generate", "chat", "show", "merge", "export-merged", "export-gguf", "export-lora-gguf")
+
+
+def command_line(command: str, run, kind: str, folder) -> list[str]:
+    """``command``'s arguments on ``run``, each as short as the command allows (one prompt, a few tokens)."""
+    picture = (
+        ["--image", str(next((run.parent / "data" / "images").glob("val-*.png")))] if kind == "vision" else []
+    )
+    prompts = folder / "prompts.jsonl"
+    prompts.write_text('{"prompt": "What colour is the square?"}\n')
+    export = ["export", "--adapter", str(run), "--prompts", str(prompts), "--out", str(folder / "out")]
+    return {
+        "eval": ["eval", "--adapter", str(run), "--max-examples", "2", "--output", str(folder / "eval.json")],
+        "generate": ["generate", "--adapter", str(run), "Hi", "--max-new-tokens", "4", *picture],
+        "chat": ["chat", "--adapter", str(run), "--max-new-tokens", "4", *picture],
+        "show": ["show", str(run)],
+        "merge": ["merge", "--adapter", str(run), "--out", str(folder / "merged")],
+        "export-merged": [*export, "--to", "merged"],
+        "export-gguf": [*export, "--to", "gguf"],
+        "export-lora-gguf": [*export, "--to", "gguf", "--lora-only"],
+    }[command]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_after_training_command_runs_or_refuses_in_one_line_on_every_kind(
+    command, kind, runs, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi\n\n"))  # chat: one turn, then an empty line ends it
+    code, out, err = run_cli_output(command_line(command, runs(kind), kind, tmp_path), monkeypatch, capsys)
+    refusal = REFUSED.get((kind, command))
+    if refusal is None:
+        assert code == 0, err[-2000:]
+        made = PRODUCES.get(command)
+        assert (tmp_path / made).is_file() if made else out.strip(), (command, out[-2000:])
+        return
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and refusal in lines[0], err
+    assert not (tmp_path / "out").exists()
