@@ -130,7 +130,9 @@ def command_line(command: str, run, kind: str, folder) -> list[str]:
     )
     prompts = folder / "prompts.jsonl"
     prompts.write_text('{"prompt": "What colour is the square?"}\n')
-    export = ["export", "--adapter", str(run), "--prompts", str(prompts), "--out", str(folder / "out")]
+    # a vision run's parity prompts are its image rows (4 held out): through the vision path, not --prompts
+    asked = [] if kind == "vision" else ["--prompts", str(prompts)]
+    export = ["export", "--adapter", str(run), *asked, "--out", str(folder / "out")]
     return {
         "eval": ["eval", "--adapter", str(run), "--max-examples", "2", "--output", str(folder / "eval.json")],
         "generate": ["generate", "--adapter", str(run), "Hi", "--max-new-tokens", "4", *picture],
