@@ -12,6 +12,7 @@
   ``mrope``: an M-RoPE family's (Qwen-VL) packed rows, each example's 3-D positions as it has them alone;
 - ``sources``: loading a source's rows through ``datasets`` (files, shard folders, the hub, builtin);
 - ``row_tokens``: one row's token ids, masked labels and the facts the reports and the preflight read;
+  ``format_hints``: which other format a refused row is in, named at the end of its error;
 - ``prepare``: tokenizing, the length policy, the split, mixing sources, collators; ``prompt_examples``:
   rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;
