@@ -73,7 +73,7 @@ def test_a_vision_language_run_exports_merged_and_transformers_reads_it_on_an_im
 
     from qlora_kit import export
     from qlora_kit.after import export as exporting
-    from qlora_kit.after import floor
+    from qlora_kit.after import floor, parity
     from qlora_kit.after.parity import kl_per_position
     from qlora_kit.model import adapters, vision
 
@@ -82,6 +82,9 @@ def test_a_vision_language_run_exports_merged_and_transformers_reads_it_on_an_im
     report = result.report
     assert report["failures"] == [] and report["prompts"] == 2 and report["prompts_from"] == "validation rows"
     floor_kl = next(c for c in report["comparisons"] if c["export"].startswith("floor:"))["mean_kl"]
+    # the report's prompts were the held-out rows with their images (the reference the export computed)
+    asked = parity.reference_of(run, adapters.recipe_of(run), None, SMALL["prompt_count"], SMALL["tokens"])
+    assert asked.images and all(len(files) == 1 for files in asked.images)
 
     # transformers' AutoProcessor, or where torchvision does not import (Qwen-VL's video half needs it), its
     # processor class made of the folder's image processor and tokenizer (model/vision.py)
