@@ -656,3 +656,107 @@ def test_generate_with_an_image_on_a_text_only_run_is_one_line(finished_run, tmp
         and lines[-1] == "error: --image: the adapter's base model is text-only (not a vision-language model)"
     ), err
     assert out.strip() in ("", "> What colour?") and "Traceback" not in err  # the prompt, no completion
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        (["--budget-gb", "-4"], "error: --budget-gb: must be > 0.0 (got -4.0), as memory.budget_gb"),
+        (["--budget-gb", "0"], "error: --budget-gb: must be > 0.0 (got 0.0), as memory.budget_gb"),
+        (["--max-seq-len", "--budget-gb", "-4"], "error: --budget-gb: must be > 0.0 (got -4.0)"),
+        (["--max-seq-len", "--budget-gb", "0"], "error: --budget-gb: must be > 0.0 (got 0.0)"),
+        (["--batch", "0"], "error: --batch: must be > 0 (got 0), as train.micro_batch_size"),
+        (["--seq", "-3"], "error: --seq: must be > 0 (got -3), as data.max_seq_len"),
+        (["--processes", "0"], "error: --processes: must be >= 1 (got 0)"),
+    ],
+)
+def test_plan_numbers_out_of_range_are_one_line_as_the_recipes_fields_are(argv, line, monkeypatch, capsys):
+    """A budget of -4 GiB or 0 is refused as memory.budget_gb: -4 is, before anything is planned."""
+    monkeypatch.chdir(ROOT)
+    code, out, err = run_cli_output(["plan", RECIPE, *argv], monkeypatch, capsys)
+    assert code == 2 and err.strip().startswith(line) and len(err.strip().splitlines()) == 1, err
+    assert out == ""
+
+
+def test_every_numeric_option_of_every_command_is_checked():
+    """Each int or float option of the CLI is declared with a Checked (recipe/options.py): its recipe
+    field's validation, its own bounds, or the named check that takes it, so a new option cannot skip it."""
+    import inspect
+    import typing
+
+    from qlora_kit.cli.app import app
+    from qlora_kit.cli.exits import numeric_options
+    from qlora_kit.recipe.options import Checked
+
+    unchecked, seen = [], 0
+    for command in [
+        *app.registered_commands,
+        *(c for g in app.registered_groups for c in g.typer_instance.registered_commands),
+    ]:
+        function = inspect.unwrap(command.callback)
+        checked = numeric_options(function)
+        for name, hint in typing.get_type_hints(function, include_extras=True).items():
+            base = typing.get_args(hint)[0] if hasattr(hint, "__metadata__") else hint
+            if {int, float} & (set(typing.get_args(base)) or {base}):
+                seen += 1
+                if not isinstance(checked.get(name), Checked):
+                    unchecked.append(f"{command.callback.__name__} {name}")
+    assert seen >= 13 and unchecked == []
+
+
+USER = [{"role": "user", "content": "Hi"}]
+ASSISTANT = [{"role": "assistant", "content": "Hello"}]
+# one row of each format's shape (tests/test_bad_input.py checks the formats table holds no other)
+ROW_OF = {
+    "alpaca": {"instruction": "Say hi.", "input": "", "output": "Hi."},
+    "chat": {"messages": USER + ASSISTANT},
+    "sharegpt": {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+    "completion": {"prompt": "Hi", "completion": "Hello"},
+    "text": {"text": "Hello there."},
+    "preference": {"prompt": "Hi", "chosen": "Hello", "rejected": "Go"},
+    "preference_alpaca": {"instruction": "Hi", "chosen": "Hello", "rejected": "Go"},
+    "preference_chat": {
+        "prompt": USER,
+        "chosen": ASSISTANT,
+        "rejected": [{"role": "assistant", "content": "Go"}],
+    },
+    "feedback": {"prompt": "Hi", "completion": "Hello", "label": True},
+    "feedback_chat": {"prompt": USER, "completion": ASSISTANT, "label": True},
+}
+OBJECTIVE_OF = {"sequences": "sft", "pairs": "dpo", "unpaired": "kto"}
+
+
+def format_pairs():
+    from qlora_kit.registries.formats import FORMATS
+
+    assert set(ROW_OF) == set(FORMATS), "a format without a row of its shape here"
+    return [
+        pytest.param(given, shaped, id=f"{shaped}-under-{given}")
+        for given, spec in FORMATS.items()
+        for shaped, other in FORMATS.items()
+        if shaped != given and other.rows == spec.rows
+    ]
+
+
+@pytest.mark.parametrize(("given", "shaped"), format_pairs())
+def test_a_row_in_another_formats_shape_names_that_format(given, shaped, tmp_path, monkeypatch, capsys):
+    """Under data.format GIVEN, a row of format SHAPED's shape (TRL's conversational feedback rows under
+    feedback, say) is refused in one line that ends naming SHAPED; or read, where GIVEN reads it too (a
+    chat format's prompt may be text)."""
+    from qlora_kit.registries.formats import FORMATS
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(json.dumps(ROW_OF[shaped]) + "\n")
+    objective = OBJECTIVE_OF[FORMATS[given].rows]
+    sets = {"data.path": rows, "data.format": given, "train.objective": objective, "data.packing": "false"}
+    sets |= {"train.eval_steps": "null"}
+    argv = ["data", str(ROOT / RECIPE)] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    if code == 0:
+        assert FORMATS[given].chat_template and not FORMATS[shaped].chat_template, err
+        return
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    chat, was_chat = FORMATS[shaped].chat_template, FORMATS[given].chat_template
+    what = "message lists" if chat and not was_chat else "text" if was_chat and not chat else "'"
+    assert f"(data.format: {shaped} reads {what}" in lines[0] and lines[0].endswith(")"), err

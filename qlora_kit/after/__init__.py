@@ -7,7 +7,9 @@
 - ``merge``: the adapter merged into a 16-bit model, with a drift check;
 - ``export``: a merged folder or a GGUF (``gguf_writer``, each architecture's form in ``gguf_families``, a
   mixture's experts in ``gguf_experts``, ``modelfile``), checked by ``parity`` against the floor its type sets (``floor``: the trained weights merged
-  in fp32 and rounded as the export stores them) and, where installed, by llama.cpp (``llama_cpp_reader``).
+  in fp32 and rounded as the export stores them; ``image_parity``: a vision-language run's image rows as
+  its prompts; ``replay``: figures already computed, as readers) and, where installed, by llama.cpp
+  (``llama_cpp_reader``).
 
 A sub-package, not top-level modules: a module ``qlora_kit/evaluate.py`` would replace the package's
 ``qlora_kit.evaluate()`` function as an attribute the moment it is imported (the same holds for generate

@@ -23,9 +23,11 @@ from pathlib import Path
 
 import torch
 
-from qlora_kit.after import floor, gguf_writer, modelfile, parity
+from qlora_kit.after import floor, gguf_writer, modelfile, parity, replay
 from qlora_kit.after.floor import MERGED_DTYPES
+from qlora_kit.after.image_parity import ImageInputs
 from qlora_kit.after.merge import MERGED_DTYPE, write_merged
+from qlora_kit.data import images
 from qlora_kit.errors import ExportError, ExportParityError, OutputDirError
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
@@ -196,7 +198,7 @@ def verify(
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
     floor_reference = _floor_reference(recipe, adapter_dir, report, reference)
     floor = parity.compare(
-        reference, parity.ReplayReader(floor_reference, "in memory"), _floor_name(report), "trained"
+        reference, replay.ReplayReader(floor_reference, "in memory"), _floor_name(report), "trained"
     )
     comparisons, failures = [floor.as_dict()], []
     # onto=original is asked for knowing it is not what the adapter trained against: its distance
@@ -207,7 +209,7 @@ def verify(
             reader = open_reader(reference)
             if reader is None:
                 continue
-            reader = parity.ReadOnce(reader)  # against the trained model and the floor, read once
+            reader = replay.ReadOnce(reader)  # against the trained model and the floor, read once
             for against in againsts:
                 comparison = parity.compare(
                     reference if against == "trained" else floor_reference, reader, label, against
@@ -268,7 +270,9 @@ def _compute_floor(recipe, adapter_dir: Path, report: dict, reference: parity.Re
         del base
     else:
         floor.round_into(merged, report["type"])
-    figures = parity.reference_from_reader(reference, parity.TransformersModel(merged, None))
+    runs = images.image_runs(recipe.model) if reference.images else None  # its image rows' pixels
+    reader = parity.TransformersModel(merged, None, ImageInputs(runs) if runs else None)
+    figures = parity.reference_from_reader(reference, reader)
     del merged
     parity.free_memory()
     return figures

@@ -174,8 +174,8 @@ def family_of(config) -> Gguf:
     entry = families.family(model_type)
     if entry is not None and isinstance(entry.export, families.NoExport):
         raise ExportError(
-            f"export --to gguf: architecture {model_type!r} is not supported: {entry.export.reason}; "
-            "--to merged works for it"
+            f"export --to gguf: architecture {model_type!r} is not supported: {entry.export.reason}"
+            + ("" if "--to merged" in entry.export.reason else "; --to merged works for it")
         )
     if entry is None:
         raise ExportError(

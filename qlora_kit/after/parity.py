@@ -22,8 +22,10 @@ import torch
 
 from qlora_kit.after import floor
 from qlora_kit.after.generate import wrap_prompt
-from qlora_kit.data import prepare, prompt_examples
+from qlora_kit.after.image_parity import ImageInputs, folder_inputs, image_prompts
+from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import vision
 from qlora_kit.registries import families
 
 if TYPE_CHECKING:
@@ -43,6 +45,13 @@ class Reference:
     prompt_texts: list[str]
     rendered: str | None  # the tokenizer's chat template on PROBE, generation prompt added
     source: str = "validation rows"  # where the prompts came from, named in the report
+    # a vision-language run's image rows: each prompt's image files, which every reader's own processor
+    # turns into its model's pixels (after/image_parity.py); None for text prompts
+    images: list[tuple[str, ...]] | None = None
+
+    def images_of(self, index: int) -> dict:
+        """The keyword a reader takes for prompt ``index``'s images (none for a text prompt)."""
+        return {"images": self.images[index]} if self.images and self.images[index] else {}
 
 
 @dataclass
@@ -89,8 +98,11 @@ def _compute_reference(
     adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int
 ) -> Reference:
     _, tokenizer, trained = floor.load_trained_exactly(adapter_dir, recipe)
+    runs = images.image_runs(recipe.model)
+    reader = TransformersModel(trained, tokenizer, ImageInputs(runs) if runs else None)
+    if runs is not None and not prompts:  # its rows hold images: asked through the vision path
+        return _image_reference(reader, image_prompts(recipe, runs, tokenizer, count), tokens)
     pairs, source = prompt_pairs(recipe, tokenizer, prompts, count)
-    reader = TransformersModel(trained, tokenizer)
     ids = [training_ids(tokenizer, text) for text, _ in pairs]
     # with no reference answer (--prompts), the trained model's own greedy answer is teacher-forced
     length = max(tokens, 8)
@@ -108,6 +120,18 @@ def _compute_reference(
     del trained, reader
     free_memory()
     return Reference(ids, answers, logits, greedy, [text for text, _ in pairs], rendered, source)
+
+
+def _image_reference(reader: TransformersModel, asked, tokens: int) -> Reference:
+    """The trained model's figures on a vision-language run's image rows (image_parity.image_prompts)."""
+    logits, greedy = [], []
+    for prompt, answer, files in zip(asked.prompts, asked.answers, asked.images, strict=True):
+        logits.append(reader.answer_logits(prompt, answer, images=files))
+        greedy.append(reader.greedy(prompt, tokens, images=files))
+    rendered = _render(reader.tokenizer)
+    return Reference(
+        asked.prompts, asked.answers, logits, greedy, asked.texts, rendered, asked.source, asked.images
+    )
 
 
 def prompt_pairs(recipe, tokenizer, prompts: list[str] | None, count: int) -> tuple[list, str]:
@@ -133,8 +157,10 @@ def prompt_pairs(recipe, tokenizer, prompts: list[str] | None, count: int) -> tu
 def reference_from_reader(reference: Reference, reader) -> Reference:
     """The same prompts and answers with another model's figures (the merged model, for a GGUF's
     quantization drift); prompt and template checks stay the trained model's."""
-    logits = [reader.answer_logits(p, a) for p, a in zip(reference.prompts, reference.answers, strict=True)]
-    greedy = [reader.greedy(p, len(g)) for p, g in zip(reference.prompts, reference.greedy, strict=True)]
+    logits, greedy = [], []
+    for i, (p, a, g) in enumerate(zip(reference.prompts, reference.answers, reference.greedy, strict=True)):
+        logits.append(reader.answer_logits(p, a, **reference.images_of(i)))
+        greedy.append(reader.greedy(p, len(g), **reference.images_of(i)))
     return Reference(
         reference.prompts,
         reference.answers,
@@ -143,22 +169,25 @@ def reference_from_reader(reference: Reference, reader) -> Reference:
         reference.prompt_texts,
         reference.rendered,
         reference.source,
+        reference.images,
     )
 
 
 def compare(reference: Reference, reader, export: str, against: str) -> Comparison:
     """One reader of one export against the reference's figures."""
     deltas, kl, agree, decided = [], [], 0, 0
-    for prompt, answer, expected in zip(reference.prompts, reference.answers, reference.logits, strict=True):
-        got = reader.answer_logits(prompt, answer).float()
+    for i, (prompt, answer, expected) in enumerate(
+        zip(reference.prompts, reference.answers, reference.logits, strict=True)
+    ):
+        got = reader.answer_logits(prompt, answer, **reference.images_of(i)).float()
         deltas.append((got - expected).abs().flatten())
         kl.append(kl_per_position(expected, got))
         sure = decided_positions(expected)
         agree += int(((got.argmax(-1) == expected.argmax(-1)) & sure).sum())
         decided += int(sure.sum())
     greedy_agree = total = whole = 0
-    for prompt, expected in zip(reference.prompts, reference.greedy, strict=True):
-        got = reader.greedy(prompt, len(expected))
+    for i, (prompt, expected) in enumerate(zip(reference.prompts, reference.greedy, strict=True)):
+        got = reader.greedy(prompt, len(expected), **reference.images_of(i))
         greedy_agree += sum(a == b for a, b in zip(got, expected, strict=False))
         total += len(expected)
         whole += list(got) == list(expected)
@@ -177,7 +206,9 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
         tokens=total,
         greedy_prompts=whole,
     )
-    if against == "trained" and hasattr(reader, "served_ids"):
+    if against == "trained" and hasattr(reader, "served_ids") and not reference.images:
+        # an image row's ids hold its image runs, which a prompt's text alone cannot make: the reader's
+        # processor is judged through the logits it gives on the row instead
         result.prompt_ids_match = all(
             reader.served_ids(text) == ids
             for text, ids in zip(reference.prompt_texts, reference.prompts, strict=True)
@@ -187,50 +218,6 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
             None if reference.rendered is None or rendered is None else rendered == reference.rendered
         )
     return result
-
-
-class ReplayReader:
-    """A reference's figures as a reader (the floor model's, computed once): no served prompt of its own."""
-
-    def __init__(self, reference: Reference, name: str) -> None:
-        self.name = name
-        self._logits = {
-            (tuple(p), tuple(a)): x
-            for p, a, x in zip(reference.prompts, reference.answers, reference.logits, strict=True)
-        }
-        self._greedy = {tuple(p): g for p, g in zip(reference.prompts, reference.greedy, strict=True)}
-
-    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
-        return self._logits[(tuple(prompt), tuple(answer))]
-
-    def greedy(self, prompt: list[int], count: int) -> list[int]:
-        return self._greedy[tuple(prompt)][:count]
-
-
-class ReadOnce:
-    """A reader whose figures are kept as it gives them: an export compared against the trained model
-    and against its floor reads each prompt once, not twice. Its served prompts and template (a real
-    reader's) pass through."""
-
-    def __init__(self, reader) -> None:
-        self._reader, self.name = reader, reader.name
-        self._logits: dict[tuple, torch.Tensor] = {}
-        self._greedy: dict[tuple, list[int]] = {}
-
-    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
-        key = (tuple(prompt), tuple(answer))
-        if key not in self._logits:
-            self._logits[key] = self._reader.answer_logits(prompt, answer)
-        return self._logits[key]
-
-    def greedy(self, prompt: list[int], count: int) -> list[int]:
-        key = (tuple(prompt), count)
-        if key not in self._greedy:
-            self._greedy[key] = self._reader.greedy(prompt, count)
-        return self._greedy[key]
-
-    def __getattr__(self, name: str):  # served_ids, render: only where the reader has them
-        return getattr(self._reader, name)
 
 
 def greedy_causes(comparisons: list[dict], prompts: int) -> list[str]:
@@ -307,27 +294,39 @@ def _render(tokenizer) -> str | None:
 
 
 class TransformersModel:
-    """A transformers model and its tokenizer as a reader: logits, greedy tokens, served prompt ids."""
+    """A transformers model and its tokenizer as a reader: logits, greedy tokens, served prompt ids; for a
+    vision-language model, ``inputs`` makes an image prompt's pixels (image_parity.ImageInputs)."""
 
     name = "transformers"
 
-    def __init__(self, lm, tokenizer) -> None:
-        self.lm, self.tokenizer = lm.eval(), tokenizer
+    def __init__(self, lm, tokenizer, inputs: ImageInputs | None = None) -> None:
+        self.lm, self.tokenizer, self.inputs = lm.eval(), tokenizer, inputs
 
     @torch.no_grad()
-    def _logits(self, ids: list[int]) -> torch.Tensor:
+    def _logits(self, ids: list[int], images: tuple[str, ...] = ()) -> torch.Tensor:
         batch = torch.tensor([ids], device=self.lm.device)
+        if images:
+            return self.lm(**self.inputs(batch, images)).logits[0].float().cpu()
         return self.lm(input_ids=batch).logits[0].float().cpu()  # (T, V)
 
-    def answer_logits(self, prompt: list[int], answer: list[int]) -> torch.Tensor:
+    def answer_logits(
+        self, prompt: list[int], answer: list[int], images: tuple[str, ...] = ()
+    ) -> torch.Tensor:
         """The logits that predict each answer token, (len(answer), V)."""
-        logits = self._logits(prompt + answer)
+        logits = self._logits(prompt + answer, images)
         return logits[len(prompt) - 1 : len(prompt) - 1 + len(answer)]
 
     @torch.no_grad()
-    def greedy(self, prompt: list[int], count: int) -> list[int]:
+    def greedy(self, prompt: list[int], count: int, images: tuple[str, ...] = ()) -> list[int]:
         # N argmax steps with no stop token, the same for every reader (llama.cpp's and transformers'
         # generate differ in how they stop, not in what they predict); the KV cache carries the prefix
+        if images:
+            # the whole row again each step: an image row's positions follow its image (Qwen-VL's M-RoPE
+            # grid), which a cached step would have to carry as generate does
+            tokens: list[int] = []
+            for _ in range(count):
+                tokens.append(int(self._logits(prompt + tokens, images)[-1].argmax()))
+            return tokens
         output = self.lm(input_ids=torch.tensor([prompt], device=self.lm.device), use_cache=True)
         tokens: list[int] = []
         for _ in range(count):
@@ -345,12 +344,16 @@ class TransformersModel:
 
 
 def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch.dtype = torch.float32):
-    """transformers' own loader for a merged folder or a GGUF file in it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """transformers' own loader for a merged folder or a GGUF file in it; a vision-language model's folder
+    with its own auto class and its own processor's pixels."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    kwargs = {"gguf_file": gguf_file, "config": _gguf_config(folder, gguf_file)} if gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file) if gguf_file else None
-    tokenizer = tokenizer or AutoTokenizer.from_pretrained(folder)
+    if gguf_file is None:
+        config = AutoConfig.from_pretrained(folder)
+        lm = vision.auto_class(config).from_pretrained(folder, dtype=dtype)
+        return TransformersModel(lm, AutoTokenizer.from_pretrained(folder), folder_inputs(folder, config))
+    kwargs = {"gguf_file": gguf_file, "config": _gguf_config(folder, gguf_file)}
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
     lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     return TransformersModel(lm, tokenizer)
 

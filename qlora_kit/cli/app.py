@@ -19,6 +19,7 @@ from qlora_kit.cli.exits import USER_ERROR, errors, user_errors
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import shipped
+from qlora_kit.recipe.options import Checked
 from qlora_kit.recipe.recipe import Recipe
 from qlora_kit.registries import objectives
 
@@ -127,7 +128,9 @@ def validate(
 def show_data(
     recipe: RecipeArg,
     set_: SetOpt = None,
-    examples: Annotated[int, typer.Option(help="How many rendered examples to show.")] = 3,
+    examples: Annotated[
+        int, typer.Option(help="How many rendered examples to show."), Checked("--examples", bounds={"ge": 0})
+    ] = 3,
 ) -> None:
     """Show what training will see: examples with the trained part marked, lengths, truncation, padding."""
     configure_logging(errors)
@@ -148,14 +151,26 @@ def plan(
     recipe: RecipeArg,
     set_: SetOpt = None,
     budget_gb: Annotated[
-        float | None, typer.Option("--budget-gb", help="Show which policies fit this many GiB.")
+        float | None,
+        typer.Option("--budget-gb", help="Show which policies fit this many GiB."),
+        Checked("--budget-gb", "memory.budget_gb"),
     ] = None,
-    batch: Annotated[int | None, typer.Option(help="Rows per micro-batch (default: the recipe's).")] = None,
-    seq: Annotated[int | None, typer.Option(help="Tokens per row (default: data.max_seq_len).")] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(help="Rows per micro-batch (default: the recipe's)."),
+        Checked("--batch", "train.micro_batch_size"),
+    ] = None,
+    seq: Annotated[
+        int | None,
+        typer.Option(help="Tokens per row (default: data.max_seq_len)."),
+        Checked("--seq", "data.max_seq_len"),
+    ] = None,
     device: Annotated[str, typer.Option(help="cuda or cpu: the autocast and dropout masks differ.")] = "cuda",
     as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON (sizes in bytes).")] = False,
     processes: Annotated[
-        int, typer.Option(min=1, help="GPUs the run is launched on (train.fsdp shards over them).")
+        int,
+        typer.Option(help="GPUs the run is launched on (train.fsdp shards over them)."),
+        Checked("--processes", bounds={"ge": 1}),
     ] = 1,
     with_data: Annotated[
         bool,
@@ -241,7 +256,11 @@ def eval_command(
     ] = None,
     no_adapter: Annotated[bool, typer.Option("--no-adapter", help="Evaluate the base model alone.")] = False,
     set_: SetOpt = None,
-    max_examples: Annotated[int | None, typer.Option(help="Evaluate on the first N validation rows.")] = None,
+    max_examples: Annotated[
+        int | None,
+        typer.Option(help="Evaluate on the first N validation rows."),
+        Checked("--max-examples", bounds={"gt": 0}),
+    ] = None,
     output: Annotated[
         Path | None, typer.Option(help="JSON results file (default: ADAPTER/eval.json).")
     ] = None,

@@ -17,6 +17,7 @@ from qlora_kit.cli import views
 from qlora_kit.cli.exits import GUARD_STOP, USER_ERROR, errors, user_errors
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
+from qlora_kit.recipe.options import Checked
 
 console = Console()
 
@@ -43,12 +44,14 @@ def merge(
         typer.Option(
             help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds calibrated for --dtype, docs: after-training.md]."
         ),
+        Checked("--max-kl", bounds={"ge": 0}),
     ] = None,
     min_top1: Annotated[
         float | None,
         typer.Option(
             help="Smallest top-1 agreement where the adapter's choice is decided [default: the calibrated bound]."
         ),
+        Checked("--min-top1", bounds={"ge": 0, "le": 1}),
     ] = None,
 ) -> None:
     """Merge the adapter into its base and export a standalone model, checked for drift."""

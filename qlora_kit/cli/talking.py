@@ -16,12 +16,26 @@ from qlora_kit.cli.exits import errors, user_errors
 from qlora_kit.cli.exporting import AdapterOpt
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
+from qlora_kit.recipe.options import Checked
 
 console = Console()
 
-MaxTokensOpt = Annotated[int, typer.Option("--max-new-tokens", help="Longest answer, in tokens.")]
-TemperatureOpt = Annotated[float, typer.Option(help="0 decodes greedily (repeatable); above 0 samples.")]
-TopPOpt = Annotated[float, typer.Option("--top-p", help="Nucleus sampling mass, with --temperature > 0.")]
+# checked by model/generation.Sampling, which the Python API shares, each naming its option
+MaxTokensOpt = Annotated[
+    int,
+    typer.Option("--max-new-tokens", help="Longest answer, in tokens."),
+    Checked("--max-new-tokens", by="Sampling"),
+]
+TemperatureOpt = Annotated[
+    float,
+    typer.Option(help="0 decodes greedily (repeatable); above 0 samples."),
+    Checked("--temperature", by="Sampling"),
+]
+TopPOpt = Annotated[
+    float,
+    typer.Option("--top-p", help="Nucleus sampling mass, with --temperature > 0."),
+    Checked("--top-p", by="Sampling"),
+]
 
 
 def register(app: typer.Typer) -> None:

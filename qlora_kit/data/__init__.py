@@ -14,6 +14,7 @@
 - ``row_tokens``: one row's token ids, masked labels and the facts the reports and the preflight read;
 - ``mixture``: the data path every objective takes: each source split, in the objective's row format,
   mixed (``weight``, ``rows``), deduplicated and reported; ``PreparedData``, ``LengthReport``;
+  ``format_hints``: which other format a refused row is in, named at the end of its error;
 - ``prepare``: SFT's, DPO's and ORPO's row format (tokenizing under the length policy), collators; ``prompt_examples``:
   rows as a prompt and the reference answer (eval's exact match, answers before/after, parity);
 - ``preflight``: the checks that stop a run whose data trains on nothing;

@@ -11,7 +11,7 @@ from typing import Any
 import datasets
 from trl.data_utils import common_prefix_length
 
-from qlora_kit.data import preference
+from qlora_kit.data import format_hints, preference
 from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
@@ -65,6 +65,7 @@ def trl_rows(
         raise DataError(
             f"{source}: row 1: missing field {missing[0]!r} for format {fmt} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+            f"{format_hints.columns_hint(rows, fmt)}"
         )
     chat = FORMATS[fmt].chat_template
     columns = {name: [] for name in COLUMNS}
@@ -72,7 +73,8 @@ def trl_rows(
         try:
             prompt, _ = preference.render_feedback(row, chat, tokenizer, section)
         except RowError as exc:
-            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+            hint = format_hints.row_hint(row, fmt)
+            raise DataError(f"{source}: row {index + 1}: {exc}{hint}") from None
         if chat:
             columns["prompt"].append(preference.chat_prompt_messages(row["prompt"], section))
             columns["completion"].append(preference.assistant_messages(row["completion"], "completion"))

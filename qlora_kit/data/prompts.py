@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from datasets import Dataset
 
-from qlora_kit.data import formats, sources
+from qlora_kit.data import format_hints, formats, sources
 from qlora_kit.data.chat import apply_system_prompt_mode, sharegpt_messages, with_system_prompt
 from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
 from qlora_kit.data.row_tokens import check_columns
@@ -88,7 +88,7 @@ def _prompts(
         try:
             prompt, reference = prompt_and_reference(row, fmt, tokenizer, data)
         except (RowError, KeyError, TypeError) as exc:
-            raise DataError(f"{source}: row {index + 1}: {exc}") from None
+            raise DataError(f"{source}: row {index + 1}: {exc}{format_hints.row_hint(row, fmt)}") from None
         length = prompt_length(prompt, tokenizer)
         return {
             PROMPT: prompt,

@@ -12,7 +12,7 @@ from array import array
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from qlora_kit.data import formats, images, preference
+from qlora_kit.data import format_hints, formats, images, preference
 from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.errors import DataError
 from qlora_kit.registries.formats import FORMATS
@@ -37,6 +37,7 @@ def check_columns(rows: Dataset, fmt: str, source: str) -> None:
         raise DataError(
             f"{source}: row 1: missing field {missing[0]!r} for format {fmt!r} "
             f"(has {', '.join(rows.column_names)}; map names with data.fields)"
+            f"{format_hints.columns_hint(rows, fmt)}"
         )
 
 
@@ -60,7 +61,8 @@ class RowTokenizer:
         self.sampled = data.preflight.sample_rows if spec.chat_template else 0
 
     def _row_error(self, row: dict[str, Any], index: int, exc: Exception) -> DataError:
-        return DataError(f"{self.source}: row {row.get(ROW, index + 1)}: {exc}")
+        hint = format_hints.row_hint(row, self.fmt)  # the row in another format's shape: that format named
+        return DataError(f"{self.source}: row {row.get(ROW, index + 1)}: {exc}{hint}")
 
     def example(self, row: dict[str, Any], index: int) -> dict[str, Any]:
         data, tokenizer = self.data, self.tokenizer

@@ -8,6 +8,7 @@
 - ``paths``: the recipe's input paths, listed in one place (``Recipe.input_paths``);
 - ``recipe``: the other sections, the cross-section rules and YAML loading;
 - ``overrides``: ``--set`` at any depth, each value typed as its field takes it;
+- ``options``: a command line's numeric option checked as the recipe checks the field it stands for;
 - ``shipped``: the recipes shipped inside the package, found by name (``qlora-kit train demo``).
 
 Modules are imported by path (``from qlora_kit.recipe.recipe import Recipe``; the public API exports
