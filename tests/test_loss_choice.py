@@ -55,3 +55,21 @@ def test_a_set_head_is_kept_whatever_the_budget(tmp_path):
         recipe = quick_recipe(tmp_path, **{"memory.chunked_loss": chunked})
         choice = choose_head(recipe, "cpu", 1e-6)
         assert choice.chunked is chunked and choice.chunk_tokens == recipe.memory.loss_chunk_tokens
+
+
+def test_planning_leaves_the_runs_random_state_as_it_was(tmp_path, monkeypatch):
+    """The pipeline plans (this head, checkpointing auto) after ``set_seed`` and before LoRA's A is drawn:
+    a plan that draws from the run's stream gives a run that plans other weights than one that does not,
+    and a resumed run other weights than its first part (the trace is cached per process)."""
+    from qlora_kit.memory import tracing
+    from qlora_kit.memory.cut_model import cut_model
+    from qlora_kit.memory.shapes import load_config
+
+    monkeypatch.setattr(tracing, "_TRACED", {})  # a trace of its own, not one an earlier test cached
+    recipe = quick_recipe(tmp_path)
+    before = torch.random.get_rng_state()
+    choose_head(recipe, "cpu")
+    assert torch.equal(before, torch.random.get_rng_state()), "the trace drew from the run's stream"
+    with cut_model(recipe, load_config(recipe), recipe.memory, "no"):  # what auto's timings build
+        pass
+    assert torch.equal(before, torch.random.get_rng_state()), "the cut model drew from the run's stream"

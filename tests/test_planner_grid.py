@@ -177,10 +177,12 @@ def test_plan_says_which_head_figures_are_closed_form(family, chunked, head_from
 
 def test_plan_with_data_counts_only_the_trained_share_of_the_head(monkeypatch, capsys):
     """The demo's alpaca prompts are untrained: with --with-data the chunked head's figure drops to the
-    data's largest trained share, and the plan says so; without, every position counts."""
+    data's largest trained share, and the plan says so; without, every position counts. The chunked head is
+    set: auto picks full logits for the demo on a CPU's memory, and full logits keep every position."""
 
     def full_policy(*flags: str) -> tuple[int, str]:
-        argv = ["plan", "recipes/demo.yaml", "--json", "--device", "cpu", *flags]
+        argv = ["plan", "recipes/demo.yaml", "--json", "--device", "cpu", "--set", "memory.chunked_loss=true"]
+        argv += flags
         code, out, err = run_cli_output(argv, monkeypatch, capsys)
         assert code == 0, err[-2000:]
         printed = json.loads(out[out.index("{") :])

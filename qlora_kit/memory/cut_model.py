@@ -56,7 +56,9 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
 
     types = layer_types(config)
     short = cut(config, tuple(types[: min(LAYERS, len(types))]))
-    with tempfile.TemporaryDirectory(prefix="qlora-kit-cut-model-") as name:
+    # the random weights, LoRA's A and the timed steps' dropout draw from a stream of their own, not the run's
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with tempfile.TemporaryDirectory(prefix="qlora-kit-cut-model-") as name, torch.random.fork_rng(devices):
         folder = Path(name)
         dense = AutoModelForCausalLM.from_config(
             short,

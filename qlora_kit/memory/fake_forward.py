@@ -75,6 +75,14 @@ def trace(
     """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
     (full, selective). The attention kernels it ran are added to ``kernels``; ``counter`` makes the
     ``SavedTensors`` that counts (``saved_by_op`` passes one that also labels each op)."""
+    # peft draws LoRA's A at random (on the CPU's generator, even for a model on the meta device): from a
+    # stream of its own, or the run that plans before it loads would start from other weights than one
+    # that does not (and a resumed run from others than its first part, whose plan built the builtin)
+    with torch.random.fork_rng(devices=[]):
+        return _trace(config, recipe, policy, shape, precision, kernels, counter)
+
+
+def _trace(config, recipe, policy, shape, precision, kernels, counter):
     batch, seq, images = shape.batch, shape.seq, shape.images
     from qlora_kit.memory import checkpointing
     from qlora_kit.model import adapters, moe_experts

@@ -23,7 +23,7 @@ A resumed run must lay its data out as the run it continues did, so the figures 
 checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
 not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): several processes
 (each could time a different winner), a vision-language model's image rows, a model whose layers cannot be
-built here. The run's random state is left as it was (``fork_rng``).
+built here. The run's random state is left as it was (``cut_model`` draws from a stream of its own).
 """
 
 from __future__ import annotations
@@ -98,10 +98,7 @@ def measure(
     from qlora_kit.memory.shapes import load_config
 
     try:
-        # the cut model's random weights and dropout draw here, not from the run's streams
-        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=devices):
-            return _time_layouts(recipe, load_config(recipe), batches, pad_shares, precision)
+        return _time_layouts(recipe, load_config(recipe), batches, pad_shares, precision)
     except Exception as exc:  # a foreign model's code that cannot be built or run here: choose by padding
         log.info("data.packing auto: timing the layouts failed (%s); choosing by padding", exc)
         return None
