@@ -23,6 +23,8 @@ def families_page() -> str:
             else f"no GGUF: {family.export.reason}"
         )
         kind = "vision-language" if family.vision else "mixture of experts" if family.experts else "dense"
+        if any(name.startswith("linear_attn.") for name in family.linears):  # model/recurrent.py
+            kind += ", linear-attention hybrid (rows not packed)"
         family_rows.append(
             [
                 f"`{family.model_type}`",

@@ -449,6 +449,16 @@ MUTATIONS = [
         "    if False:\n",
         ["tests/test_expert_matmul.py::test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size"],
     ),
+    (
+        "a linear-attention hybrid's rows are packed",
+        "qlora_kit/model/recurrent.py",
+        "    if not kinds:\n",
+        "    if True:\n",
+        [
+            "tests/test_hybrid.py::test_packing_a_hybrid_is_refused_in_one_line[tiny-qwen3.5]",
+            "tests/test_hybrid.py::test_auto_does_not_pack_a_hybrid_and_says_why[tiny-qwen3.5]",
+        ],
+    ),
 ]
 
 

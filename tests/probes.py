@@ -1,4 +1,4 @@
-"""Test-only observers of a real run: what the training forward actually ran under.
+"""Test-only observers of a real run: what the training forward actually ran under, and what it dispatched.
 
 A recipe's ``train.mixed_precision`` passes through ``resolve_mixed_precision``, ``TrainingArguments`` and
 accelerate before it becomes an autocast around the forward pass; a test that only reads the recipe
@@ -7,7 +7,10 @@ back would stay green if any of those links dropped it. ``AutocastProbe`` looks 
 
 from __future__ import annotations
 
+import collections
+
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 # what accelerate's autocast looks like from inside the forward, per resolved precision
@@ -40,3 +43,24 @@ class AutocastProbe(TrainerCallback):
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+
+# Operators that only allocate: on CUDA the caching allocator hands out memory without a launch, and torch
+# releases differ in where they allocate (2.7's loss dispatches an aten.empty per chunk that 2.13's does not)
+ALLOCATIONS = frozenset({"aten.empty", "aten.empty_strided"})
+
+
+class OperatorCount(TorchDispatchMode):
+    """How many operators dispatch while the mode is on, by name: on a GPU each is a launch at least, so the
+    count is the launch cost the CPU can see. Views (metadata only) and bare allocations launch nothing and
+    are left out; a fill or a copy after an allocation is counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket)
+        if not func.is_view and name not in ALLOCATIONS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))

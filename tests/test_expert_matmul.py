@@ -17,6 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from qlora_kit import Recipe
 from qlora_kit.model import adapters, bnb_selftest, expert_matmul, moe_experts
 
+from .probes import OperatorCount
+
 EXPERTS, TOP_K, HIDDEN, WIDTH, RANK, TOKENS = 6, 2, 64, 64, 4, 20
 # Each path computes in float32 what the reference computes in float64. Every value is a chain of float32 sums
 # of products: the gate/up projection (HIDDEN terms, + RANK for LoRA), the down projection (2 * WIDTH at
@@ -212,22 +214,6 @@ def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
     reference = reference_step(experts, states, index, weights, lora)
     assert_matches_reference([looped_out, *looped_grads], [reference[0], *reference[1]])
     assert_matches_reference([grouped_out, *grouped_grads], [reference[0], *reference[1]])
-
-
-class OperatorCount(TorchDispatchMode):
-    """How many operators dispatch while the mode is on, by name: on a GPU each is a launch at least, so
-    the count is the launch cost the CPU can see."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        # Views launch nothing (metadata only); bnb_selftest's way around a wrong CPU dequantization
-        # reshapes by the matrix's last block, which is not work per expert
-        if not func.is_view:
-            self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def mixture_block(experts: int, top_k: int, bits: int):

@@ -70,8 +70,13 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     # a vision-language model's decoder is its language model (the vision tower has layers of its own)
-    layer = decoder_layers(model.model.language_model if entry.vision else model)[0]
-    assert tuple(name for name, m in layer.named_modules() if is_linear(m)) == entry.linears
+    layers = decoder_layers(model.model.language_model if entry.vision else model)
+    layer = layers[0]
+    # the first layer's linears, then those of each other kind of layer (hybrid: linear and full attention)
+    types = getattr(config, "layer_types", None) or ["one kind"] * len(layers)
+    firsts = [layers[types.index(kind)] for kind in dict.fromkeys(types)]
+    linears = (name for each in firsts for name, m in each.named_modules() if is_linear(m))
+    assert tuple(dict.fromkeys(linears)) == entry.linears
     routes = any(getattr(config, key, None) for key in families.EXPERT_COUNT_KEYS)
     assert routes == (entry.experts is not None), "a mixture-of-experts family needs its experts facet"
     if entry.experts is None:

@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from qlora_kit import Recipe
 from qlora_kit.data import prepare
@@ -18,6 +17,7 @@ from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
 
 from .conftest import lora_model
+from .probes import OperatorCount
 
 
 def fp32_model(targets="all-linear"):
@@ -112,20 +112,6 @@ def test_no_full_logits_are_kept_for_backward():
     # what is left: the final norm's input, the trained positions' 16-bit hidden states, labels and mask
     assert chunked == 4 * 64 * (4 * hidden + 4) + 4 * 63 * (hidden * 2 + 8) + 4 * 63
     assert chunked < full / 3
-
-
-class OperatorCount(TorchDispatchMode):
-    """How many operators dispatch while the mode is on, by name (views excluded: metadata only, no launch);
-    on a GPU each is a launch at least, so the count is the launch cost the CPU can see."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not func.is_view:
-            self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 # What one chunk must dispatch with a frozen fp32 head, forward + backward: the head's matmul, log-softmax and

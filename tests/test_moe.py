@@ -242,6 +242,35 @@ def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
         model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
 
 
+def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its_router_in_one_line(tmp_path):
+    """quant.bits 16 loads a mixture the families table does not list (PhiMoE): LoRA reaches its experts
+    where they were found (red on an AttributeError for the table's missing entry), and lora.router, whose
+    router the table would name, is one line."""
+    config = transformers.PhimoeConfig(
+        vocab_size=640,
+        hidden_size=64,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    builtin.build_tokenizer().save_pretrained(tmp_path)
+    recipe = Recipe.from_dict(
+        {"model": {"path": str(tmp_path)}, "quant": {"bits": 16}, "lora": {"dropout": 0}}
+    )
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    trained = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    assert any(".experts." in name for name in trained) and any(".self_attn." in name for name in trained)
+    router = recipe.with_overrides({"lora.router": True})
+    with pytest.raises(
+        RecipeError, match=r"^lora\.router: phimoe's router is not in qlora_kit's families table$"
+    ):
+        adapters.attach_lora(model.load_base_model(router.model, router.quant), router.lora)
+
+
 def test_deepseek_v3_is_refused_at_load_naming_its_shared_experts(tmp_path):
     """DeepSeek-V3 builds here, and its experts' layout packs, but peft would move the LoRA of its shared
     experts onto the fused experts: refused in one line saying so, never trained without them."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.data import images, prepare
 from qlora_kit.data.packing import FlattenedRowsCollator, pack_dataset
+from qlora_kit.model import loading, recurrent
 from qlora_kit.registries import attention, objectives
 
 if TYPE_CHECKING:
@@ -36,10 +37,15 @@ COLUMNS = ("input_ids", "labels", "position_ids")  # what the collators read fro
 
 def allowed_layouts(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[str, ...]:
     """The layouts this run may use: preference pairs and rollouts pad (TRL pads them itself); a kernel
-    not known to keep packed examples apart, or image rows the family cannot pack (logged), do not pack."""
+    not known to keep packed examples apart, a model whose layers carry a state along the row
+    (model/recurrent.py), or image rows the family cannot pack (logged), do not pack."""
     if not objectives.of(recipe).packs:
         return ("padding",)
     if attention.kernel(recipe.model.attn_implementation).packing is None:
+        return ("padding", "group_by_length")
+    if why := recurrent.packing_refusal(loading.load_config(recipe.model)):
+        if recipe.data.packing == "auto":
+            log.info("data.packing auto: not packing: %s", why)
         return ("padding", "group_by_length")
     if images.IMAGES_COLUMN in prepared.train.column_names and (why := images.packing_refusal(recipe.model)):
         if recipe.data.packing == "auto":

@@ -7,6 +7,7 @@
 - ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;
 - ``mxfp4``: a checkpoint stored in MXFP4 (the released gpt-oss) dequantized once into a cached 16-bit folder;
 - ``expert_matmul``: the routed experts' matmuls, looped on the CPU, grouped on CUDA;
+- ``recurrent``: layers that carry a state along the sequence (Gated DeltaNet, Mamba): why they refuse packing;
 - ``vision``: vision-language models (the vision side kept in 16 bits and out of LoRA, the processor);
 - ``precision``: which autocast the Trainer runs under on this machine;
 - ``generation``: a model's continuation of a prompt (greedy or sampled);

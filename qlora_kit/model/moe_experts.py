@@ -20,6 +20,7 @@ Which mixtures it packs, and where their router and experts are, is the families
 from __future__ import annotations
 
 import logging
+import re
 
 import bitsandbytes.functional as bnbf
 import torch
@@ -339,9 +340,14 @@ def lora_targets(model, target_modules, experts: bool, router: bool = False) -> 
         )
     arguments = {"target_modules": target_modules}
     if experts:
-        arguments["target_parameters"] = [f"{facet.experts}.{name}" for name in EXPERT_PARAMETERS]
+        # a mixture the families table does not list (quant.bits 16): its experts where they were found
+        where = facet.experts if facet else re.sub(r"^.*?\.\d+\.", "", modules[0][0])
+        arguments["target_parameters"] = [f"{where}.{name}" for name in EXPERT_PARAMETERS]
         arguments["custom"] = {type(m): LoraExperts for _, m in modules}
     if router:  # trained whole: peft keeps a trainable copy and saves it in the adapter
+        if facet is None:
+            model_type = getattr(model.config, "model_type", "?")
+            raise RecipeError(f"lora.router: {model_type}'s router is not in qlora_kit's families table")
         arguments["modules_to_save"] = [facet.router]
     return arguments
 

@@ -140,10 +140,15 @@ class Family:
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
 # is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
+PEFT_MOVES_SHARED_EXPERTS = (
+    "peft 0.21 takes its shared experts' and dense layers' gate_proj, up_proj and down_proj for the experts of "
+    "a transformers-4 checkpoint and moves their LoRA onto the fused experts (its transformers_weight_conversion): "
+    "LoRA would miss the shared experts"
+)
 EXPERTS_NOT_PACKED = {
-    "deepseek_v3": "peft 0.21 takes its shared experts' and dense layers' gate_proj, up_proj and down_proj for "
-    "the experts of a transformers-4 checkpoint and moves their LoRA onto the fused experts (its "
-    "transformers_weight_conversion): LoRA would miss the shared experts",
+    "deepseek_v3": PEFT_MOVES_SHARED_EXPERTS,
+    # tests/test_hybrid.py; Qwen3.5's mixture, the same layers, is not in peft's conversion table and trains
+    "qwen3_next": PEFT_MOVES_SHARED_EXPERTS,
 }
 # the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
 TINY_TOWER = {
@@ -170,6 +175,32 @@ SHARED_EXPERT_LINEARS = (
     "mlp.shared_expert.up_proj",
     "mlp.shared_expert.down_proj",
     "mlp.shared_expert_gate",
+)
+# Qwen3.5's Gated DeltaNet projections
+QWEN3_5_LINEAR_ATTENTION = (
+    "linear_attn.out_proj",
+    "linear_attn.in_proj_qkv",
+    "linear_attn.in_proj_z",
+    "linear_attn.in_proj_b",
+    "linear_attn.in_proj_a",
+)
+# the builtins' linear-attention heads (the configs' defaults are the 80B model's 16 x 128 / 32 x 128)
+LINEAR_ATTENTION_TINY = {
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32,
+}
+# the builtins' routed experts and shared expert
+SHARED_EXPERT_TINY = {
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+}
+HYBRID_NO_GGUF = NoExport(
+    "qlora_kit's GGUF writer has no form for Gated DeltaNet layers (their convolution and recurrent state); "
+    "convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
 )
 # the attention and MLP linears of a Llama-shaped layer
 LLAMA_LINEARS = (
@@ -560,13 +591,51 @@ FAMILIES: dict[str, Family] = {
             experts=Experts(count_key="num_local_experts", router="mlp.router"),
             attention_sinks=True,
         ),
+        # Hybrid linear attention (Qwen3.5; Qwen3-Next is refused: EXPERTS_NOT_PACKED): three Gated DeltaNet
+        # layers to each full-attention one (layer_types). A DeltaNet layer keeps a recurrent state, not keys
+        # and values: its projections load in 4 bits and take LoRA like any linear layer (all-linear takes
+        # them all), but packing is refused (model/recurrent.py: the state runs on across a packed row's
+        # examples)
+        _family(
+            "qwen3_5_text",
+            "Qwen3_5TextConfig",
+            "tiny-qwen3.5",
+            tiny_config={"head_dim": 32, **LINEAR_ATTENTION_TINY},
+            linears=(
+                *QWEN3_5_LINEAR_ATTENTION,
+                "mlp.gate_proj",
+                "mlp.up_proj",
+                "mlp.down_proj",
+                *ATTENTION_LINEARS,
+            ),
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=HYBRID_NO_GGUF,
+        ),
+        _family(
+            "qwen3_5_moe_text",
+            "Qwen3_5MoeTextConfig",
+            "tiny-qwen3.5-moe",
+            tiny_config={"head_dim": 32, **LINEAR_ATTENTION_TINY, **SHARED_EXPERT_TINY},
+            linears=(*QWEN3_5_LINEAR_ATTENTION, *SHARED_EXPERT_LINEARS, *ATTENTION_LINEARS),
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=HYBRID_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
+        ),
     )
 }
 
 
+# A Qwen3.5 checkpoint's config is the vision-language one; AutoModelForCausalLM loads its language model,
+# whose config is the text one (the vision tower is not loaded: image rows are refused as for any text model)
+TEXT_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+
+
 def family(model_type: str) -> Family | None:
     """The table's entry for ``model_type``, or None for an architecture it does not list."""
-    return FAMILIES.get(model_type)
+    return FAMILIES.get(TEXT_OF.get(model_type, model_type))
 
 
 def by_tiny_name(name: str) -> Family | None:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from qlora_kit.data import images
 from qlora_kit.data import prepare as data
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import loading, recurrent
 from qlora_kit.training.step.guards import TrainingGuard
 from qlora_kit.training.step.trainer import GuardedTrainer, training_arguments
 
@@ -23,7 +24,10 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     """Tokenized (and with data.packing, packed) rows, each with its trained tokens labelled; for a
     vision-language model, chat rows with their images (data/images.py)."""
     runs = images.image_runs(recipe.model)
-    refusal = images.packing_refusal(recipe.model) if runs is not None and recipe.data.packs else None
+    refusal = None
+    if recipe.data.packs:  # a model whose layers carry a state along the row, or image rows it cannot pack
+        refusal = recurrent.packing_refusal(loading.load_config(recipe.model))
+        refusal = refusal or (images.packing_refusal(recipe.model) if runs is not None else None)
     if refusal:
         raise RecipeError(f"data.packing: {refusal}; set data.packing to false or auto")
     return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)

@@ -1,0 +1,146 @@
+"""Hybrid linear attention (Qwen3.5 and its mixture): why packing is refused for them, that it is, and that
+their Gated DeltaNet projections load in 4 bits and take LoRA (model/recurrent.py, registries/families.py);
+Qwen3-Next, whose shared experts peft's conversion would leave without LoRA, is refused at load."""
+
+import logging
+
+import pytest
+import torch
+import transformers
+
+from qlora_kit import Recipe
+from qlora_kit.data import layout, prepare
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import adapters, builtin, recurrent
+from qlora_kit.model import loading as model
+from qlora_kit.model.builtin import TINY_SHAPE
+from qlora_kit.registries import families
+
+from .conftest import DEMO, run_cli
+
+HYBRIDS = ("tiny-qwen3.5", "tiny-qwen3.5-moe")
+
+
+def fp32_model(name: str, **config_changes):
+    entry = families.by_tiny_name(name)
+    config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config, **config_changes)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def second_examples_logits(peft_or_model, first: torch.Tensor, second: torch.Tensor):
+    """The second example's logits alone, and packed behind the first as qlora_kit packs rows (positions
+    restarting, no attention mask: transformers builds the block-diagonal mask from the restarts)."""
+    with torch.no_grad():
+        alone = peft_or_model(input_ids=second[None], use_cache=False).logits[0]
+        positions = torch.cat([torch.arange(len(first)), torch.arange(len(second))])[None]
+        packed_ids = torch.cat([first, second])[None]
+        packed = peft_or_model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0]
+    return alone, packed[len(first) :]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_a_packed_example_reads_the_state_its_neighbour_left_in_the_linear_attention_layers(name):
+    """The reason packing is refused: with three Gated DeltaNet layers to one attention layer, the second
+    example's logits move when it is packed behind the first; with attention layers only (the same model,
+    layer_types all full_attention) they are the same but for the order of fp32 sums. Red if transformers
+    ever keeps packed examples apart on this path: then packing could be allowed."""
+    generator = torch.Generator().manual_seed(1)
+    first, second = (
+        torch.randint(5, 500, (20,), generator=generator),
+        torch.randint(5, 500, (16,), generator=generator),
+    )
+    hybrid = fp32_model(name)
+    assert recurrent.recurrent_layer_types(hybrid.config) == ("linear_attention",)
+    attention_only = fp32_model(name, layer_types=["full_attention"] * TINY_SHAPE["num_hidden_layers"])
+    assert recurrent.recurrent_layer_types(attention_only.config) == ()
+    # four layers of fp32 sums taken in another order: a few units in the last place of the largest logit
+    alone, packed = second_examples_logits(attention_only, first, second)
+    bound = 64 * torch.finfo(torch.float32).eps * float(alone.abs().max())
+    assert float((alone - packed).abs().max()) <= bound
+    alone, packed = second_examples_logits(hybrid, first, second)
+    assert float((alone - packed).abs().max()) > 1000 * bound
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_packing_a_hybrid_is_refused_in_one_line(name, tmp_path, monkeypatch, capsys):
+    code, err = run_cli(
+        [
+            "train",
+            str(DEMO),
+            "--set",
+            f"model.path=builtin:{name}",
+            "--set",
+            "data.packing=true",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        monkeypatch,
+        capsys,
+    )
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "error: data.packing: "
+        f"{families.by_tiny_name(name).model_type}'s linear_attention layers carry a recurrent state from one "
+        "packed example into the next (only attention keeps packed examples apart); "
+        "set data.packing to false or auto"
+    ]
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_auto_does_not_pack_a_hybrid_and_says_why(name, caplog):
+    recipe = Recipe.from_yaml(DEMO, overrides={"model.path": f"builtin:{name}"})
+    assert recipe.data.packing == "auto"
+    prepared = prepare.prepare_datasets(recipe.data, model.load_tokenizer(recipe.model), recipe.train.seed)
+    with caplog.at_level(logging.INFO, logger=layout.__name__):
+        assert layout.allowed_layouts(recipe, prepared) == ("padding", "group_by_length")
+    assert "data.packing auto: not packing: " in caplog.text
+    # the demo's own model packs (the refusal is the hybrid's, not the data's)
+    demo = Recipe.from_yaml(DEMO)
+    assert "packing" in layout.allowed_layouts(demo, prepared)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_the_gated_deltanet_projections_load_in_4_bits_and_take_lora(name):
+    """all-linear reaches the linear-attention layers' projections as well as the attention layer's, and each
+    is a bitsandbytes 4-bit layer under its adapter (a projection left in 16 bits would cost a user's GPU
+    its memory; one left without LoRA would not train)."""
+    import bitsandbytes as bnb
+    from peft.tuners.lora import LoraLayer
+
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{name}"}})
+    peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+    adapted = {path: layer for path, layer in peft_model.named_modules() if isinstance(layer, LoraLayer)}
+    for wanted in families.by_tiny_name(name).linears:
+        reached = [path for path in adapted if path.endswith(f".{wanted}")]
+        assert reached, f"{wanted}: no LoRA"
+        for path in reached:
+            base = adapted[path].base_layer
+            assert isinstance(base, bnb.nn.Linear4bit), f"{path}: {type(base).__name__}"
+
+
+def test_qwen3_next_is_refused_at_load_because_peft_would_drop_its_shared_experts_lora(tmp_path):
+    """The reason, shown at 16 bits (where loading is not refused): all-linear on Qwen3-Next gives the shared
+    expert's gate_proj, up_proj and down_proj no LoRA, as peft 0.21 reads them as a transformers-4
+    checkpoint's experts; the same names on Qwen3.5's mixture keep theirs. Then the refusal, in one line."""
+    from peft.tuners.lora import LoraLayer
+
+    config = transformers.Qwen3NextConfig(
+        **TINY_SHAPE, head_dim=32, **families.LINEAR_ATTENTION_TINY, **families.SHARED_EXPERT_TINY
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
+    builtin.build_tokenizer().save_pretrained(tmp_path)
+    wide = Recipe.from_dict({"model": {"path": str(tmp_path)}, "quant": {"bits": 16}})
+    for recipe, keeps in (
+        (wide, False),
+        (wide.with_overrides({"model.path": "builtin:tiny-qwen3.5-moe"}), True),
+    ):
+        peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
+        adapted = [path for path, layer in peft_model.named_modules() if isinstance(layer, LoraLayer)]
+        assert any(".shared_expert_gate" in path for path in adapted)
+        assert any(".shared_expert.down_proj" in path for path in adapted) == keeps, recipe.model.path
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
+    with pytest.raises(
+        RecipeError, match=r"^model\.path: qwen3_next is a mixture of experts .*shared experts"
+    ):
+        model.load_base_model(recipe.model, recipe.quant)
