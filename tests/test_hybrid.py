@@ -1,6 +1,8 @@
-"""Hybrid linear attention (Qwen3.5 and its mixture): why packing is refused for them, that it is, and that
-their Gated DeltaNet projections load in 4 bits and take LoRA (model/recurrent.py, registries/families.py);
-Qwen3-Next, whose shared experts peft's conversion would leave without LoRA, is refused at load."""
+"""Layer types beyond full attention. Hybrid linear attention (Qwen3.5 and its mixture): why packing is
+refused for them, that it is, and that their Gated DeltaNet projections load in 4 bits and take LoRA
+(model/recurrent.py, registries/families.py); Qwen3-Next, whose shared experts peft's conversion would
+leave without LoRA, is refused at load. Sliding windows (OLMo-3) and layers without RoPE (SmolLM3): packed
+rows keep their examples apart, so they pack. Layers of different sizes (Gemma 4) are refused in one line."""
 
 import logging
 
@@ -60,6 +62,24 @@ def test_a_packed_example_reads_the_state_its_neighbour_left_in_the_linear_atten
     assert float((alone - packed).abs().max()) <= bound
     alone, packed = second_examples_logits(hybrid, first, second)
     assert float((alone - packed).abs().max()) > 1000 * bound
+
+
+@pytest.mark.parametrize("name", ("tiny-olmo3", "tiny-smollm3"))
+def test_sliding_windows_and_layers_without_rope_keep_packed_examples_apart(name):
+    """Both examples longer than OLMo-3's builtin window (32): the second one's logits packed equal its
+    logits alone but for the order of fp32 sums, and auto may pack (red if transformers' packed mask lost
+    the window, or a sliding layer type were taken for a recurrent one)."""
+    generator = torch.Generator().manual_seed(1)
+    first, second = (
+        torch.randint(5, 500, (40,), generator=generator),
+        torch.randint(5, 500, (36,), generator=generator),
+    )
+    windowed = fp32_model(name)
+    assert recurrent.recurrent_layer_types(windowed.config) == ()
+    alone, packed = second_examples_logits(windowed, first, second)
+    assert float((alone - packed).abs().max()) <= 64 * torch.finfo(torch.float32).eps * float(
+        alone.abs().max()
+    )
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -144,3 +164,47 @@ def test_qwen3_next_is_refused_at_load_because_peft_would_drop_its_shared_expert
         RecipeError, match=r"^model\.path: qwen3_next is a mixture of experts .*shared experts"
     ):
         model.load_base_model(recipe.model, recipe.quant)
+
+
+def test_doctor_says_which_cuda_kernels_would_speed_the_linear_attention_layers():
+    """One row, a pass either way, naming each optional kernel package and whether it is installed (as
+    Python finds its module, not as transformers' probe says): the linear-attention ones beside the others."""
+    import importlib.util
+
+    from qlora_kit.cli import doctor
+
+    row = doctor._cuda_kernels()
+    assert row.ok and row.name == "CUDA kernels"
+    modules = {"flash-attn": "flash_attn", "flash-linear-attention": "fla", "causal-conv1d": "causal_conv1d"}
+    modules["liger-kernel"] = "liger_kernel"
+    for package, module in modules.items():
+        state = "installed" if importlib.util.find_spec(module) else "not installed"
+        assert f"{package} {state} (" in row.detail
+    assert "Gated DeltaNet" in row.detail
+
+
+def test_a_model_whose_layers_differ_in_size_is_refused_in_one_line_by_train_and_plan(
+    tmp_path, monkeypatch, capsys
+):
+    """Gemma 4's language model sets head_dim layer by layer (transformers' heterogeneous config, which
+    raises on reading one head_dim for all): train and plan each say so in one line and exit 2, where the
+    run's FLOP count would raise a traceback after loading (red without the check)."""
+    config = transformers.Gemma4TextConfig(
+        **TINY_SHAPE, head_dim=32, sliding_window=32, vocab_size=640, vocab_size_per_layer_input=640
+    )
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(
+        tmp_path / "gemma4"
+    )
+    builtin.build_tokenizer().save_pretrained(tmp_path / "gemma4")
+    expected = [
+        "error: model.path: gemma4_text sizes its layers one by one (head_dim differ by layer), which qlora_kit "
+        "does not count yet"
+    ]
+    model_path = f"model.path={tmp_path / 'gemma4'}"
+    for argv in (
+        ["train", str(DEMO), "--set", model_path, "--output-dir", str(tmp_path / "out")],
+        ["plan", str(DEMO), "--set", model_path],
+    ):
+        code, err = run_cli(argv, monkeypatch, capsys)
+        assert code == 2 and "Traceback" not in err, argv[0]
+        assert [line for line in err.splitlines() if line.startswith("error:")] == expected, argv[0]

@@ -53,6 +53,13 @@ CASES = [
     ("tiny-mixtral", "every_n", "text", False, 0.0, False, "no", 30),
     # a shared expert (Qwen2-MoE): a dense MLP and its gate beside the routed experts, LoRA on both
     ("tiny-qwen2-moe", "full", "chat", True, 0.0, True, "no", 40),
+    # hybrid linear attention (Qwen3.5): three Gated DeltaNet layers to one attention layer, rows padded (a
+    # recurrent state cannot be packed); what its chunked delta rule keeps, traced, against the run's count
+    ("tiny-qwen3.5", "none", "chat", False, 0.0, True, "no", 40),
+    ("tiny-qwen3.5-moe", "every_n", "text", False, 0.0, True, "bf16", 30),
+    # sliding windows (OLMo-3, a 32-token window the rows exceed) and layers without RoPE (SmolLM3), packed
+    ("tiny-olmo3", "full", "chat", True, 0.0, True, "no", 40),
+    ("tiny-smollm3", "every_n", "completion", True, 0.05, False, "bf16", 40),
     # vision-language: image rows (builtin:shapes); LLaVA packed with LoRA on its vision tower too (which
     # then keeps activations), Gemma-3 under bf16 (its image tokens' both-ways mask)
     ("tiny-llava", "every_n", "images", True, 0.0, True, "no", 0),

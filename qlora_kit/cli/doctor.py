@@ -71,7 +71,7 @@ def diagnose(
     """Every check, in order; a check that raises is a failed row, and the rest still run when they can.
     ``console``: where the tiny run shows its progress (the run console of ``qlora-kit train``); none
     shows nothing of it, never the Trainer's printed log dicts and bars."""
-    checks = [_versions(), _device(), _driver(), _llama_cpp()]
+    checks = [_versions(), _device(), _driver(), _llama_cpp(), _cuda_kernels()]
     _attempt(checks, "bitsandbytes 4-bit", _dequantization)
     console = console if console is not None else Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
@@ -114,6 +114,32 @@ def _llama_cpp() -> Check:
     from qlora_kit.after import llama_cpp_reader
 
     return Check("llama.cpp reader", True, llama_cpp_reader.describe())
+
+
+# Optional CUDA kernel packages transformers and qlora_kit use when installed, and what each makes fast;
+# without one, the same layers run transformers' (or qlora_kit's) PyTorch path: correct, slower on a GPU
+CUDA_KERNELS = (
+    ("flash-attn", "is_flash_attn_2_available", "model.attn_implementation: flash_attention_2"),
+    (
+        "flash-linear-attention",
+        "is_flash_linear_attention_available",
+        "the chunked delta rule of Qwen3.5's Gated DeltaNet layers",
+    ),
+    ("causal-conv1d", "is_causal_conv1d_available", "the linear-attention layers' short convolution"),
+    ("liger-kernel", "is_liger_kernel_available", "the chunked loss head, fused with its cross-entropy"),
+)
+
+
+def _cuda_kernels() -> Check:
+    """Which optional CUDA kernel packages are installed (a pass either way: each is a speed, not a need)."""
+    from transformers.utils import import_utils
+
+    found = []
+    for package, probe, speeds_up in CUDA_KERNELS:
+        installed = getattr(import_utils, probe)()
+        found.append(f"{package} {'installed' if installed else 'not installed'} ({speeds_up})")
+    where = "" if torch.cuda.is_available() else "none runs on a CPU; "
+    return Check("CUDA kernels", True, where + "; ".join(found))
 
 
 def _bitsandbytes_native() -> str | None:

@@ -31,7 +31,7 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.model import hub, moe_experts, vision
 from qlora_kit.model.layers import features, is_linear
-from qlora_kit.model.loading import resolve_model_path
+from qlora_kit.model.loading import check_layers_share_sizes, resolve_model_path
 from qlora_kit.model.paths import first_line
 from qlora_kit.registries import attention, families
 
@@ -96,6 +96,7 @@ class ModelShape:
 def model_shape(recipe: Recipe) -> ModelShape:
     """Shapes from the config, through a model built on the meta device (no weights are read)."""
     config = load_config(recipe)
+    check_layers_share_sizes(config)  # as loading it would be
     with torch.device("meta"):
         meta = vision.auto_class(config).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
     head = meta.get_output_embeddings()

@@ -78,6 +78,19 @@ def load_config(model: ModelSection):
         )
 
 
+def check_layers_share_sizes(config) -> None:
+    """RecipeError in one line for a model whose layers differ in size (transformers' heterogeneous configs,
+    Gemma 4's per-layer head sizes): the planner, the FLOP count and the run's figures read one size for
+    every layer, and transformers refuses to give one (loading and planning alike)."""
+    text = config.get_text_config()
+    if getattr(text, "is_heterogeneous", False):
+        varying = sorted(getattr(text, "per_layer_attributes", ()) or ())
+        raise RecipeError(
+            f"model.path: {text.model_type} sizes its layers one by one ({', '.join(varying) or 'per_layer_config'}"
+            " differ by layer), which qlora_kit does not count yet"
+        )
+
+
 def vision_facet(model: ModelSection):
     """The families table's vision facet of the model (its config read, no weights), or None: text-only."""
     return vision.vision_of(load_config(model))
@@ -152,6 +165,7 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         config = AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
+    check_layers_share_sizes(config)
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights

@@ -149,6 +149,7 @@ EXPERTS_NOT_PACKED = {
     "deepseek_v3": PEFT_MOVES_SHARED_EXPERTS,
     # tests/test_hybrid.py; Qwen3.5's mixture, the same layers, is not in peft's conversion table and trains
     "qwen3_next": PEFT_MOVES_SHARED_EXPERTS,
+    "glm4_moe": PEFT_MOVES_SHARED_EXPERTS,  # GLM-4.5 / 4.6
 }
 # the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
 TINY_TOWER = {
@@ -373,6 +374,35 @@ FAMILIES: dict[str, Family] = {
             export=NoExport(
                 "transformers' GGUF loader cannot read an olmo2 GGUF back, so the parity report would "
                 "have no independent reader"
+            ),
+        ),
+        # SmolLM3: Llama's layers with RoPE left out of every fourth (no_rope_layers); OLMo-3: OLMo-2's with
+        # three sliding-window layers to each full one (layer_types), a window the builtin's rows exceed.
+        # Packed rows keep their examples apart in both (tests/test_hybrid.py: sliding windows)
+        _family(
+            "smollm3",
+            "SmolLM3Config",
+            "tiny-smollm3",
+            tiny_config={},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "qlora_kit's GGUF writer has no smollm3 form yet (its layers without RoPE); convert the merged "
+                "folder with llama.cpp's convert_hf_to_gguf.py"
+            ),
+        ),
+        _family(
+            "olmo3",
+            "Olmo3Config",
+            "tiny-olmo3",
+            tiny_config={"sliding_window": 32},
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "qlora_kit's GGUF writer has no olmo3 form yet (transformers' GGUF loader cannot read one "
+                "back); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
             ),
         ),
         # Vision-language models: a vision tower and projector (16 bits) in front of a decoder (4 bits)

@@ -117,6 +117,8 @@ def check_runnable(recipe: Recipe) -> tuple[dict[str, str] | None, str]:
     check_output_holds_no_input(output_dir, dict(recipe.input_paths()))
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
+        if Path(recipe.model.path).expanduser().is_dir():  # read here, not fetched: a hub id's is at load
+            model.check_layers_share_sizes(model.load_config(recipe.model))
     if recipe.model.adapter is not None:
         folder = Path(recipe.model.adapter).expanduser()
         bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")
