@@ -220,9 +220,8 @@ def test_the_router_is_frozen_unless_asked_and_then_trains_and_saves_whole(tmp_p
     assert sum(".mlp.gate." in key for key in saved) == 4
 
 
-def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
-    """A mixture the families table does not list (PhiMoE): refused in one line naming the family, never
-    loaded with its experts silently in 16 bits, and never planned."""
+def save_phimoe(folder) -> None:
+    """A tiny PhiMoE, a mixture the families table does not list, saved as transformers saves it."""
     config = transformers.PhimoeConfig(
         vocab_size=640,
         hidden_size=64,
@@ -233,8 +232,14 @@ def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
         num_local_experts=4,
         num_experts_per_tok=2,
     )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    builtin.build_tokenizer().save_pretrained(tmp_path)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(folder)
+    builtin.build_tokenizer().save_pretrained(folder)
+
+
+def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
+    """A mixture the families table does not list (PhiMoE): refused in one line naming the family, never
+    loaded with its experts silently in 16 bits, and never planned."""
+    save_phimoe(tmp_path)
     recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
     with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
         model.load_base_model(recipe.model, recipe.quant)
@@ -246,18 +251,7 @@ def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its
     """quant.bits 16 loads a mixture the families table does not list (PhiMoE): LoRA reaches its experts
     where they were found (red on an AttributeError for the table's missing entry), and lora.router, whose
     router the table would name, is one line."""
-    config = transformers.PhimoeConfig(
-        vocab_size=640,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    builtin.build_tokenizer().save_pretrained(tmp_path)
+    save_phimoe(tmp_path)
     recipe = Recipe.from_dict(
         {"model": {"path": str(tmp_path)}, "quant": {"bits": 16}, "lora": {"dropout": 0}}
     )
