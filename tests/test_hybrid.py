@@ -67,8 +67,8 @@ def test_a_packed_example_reads_the_state_its_neighbour_left_in_the_linear_atten
 @pytest.mark.parametrize("name", ("tiny-olmo3", "tiny-smollm3"))
 def test_sliding_windows_and_layers_without_rope_keep_packed_examples_apart(name):
     """Both examples longer than OLMo-3's builtin window (32): the second one's logits packed equal its
-    logits alone but for the order of fp32 sums, and auto may pack (red if transformers' packed mask lost
-    the window, or a sliding layer type were taken for a recurrent one)."""
+    logits alone but for the order of fp32 sums, and packing them is not refused (red if transformers'
+    packed mask lost the window, or a sliding layer type were taken for a recurrent one)."""
     generator = torch.Generator().manual_seed(1)
     first, second = (
         torch.randint(5, 500, (40,), generator=generator),

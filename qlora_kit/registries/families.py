@@ -185,7 +185,7 @@ QWEN3_5_LINEAR_ATTENTION = (
     "linear_attn.in_proj_b",
     "linear_attn.in_proj_a",
 )
-# the builtins' linear-attention heads (the configs' defaults are the 80B model's 16 x 128 / 32 x 128)
+# the builtins' linear-attention heads (the config's defaults: 16 key and 32 value heads of 128)
 LINEAR_ATTENTION_TINY = {
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
