@@ -121,7 +121,7 @@ def test_fp16_overflow_steps_are_left_to_the_gradient_scaler(tmp_path, monkeypat
 
 def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, caplog):
     """transformers multiplies the batch by every visible GPU; the 4-bit model sits on one."""
-    from qlora_kit.training.step.trainer import pin_to_one_device, training_arguments
+    from qlora_kit.training.step.arguments import pin_to_one_device, training_arguments
 
     recipe = quick_recipe(tmp_path, **{"train.micro_batch_size": 4})
     args = training_arguments(recipe, tmp_path, has_eval=False, precision="no")
@@ -133,7 +133,7 @@ def test_one_process_on_several_gpus_trains_with_the_recipes_batch(tmp_path, cap
 
 
 def test_ddp_does_not_search_for_unused_parameters(tmp_path):
-    from qlora_kit.training.step.trainer import training_arguments
+    from qlora_kit.training.step.arguments import training_arguments
 
     args = training_arguments(quick_recipe(tmp_path), tmp_path, has_eval=False, precision="bf16")
     assert args.ddp_find_unused_parameters is False  # the Trainer's default for a PeftModel is True

@@ -190,7 +190,7 @@ def test_rollouts_are_scored_by_a_recipe_named_python_function_and_each_builtin(
     setup = build(grpo_recipe(tmp_path / "out", rewards, mixed_precision="bf16"))
     trainer = setup.trainer
     assert trainer.reward_func_names == ["first_letter", "exact_match", "regex", "length"]
-    # the explaining callback (built before the Trainer, step.py) names the rewards as TRL logs them
+    # the explaining callback (built before the Trainer, step/callbacks.py) names the rewards as TRL logs them
     [explainer] = [c for c in trainer.callback_handler.callbacks if isinstance(c, GrpoExplainer)]
     assert explainer.reward_names == trainer.reward_func_names
     assert trainer.reward_weights.tolist() == [1.0, 2.0, 1.0, 1.0]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from qlora_kit.memory import oom_faults
-from qlora_kit.training.objectives.grpo.oom import MEAN_OVER, GrpoSplitOnOom
+from qlora_kit.training.objectives.grpo.oom import MEAN_OVER, GrpoOomRecovery
 from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,
@@ -75,9 +75,10 @@ def test_the_parts_losses_weighted_by_their_share_add_up_to_the_micro_batchs(los
     per_token = torch.randn(8, 3, generator=torch.Generator().manual_seed(0))
     batch["per_token"] = per_token
     whole = trl_loss(loss_type, per_token, batch["completion_mask"], batch["num_items_in_batch"])
-    trainer = SimpleNamespace(in_parts=batch, loss_type=loss_type, parts=4)
+    recovery = GrpoOomRecovery(SimpleNamespace(loss_type=loss_type), OomPolicy(), probe=False)
+    recovery.in_parts, recovery.parts = batch, 4
     total = sum(
-        GrpoSplitOnOom.part_share(trainer, part)
+        recovery.part_share(part)
         * trl_loss(loss_type, part["per_token"], part["completion_mask"], part["num_items_in_batch"])
         for part in split_rows(batch, 4, trim=True)
     )

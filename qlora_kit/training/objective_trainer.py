@@ -8,7 +8,7 @@ class and arguments: SFT runs on ``GuardedTrainer`` (objectives/sft.py, step/tra
 data/rewards.py and the explanations of grpo/explain.py), KTO on ``GuardedKTOTrainer`` (objectives/kto.py), ORPO on
 ``GuardedORPOTrainer`` (objectives/orpo.py).
 All get the same callbacks, in the order that lets the memory and throughput figures reach every log
-(step/step.py's ``callbacks``).
+(step/callbacks.py).
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ from qlora_kit.memory import optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.registries import objectives
-from qlora_kit.training.step import step
+from qlora_kit.training.step import callbacks as step_callbacks
+from qlora_kit.training.step.arguments import pin_to_one_device
 from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
-from qlora_kit.training.step.trainer import GuardedTrainer, pin_to_one_device
+from qlora_kit.training.step.trainer import GuardedTrainer
 from qlora_kit.training.watch import expert_load
 from qlora_kit.training.watch.expert_load import ExpertLoad
 from qlora_kit.training.watch.metrics_log import MetricsLog
@@ -120,7 +121,7 @@ def build_trainer(
         **extra,  # grpo: the reward functions (TRL collates nothing)
         processing_class=tokenizer,
         optimizer_cls_and_kwargs=optimizers.optimizer_class_and_kwargs(recipe.optimizer),
-        callbacks=step.callbacks(
+        callbacks=step_callbacks.callbacks(
             monitor,
             throughput,
             [ExpertLoad(peft_model, metrics_log)] if expert_load.routers(peft_model)[0] else [],

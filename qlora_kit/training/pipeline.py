@@ -56,7 +56,7 @@ from qlora_kit.training.run_folder.outputs import (
     staging_dir,
 )
 from qlora_kit.training.run_folder.run_record import tokens_per_s
-from qlora_kit.training.step import step
+from qlora_kit.training.step import callbacks as step_callbacks
 from qlora_kit.training.step.interrupts import StopOnSignal
 from qlora_kit.training.step.trainer import GuardedTrainer
 from qlora_kit.training.watch import run_log, trackers
@@ -293,7 +293,7 @@ def _checkpoint_to_resume(output_dir: Path, resume: bool | str | Path, overwrite
 def _announce(setup: Setup, ranks: Ranks, console: Console | None) -> None:
     """The run console replaces the Trainer's output; the main process logs the setup."""
     if console is not None:
-        step.show_on(setup.trainer, console)
+        step_callbacks.show_on(setup.trainer, console)
     if ranks.is_main:
         run_log.log_setup(
             setup.model, setup.checkpointed_layers, setup.data, setup.recipe.data, setup.recipe.train

@@ -33,8 +33,9 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.training.objectives.reference_adapter import ReferenceAdapterTrainer
 from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

@@ -25,8 +25,9 @@ from qlora_kit.data.formats import IGNORE_INDEX
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

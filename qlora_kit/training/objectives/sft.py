@@ -13,8 +13,9 @@ from qlora_kit.data import images
 from qlora_kit.data import prepare as data
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading, recurrent
+from qlora_kit.training.step.arguments import training_arguments
 from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.trainer import GuardedTrainer, training_arguments
+from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe

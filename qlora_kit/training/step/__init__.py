@@ -1,12 +1,14 @@
 """The Trainer and its step: transformers' Trainer with what qlora_kit adds to each step of a run.
 
-- ``trainer``: ``GuardedTrainer`` (the subclass every objective's Trainer builds on) and the Trainer's
-  arguments from the recipe;
-- ``step``: one training step in the order it runs (the micro-batch's code) and every callback, in order;
+- ``trainer``: ``GuardedTrainer``, the subclass every objective's Trainer builds on: one training step
+  in the order it runs, as code, and the objects it calls;
+- ``arguments``: the Trainer's arguments from the recipe;
+- ``callbacks``: every callback of a run, in order;
 - ``private_hooks``: the private Trainer and TRL methods overridden, why, and a check at import;
 - ``guards``: stop a run that trains nothing or on garbage;
 - ``interrupts``: a signal -> a checkpoint;
-- ``oom_recovery``: an out-of-memory error in a step splits the micro-batch and keeps the global batch;
+- ``oom_recovery``: ``OomRecovery``, the object the step calls: an out-of-memory error in a step splits
+  the micro-batch and keeps the global batch;
 - ``oom_split``: the out-of-memory split policy, without a Trainer (the policy from the recipe, a
   micro-batch cut in parts, the split file, the messages).
 

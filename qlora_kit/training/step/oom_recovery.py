@@ -38,11 +38,14 @@ Evaluation splits its own batch the same way (``eval_parts``); training's is unt
 probe (``train.probe_worst_batch``) runs the longest micro-batch before step 1 through the same path.
 """
 
+from __future__ import annotations
+
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -71,73 +74,83 @@ from qlora_kit.training.step.oom_split import (
     write_split,
 )
 
+if TYPE_CHECKING:
+    from transformers import Trainer
+
 log = logging.getLogger(__name__)
+
+# One part's forward and backward (the library's Trainer.training_step): (model, part, num_items) -> loss
+ForwardBackward = Callable[[Any, dict[str, Any], Any], torch.Tensor]
 
 
 class PeerOutOfMemory(RuntimeError):
     """Another process of the run ran out of memory: this one drops its attempt too, at the same point."""
 
 
-class SplitOnOom:
-    """What ``GuardedTrainer`` adds to the Trainer for out-of-memory (placed before it in the MRO):
-    ``get_batch_samples`` keeps the step's micro-batches and random state, ``training_step`` runs a
-    micro-batch in ``parts`` and recovers, ``prediction_step`` splits evaluation's batch, ``_run_epoch``
-    probes the worst batch first. ``setup_oom`` is called from the subclass's ``__init__``."""
+class OomRecovery:
+    """Out-of-memory recovery for one trainer, an object its step calls (training/step/trainer.py):
+    ``step_started`` keeps the step's micro-batches and random state, ``train`` runs a micro-batch in
+    ``parts`` and recovers, ``forward_done`` is the point after a part's loss where processes agree,
+    ``evaluate`` splits evaluation's batch, ``probe_worst_batch`` runs the longest micro-batch first.
+    It reads the trainer's arguments, accelerator and state and writes none of the trainer's attributes
+    (GRPO's probe sets TRL's metric stores aside while it runs: objectives/grpo/oom.py)."""
 
-    def setup_oom(self, policy: OomPolicy, probe: bool) -> None:
-        self.oom_policy = policy
+    def __init__(self, trainer: Trainer, policy: OomPolicy, probe: bool) -> None:
+        self.trainer = trainer
+        self.policy = policy
         self.parts = 1  # chunks each training micro-batch runs in
         self.eval_parts = 1  # chunks each evaluation batch runs in
         self.generation_parts = 1  # GRPO: generate calls each process's rollouts run in (grpo/oom.py)
         self.in_parts: dict[str, Any] | None = None  # the micro-batch whose parts are running
         self.probe_pending = probe
         self.probing = False  # the probe's tokens are not training's (throughput)
-        self._step_batches: list[dict[str, Any]] = []
+        self.step_batches: list[dict[str, Any]] = []
         self._step_losses: list[torch.Tensor] = []  # what each micro-batch added to the Trainer's loss
-        self._step_rng: dict[str, Any] | None = None
+        self.step_rng: dict[str, Any] | None = None
         self._phase: str | None = None  # forward or backward of the part in progress (multi-process flags)
+        self._watching = False
 
-    def get_batch_samples(self, epoch_iterator, num_batches, device):
-        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
-        self._step_batches, self._step_losses = batches, []
-        self._step_rng = rng_state() if self.oom_policy.on_oom == "split" else None
-        return batches, num_items
+    def step_started(self, batches: list[dict[str, Any]]) -> None:
+        """The Trainer drew the step's micro-batches: kept, with the random state, for a redo."""
+        self.step_batches, self._step_losses = batches, []
+        self.step_rng = rng_state() if self.policy.on_oom == "split" else None
 
-    def train_in_parts(self, model, inputs, num_items_in_batch=None):
-        """The micro-batch's forward and backward passes, in ``parts`` chunks (step.py's item b); on an
-        out-of-memory error the step's micro-batches so far again, in twice the parts."""
+    def train(self, model, inputs, num_items_in_batch, forward_backward: ForwardBackward):
+        """The micro-batch's forward and backward passes, in ``parts`` chunks, each through
+        ``forward_backward``; on an out-of-memory error the step's micro-batches so far again, in twice
+        the parts."""
         with ALLOCATIONS.micro_batch():  # a no-op unless a test caps the allocations (allocator_faults.py)
-            return self._train_in_parts(model, inputs, num_items_in_batch)
+            return self._train(model, inputs, num_items_in_batch, forward_backward)
 
-    def _train_in_parts(self, model, inputs, num_items_in_batch):
+    def _train(self, model, inputs, num_items_in_batch, forward_backward):
         started = time.perf_counter()
-        loss, failure = self._attempt(model, [inputs], num_items_in_batch)
+        loss, failure = self._attempt(model, [inputs], num_items_in_batch, forward_backward)
         if failure is None:
             self._step_losses.append(loss)
             return loss
-        index = next((i for i, batch in enumerate(self._step_batches) if batch is inputs), None)
+        index = next((i for i, batch in enumerate(self.step_batches) if batch is inputs), None)
         if index is None:  # the probe: no step in progress
             index, batches = 0, [inputs]
             self._step_losses = []
         else:
-            batches = self._step_batches[: index + 1]
+            batches = self.step_batches[: index + 1]
         while failure is not None:
             failure.lost_s = time.perf_counter() - started
             self._split_or_stop(model, inputs, num_items_in_batch, failure, index)
             started = time.perf_counter()
-            loss, failure = self._attempt(model, batches, num_items_in_batch)
+            loss, failure = self._attempt(model, batches, num_items_in_batch, forward_backward)
         # The Trainer has already added the first attempt's losses of the earlier micro-batches
         loss = loss - sum(self._step_losses[:index]) if index else loss
         self._step_losses = [*self._step_losses[:index], loss]
         return loss
 
-    def _attempt(self, model, batches, num_items_in_batch):
+    def _attempt(self, model, batches, num_items_in_batch, forward_backward):
         """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
         ALLOCATIONS.attempt_started()
         try:
             total = None
             for batch in batches:
-                loss = self._run_in_parts(model, batch, num_items_in_batch)
+                loss = self._run_in_parts(model, batch, num_items_in_batch, forward_backward)
                 total = loss if total is None else total + loss
         except (torch.OutOfMemoryError, PeerOutOfMemory) as error:
             # Text only: the error's traceback holds the frames, and they the activations; Python drops
@@ -145,18 +158,18 @@ class SplitOnOom:
             failure = Failure(str(error).splitlines()[0][:300], memory_figures())
             own = isinstance(error, torch.OutOfMemoryError)
         else:
-            if self._defers_sync(model) and self.accelerator.sync_gradients:
+            if self._defers_sync(model) and self.trainer.accelerator.sync_gradients:
                 self._synchronise_gradients(model)  # every process passed the last backward's flag
             return total, None
         release_memory()
         # What the retry starts from, as the allocator counts it: the failed attempt's bytes must be gone
         failure.figures += f"; after the release {held_after_release()}"
-        if own and self._phase is not None and not self.is_fsdp_enabled:
-            self._agree(failed=True)  # the other processes wait at this point's flag: tell them
+        if own and self._phase is not None and not self.trainer.is_fsdp_enabled:
+            self.agree(failed=True)  # the other processes wait at this point's flag: tell them
         self._phase = None
         return None, failure
 
-    def _run_in_parts(self, model, inputs, num_items_in_batch):
+    def _run_in_parts(self, model, inputs, num_items_in_batch, forward_backward):
         chunks = split_rows(inputs, self.parts, trim=True)
         self.in_parts = inputs
         self._watch_model_forward(model)
@@ -164,8 +177,9 @@ class SplitOnOom:
         for chunk in chunks:
             self._phase = "forward"
             # No backward pass all-reduces under DDP (the module docstring): _attempt does, once
-            with self.accelerator.no_sync(model) if self._defers_sync(model) else contextlib.nullcontext():
-                loss = super().training_step(model, chunk, num_items_in_batch)
+            no_sync = self.trainer.accelerator.no_sync(model) if self._defers_sync(model) else None
+            with no_sync or contextlib.nullcontext():
+                loss = forward_backward(model, chunk, num_items_in_batch)
             self._phase = "backward"
             self._check_peers()  # every process finished this part's backward
             self._phase = None
@@ -174,7 +188,11 @@ class SplitOnOom:
 
     def _defers_sync(self, model) -> bool:
         """DDP: the step's gradients are all-reduced after its last backward pass, not inside it."""
-        return self.args.world_size > 1 and not self.is_fsdp_enabled and hasattr(model, "no_sync")
+        return (
+            self.trainer.args.world_size > 1
+            and not self.trainer.is_fsdp_enabled
+            and hasattr(model, "no_sync")
+        )
 
     def _synchronise_gradients(self, model) -> None:
         """The gradients averaged over the processes, as DDP's all-reduce in the last backward pass would
@@ -185,7 +203,7 @@ class SplitOnOom:
             if param.grad is None:  # the same layout on every process
                 param.grad = torch.zeros_like(param)
         grads = [p.grad for p in params]
-        flat = self.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+        flat = self.trainer.accelerator.reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
         for grad, value in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
             grad.copy_(value.view_as(grad))
 
@@ -194,7 +212,7 @@ class SplitOnOom:
         # process that ran out of memory inside the model never reaches: every process passes it, or
         # none. A hook on the wrapped module runs there.
         inner = getattr(model, "module", None)
-        if self.args.world_size > 1 and inner is not None and not getattr(self, "_watching", False):
+        if self.trainer.args.world_size > 1 and inner is not None and not self._watching:
             inner.register_forward_hook(lambda *_: self._model_forward_done())
             self._watching = True
 
@@ -204,49 +222,51 @@ class SplitOnOom:
             self._phase = "loss"
 
     def forward_done(self) -> None:
-        """Called by ``compute_loss`` after a training forward pass and loss: every process finished
-        them, before any starts a backward pass (whose last one all-reduces the gradients under DDP)."""
+        """Called by the step after a training forward pass and loss: every process finished them,
+        before any starts a backward pass (whose last one all-reduces the gradients under DDP)."""
         if self._phase in ("forward", "loss"):
             self._check_peers()
             self._phase = "backward"
 
     def _check_peers(self) -> None:
-        if self._agree(failed=False):
+        if self.agree(failed=False):
             raise PeerOutOfMemory("another process of the run ran out of memory")
 
-    def _agree(self, failed: bool) -> bool:
+    def agree(self, failed: bool) -> bool:
         """Whether any process failed at this point: one all-reduce of a flag (none in a single process).
         Every process passes the same points (each part's forward and backward) in the same order, so
         a process that fails joins the flag its peers wait at, and none is left blocked in a collective."""
-        if self.args.world_size <= 1 or self.is_fsdp_enabled:  # FSDP: no flags (the module docstring)
+        args = self.trainer.args
+        if args.world_size <= 1 or self.trainer.is_fsdp_enabled:  # FSDP: no flags (the module docstring)
             return failed
-        flag = torch.tensor([int(failed)], dtype=torch.uint8, device=self.args.device)
+        flag = torch.tensor([int(failed)], dtype=torch.uint8, device=args.device)
         return bool(over_ranks(flag, dist.ReduceOp.MAX).item())
 
     def _split_or_stop(self, model, inputs, num_items_in_batch, failure: Failure, index: int) -> None:
         """Split the step's micro-batches in twice the parts and clear the step, or stop with one line."""
         from qlora_kit.training.step.guards import kept
 
-        step = self.state.global_step + 1
+        args = self.trainer.args
+        step = self.trainer.state.global_step + 1
         where = "the worst-batch probe" if self.probing else f"micro-batch {index + 1} of the step"
-        if self.oom_policy.on_oom == "stop" or not self._can_split(inputs, num_items_in_batch):
+        if self.policy.on_oom == "stop" or not self.can_split(inputs, num_items_in_batch):
             part = max(split_rows(inputs, self.parts, trim=True), key=tokens_of)  # the one that failed
             raise TrainingGuardError(
-                stop_message(step, where, part, self.oom_policy, failure, kept(self.args.output_dir))
+                stop_message(step, where, part, self.policy, failure, kept(args.output_dir))
             )
         self.parts *= 2
         model.zero_grad(set_to_none=True)  # the step's partial gradients, from every micro-batch so far
-        if self._step_rng is not None:  # dropout draws as the split run's would from here
-            set_rng_state(self._step_rng)
-        size = self.args.per_device_train_batch_size
-        record = split_record(step, "train", size, self.parts, failure)
-        self._announce(step, where, record, failure)
+        if self.step_rng is not None:  # dropout draws as the split run's would from here
+            set_rng_state(self.step_rng)
+        record = split_record(step, "train", args.per_device_train_batch_size, self.parts, failure)
+        self.announce(step, where, record, failure)
 
-    def _can_split(self, inputs, num_items_in_batch) -> bool:
+    def can_split(self, inputs, num_items_in_batch) -> bool:
         # The parts' losses add up to the micro-batch's through the step's token count (module docstring)
         return self.parts < rows_of(inputs) and num_items_in_batch is not None
 
-    def _announce(self, step: int, where: str, record: dict[str, Any], failure: Failure) -> None:
+    def announce(self, step: int, where: str, record: dict[str, Any], failure: Failure) -> None:
+        """The split in the run's log and, on the main process, in its metrics file."""
         split = record[keys.OOM_SPLIT]
         log.warning(
             "step %d: out of memory in %s (%s; %s): %s micro-batch %d -> %d (%d parts, accumulation x%d), "
@@ -259,50 +279,56 @@ class SplitOnOom:
             split[keys.MICRO_BATCH_BEFORE],
             split[keys.MICRO_BATCH],
             split[keys.MICRO_BATCH_PARTS],
-            self.args.gradient_accumulation_steps * split[keys.MICRO_BATCH_PARTS],
+            self.trainer.args.gradient_accumulation_steps * split[keys.MICRO_BATCH_PARTS],
             "evaluation's batch only" if split["phase"] == "eval" else "the step is redone",
         )
-        if self.state.is_world_process_zero:
-            self.metrics_log.record(record)
+        self.record(record)
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+    def record(self, record: dict[str, Any]) -> None:
+        if self.trainer.state.is_world_process_zero:
+            self.trainer.metrics_log.record(record)
+
+    def evaluate(self, model, inputs, prediction_loss_only, ignore_keys, predict):
+        """Evaluation's batch through ``predict`` (the library's prediction_step), in ``eval_parts``;
+        doubled and redone on an out-of-memory error, or a stop with one line."""
         from qlora_kit.training.step.guards import kept
 
         while True:
-            result, failure = self._predict_attempt(model, inputs, prediction_loss_only, ignore_keys)
+            result, failure = self._predict_attempt(model, inputs, prediction_loss_only, ignore_keys, predict)
             if failure is None:
                 return result
-            step = self.state.global_step
-            if self.oom_policy.on_oom == "stop" or not self._can_split_eval(inputs):
+            step = self.trainer.state.global_step
+            args = self.trainer.args
+            if self.policy.on_oom == "stop" or not self.can_split_eval(inputs):
                 message = stop_message(
-                    step, "evaluation", inputs, self.oom_policy, failure, kept(self.args.output_dir)
+                    step, "evaluation", inputs, self.policy, failure, kept(args.output_dir)
                 )
                 raise TrainingGuardError(message)
             self.eval_parts *= 2
-            size = self.args.per_device_eval_batch_size
-            self._announce(
+            size = args.per_device_eval_batch_size
+            self.announce(
                 step, "evaluation", split_record(step, "eval", size, self.eval_parts, failure), failure
             )
 
-    def _can_split_eval(self, inputs) -> bool:
+    def can_split_eval(self, inputs) -> bool:
         return self.eval_parts < rows_of(inputs)
 
-    def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys):
+    def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys, predict):
         try:
             if self.eval_parts == 1:
-                return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys), None
-            return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys), None
+                return predict(model, inputs, prediction_loss_only, ignore_keys), None
+            return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys, predict), None
         except torch.OutOfMemoryError as error:
             failure = Failure(str(error).splitlines()[0][:300], memory_figures())
         release_memory()
         return None, failure
 
-    def _predict_in_parts(self, model, inputs, prediction_loss_only, ignore_keys):
+    def _predict_in_parts(self, model, inputs, prediction_loss_only, ignore_keys, predict):
         """The batch's loss as one pass gives it: each part's mean over its labelled tokens, weighted by
         them; logits and labels put back together in row order."""
         results, weights = [], []
         for chunk in split_rows(inputs, self.eval_parts, trim=False):
-            results.append(super().prediction_step(model, chunk, prediction_loss_only, ignore_keys))
+            results.append(predict(model, chunk, prediction_loss_only, ignore_keys))
             weights.append((chunk["labels"][..., 1:] != -100).sum().float())
         losses = [r[0] for r in results]
         loss = None
@@ -313,46 +339,39 @@ class SplitOnOom:
             return loss, None, None
         return loss, concat([r[1] for r in results]), concat([r[2] for r in results])
 
-    def _run_epoch(self, model, epoch, *args, **kwargs):
-        # Private (transformers is pinned <6): the first point where the model is prepared (DDP, FSDP,
-        # autocast) and the optimizer built, before step 1's batches are drawn.
-        if self.probe_pending and self.state.global_step == 0:
-            self.probe_worst_batch(model)
-        self.probe_pending = False
-        return super()._run_epoch(model, epoch, *args, **kwargs)
-
     def probe_worst_batch(self, model) -> None:
         """Forward and backward on the micro-batch with the most tokens, and the largest evaluation batch
         under no-grad, then discard the gradients and put back every random state: training afterwards
         is bit-identical to a run without the probe, and an out-of-memory error comes in the first minute
         (and is met as in training: split, or stop)."""
+        trainer, args = self.trainer, self.trainer.args
         state = rng_state()
         self.probing = True
-        sync = self.accelerator.sync_gradients
+        sync = trainer.accelerator.sync_gradients
         try:
-            batch = self._worst_batch(self.train_dataset, self.args.per_device_train_batch_size, "probe")
-            num_items = self._get_num_items_in_batch([batch], self.args.device)
-            self.accelerator.gradient_state._set_sync_gradients(False)
-            with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
-                self.training_step(model, batch, num_items)
+            batch = self._worst_batch(trainer.train_dataset, args.per_device_train_batch_size)
+            num_items = trainer._get_num_items_in_batch([batch], args.device)
+            trainer.accelerator.gradient_state._set_sync_gradients(False)
+            with trainer.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                trainer.training_step(model, batch, num_items)
             model.zero_grad(set_to_none=True)
-            if self.eval_dataset is not None and self.args.eval_strategy != "no":
-                batch = self._worst_batch(self.eval_dataset, self.args.per_device_eval_batch_size, "probe")
+            if trainer.eval_dataset is not None and args.eval_strategy != "no":
+                batch = self._worst_batch(trainer.eval_dataset, args.per_device_eval_batch_size)
                 model.eval()
-                self.prediction_step(model, self._prepare_inputs(batch), prediction_loss_only=True)
+                trainer.prediction_step(model, trainer._prepare_inputs(batch), prediction_loss_only=True)
                 model.train()
         finally:
-            self.accelerator.gradient_state._set_sync_gradients(sync)
+            trainer.accelerator.gradient_state._set_sync_gradients(sync)
             self.probing = False
             set_rng_state(state)
         log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.parts)
 
-    def _worst_batch(self, dataset, size: int, description: str) -> dict[str, Any]:
+    def _worst_batch(self, dataset, size: int) -> dict[str, Any]:
         # the tokenized datasets prepare.py builds (a datasets.Dataset with input_ids)
         lengths = np.array([len(ids) for ids in dataset["input_ids"]])
         longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
-        rows = self._remove_unused_columns(dataset.select(longest), description=description)
-        return self.data_collator([rows[i] for i in range(len(rows))])
+        rows = self.trainer._remove_unused_columns(dataset.select(longest), description="probe")
+        return self.trainer.data_collator([rows[i] for i in range(len(rows))])
 
     def save_split(self, checkpoint: Path) -> None:
         if self.parts > 1 or self.eval_parts > 1 or self.generation_parts > 1:

@@ -1,11 +1,60 @@
-"""The Trainer subclass and its construction from a recipe: arguments, optimizer, collator.
+"""One training step, in the order it runs: ``GuardedTrainer``, the Trainer subclass every objective's
+trainer builds on, whose ``training_step`` is a micro-batch's work as code.
 
-transformers' Trainer runs the loop (accumulation, clipping, scheduling, evaluation, logging,
-checkpoints, resume, DDP/FSDP through accelerate). ``GuardedTrainer`` adds what it has not: the step's
-order (step.py: the micro-batch's code and the callbacks), out-of-memory recovery (oom_recovery.py),
-atomic checkpoints, a resumed paged optimizer that pages again, and the adapter saved as the final
-folder holds it. The private Trainer methods it overrides are named, with the reason no public hook
-serves, in private_hooks.py, which checks at import that each still exists.
+transformers' Trainer runs the loop, and earns its place there: accumulation, clipping, the optimizer
+and the scheduler, evaluation, checkpoints and resume, DDP and FSDP through accelerate, callbacks and
+trackers, and TRL's DPO, KTO, ORPO and GRPO trainers are Trainers (they override ``compute_loss`` and
+``training_step``, as this class does). What this class adds is called as objects, not inherited:
+``self.oom`` (OomRecovery, oom_recovery.py), ``self.throughput`` (watch/throughput.py),
+``self.memory_monitor`` (memory/monitor.py) and ``self.guard`` (guards.py). Paths below are under
+``qlora_kit/``.
+
+Before the first step (``train.probe_worst_batch``): ``_run_epoch`` -> ``OomRecovery.probe_worst_batch``
+runs the longest micro-batch through 1 below and discards its gradients, so an out-of-memory error is
+met (split, or stop) in the first minute.
+
+One optimizer step:
+
+0. the Trainer draws the step's micro-batches: ``get_batch_samples`` hands them to
+   ``OomRecovery.step_started``, which keeps them and the random state for a redo after an
+   out-of-memory error. (GRPO: its ``training_step`` samples each rollout first, then hands its policy
+   step to 1: training/objectives/grpo/grpo.py.)
+1. per micro-batch, ``training_step``:
+
+   a. its tokens counted, once however many parts or attempts (``Throughput.count``);
+   b. its forward and backward passes, in ``parts`` chunks: ``OomRecovery.train`` runs each chunk
+      through ``_forward_backward`` (transformers' ``Trainer.training_step``), which calls, per chunk:
+
+      - the forward and loss, ``compute_loss``: the memory monitor's phase opened; the forward under
+        ``SavedTensors.counting`` (memory/accounting.py: the bytes saved for backward); the loss, the
+        model's own or ``chunked_lm_loss`` (memory/loss_head.py); the monitor's ``forward_done``; and
+        ``OomRecovery.forward_done``, where several processes agree no one ran out of memory;
+      - the backward: accelerate's ``backward`` (under DDP inside ``no_sync``, so that no process is
+        left in an all-reduce when another runs out of memory);
+
+      on an out-of-memory error, the step's micro-batches so far again in twice the parts, or a stop
+      with one line, by the recipe's policy (oom_split.py: ``oom_policy``, the cut rows, the split file,
+      the messages);
+   c. the backward phase's peak: ``MemoryMonitor.backward_done``;
+   d. its loss into the guard's device flag, no host read: ``TrainingGuard.record_loss``.
+
+2. after the last micro-batch: under DDP the gradients averaged in one all-reduce (inside
+   ``OomRecovery.train``; FSDP reduces inside its backward), then the Trainer unscales (fp16) and clips;
+3. ``on_pre_optimizer_step``: the memory monitor opens the optimizer's phase; the guard reads its flags
+   once: a non-finite loss or gradient, or dead LoRA gradients, stop the run before the optimizer
+   applies them;
+4. the optimizer step (a GradScaler under fp16 skips overflow steps itself), then
+   ``MemoryMonitor.on_optimizer_step`` (its peak and the device's used memory), then the scheduler;
+5. ``on_step_end``: ``StopOnSignal.on_step_end`` (interrupts.py): a signal on any process -> a
+   checkpoint and a stop, at the same step on all;
+6. ``on_log``, when due, in the order callbacks.py lists the callbacks: the figures added to the logs,
+   then written (metrics file, trackers, the run console last);
+7. a checkpoint when due: ``_save_checkpoint`` stages it with the split (``OomRecovery.save_split``)
+   and the costs auto chose by, then renames it into place (``move_into_place``,
+   training/run_folder/outputs.py).
+
+The private Trainer methods overridden here are named, with the reason no public hook serves, in
+private_hooks.py, which checks at import that each still exists.
 """
 
 from __future__ import annotations
@@ -13,116 +62,42 @@ from __future__ import annotations
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
-from transformers.training_args import ParallelMode
 
-from qlora_kit.memory import layer_costs, layout_costs, optimizers
-from qlora_kit.memory.monitor import MemoryMonitor
+from qlora_kit.memory import layer_costs, layout_costs, oom_faults, optimizers
+from qlora_kit.memory.accounting import SavedTensors
+from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model import adapters
 from qlora_kit.training.run_folder.outputs import move_into_place, staging_dir
 from qlora_kit.training.step import private_hooks
-from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.oom_recovery import SplitOnOom
+from qlora_kit.training.step.oom_recovery import OomRecovery
 from qlora_kit.training.step.oom_split import OomPolicy
-from qlora_kit.training.step.step import TrainingStep
-from qlora_kit.training.watch.metrics_log import MetricsLog
-from qlora_kit.training.watch.throughput import Throughput
 
 if TYPE_CHECKING:
-    from qlora_kit.recipe.recipe import Recipe
+    from qlora_kit.memory.monitor import MemoryMonitor
+    from qlora_kit.training.step.guards import TrainingGuard
+    from qlora_kit.training.watch.metrics_log import MetricsLog
+    from qlora_kit.training.watch.throughput import Throughput
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
-
-
-def training_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str):
-    """The Trainer's arguments; ``precision`` is the resolved mixed precision (bf16, fp16 or no)."""
-    return TrainingArguments(**training_settings(recipe, output_dir, has_eval, precision))
-
-
-def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> dict[str, Any]:
-    """TrainingArguments' fields from the recipe (also the base of TRL's DPOConfig: objectives/dpo.py)."""
-    train, opt = recipe.train, recipe.optimizer
-    evaluating = has_eval and train.eval_steps is not None
-    return dict(
-        output_dir=str(output_dir),
-        num_train_epochs=train.epochs,
-        max_steps=train.max_steps or -1,
-        per_device_train_batch_size=train.micro_batch_size,
-        per_device_eval_batch_size=train.micro_batch_size,
-        gradient_accumulation_steps=train.grad_accum,
-        learning_rate=opt.lr,
-        lr_scheduler_type=SCHEDULES[opt.schedule],
-        warmup_steps=opt.warmup_ratio,  # a float below 1 is a fraction of the total steps
-        weight_decay=opt.weight_decay,
-        max_grad_norm=opt.max_grad_norm,
-        logging_steps=train.logging_steps,
-        eval_strategy="steps" if evaluating else "no",
-        eval_steps=train.eval_steps,
-        eval_on_start=evaluating,  # the baseline every later evaluation is compared with
-        save_strategy="steps" if train.save_steps else "no",
-        save_steps=train.save_steps or 500,
-        train_sampling_strategy="group_by_length" if recipe.data.group_by_length else "random",
-        seed=train.seed,
-        data_seed=train.seed,
-        # accelerate's autocast and fp32 output conversion, on a CPU as on a GPU (precision.py)
-        bf16=precision == "bf16",
-        fp16=precision == "fp16",
-        # accelerate compiles the model when it prepares it (the same losses in less step time, with
-        # checkpointing and the chunked loss head too: benchmarks/results/compile-cpu.md)
-        torch_compile=train.compile,
-        # The Trainer's default for a PeftModel is True: a graph walk every step, and with LoRA on
-        # lm_head under the chunked loss head (applied outside the forward) a crash. Every LoRA
-        # parameter gets a gradient each step, so DDP needs no search.
-        ddp_find_unused_parameters=False,
-        # Its check reads the loss on the host after every micro-batch (a GPU sync); the loss guard
-        # already stops a run at a non-finite loss, before anything is logged (guards.py).
-        logging_nan_inf_filter=False,
-        label_names=["labels"],  # peft's wrapper hides the signature the Trainer infers this from
-        # train.keep_best: the Trainer tracks the best evaluation and loads its checkpoint at the end
-        # (early stopping compares the same metric); lower is better for a name ending in "loss"
-        load_best_model_at_end=train.keep_best is not None,
-        metric_for_best_model=train.keep_best or ("eval_loss" if train.early_stopping_patience else None),
-        report_to="none",  # the trackers are attached in build_trainer, after qlora_kit's callbacks (watch/trackers.py)
-        run_name=train.run_name or Path(output_dir).name,
-        project=train.project,
-        dataloader_pin_memory=torch.cuda.is_available(),
-        use_cpu=not torch.cuda.is_available(),
-    )
-
-
-def pin_to_one_device(args) -> None:
-    """One process sees several GPUs: train on the first, as the recipe's batch says.
-
-    The Trainer would multiply the batch by every visible GPU (``n_gpu``) while the 4-bit model sits on
-    GPU 0 alone (bitsandbytes models are never wrapped in DataParallel): a bigger batch than the
-    recipe's and an OOM risk. transformers does the same for model-parallel models (Trainer.__init__).
-    """
-
-    if args.n_gpu > 1 and args.parallel_mode == ParallelMode.NOT_DISTRIBUTED:
-        log.warning(
-            "%d GPUs visible to one process: training on GPU 0 only. For all of them, launch one process "
-            "per GPU: accelerate launch --num_processes %d -m qlora_kit train RECIPE",
-            args.n_gpu,
-            args.n_gpu,
-        )
-        args._n_gpu = 1
-
 
 @private_hooks.checked
-class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
+class GuardedTrainer(Trainer):
     """The Trainer with qlora_kit's step, guards and memory accounting (see the module docstring).
 
     ``chunk_tokens``: tokens per chunk of the chunked loss head, or None for transformers' own loss;
     ``guard``: the training guard (None to measure a run without it); ``memory_monitor`` and
     ``metrics_log``: the callbacks that record the run, also passed in ``callbacks``; ``oom_policy``
-    and ``probe``: what an out-of-memory error does, and whether the worst batch runs first (oom_recovery.py).
+    and ``probe``: what an out-of-memory error does, and whether the worst batch runs first.
     """
+
+    oom_recovery = OomRecovery  # GRPO's splits its generation too (objectives/grpo/oom.py)
+    counts_in_step = True  # the micro-batch's tokens are counted here (GRPO counts its rollouts instead)
 
     def __init__(
         self,
@@ -138,7 +113,6 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         **kwargs,
     ) -> None:
         super().__init__(*args, **kwargs)
-        self.setup_oom(oom_policy or OomPolicy(), probe)
         # Set here, not passed up: TRL's trainers do not take it (the Trainer only stores it)
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.memory_monitor = memory_monitor
@@ -146,11 +120,82 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         self.throughput = throughput
         self.guard = guard
         self.chunk_tokens = chunk_tokens
+        self.oom = self.oom_recovery(self, oom_policy or OomPolicy(), probe)
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
         self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (training/resolved.py)
         self.layout_costs: layout_costs.LayoutCosts | None = None  # data.packing auto's
         self._staging: Path | None = None
 
+    # ---- one step (the module docstring's items 0 and 1) ------------------------------------------
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batches, num_items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self.oom.step_started(batches)  # kept, with the random state, for a redo
+        return batches, num_items
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        # a. its tokens, once however many parts or attempts, and not the worst-batch probe's
+        if not self.oom.probing and self.counts_in_step:
+            self.throughput.count(inputs)
+        # b. each part's forward (compute_loss) and backward; an out-of-memory error redoes the step's
+        #    micro-batches so far in twice the parts
+        loss = self.oom.train(model, inputs, num_items_in_batch, self._forward_backward)
+        # c. the backward phase's peak, into the memory monitor
+        self.memory_monitor.backward_done()
+        # d. the loss into the guard's device flag, read once at on_pre_optimizer_step
+        if self.guard is not None:
+            self.guard.record_loss(loss)
+        return loss
+
+    def _forward_backward(self, model, part, num_items_in_batch):
+        """One part's forward (``compute_loss``) and backward: the library trainer's own step."""
+        return super().training_step(model, part, num_items_in_batch)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """The forward pass and loss of one part (b above), with the bytes it saves for backward counted;
+        an evaluation batch's under the evaluation's fault cap only."""
+        if not model.training:
+            with oom_faults.INJECTOR.evaluation():  # a no-op unless a test caps evaluation's memory
+                return self._loss(model, inputs, return_outputs, num_items_in_batch)
+        counter = SavedTensors(model, inject_faults=True)
+        self.memory_monitor.phase_started()
+        self.memory_monitor.forward_started()
+        with counter.counting():
+            result = self._loss(model, inputs, return_outputs, num_items_in_batch)
+        self.memory_monitor.forward_done(counter.result())
+        self.oom.forward_done()  # out-of-memory in another process stops this one here too
+        return result
+
+    def _loss(self, model, inputs, return_outputs, num_items_in_batch):
+        if self.chunk_tokens is None or return_outputs:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        causal_lm = self.accelerator.unwrap_model(model).get_base_model()
+        loss = chunked_lm_loss(
+            model,
+            inputs,
+            self.chunk_tokens,
+            num_items_in_batch,
+            causal_lm=causal_lm,
+            autocast=self.accelerator.autocast,
+        )
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            # Trainer.compute_loss scales the models' own loss the same way: num_items_in_batch is the
+            # count over all processes, while DDP averages the gradients over processes.
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # evaluation's batch, split on an out-of-memory error as training's micro-batch is
+        return self.oom.evaluate(model, inputs, prediction_loss_only, ignore_keys, super().prediction_step)
+
+    def _run_epoch(self, model, epoch, *args, **kwargs):
+        # Private (transformers is pinned <6): the first point where the model is prepared (DDP, FSDP,
+        # autocast) and the optimizer built, before step 1's batches are drawn.
+        if self.oom.probe_pending and self.state.global_step == 0:
+            self.oom.probe_worst_batch(model)
+        self.oom.probe_pending = False
+        return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    # ---- checkpoints, the final save, resume ------------------------------------------------------
     def _save_checkpoint(self, model, trial) -> None:
         # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
         # the previous checkpoint as the newest complete one, never a half-written one. Every rank writes
@@ -162,7 +207,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         finally:
             staged, self._staging = self._staging, None
         if self.args.should_save:  # the micro-batch split a --resume continues with
-            self.save_split(staged / f"checkpoint-{self.state.global_step}")
+            self.oom.save_split(staged / f"checkpoint-{self.state.global_step}")
         if self.args.should_save and self.layer_costs is not None:  # and the costs auto chose its layers by
             layer_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layer_costs)
         if (
@@ -225,7 +270,7 @@ class GuardedTrainer(TrainingStep, SplitOnOom, Trainer):
         # pages again: loading its state makes ordinary CUDA tensors of it (optimizers.repage_optimizer_state).
         super()._load_optimizer_and_scheduler(checkpoint)
         if checkpoint is not None:
-            self.load_split(Path(checkpoint))
+            self.oom.load_split(Path(checkpoint))
             self.repaged_tensors = optimizers.repage_optimizer_state(self.optimizer)
 
 

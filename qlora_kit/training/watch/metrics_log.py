@@ -1,6 +1,6 @@
 """Watching a run: ``metrics.jsonl``, one JSON object per log event, written as the Trainer logs.
 
-``MetricsLog`` is one of the run's callbacks (step/step.py's ``callbacks`` puts it after the memory
+``MetricsLog`` is one of the run's callbacks (step/callbacks.py puts it after the memory
 monitor, the throughput and the experts' routing, whose figures it writes); ``run_folder/run_record.py``
 reads the file back.
 """

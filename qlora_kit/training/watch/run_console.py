@@ -2,7 +2,7 @@
 (progress, time left, loss, eval loss, GRPO's reward, learning rate, gradient norm, tokens per second, memory), the
 run's log lines above it, and plain periodic lines where stderr is not a terminal (CI, ``nohup``, a
 file): no carriage returns, no escape codes, no raw log dicts. The Trainer's own progress bars and log
-printer are replaced by it (step/step.py's ``show_on``); every figure still goes to ``metrics.jsonl``
+printer are replaced by it (step/callbacks.py's ``show_on``); every figure still goes to ``metrics.jsonl``
 and the trackers.
 """
 

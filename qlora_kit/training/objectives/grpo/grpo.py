@@ -40,13 +40,14 @@ from trl import GRPOConfig, GRPOTrainer
 from qlora_kit.data.rewards import reward_functions
 from qlora_kit.errors import RecipeError
 from qlora_kit.training.objectives.grpo.explain import GrpoExplainer
-from qlora_kit.training.objectives.grpo.oom import GrpoSplitOnOom
+from qlora_kit.training.objectives.grpo.oom import GrpoOomRecovery
 from qlora_kit.training.objectives.grpo.reward_checks import checked
 from qlora_kit.training.objectives.grpo.row_sampling import rows_seeded
 from qlora_kit.training.objectives.reference_adapter import describe_reference
 from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard, all_zero
-from qlora_kit.training.step.trainer import GuardedTrainer, training_settings
+from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -103,7 +104,7 @@ def check_batch(recipe: Recipe, processes: int) -> None:
 
 
 @private_hooks.checked
-class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
+class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
     """GRPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
 
     def __init__(self, *args, model, seed_each_completion: bool = False, **kwargs) -> None:
@@ -118,9 +119,34 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
         # TRL's generation toggles checkpointing when this says True (see the module docstring)
         self.model.is_gradient_checkpointing = False
 
+    oom_recovery = GrpoOomRecovery  # the generation splits too (grpo/oom.py)
     # GRPOTrainer.training_step receives prompt rows and samples the rollouts inside it: the throughput
-    # counts the rollout the loss is computed on, here, not the rows the step was handed.
+    # counts the rollout the loss is computed on, in compute_loss, not the rows the step was handed.
     counts_in_step = False
+    rollout_ready = False  # _prepare_inputs hands a rollout on as it is (the policy step's parts)
+
+    # ---- one step: the rollouts, then the policy step as GuardedTrainer's micro-batch ------------
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        if self.rollout_ready:  # already a rollout
+            return super().training_step(model, inputs, num_items_in_batch)
+        # the rollouts first (their generation split on out-of-memory: grpo/oom.py), or TRL's buffer
+        rollout = self._prepare_inputs(inputs)
+        self.oom.rollout_sampled(inputs, rollout)  # what a redo of the step's micro-batches runs
+        step = self._step  # TRL counts micro-batches; the parts and redone attempts are not new ones
+        loss = self.policy_step(model, rollout, num_items_in_batch)
+        self._step = step + 1
+        return loss
+
+    def policy_step(self, model, rollout, num_items_in_batch):
+        """GuardedTrainer's step on a sampled rollout: in parts, recovered, counted and guarded."""
+        self.rollout_ready = True
+        try:
+            return super().training_step(model, rollout, num_items_in_batch)
+        finally:
+            self.rollout_ready = False
+
+    def _prepare_inputs(self, inputs):
+        return inputs if self.rollout_ready else super()._prepare_inputs(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # The throughput counts input positions from input_ids; a rollout's are its prompt and completion.
@@ -128,12 +154,21 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
         if model.training:
             self.throughput.count(counted)
         loss = super().compute_loss(model, counted, return_outputs, num_items_in_batch)
-        share = self.part_share(inputs) if model.training else 1.0  # a split policy step (grpo/oom.py)
+        share = self.oom.part_share(inputs) if model.training else 1.0  # a split policy step (grpo/oom.py)
         return loss * share if share != 1.0 else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        # The rollouts first (their generation splits as training's), then evaluation's loss on them
+        rollout = self._prepare_inputs(inputs)
+        self.rollout_ready = True
+        try:
+            return super().prediction_step(model, rollout, prediction_loss_only, ignore_keys)
+        finally:
+            self.rollout_ready = False
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         result = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        self.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo/oom.py)
+        self.oom.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo/oom.py)
         return result
 
     def _send_telemetry(self) -> None:
@@ -174,7 +209,7 @@ class GuardedGRPOTrainer(GrpoSplitOnOom, GuardedTrainer, GRPOTrainer):
             ):
                 return whole(rows, None, {}, num_generations)
 
-        return self.generate_in_parts(prompt_ids, generate_rows)
+        return self.oom.generate_in_parts(prompt_ids, generate_rows)
 
     def reference_description(self, adapter: str | None) -> str:
         if self.beta == 0:

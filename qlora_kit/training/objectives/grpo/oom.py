@@ -2,8 +2,8 @@
 
 A GRPO step has two peaks: the rollouts (``generate`` under no grad: the KV cache of every sequence of
 the call, and each new token's logits) and the policy step (forward and backward on prompt + completion).
-``GrpoSplitOnOom`` sits before ``GuardedTrainer`` in ``GuardedGRPOTrainer``'s MRO and splits each where
-it runs out of memory:
+``GrpoOomRecovery``, the ``OomRecovery`` of ``GuardedGRPOTrainer`` (training/step/oom_recovery.py), splits
+each where it runs out of memory:
 
 - **Generation**: the process's rollouts run in ``generation_parts`` generate calls of consecutive prompt
   copies (the same prompts, the same completions per prompt); an out-of-memory error doubles the calls and
@@ -14,14 +14,14 @@ it runs out of memory:
   one would.
 - **The policy step**: TRL's ``_prepare_inputs`` turns the prompt rows into the rollout (completions,
   rewards and advantages, computed over each whole group before anything is split), and the rollout is
-  what ``SplitOnOom`` splits and redoes like SFT's micro-batch (training/step/oom_recovery.py). The parts' losses add
-  up to the micro-batch's: TRL's dapo, cispo and vespo divide by the generation batch's token count
+  what ``OomRecovery.train`` splits and redoes like SFT's micro-batch. The parts' losses add up to the
+  micro-batch's: TRL's dapo, cispo and vespo divide by the generation batch's token count
   already; its per-sequence or per-batch means (grpo, sapo, dr_grpo, luspo: rows; bnpo: tokens) are
   weighted by the part's share.
 
 Several processes agree before splitting: after each generation a one-byte flag is all-reduced (TRL
 gathers completion lengths right after, where a process that failed must not be missing), and the policy
-step's flags are SplitOnOom's, plus one after the policy's log-probabilities, before TRL's metric
+step's flags are OomRecovery's, plus one after the policy's log-probabilities, before TRL's metric
 all-reduces in the loss.
 
 The worst batch first (``train.probe_worst_batch``): before step 1 the longest prompts of the data
@@ -42,6 +42,7 @@ import torch
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.step.oom_recovery import OomRecovery
 from qlora_kit.training.step.oom_split import (
     Failure,
     memory_figures,
@@ -58,43 +59,31 @@ log = logging.getLogger(__name__)
 MEAN_OVER = {"grpo": "rows", "sapo": "rows", "dr_grpo": "rows", "luspo": "rows", "bnpo": "tokens"}
 
 
-class GrpoSplitOnOom:
-    """What ``GuardedGRPOTrainer`` adds for out-of-memory (see the module docstring)."""
+class GrpoOomRecovery(OomRecovery):
+    """``OomRecovery`` for a GRPO trainer: the generation split too, the policy step's parts weighted by
+    their share, and the worst batch's rollouts first (see the module docstring)."""
 
-    rollout_ready = False  # _prepare_inputs hands a rollout on as it is (the policy step's parts)
-
-    def training_step(self, model, inputs, num_items_in_batch=None):
-        if self.rollout_ready:  # the probe's rollout
-            return super().training_step(model, inputs, num_items_in_batch)
-        rollout = self._prepare_inputs(inputs)  # the rollouts (split on out-of-memory) or TRL's buffer
-        if self._step_rng is not None and self._step_batches and self._step_batches[0] is inputs:
+    def rollout_sampled(self, inputs: dict[str, Any], rollout: dict[str, Any]) -> None:
+        """The step's micro-batch ``inputs`` (prompt rows) became ``rollout``: a redo finds it among the
+        step's batches, and redraws from after the step's rollouts."""
+        if self.step_rng is not None and self.step_batches and self.step_batches[0] is inputs:
             # a redone policy step draws (dropout) from where it began, after the step's rollouts: not
             # from before them, which would sample the next step's rollouts from this one's state again
-            self._step_rng = rng_state()
-        # SplitOnOom redoes the step's micro-batches so far: it finds them among the step's batches
-        self._step_batches = [rollout if batch is inputs else batch for batch in self._step_batches]
-        return self._policy_step(model, rollout, num_items_in_batch)
+            self.step_rng = rng_state()
+        self.step_batches = [rollout if batch is inputs else batch for batch in self.step_batches]
 
-    def _policy_step(self, model, rollout: dict[str, Any], num_items_in_batch):
-        step = self._step  # TRL counts micro-batches; the parts and redone attempts are not new ones
-        self.rollout_ready = True
-        try:
-            loss = super().training_step(model, rollout, num_items_in_batch)
-        finally:
-            self.rollout_ready = False
-        self._step = step + 1
-        return loss
-
-    def _prepare_inputs(self, inputs):
-        return inputs if self.rollout_ready else super()._prepare_inputs(inputs)
-
-    def _can_split(self, inputs, num_items_in_batch) -> bool:
+    def can_split(self, inputs, num_items_in_batch) -> bool:
         # TRL's loss is normalised inside it (MEAN_OVER), not by the Trainer's item count
         return self.parts < rows_of(inputs)
 
+    def can_split_eval(self, inputs) -> bool:
+        # The rollouts' generation splits as training's; the loss forward is not split (TRL's evaluation
+        # loss of a part is not a share of the batch's for every loss type): it stops.
+        return False
+
     def part_share(self, part: dict[str, Any]) -> float:
         """The share of the micro-batch in parts that ``part`` is, as the loss type weighs it."""
-        whole, over = self.in_parts, MEAN_OVER.get(self.loss_type)
+        whole, over = self.in_parts, MEAN_OVER.get(self.trainer.loss_type)
         if self.parts == 1 or whole is None or over is None or part is whole:
             return 1.0
         if over == "rows":
@@ -104,7 +93,7 @@ class GrpoSplitOnOom:
     def policy_logps_done(self) -> None:
         """After the policy's forward and log-probabilities of a training part, before TRL's loss (whose
         metrics all-reduce): every process got there, or all drop the attempt (training/step/oom_recovery.py)."""
-        if self.model.training and torch.is_grad_enabled():
+        if self.trainer.model.training and torch.is_grad_enabled():
             self.forward_done()
 
     # ---- generation -------------------------------------------------------------------------------
@@ -128,7 +117,7 @@ class GrpoSplitOnOom:
                 failure = Failure(str(error).splitlines()[0][:300], memory_figures())
             if failure is not None:
                 release_memory()
-            if not self._agree(failed=failure is not None):  # every process: none failed
+            if not self.agree(failed=failure is not None):  # every process: none failed
                 return completions, logprobs or None
             failure = failure or Failure("another process of the run ran out of memory", memory_figures())
             failure.lost_s = time.perf_counter() - started
@@ -138,15 +127,16 @@ class GrpoSplitOnOom:
     def _split_generation(self, prompt_ids: list[list[int]], size: int, failure: Failure) -> None:
         from qlora_kit.training.step.guards import kept
 
-        step = self.state.global_step + 1
+        trainer = self.trainer
+        step = trainer.state.global_step + 1
         where = "the worst-batch probe's rollouts" if self.probing else "generation"
-        if self.oom_policy.on_oom == "stop" or size <= 1:
+        if self.policy.on_oom == "stop" or size <= 1:
             longest = max(len(ids) for ids in prompt_ids)
             why = f"{size} sequence{'s' if size != 1 else ''} per generate call"
             raise TrainingGuardError(
                 f"step {step}: out of memory in {where} ({failure.message}; {failure.figures}): {why}, "
-                f"prompts of up to {longest} tokens + {self.max_completion_length} completion tokens. "
-                f"To fit it: {self.oom_policy.levers}; {kept(self.args.output_dir)}"
+                f"prompts of up to {longest} tokens + {trainer.max_completion_length} completion tokens. "
+                f"To fit it: {self.policy.levers}; {kept(trainer.args.output_dir)}"
             )
         self.generation_parts *= 2
         after = -(-len(prompt_ids) // self.generation_parts)
@@ -160,71 +150,56 @@ class GrpoSplitOnOom:
             size,
             after,
             -(-len(prompt_ids) // after),
-            self.num_generations,
+            trainer.num_generations,
         )
-        record = {
-            "step": step,
-            keys.OOM_SPLIT: {
-                "phase": "generation",
-                keys.MICRO_BATCH_BEFORE: size,
-                keys.MICRO_BATCH: after,
-                keys.MICRO_BATCH_PARTS: self.generation_parts,
-                "error": failure.message,
-                "memory": failure.figures,
-                keys.LOST_SECONDS: round(failure.lost_s, 3),
-            },
-        }
-        if self.state.is_world_process_zero:
-            self.metrics_log.record(record)
-
-    # ---- evaluation -------------------------------------------------------------------------------
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        # The rollouts first (their generation splits as training's); the loss forward is not split
-        # (TRL's evaluation loss of a part is not a share of the batch's for every loss type): it stops.
-        rollout = self._prepare_inputs(inputs)
-        self.rollout_ready = True
-        try:
-            return super().prediction_step(model, rollout, prediction_loss_only, ignore_keys)
-        finally:
-            self.rollout_ready = False
-
-    def _can_split_eval(self, inputs) -> bool:
-        return False
+        self.record(
+            {
+                "step": step,
+                keys.OOM_SPLIT: {
+                    "phase": "generation",
+                    keys.MICRO_BATCH_BEFORE: size,
+                    keys.MICRO_BATCH: after,
+                    keys.MICRO_BATCH_PARTS: self.generation_parts,
+                    "error": failure.message,
+                    "memory": failure.figures,
+                    keys.LOST_SECONDS: round(failure.lost_s, 3),
+                },
+            }
+        )
 
     # ---- the worst batch first ------------------------------------------------------------------
     def probe_worst_batch(self, model) -> None:
         """The longest prompts sampled to max_completion_length, then the policy step on them; then
         everything put back (module docstring)."""
-        state, step, metrics = rng_state(), self._step, self._metrics
-        seen, logs = self.state.num_input_tokens_seen, self._logs
-        self._metrics = {"train": _Discard(), "eval": _Discard()}
-        self._logs = {name: _Discard() for name in ("images", "prompt", "completion", "advantages")}
-        self._logs["rewards"], self._logs["extra"] = _Discard(), _Discard()
+        trainer = self.trainer
+        state, step, metrics = rng_state(), trainer._step, trainer._metrics
+        seen, logs = trainer.state.num_input_tokens_seen, trainer._logs
+        trainer._metrics = {"train": _Discard(), "eval": _Discard()}
+        trainer._logs = {name: _Discard() for name in ("images", "prompt", "completion", "advantages")}
+        trainer._logs["rewards"], trainer._logs["extra"] = _Discard(), _Discard()
         self.probing = True
-        sync = self.accelerator.sync_gradients
-        self.generation_config.min_new_tokens = self.max_completion_length  # no early end of sequence
+        sync = trainer.accelerator.sync_gradients
+        trainer.generation_config.min_new_tokens = trainer.max_completion_length  # no early end of sequence
         try:
-            rollout = self._generate_and_score_completions(self._longest_prompts())
-            size = self.args.per_device_train_batch_size
+            rollout = trainer._generate_and_score_completions(self._longest_prompts())
+            size = trainer.args.per_device_train_batch_size
             first = {k: v[:size] if _per_row(v, rollout) else v for k, v in rollout.items()}
-            self.accelerator.gradient_state._set_sync_gradients(False)
-            with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
-                self.rollout_ready = True
-                super().training_step(model, first, None)
+            trainer.accelerator.gradient_state._set_sync_gradients(False)
+            with trainer.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                trainer.policy_step(model, first, None)
             model.zero_grad(set_to_none=True)
         finally:
-            self.rollout_ready = False
-            self.generation_config.min_new_tokens = None
-            self.accelerator.gradient_state._set_sync_gradients(sync)
+            trainer.generation_config.min_new_tokens = None
+            trainer.accelerator.gradient_state._set_sync_gradients(sync)
             self.probing = False
-            self._step, self._metrics, self._logs = step, metrics, logs
-            self.state.num_input_tokens_seen = seen
+            trainer._step, trainer._metrics, trainer._logs = step, metrics, logs
+            trainer.state.num_input_tokens_seen = seen
             set_rng_state(state)
         log.info(
             "worst-batch probe: %d completions of %d tokens of the longest prompts fit (generation in %d "
             "call(s), the policy step in %d part(s))",
             rows_of(rollout),
-            self.max_completion_length,
+            trainer.max_completion_length,
             self.generation_parts,
             self.parts,
         )
@@ -232,13 +207,13 @@ class GrpoSplitOnOom:
     def _longest_prompts(self) -> list[dict[str, Any]]:
         """One process's generation batch of the longest prompts, each num_generations times (the sampler's
         layout: a prompt's copies adjacent)."""
-        dataset = self.train_dataset
-        prompt_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in dataset])
-        prompts = (
-            self.args.per_device_train_batch_size * self.args.steps_per_generation // self.num_generations
-        )
+        trainer = self.trainer
+        dataset = trainer.train_dataset
+        prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in dataset])
+        args = trainer.args
+        prompts = args.per_device_train_batch_size * args.steps_per_generation // trainer.num_generations
         order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))[: max(prompts, 1)]
-        return [dataset[i] for i in order for _ in range(self.num_generations)]
+        return [dataset[i] for i in order for _ in range(trainer.num_generations)]
 
 
 def _per_row(value: Any, rollout: dict[str, Any]) -> bool:
