@@ -32,7 +32,7 @@ def main() -> None:
     base = loading.load_base_model(recipe.model, recipe.quant)
     checkpointing.enable_checkpointing(base, recipe.memory)
     peft_model = adapters.attach_lora(base, recipe.lora)
-    ids = torch.randint(5, base.config.vocab_size, (given.batch, given.seq))
+    ids = torch.randint(5, base.config.get_text_config().vocab_size, (given.batch, given.seq))
     batch = {"input_ids": ids, "labels": ids}
     if given.padded:
         batch["attention_mask"] = torch.ones_like(ids)

@@ -92,7 +92,7 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
     assert moe_experts.logical_shape(experts, "down_proj") == (
         down,
         config.hidden_size,
-        intermediate_size(config),
+        getattr(config, entry.intermediate_key),
     )
     assert 0 < getattr(config, facet.active_key) < down
 

@@ -70,7 +70,7 @@ def test_experts_are_loaded_in_4_bits(name):
     recipe = moe_recipe(name)
     base = model.load_base_model(recipe.model, recipe.quant)
     experts = moe_experts.fused_experts(base)
-    assert len(experts) == base.config.num_hidden_layers
+    assert len(experts) == base.config.get_text_config().num_hidden_layers
     for _, module in experts:
         for param in moe_experts.EXPERT_PARAMETERS:
             packed = getattr(module, param)

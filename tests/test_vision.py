@@ -27,6 +27,8 @@ VLM = "builtin:tiny-llava"
 IMAGE_TOKENS = 17  # (56 / 14)^2 patches and CLIP's class token
 VLMS = ["builtin:tiny-llava", "builtin:tiny-gemma3"]
 QWEN = "builtin:tiny-qwen2.5-vl"  # dynamic resolution (an image's tokens follow its size) and M-RoPE
+QWEN3 = "builtin:tiny-qwen3-vl"  # the same, M-RoPE interleaved, 16-pixel patches, DeepStack features
+QWEN3_MOE = "builtin:tiny-qwen3-vl-moe"  # and a mixture of experts in every layer
 
 
 def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) -> Recipe:
@@ -42,7 +44,7 @@ def vlm_recipe(path: str = "builtin:shapes", model_path: str = VLM, **sections) 
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN, QWEN3, QWEN3_MOE])
 def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm):
     """From the loaded modules: every 4-bit layer is the language model's; the vision tower and projector
     are plain linears unless quant.vision; LoRA adapts the language model only unless lora.vision."""
@@ -75,7 +77,7 @@ def test_the_language_model_loads_in_4_bits_and_the_vision_side_stays_in_16(vlm)
 
 
 @pytest.mark.slow  # loads the model or prepares every image row
-@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN, QWEN3, QWEN3_MOE])
 def test_an_image_row_is_what_the_processor_makes_and_trains_its_answer_only(vlm):
     """The oracle is transformers' processor of the family, on its own chat template's rendering: the same
     tokens, pixels, (Gemma-3) token types and (Qwen) image grids and token types as a prepared and collated
@@ -296,7 +298,7 @@ def rows_with_images_at_different_offsets(folder) -> str:
 
 
 @pytest.mark.slow  # runs the model
-@pytest.mark.parametrize("vlm", [*VLMS, QWEN])
+@pytest.mark.parametrize("vlm", [*VLMS, QWEN, QWEN3, QWEN3_MOE])
 def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkeypatch):
     """Rows whose images sit at different offsets, packed into one: through peft in training mode, each
     example's loss equals its loss alone on LLaVA (its own attention, positions and images), in float32

@@ -230,6 +230,14 @@ def _placeholders_without_count_check(model) -> None:
     makes it (the positions holding the image token), without the check. The meta model is the trace's
     own, so the instance is patched."""
     token = model.config.image_token_id
+    language_model = model.model.language_model
+    if hasattr(language_model, "_deepstack_process"):
+        # Qwen3-VL adds the tower's DeepStack features into the first layers' states at the image
+        # positions through a boolean index, whose size fake tensors cannot know. What it saves is those
+        # positions' indices (16 bytes a position and DeepStack layer, no activation): left out.
+        language_model._deepstack_process = lambda hidden_states, visual_pos_masks, visual_embeds: (
+            hidden_states
+        )
     if vision.vision_of(model.config).dynamic_resolution:  # Qwen-VL's: the image mask and the video one
         model.model.get_placeholder_mask = lambda input_ids, inputs_embeds, **_: (
             (input_ids == token).unsqueeze(-1),
@@ -251,7 +259,13 @@ def _image_features(config, inputs: dict[str, torch.Tensor]) -> dict:
 
     ids = inputs["input_ids"]
     features = torch.zeros(ids.numel(), config.vision_config.out_hidden_size)  # at most every position
-    extra: dict = {"mm_encoder_outputs": {"image": BaseModelOutputWithPooling(pooler_output=[features])}}
+    encoded = BaseModelOutputWithPooling(pooler_output=[features])
+    # Qwen3-VL's DeepStack: the tower's features of some of its layers, added into the language model's
+    # first layers' states at the image positions (one tensor per such layer)
+    deepstack = getattr(config.vision_config, "deepstack_visual_indexes", None)
+    if deepstack:
+        encoded.deepstack_features = [(features,)] * len(deepstack)  # per layer, split by image
+    extra: dict = {"mm_encoder_outputs": {"image": encoded}}
     if "position_ids" in inputs:
         extra["position_ids"] = inputs["position_ids"][None].expand(4, -1, -1)
     return extra

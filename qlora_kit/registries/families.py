@@ -151,6 +151,41 @@ EXPERTS_NOT_PACKED = {
     "qwen3_next": PEFT_MOVES_SHARED_EXPERTS,
     "glm4_moe": PEFT_MOVES_SHARED_EXPERTS,  # GLM-4.5 / 4.6
 }
+# Qwen3-VL's vision side (dense and mixture alike): Qwen2.5-VL's, with 16-pixel patches and DeepStack
+QWEN3_VL_VISION = Vision(
+    processor_class="Qwen3VLProcessor",
+    # the processor frames it as Qwen2.5-VL's: <|vision_start|><|image_pad|> x (patches / 4)<|vision_end|>
+    image_marker="<|vision_start|><|image_pad|><|vision_end|>",
+    expanded_token="<|image_pad|>",
+    vision_modules=("visual",),
+    image_processor_class="Qwen2VLImageProcessorPil",
+    # 16-pixel patches merged 2 x 2; the tower's features of layer 0 also join the language
+    # model's first layer (DeepStack)
+    tiny_vision_config={
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,
+        "patch_size": 16,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+    },
+    tiny_image_processor={"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
+    token_ids={
+        "image_token_id": "<|image_pad|>",
+        "video_token_id": "<|video_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    },
+    image_token="<|image_pad|>",
+    image_inputs=("pixel_values", "image_grid_thw"),
+    video_processor=True,
+    dynamic_resolution=True,
+    mrope=True,
+)
+
+
 # the builtin vision-language models' towers: 2 layers on 56 x 56 images in 14-pixel patches (4 x 4 of them)
 TINY_TOWER = {
     "hidden_size": 64,
@@ -514,6 +549,54 @@ FAMILIES: dict[str, Family] = {
                 dynamic_resolution=True,
                 mrope=True,
             ),
+        ),
+        _family(
+            "qwen3_vl",
+            "Qwen3VLConfig",
+            "tiny-qwen3-vl",
+            # the language model's config: M-RoPE's 3-D positions interleaved over head_dim 32 (Qwen3-VL
+            # spreads time, height and width across the frequencies instead of giving each a block)
+            tiny_config={
+                "model_type": "qwen3_vl_text",
+                "head_dim": 32,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5e6,
+                    "mrope_section": [6, 5, 5],
+                    "mrope_interleaved": True,
+                },
+            },
+            linears=LLAMA_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=VISION_NO_GGUF,
+            vision=QWEN3_VL_VISION,
+        ),
+        _family(
+            "qwen3_vl_moe",
+            "Qwen3VLMoeConfig",
+            "tiny-qwen3-vl-moe",
+            # Qwen3-VL's with a mixture of experts in every layer (Qwen3-VL-30B-A3B's layout), 8 experts here
+            tiny_config={
+                "model_type": "qwen3_vl_moe_text",
+                "head_dim": 32,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 128,
+                "rope_parameters": {
+                    "rope_type": "default",
+                    "rope_theta": 5e6,
+                    "mrope_section": [6, 5, 5],
+                    "mrope_interleaved": True,
+                },
+            },
+            linears=ATTENTION_LINEARS,
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=VISION_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
+            vision=QWEN3_VL_VISION,
         ),
         # Mixtures of experts (builtins of 8 experts, 2 per token): fused 3-D experts behind a router
         _family(

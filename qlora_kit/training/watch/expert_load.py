@@ -42,9 +42,9 @@ def routers(model) -> tuple[list[torch.nn.Module], int]:
     _, facet = moe_experts.experts_of(base)
     if facet is None or not moe_experts.fused_experts(base):
         return [], 0
-    return [layer.get_submodule(facet.router) for layer in decoder_layers(base)], getattr(
-        base.config, facet.count_key
-    )
+    # a vision-language mixture (Qwen3-VL-MoE) counts its experts in its language model's config
+    count = getattr(base.config.get_text_config(), facet.count_key)
+    return [layer.get_submodule(facet.router) for layer in decoder_layers(base)], count
 
 
 def in_forward_pass() -> bool:
