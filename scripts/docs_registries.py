@@ -74,6 +74,7 @@ def families_page() -> str:
         "Mixtures of experts whose experts are not packed in 4 bits (loading one with `quant.bits: 4` is "
         "refused in one line):",
         table(["model_type", "why"], not_packed),
+        *support_table(),
         "## Data formats",
         "`data.format` (and each source's `format`), from `qlora_kit/registries/formats.py`; "
         "`data.fields` renames the fields. Rows are what the objective trains on (see the objectives).",
@@ -82,6 +83,27 @@ def families_page() -> str:
         "`optimizer.name`, from `qlora_kit/registries/optimizers.py`.",
         table(["name", "class", "state", "paged", "steps FSDP2's sharded parameters"], optimizer_rows),
     )
+
+
+MATRIX = "benchmarks/results/families-matrix.md"
+
+
+def support_table() -> list[str]:
+    """The committed table of benchmarks/families_matrix.py, included whole from its command line on (a rerun
+    that grows it moves the range: this page is then stale until regenerated)."""
+    lines = (ROOT / MATRIX).read_text(encoding="utf-8").splitlines()
+    start = next(i for i, line in enumerate(lines, 1) if line.startswith("- command: "))
+    return [
+        "## Every causal LM in transformers",
+        "Beyond the families above, `benchmarks/families_matrix.py` runs every `model_type` of transformers' "
+        "`MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` as a tiny random model from its own config, saved into a folder as "
+        "a checkpoint would be: 4-bit loading, LoRA on all linear layers, two training steps with full "
+        "checkpointing, the planner against the run's saved bytes, merge, and the adapter loaded back by plain "
+        "peft. Each row works, is refused in one line (and where), or fails with the first line of its error; "
+        "the types that are not decoder-only text models are skipped, saying why. Rerun it to see your "
+        "transformers release.",
+        f'--8<-- "{MATRIX}:{start}:{len(lines)}"',
+    ]
 
 
 FORMAT_COLUMNS = [

@@ -82,6 +82,13 @@ def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
             f"lora.target_modules: none of {lora.target_modules} is a linear layer of this model; "
             f"its linear layers are: {', '.join(names)} (or use all-linear)"
         ) from None
+    except ValueError as exc:  # peft refuses some layers of some architectures (a Mamba block's out_proj)
+        if "is incompatible with" not in str(exc):
+            raise
+        raise RecipeError(
+            f"lora.target_modules: {lora.target_modules} takes in a layer peft will not adapt on this model "
+            f"({' '.join(str(exc).split())[:240]}); list the layers LoRA should adapt instead"
+        ) from None
 
 
 def full_adapter_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from transformers import (
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import bnb_selftest, builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
+from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention
 
@@ -88,6 +89,53 @@ def check_layers_share_sizes(config) -> None:
         raise RecipeError(
             f"model.path: {text.model_type} sizes its layers one by one ({', '.join(varying) or 'per_layer_config'}"
             " differ by layer), which qlora_kit does not count yet"
+        )
+
+
+def check_has_attention(config) -> None:
+    """RecipeError in one line for a model without attention layers (Mamba, RWKV, xLSTM: its config names no
+    attention heads): the attention memory check and the planner size every layer's attention by its heads."""
+    text = config.get_text_config()
+    if getattr(text, "num_attention_heads", None) is None:
+        raise RecipeError(
+            f"model.path: {text.model_type} has no attention layers (a state-space or recurrent model: its config "
+            "names no num_attention_heads), which qlora_kit's memory checks and planner do not size yet"
+        )
+
+
+def check_checkpointable(base: PreTrainedModel) -> None:
+    """RecipeError in one line for a model whose transformers code cannot checkpoint its layers
+    (``supports_gradient_checkpointing`` False: CTRL, OpenAI GPT, XLNet, JetMoe): qlora_kit's memory
+    policies checkpoint decoder layers through transformers (``activation_checkpointing_enable``), and its
+    planner and per-layer counts find them as the GradientCheckpointingLayer that code of this kind has not."""
+    if not base.supports_gradient_checkpointing:
+        raise RecipeError(
+            f"model.path: {base.config.model_type}'s transformers code ({type(base).__name__}) does not support "
+            "activation checkpointing, which qlora_kit's memory policies, planner and per-layer counts are built on"
+        )
+
+
+def check_quantized(base: PreTrainedModel, facet=None) -> None:
+    """RecipeError in one line when 4-bit loading quantized none of the model's linear layers: transformers'
+    bitsandbytes integration replaces a layer whose type is ``nn.Linear`` itself (or GPT-2's Conv1D), never a
+    model's own subclass of it (Falcon's FalconLinear; integrations/bitsandbytes.py,
+    ``replace_with_bnb_linear``), and LoRA would then train over 16-bit weights. The output head and a
+    vision-language model's vision side (``facet``) stay in 16 bits by design."""
+    if bnb_selftest.four_bit_widths(base):
+        return
+    head = base.get_output_embeddings()
+    kinds = sorted(
+        {
+            type(m).__name__
+            for name, m in base.named_modules()
+            if is_linear(m) and m is not head and not vision.on_vision_side(name, facet)
+        }
+    )
+    if kinds:
+        raise RecipeError(
+            f"model.path: 4-bit loading quantized none of {base.config.model_type}'s linear layers "
+            f"({', '.join(kinds)}): transformers' bitsandbytes integration replaces torch.nn.Linear itself, not a "
+            "model's own subclass of it, so LoRA would train over 16-bit weights (quant.bits 16 loads it so knowingly)"
         )
 
 
@@ -166,17 +214,20 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
     check_layers_share_sizes(config)
+    check_has_attention(config)
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
             path = mxfp4.dequantized_folder(path, model)
         base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config))
+    check_checkpointable(base)
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
         log.info(
             "experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant
         )
     if quant.bits == 4:  # bitsandbytes checked on this device before its weights are used (bnb_selftest.py)
+        check_quantized(base, vision.vision_of(config))
         bnb_selftest.guard(base)
     log.info("weights by kind: %s", moe_experts.describe_sizes(moe_experts.bytes_by_kind(base)))
     if kernel is not None and base.config._attn_implementation != kernel:

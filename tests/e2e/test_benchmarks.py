@@ -126,6 +126,11 @@ TABLES = {
         (PLANNER_COLUMNS, len(TINY_ARCHITECTURES)),  # the smoke grid: one case a dense builtin
         ([("recipe", ".+"), ("layers", r"\d+"), ("activations", "traced"), ("plan seconds", SECONDS)], 4),
     ]),
+    "families_matrix.py": ("families-matrix.md", [(
+        [("model_type", r"`[\w.-]+`"), ("result", r"works|(refused|failed) \(\w+\): .+|skipped: .+"),
+         ("weights in 4 bits", rf"{N}%|-"), ("saved for backward, measured (MiB)", rf"{N}|-"),
+         ("planned (MiB, error)", rf"{WITH_ERROR}|-"), ("s", SECONDS)], 3,  # works, refused, skipped
+    )]),
     "moe.py": ("moe-cpu.md", [
         ([("experts", r"4-bit experts \(qlora_kit\)|16-bit experts, same loop|transformers' experts \+ peft's ParamWrapper"),
           ("median forward+backward (s)", SECONDS), ("vs 16-bit, same loop", rf"{N}x"), ("vs transformers'", rf"{N}x")], 3),
@@ -260,7 +265,8 @@ def test_committed_table_has_the_form_its_script_writes_now(script):
 
 
 def test_every_benchmark_script_is_run_by_the_suite():
-    scripts = {path.name for path in BENCHMARKS.glob("*.py")} - {"common.py", "gpu_rows.py"}
+    helpers = {"common.py", "gpu_rows.py", "tiny_configs.py"}  # modules the scripts import
+    scripts = {path.name for path in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == set(TABLES) | set(ELSEWHERE)
     for script, test_file in ELSEWHERE.items():
         # a script with a table there goes through smoke_run, which checks its table as here
