@@ -22,6 +22,8 @@ NOT_TRAINED = {
     "mamba": ("refused", "run", "mamba has no attention layers"),
     # refused once loaded: FalconLinear subclasses nn.Linear, which bitsandbytes' integration does not replace
     "falcon": ("refused", "run", "4-bit loading quantized none of falcon's linear layers (FalconLinear)"),
+    # refused before the weights load: Gemma 3n writes into a linear layer's weight in its forward pass
+    "gemma3n_text": ("refused", "run", "gemma3n_text cannot load in 4 bits: its AltUp clamps"),
 }
 
 
@@ -41,3 +43,25 @@ def test_llama_works_from_its_folder_through_merge_and_plain_peft(tmp_path):
     assert row.four_bit == 1.0, "every linear layer of the decoder in 4 bits"
     # full checkpointing keeps each layer's input and the head's: the planner plans it within a percent
     assert abs(row.planned / row.measured - 1) < 0.01, row
+
+
+@pytest.mark.parametrize(
+    ("model_type", "line"),
+    [
+        ("mamba", "model.path: mamba has no attention layers"),
+        ("openai-gpt", "model.path: openai-gpt's transformers code (OpenAIGPTLMHeadModel) does not support"),
+    ],
+)
+def test_plan_refuses_what_train_refuses_in_the_same_one_line(model_type, line, tmp_path):
+    """The planner reads the config and a meta model: it refuses such a model as loading does, not with a
+    traceback from a layer it cannot size."""
+    from tiny_configs import build_model
+
+    from qlora_kit.errors import RecipeError
+    from qlora_kit.memory.planner import plan
+
+    path = build_model(model_type, tmp_path / "model")
+    recipe = families_matrix.recipe_for(path, tmp_path / "run")
+    with pytest.raises(RecipeError) as refused:
+        plan(recipe, device="cpu")
+    assert str(refused.value).startswith(line) and "\n" not in str(refused.value)

@@ -31,7 +31,13 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.model import hub, moe_experts, vision
 from qlora_kit.model.layers import features, is_linear
-from qlora_kit.model.loading import check_layers_share_sizes, resolve_model_path
+from qlora_kit.model.loading import (
+    check_checkpointable,
+    check_has_attention,
+    check_layers_share_sizes,
+    check_loadable_in_4_bits,
+    resolve_model_path,
+)
 from qlora_kit.model.paths import first_line
 from qlora_kit.registries import attention, families
 
@@ -97,8 +103,11 @@ def model_shape(recipe: Recipe) -> ModelShape:
     """Shapes from the config, through a model built on the meta device (no weights are read)."""
     config = load_config(recipe)
     check_layers_share_sizes(config)  # as loading it would be
+    check_has_attention(config)
+    check_loadable_in_4_bits(config, recipe.quant)
     with torch.device("meta"):
         meta = vision.auto_class(config).from_config(config, trust_remote_code=recipe.model.trust_remote_code)
+    check_checkpointable(meta)
     head = meta.get_output_embeddings()
     # a vision-language model's vision tower and projector stay in 16 bits unless quant.vision (vision.py)
     kept = None if recipe.quant.vision else vision.vision_of(config)

@@ -30,7 +30,7 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.model import bnb_selftest, builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_model_folder, first_line
-from qlora_kit.registries import attention
+from qlora_kit.registries import attention, families
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -89,6 +89,18 @@ def check_layers_share_sizes(config) -> None:
         raise RecipeError(
             f"model.path: {text.model_type} sizes its layers one by one ({', '.join(varying) or 'per_layer_config'}"
             " differ by layer), which qlora_kit does not count yet"
+        )
+
+
+def check_loadable_in_4_bits(config, quant: QuantSection) -> None:
+    """RecipeError in one line for an architecture that writes into a linear layer's weight in its forward
+    pass (``families.WEIGHTS_WRITTEN_IN_FORWARD``): at 4 bits that weight is packed uint8."""
+    model_type = config.get_text_config().model_type
+    why = families.WEIGHTS_WRITTEN_IN_FORWARD.get(model_type)
+    if why is not None and quant.bits == 4:
+        raise RecipeError(
+            f"model.path: {model_type} cannot load in 4 bits: {why}, which a 4-bit weight cannot take "
+            "(quant.bits 16 loads it in 16 bits)"
         )
 
 
@@ -215,6 +227,7 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         )
     check_layers_share_sizes(config)
     check_has_attention(config)
+    check_loadable_in_4_bits(config, quant)
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights

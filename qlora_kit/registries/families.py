@@ -151,6 +151,11 @@ EXPERTS_NOT_PACKED = {
     "qwen3_next": PEFT_MOVES_SHARED_EXPERTS,
     "glm4_moe": PEFT_MOVES_SHARED_EXPERTS,  # GLM-4.5 / 4.6
 }
+# Architectures whose code writes into a linear layer's weight during the forward pass, which a 4-bit
+# (uint8-packed) weight cannot take: refused in one line at quant.bits 4 (benchmarks/results/families-matrix.md)
+WEIGHTS_WRITTEN_IN_FORWARD = {
+    "gemma3n_text": "its AltUp clamps altup.prediction_coefs.weight in place on every training forward pass",
+}
 # Qwen3-VL's vision side (dense and mixture alike): Qwen2.5-VL's, with 16-pixel patches and DeepStack
 QWEN3_VL_VISION = Vision(
     processor_class="Qwen3VLProcessor",
