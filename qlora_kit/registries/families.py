@@ -29,7 +29,7 @@ tests read this table. Standard library only; the GGUF writers named by ``Gguf.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 GATED, PLAIN = "gated", "plain"
 
@@ -156,27 +156,23 @@ EXPERTS_NOT_PACKED = {
 WEIGHTS_WRITTEN_IN_FORWARD = {
     "gemma3n_text": "its AltUp clamps altup.prediction_coefs.weight in place on every training forward pass",
 }
-# Qwen3-VL's vision side (dense and mixture alike): Qwen2.5-VL's, with 16-pixel patches and DeepStack
-QWEN3_VL_VISION = Vision(
-    processor_class="Qwen3VLProcessor",
-    # the processor frames it as Qwen2.5-VL's: <|vision_start|><|image_pad|> x (patches / 4)<|vision_end|>
+# Qwen2.5-VL's vision side: 14-pixel patches merged 2 x 2, M-RoPE, the processor's video half optional
+QWEN2_5_VL_VISION = Vision(
+    processor_class="Qwen2_5_VLProcessor",
+    # the processor frames it: <|vision_start|><|image_pad|> x (patches / 4)<|vision_end|>
     image_marker="<|vision_start|><|image_pad|><|vision_end|>",
     expanded_token="<|image_pad|>",
     vision_modules=("visual",),
     image_processor_class="Qwen2VLImageProcessorPil",
-    # 16-pixel patches merged 2 x 2; the tower's features of layer 0 also join the language
-    # model's first layer (DeepStack)
     tiny_vision_config={
         "depth": 2,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_heads": 4,
         "out_hidden_size": 128,
-        "patch_size": 16,
-        "num_position_embeddings": 16,
-        "deepstack_visual_indexes": [0],
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
     },
-    tiny_image_processor={"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
     token_ids={
         "image_token_id": "<|image_pad|>",
         "video_token_id": "<|video_pad|>",
@@ -188,6 +184,31 @@ QWEN3_VL_VISION = Vision(
     video_processor=True,
     dynamic_resolution=True,
     mrope=True,
+)
+# Qwen3-VL's language model's positions (dense and mixture alike): M-RoPE's 3-D positions interleaved over
+# head_dim 32 (time, height and width spread across the frequencies instead of a block each)
+QWEN3_VL_ROPE = {
+    "rope_type": "default",
+    "rope_theta": 5e6,
+    "mrope_section": [6, 5, 5],
+    "mrope_interleaved": True,
+}
+# Qwen3-VL's vision side (dense and mixture alike): Qwen2.5-VL's, with 16-pixel patches (merged 2 x 2) and
+# DeepStack (the tower's features of layer 0 also join the language model's first layer)
+QWEN3_VL_VISION = replace(
+    QWEN2_5_VL_VISION,
+    processor_class="Qwen3VLProcessor",
+    tiny_vision_config={
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 4,
+        "out_hidden_size": 128,
+        "patch_size": 16,
+        "num_position_embeddings": 16,
+        "deepstack_visual_indexes": [0],
+    },
+    tiny_image_processor={"patch_size": 16, "image_mean": [0.5] * 3, "image_std": [0.5] * 3},
 )
 
 
@@ -526,50 +547,16 @@ FAMILIES: dict[str, Family] = {
             attention_inputs=QKV,
             mlp=GATED,
             export=VISION_NO_GGUF,
-            vision=Vision(
-                processor_class="Qwen2_5_VLProcessor",
-                # the processor frames it: <|vision_start|><|image_pad|> x (patches / 4)<|vision_end|>
-                image_marker="<|vision_start|><|image_pad|><|vision_end|>",
-                expanded_token="<|image_pad|>",
-                vision_modules=("visual",),
-                image_processor_class="Qwen2VLImageProcessorPil",
-                tiny_vision_config={
-                    "depth": 2,
-                    "hidden_size": 64,
-                    "intermediate_size": 128,
-                    "num_heads": 4,
-                    "out_hidden_size": 128,
-                    "window_size": 56,
-                    "fullatt_block_indexes": [1],
-                },
-                token_ids={
-                    "image_token_id": "<|image_pad|>",
-                    "video_token_id": "<|video_pad|>",
-                    "vision_start_token_id": "<|vision_start|>",
-                    "vision_end_token_id": "<|vision_end|>",
-                },
-                image_token="<|image_pad|>",
-                image_inputs=("pixel_values", "image_grid_thw"),
-                video_processor=True,
-                dynamic_resolution=True,
-                mrope=True,
-            ),
+            vision=QWEN2_5_VL_VISION,
         ),
         _family(
             "qwen3_vl",
             "Qwen3VLConfig",
             "tiny-qwen3-vl",
-            # the language model's config: M-RoPE's 3-D positions interleaved over head_dim 32 (Qwen3-VL
-            # spreads time, height and width across the frequencies instead of giving each a block)
             tiny_config={
                 "model_type": "qwen3_vl_text",
                 "head_dim": 32,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 5e6,
-                    "mrope_section": [6, 5, 5],
-                    "mrope_interleaved": True,
-                },
+                "rope_parameters": QWEN3_VL_ROPE,
             },
             linears=LLAMA_LINEARS,
             attention_inputs=QKV,
@@ -588,12 +575,7 @@ FAMILIES: dict[str, Family] = {
                 "num_experts": 8,
                 "num_experts_per_tok": 2,
                 "moe_intermediate_size": 128,
-                "rope_parameters": {
-                    "rope_type": "default",
-                    "rope_theta": 5e6,
-                    "mrope_section": [6, 5, 5],
-                    "mrope_interleaved": True,
-                },
+                "rope_parameters": QWEN3_VL_ROPE,
             },
             linears=ATTENTION_LINEARS,
             attention_inputs=QKV,
