@@ -111,8 +111,8 @@ MUTATIONS = [
     (
         "the tracer runs the layer types but not the first layer apart",
         "qlora_kit/memory/tracing.py",
-        "short_types = (types[0], *dict.fromkeys(types))",
-        "short_types = tuple(dict.fromkeys(types))",
+        "return (0, *first.values())",
+        "return tuple(first.values())",
         ["tests/test_tracing.py::test_a_65b_plan_traces_two_layers_not_eighty"],
     ),
     (

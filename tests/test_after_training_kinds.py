@@ -1,5 +1,5 @@
 """Every after-training command on a run of every model kind in the families table (dense, mixture of
-experts, vision-language): it runs, or it refuses in one line naming why. And a vision-language run
+experts, vision-language, layers of different sizes): it runs, or it refuses in one line naming why. And a vision-language run
 exported to a merged folder, as plain transformers reads it back, on an image row.
 
 One short run per kind, trained once for the module (2 steps on a tiny builtin; the dense one is the
@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow  # trains a run per kind
 
 VLMS = [f"builtin:{f.tiny}" for f in table.FAMILIES.values() if f.vision is not None]
 MIXTURE = "builtin:tiny-qwen2-moe"  # routed experts and a shared expert
+SIZES = "builtin:tiny-gemma4"  # layers of two head sizes, shared keys and values, per-layer embeddings
 SMALL = {"prompt_count": 2, "tokens": 4}  # parity on 2 rows, 4 greedy tokens each
 
 
@@ -52,7 +53,9 @@ def runs(tmp_path_factory, finished_run):
     made = {"builtin:tiny-llama": finished_run}
 
     def run(kind: str):
-        model = {"dense": "builtin:tiny-llama", "mixture": MIXTURE, "vision": VLMS[0]}.get(kind, kind)
+        model = {"dense": "builtin:tiny-llama", "mixture": MIXTURE, "vision": VLMS[0], "sizes": SIZES}.get(
+            kind, kind
+        )
         if model not in made:  # the vision kind's run is the first VLM's: trained once for both tests
             made[model] = train_run(model, tmp_path_factory.mktemp(model.replace(":", "-")))
         return made[model]
@@ -108,8 +111,12 @@ def test_a_vision_language_run_exports_merged_and_transformers_reads_it_on_an_im
 
 # --- every after-training command on every model kind: it runs, or refuses in one line naming why ---
 
-KINDS = ("dense", "mixture", "vision")
-NO_GGUF = {"mixture": "'qwen2_moe' is not supported", "vision": "'llava' is not supported"}
+KINDS = ("dense", "mixture", "vision", "sizes")
+NO_GGUF = {
+    "mixture": "'qwen2_moe' is not supported",
+    "vision": "'llava' is not supported",
+    "sizes": "'gemma4_text' is not supported",
+}
 # (kind, command) -> the refusal's words; every pair not listed runs (exit 0)
 REFUSED = {
     **{(kind, "export-gguf"): why for kind, why in NO_GGUF.items()},

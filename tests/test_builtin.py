@@ -26,6 +26,19 @@ def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
     assert not [p for p in tmp_path.rglob(".tiny-*")], "no staging folder left behind"
 
 
+def test_a_builtin_whose_families_entry_changed_is_built_again(tmp_path, monkeypatch):
+    """The cache's folder name covers the family's config values, so a changed entry is not served the
+    model built from the old one (red with the key of name and shape alone: a tiny-gemma4 built before its
+    entry was written kept transformers' default sizes)."""
+    monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
+    before = builtin.ensure_tiny_model("tiny-llama")
+    config_class, extra = builtin.TINY_ARCHITECTURES["tiny-llama"]
+    monkeypatch.setitem(builtin.TINY_ARCHITECTURES, "tiny-llama", (config_class, {**extra, "head_dim": 64}))
+    after = builtin.ensure_tiny_model("tiny-llama")
+    assert after != before
+    assert json.loads((after / "config.json").read_text())["head_dim"] == 64
+
+
 def test_tokenizer_round_trips_the_demo_text_and_has_a_chat_template():
     tokenizer = builtin.build_tokenizer()
     text = "### Instruction:\nWhat sound does a cow make?\n\n### Response:\nmoo"

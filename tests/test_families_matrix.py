@@ -24,6 +24,9 @@ NOT_TRAINED = {
     "falcon": ("refused", "run", "4-bit loading quantized none of falcon's linear layers (FalconLinear)"),
     # refused before the weights load: Gemma 3n writes into a linear layer's weight in its forward pass
     "gemma3n_text": ("refused", "run", "gemma3n_text cannot load in 4 bits: its AltUp clamps"),
+    # refused before the weights load: its config sets its attention's sizes layer by layer, which qlora_kit
+    # reads once for all (it reads Gemma 4's head_dim and num_key_value_heads layer by layer)
+    "dots3_note_text": ("refused", "run", "dots3_note_text sets kv_lora_rank, num_attention_heads"),
 }
 
 
@@ -50,6 +53,7 @@ def test_llama_works_from_its_folder_through_merge_and_plain_peft(tmp_path):
     [
         ("mamba", "model.path: mamba has no attention layers"),
         ("openai-gpt", "model.path: openai-gpt's transformers code (OpenAIGPTLMHeadModel) does not support"),
+        ("dots3_note_text", "model.path: dots3_note_text sets kv_lora_rank, num_attention_heads"),
     ],
 )
 def test_plan_refuses_what_train_refuses_in_the_same_one_line(model_type, line, tmp_path):

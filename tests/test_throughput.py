@@ -16,13 +16,16 @@ from qlora_kit.training.watch.throughput import flops_per_token, peak_tflops
 from tests.conftest import quick_recipe
 
 
+@pytest.mark.parametrize("model_path", ["builtin:tiny-llama", "builtin:tiny-gemma4"])
 @pytest.mark.parametrize("sequence", [32, 256])
-def test_model_flops_per_token_match_torchs_flop_counter_for_lora_on_a_frozen_base(sequence):
-    # 16-bit weights and eager attention: torch's counter sees matmuls, not bitsandbytes' 4-bit kernel or
-    # the CPU's fused sdpa; the FLOPs are the same on the GPU's kernels
+def test_model_flops_per_token_match_torchs_flop_counter_for_lora_on_a_frozen_base(sequence, model_path):
+    """16-bit weights and eager attention: torch's counter sees matmuls, not bitsandbytes' 4-bit kernel or
+    the CPU's fused sdpa; the FLOPs are the same on the GPU's kernels. Gemma 4's attention is counted layer
+    by layer (heads of 64 in its full-attention layers, 32 in the others: the count is 8% low at 256 tokens
+    if it reads every layer's as the sliding layers')."""
     recipe = Recipe.from_dict(
         {
-            "model": {"attn_implementation": "eager"},
+            "model": {"path": model_path, "attn_implementation": "eager"},
             "quant": {"bits": 16, "compute_dtype": "float32"},
             "lora": {"dropout": 0.0},
             "data": {"packing": False},
@@ -34,8 +37,10 @@ def test_model_flops_per_token_match_torchs_flop_counter_for_lora_on_a_frozen_ba
         lora(input_ids=ids, labels=ids).loss.backward()
     measured = counter.get_total_flops() / ids.numel()
     # within 3%: backward skips the input gradient of the first layer's projections (their input, the
-    # frozen embeddings, needs none), 2% of the work on this 4-layer model, less on deeper ones
-    assert measured == pytest.approx(flops_per_token(lora, sequence), rel=0.03)
+    # frozen embeddings, needs none), 2% of the work on this 4-layer model, less on deeper ones; and within
+    # 5% for Gemma 4, whose per-layer embeddings' projection reads the embeddings too (4.4% at 32 tokens)
+    bound = 0.05 if "gemma4" in model_path else 0.03
+    assert measured == pytest.approx(flops_per_token(lora, sequence), rel=bound)
 
 
 @pytest.mark.slow  # trains: the fast tier (-m 'not slow') trains nothing

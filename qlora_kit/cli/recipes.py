@@ -70,15 +70,21 @@ def list_recipes(context: typer.Context) -> None:
 
 
 def planned_memory(recipe: Recipe) -> str:
-    """The planner's peak per GPU for the checkpointing policy the recipe trains with."""
+    """The planner's peak per GPU for the checkpointing policy and the loss head the recipe trains with
+    (memory.chunked_loss auto resolved as ``qlora-kit plan`` and the run resolve it)."""
     from qlora_kit.memory.auto import choose_layers
+    from qlora_kit.memory.loss_choice import choose_head, with_head
     from qlora_kit.memory.planner import GIB, plan, policy_name
+    from qlora_kit.registries import objectives
 
     processes = fsdp_processes() if recipe.train.fsdp else 1
     try:
         with warnings.catch_warnings():
             # transformers' deprecation notes from building the meta model are not the user's business here
             warnings.simplefilter("ignore", FutureWarning)
+            if objectives.of(recipe).chunked_head:
+                head = choose_head(recipe, "cuda", processes=processes)
+                recipe = with_head(recipe, head.chunked, head.chunk_tokens)
             the_plan = plan(recipe, device="cuda", processes=processes)
     except Exception as exc:  # a listing goes on: one recipe that cannot be planned says why on its line
         return f"cannot plan ({exc.__class__.__name__}: {one_line(str(exc))[:160]})"

@@ -54,8 +54,7 @@ def cut_model(recipe: Recipe, config, memory: MemorySection, precision: str) -> 
     from qlora_kit.memory.tracing import layer_types
     from qlora_kit.model import adapters, loading
 
-    types = layer_types(config)
-    short = cut(config, tuple(types[: min(LAYERS, len(types))]))
+    short = cut(config, tuple(range(min(LAYERS, len(layer_types(config))))))
     # the random weights, LoRA's A and the timed steps' dropout draw from a stream of their own, not the run's
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with tempfile.TemporaryDirectory(prefix="qlora-kit-cut-model-") as name, torch.random.fork_rng(devices):

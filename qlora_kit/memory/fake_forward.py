@@ -27,7 +27,7 @@ from qlora_kit.memory import device_kernels, selective
 from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.memory.tiled_mlp import tile_count
-from qlora_kit.model import vision
+from qlora_kit.model import layer_sizes, vision
 from qlora_kit.registries import attention
 
 if TYPE_CHECKING:
@@ -53,13 +53,24 @@ class Shape:
     padded: bool = True  # unpacked rows padded (transformers' attention mask) or of one length (none)
 
 
-def cut(config, types: tuple[str, ...]):
-    """A copy of the config with just these layers."""
+def cut(config, layers: tuple[int, ...]):
+    """A copy of the config with just these decoder layers (indices into the model's, in order), each of its
+    own type and sizes (``layer_sizes``), the ones that reuse an earlier layer's keys and values (Gemma 4's
+    last layers) still reusing them: a cut layer of each type that computes them stays before them."""
+    text = config.get_text_config()
+    sizes = [layer_sizes.layer_sizes(text, index) for index in layers]
+    reused = layer_sizes.kv_reused(text)
     short = copy.deepcopy(config)
-    text = short.get_text_config()
-    text.num_hidden_layers = len(types)
-    if getattr(text, "layer_types", None) is not None:
-        text.layer_types = list(types)
+    text_short = short.get_text_config()
+    if layer_sizes.is_heterogeneous(text_short):
+        text_short.per_layer_config = None  # its indices are the model's: set again for the cut's below
+    text_short.num_hidden_layers = len(layers)
+    if getattr(text_short, "layer_types", None) is not None:
+        text_short.layer_types = [text.layer_types[index] for index in layers]
+    if layer_sizes.is_heterogeneous(text):
+        text_short.per_layer_config = dict(enumerate(sizes))
+    if getattr(text_short, "num_kv_shared_layers", 0):
+        text_short.num_kv_shared_layers = sum(reused[index] for index in layers)
     return short
 
 

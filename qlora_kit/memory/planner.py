@@ -84,7 +84,14 @@ from qlora_kit.memory.formula import (
     selected_positions_bytes,
 )
 from qlora_kit.memory.pixels import images_in_a_row, pixel_bytes
-from qlora_kit.memory.shapes import DTYPE_BYTES, ModelShape, Weights, model_shape, targets, weight_bytes
+from qlora_kit.memory.shapes import (
+    DTYPE_BYTES,
+    ModelShape,
+    Weights,
+    every_layers_targets,
+    model_shape,
+    weight_bytes,
+)
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.memory.tracing import trace_layers
 from qlora_kit.model import expert_matmul
@@ -379,8 +386,9 @@ def plan(
     batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
     seq = seq or recipe.data.max_seq_len
     weights = weight_bytes(shape, recipe)
-    per_tensor = [recipe.lora.rank * d for li in targets(shape, recipe) for d in (li.d_in, li.d_out)]
-    per_tensor *= shape.layers
+    per_tensor = [
+        recipe.lora.rank * d for li in every_layers_targets(shape, recipe) for d in (li.d_in, li.d_out)
+    ]
     optimizer = OPTIMIZERS[recipe.optimizer.name]
     state = sum(optimizer.state_bytes(v) for v in per_tensor)
     pageable = sum(optimizer.state_bytes(v) for v in per_tensor if optimizer.pageable(v))

@@ -29,12 +29,11 @@ from transformers import AutoConfig
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.model import hub, moe_experts, vision
+from qlora_kit.model import hub, layer_sizes, moe_experts, text_only, vision
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.loading import (
     check_checkpointable,
     check_has_attention,
-    check_layers_share_sizes,
     check_loadable_in_4_bits,
     resolve_model_path,
 )
@@ -82,12 +81,14 @@ class ModelShape:
     kv_heads: int
     head_dim: int
     vocab: int
-    linears: list[LinearShape]  # of one decoder layer
+    linears: list[LinearShape]  # of the first decoder layer (the formula fallback's)
     unquantized_values: int  # embeddings, head, norms, biases
     quantized_values: int
     quantized_tensors: int
     config: Any = None  # the transformers config, for tracing
     expert_stacks: list[ExpertStack] = field(default_factory=list)  # of the whole model (a MoE's)
+    # of every decoder layer: layers differ (hybrid attention, Gemma 4's head sizes and shared keys/values)
+    layer_linears: list[list[LinearShape]] = field(default_factory=list)
 
     @property
     def expert_values(self) -> int:
@@ -102,7 +103,7 @@ class ModelShape:
 def model_shape(recipe: Recipe) -> ModelShape:
     """Shapes from the config, through a model built on the meta device (no weights are read)."""
     config = load_config(recipe)
-    check_layers_share_sizes(config)  # as loading it would be
+    layer_sizes.check_layers_counted(config)  # as loading it would be
     check_has_attention(config)
     check_loadable_in_4_bits(config, recipe.quant)
     with torch.device("meta"):
@@ -137,23 +138,26 @@ def model_shape(recipe: Recipe) -> ModelShape:
             counted.add(id(param))
             if not (module in quantized and param is module.weight):
                 unquantized += param.numel()
-    layer = decoder_layers(meta)[0]
-    linears = [
-        LinearShape(name, *features(m), m.bias is not None)
-        for name, m in layer.named_modules()
-        if is_linear(m)
+    layer_linears = [
+        [
+            LinearShape(name, *features(m), m.bias is not None)
+            for name, m in layer.named_modules()
+            if is_linear(m)
+        ]
+        for layer in decoder_layers(meta)
     ]
     text = config.get_text_config()
-    heads = text.num_attention_heads
     return ModelShape(
         layers=text.num_hidden_layers,
         hidden=text.hidden_size,
         intermediate=intermediate_size(text),
-        heads=heads,
-        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        heads=text.num_attention_heads,
+        # the formula fallback's Llama-shaped layer, at the widest layer's (Gemma 4's full-attention layers)
+        kv_heads=max(layer_sizes.kv_heads(text)),
+        head_dim=max(layer_sizes.head_dims(text)),
         vocab=text.vocab_size,
-        linears=linears,
+        linears=layer_linears[0],
+        layer_linears=layer_linears,
         unquantized_values=unquantized,
         quantized_values=sum(m.weight.numel() for m in quantized),
         quantized_tensors=len(quantized),
@@ -184,17 +188,18 @@ def intermediate_size(text) -> int:
 
 
 def load_config(recipe: Recipe):
-    """The model's config: a local folder's, a bundled copy for the shipped recipes' hub models (so they
-    plan offline), or the hub's (its config.json only)."""
+    """The config of the model qlora_kit builds (a multimodal checkpoint's language model alone: its text
+    config, model/text_only.py): a local folder's, a bundled copy for the shipped recipes' hub models (so
+    they plan offline), or the hub's (its config.json only)."""
     path = resolve_model_path(recipe.model)
     bundled = BUNDLED_CONFIGS / (path.replace("/", "--") + ".json")
     if not Path(path).exists() and bundled.is_file():
         values = json.loads(bundled.read_text())
-        return AutoConfig.for_model(values.pop("model_type"), **values)
+        return text_only.language_model_config(AutoConfig.for_model(values.pop("model_type"), **values))
     if hub.is_hub_id(path):
         hub.check_config(recipe.model)
     try:
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             path, trust_remote_code=recipe.model.trust_remote_code, revision=recipe.model.revision
         )
     except (OSError, ValueError) as exc:
@@ -202,6 +207,7 @@ def load_config(recipe: Recipe):
         raise RecipeError(
             fetch or f"model.path: cannot read the config of {path} ({first_line(exc)})"
         ) from None
+    return text_only.language_model_config(config)
 
 
 @dataclass
@@ -231,7 +237,7 @@ def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
     quantized = math.ceil(shape.quantized_values / 2) + constants
     if recipe.quant.bits == 16:
         quantized = shape.quantized_values * c
-    lora_values = shape.layers * sum(recipe.lora.rank * (li.d_in + li.d_out) for li in targets(shape, recipe))
+    lora_values = sum(recipe.lora.rank * (li.d_in + li.d_out) for li in every_layers_targets(shape, recipe))
     if recipe.lora.experts:
         lora_values += sum(s.experts * recipe.lora.rank * (s.d_in + s.d_out) for s in shape.expert_stacks)
     experts = sum(stack_bytes(s, recipe) for s in shape.expert_stacks)
@@ -252,9 +258,18 @@ def stack_bytes(stack: ExpertStack, recipe: Recipe) -> int:
     return stack.experts * (math.ceil(stack.d_out * stack.d_in / 2) + per_expert) + code
 
 
-def targets(shape: ModelShape, recipe: Recipe) -> list[LinearShape]:
-    """The decoder-layer linears that get adapters (all-linear: all of them; the head is not in a layer)."""
+def targets(shape: ModelShape, recipe: Recipe, linears: list[LinearShape] | None = None) -> list[LinearShape]:
+    """The linears of a decoder layer (the first's by default) that get adapters (all-linear: all of them;
+    the head is not in a layer)."""
+    linears = shape.linears if linears is None else linears
     wanted = recipe.lora.target_modules
     if wanted == "all-linear":
-        return list(shape.linears)
-    return [li for li in shape.linears if li.name.split(".")[-1] in wanted or li.name in wanted]
+        return list(linears)
+    return [li for li in linears if li.name.split(".")[-1] in wanted or li.name in wanted]
+
+
+def every_layers_targets(shape: ModelShape, recipe: Recipe) -> list[LinearShape]:
+    """The linears that get adapters in every decoder layer (the first's, once a layer, where the shape
+    was made without the others)."""
+    layers = shape.layer_linears or [shape.linears] * shape.layers
+    return [li for linears in layers for li in targets(shape, recipe, linears)]

@@ -5,8 +5,9 @@ the norms (and q/k norms, post-norms), a gated or plain MLP, fused or separate p
 residuals, the attention kernel and its mask, soft-capping. Here it is measured the way the run
 measures it (``accounting.SavedTensors``, ``saved_tensors_hooks``), on a model that costs nothing:
 
-1. the config is cut to a few layers: the first (which differs), then one layer of each of its layer
-   types (``config.layer_types``: sliding and full attention in Gemma-2, for example);
+1. the config is cut to a few layers: the first (which differs), then one layer of each of its kinds
+   (``layer_types``: a layer type of ``config.layer_types``, sliding and full attention in Gemma-2 for
+   example, with its own sizes where the config sets them layer by layer, Gemma 4's);
 2. the architecture's own classes are built on the meta device, LoRA attached and checkpointing
    enabled exactly as the run does (``adapters.attach_lora``, ``checkpointing.enable_checkpointing``),
    the 4-bit linears standing in as frozen linears of the compute dtype (what bitsandbytes' 4-bit
@@ -41,7 +42,9 @@ from qlora_kit.memory import fake_forward
 from qlora_kit.memory.accounting import OUTSIDE
 from qlora_kit.memory.fake_forward import Shape
 from qlora_kit.memory.loss_head import uses_chunked_loss
+from qlora_kit.model import layer_sizes
 from qlora_kit.registries import checkpointing as table
+from qlora_kit.registries import families
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -101,11 +104,29 @@ class TracedLayers:
 
 
 def layer_types(config) -> tuple[str, ...]:
+    """Each decoder layer's kind: its type (``config.layer_types``), and where layers differ beyond it, its
+    own sizes and whether it reuses an earlier layer's keys and values (``layer_sizes``: Gemma 4)."""
     text = config.get_text_config()
     types = getattr(text, "layer_types", None)
-    if isinstance(types, (list, tuple)) and len(types) == text.num_hidden_layers:
-        return tuple(str(t) for t in types)
-    return ("decoder",) * text.num_hidden_layers
+    if not (isinstance(types, (list, tuple)) and len(types) == text.num_hidden_layers):
+        types = ("decoder",) * text.num_hidden_layers
+    kinds = []
+    for index, (kind, reused) in enumerate(zip(types, layer_sizes.kv_reused(text), strict=True)):
+        sizes = layer_sizes.layer_sizes(text, index)
+        kinds.append(
+            " ".join(
+                (str(kind), *(f"{name}={value}" for name, value in sizes.items()), *(["kv-reused"] * reused))
+            )
+        )
+    return tuple(kinds)
+
+
+def first_of_each_kind(types: tuple[str, ...]) -> tuple[int, ...]:
+    """The first layer, then the first layer of each kind (in the order they appear)."""
+    first = {}
+    for index, kind in enumerate(types):
+        first.setdefault(kind, index)
+    return (0, *first.values())
 
 
 def trace_layers(
@@ -152,9 +173,9 @@ _TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: 
 
 def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedLayers:
     types = layer_types(config)
-    # the first layer, then one layer of every type (in the order they first appear)
-    short_types = (types[0], *dict.fromkeys(types))
-    short = fake_forward.cut(config, short_types)
+    picked = first_of_each_kind(types)
+    short_types = tuple(types[index] for index in picked)
+    short = fake_forward.cut(config, picked)
     kernels: set[str] = set()
     # one trace of each kind of layer the table's policies keep
     plain, _ = fake_forward.trace(short, recipe, table.of_kind(table.KEEPS_ALL), shape, precision, kernels)
@@ -163,6 +184,19 @@ def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedL
         short, recipe, table.of_kind(table.KEEPS_EXPENSIVE), shape, precision, kernels
     )
     later = range(1, len(short_types))
+    if any(getattr(config.get_text_config(), key, None) for key in families.MODEL_TENSORS_PER_LAYER):
+        # tensors as wide as the model is deep (Gemma 4's per-layer embeddings, saved where a layer first
+        # keeps a view of them): trace the cut once more with its last layer twice, and add what each figure
+        # grew by once for each layer the cut leaves out
+        longer = fake_forward.cut(config, (*picked, picked[-1]))
+        left_out = len(types) - len(picked)
+
+        def grown(figures: dict[str, int], kind: str) -> dict[str, int]:
+            more, _ = fake_forward.trace(longer, recipe, table.of_kind(kind), shape, precision, kernels)
+            return {key: value + left_out * (more[key] - value) for key, value in figures.items()}
+
+        plain, full = grown(plain, table.KEEPS_ALL), grown(full, table.KEEPS_INPUT)
+        chosen = grown(chosen, table.KEEPS_EXPENSIVE)
     return TracedLayers(
         layer_types=types,
         first_kept=plain["layer 0"],

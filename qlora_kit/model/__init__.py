@@ -2,6 +2,9 @@
 
 - ``loading``: the tokenizer and the base causal LM with 4-bit linear weights (BitsAndBytesConfig);
 - ``adapters``: attach LoRA with peft, save it, load it back; ``layers``: what a linear layer is;
+- ``layer_sizes``: sizes a config sets layer by layer (Gemma 4's head sizes), read one layer at a time;
+- ``text_only``: a multimodal checkpoint's language model loaded alone (Gemma 4), its adapter under the
+  checkpoint's names;
 - ``bnb_selftest``: bitsandbytes' 4-bit dequantization on this device against a plain-torch reference, and
   the way around its AVX-512 CPU kernel's wrong widths;
 - ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;

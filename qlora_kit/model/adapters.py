@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as base_model
-from qlora_kit.model import moe_experts, vision
+from qlora_kit.model import moe_experts, text_only, vision
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
@@ -116,6 +116,7 @@ def save_adapter(model: PeftModel, folder: str | Path, state: dict[str, torch.Te
     model.save_pretrained(
         folder, state_dict=state, save_embedding_layers=False, selected_adapters=[model.active_adapter]
     )
+    text_only.write_as_checkpoint_names(model, folder)  # a multimodal checkpoint's language model
 
 
 def load_adapter(
@@ -129,7 +130,13 @@ def load_adapter(
         experts = moe_experts.lora_targets(model, config.target_modules, True)
         if experts and getattr(config, "target_parameters", None):
             config._register_custom_module(experts["custom"])
-        return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=trainable, config=config)
+        return PeftModel.from_pretrained(
+            model,
+            str(adapter_dir),
+            is_trainable=trainable,
+            config=config,
+            key_mapping=text_only.adapter_key_mapping(model),  # None: peft's own (the model's conversions)
+        )
     except (ValueError, RuntimeError) as exc:  # peft's NoMatchingPeftModuleError, torch's size mismatch
         text = str(exc)
         if not (isinstance(exc, NoMatchingPeftModuleError) or "size mismatch" in text or "not found" in text):

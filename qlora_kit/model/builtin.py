@@ -79,7 +79,7 @@ def cache_root() -> Path:
     return Path(os.environ.get("QLORA_KIT_CACHE", Path.home() / ".cache" / "qlora_kit"))
 
 
-def ensure_tiny_model(name: str, **shape_overrides: int) -> Path:
+def ensure_tiny_model(name: str, **shape_overrides) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
     if name not in TINY_ARCHITECTURES and name not in TINY_MOE_ARCHITECTURES:
         known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, *TINY_VISION_NAMES, "smollm2-135m-instruct"]
@@ -111,9 +111,13 @@ def build_into(folder: Path, build, marker: str = "config.json") -> Path:
 
 
 def _cache_key(name: str, shape: dict) -> str:
+    # the family's config class and values too: a builtin whose families entry changed is built again
+    architecture = {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name]
     digest = hashlib.sha256()
     digest.update(
-        json.dumps([BUILD_VERSION, name, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]).encode()
+        json.dumps(
+            [BUILD_VERSION, name, architecture, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]
+        ).encode()
     )
     for path in CORPUS:
         digest.update(path.read_bytes())
@@ -129,8 +133,7 @@ def _build(name: str, shape: dict, folder: Path) -> None:
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **shape,
-        **extra,
+        **{**extra, **shape},  # a shape the caller asks for over the family's values
     )
     with torch.random.fork_rng():  # a fixed seed without disturbing the caller's random stream
         torch.manual_seed(0)

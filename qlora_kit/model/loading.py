@@ -27,7 +27,18 @@ from transformers import (
 )
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import bnb_selftest, builtin, builtin_vision, hub, moe_experts, mxfp4, pretrained, vision
+from qlora_kit.model import (
+    bnb_selftest,
+    builtin,
+    builtin_vision,
+    hub,
+    layer_sizes,
+    moe_experts,
+    mxfp4,
+    pretrained,
+    text_only,
+    vision,
+)
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_model_folder, first_line
 from qlora_kit.registries import attention, families
@@ -71,25 +82,14 @@ def load_tokenizer(model: ModelSection, path: str | None = None) -> PreTrainedTo
 
 
 def load_config(model: ModelSection):
-    """The model's transformers config (no weights)."""
+    """The transformers config (no weights) of the model qlora_kit builds (a multimodal checkpoint's language
+    model alone: its text config, text_only.py)."""
     path = resolve_model_path(model)
     with _model_path_errors(path, revision=model.revision):
-        return AutoConfig.from_pretrained(
+        config = AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
-
-
-def check_layers_share_sizes(config) -> None:
-    """RecipeError in one line for a model whose layers differ in size (transformers' heterogeneous configs,
-    Gemma 4's per-layer head sizes): the planner, the FLOP count and the run's figures read one size for
-    every layer, and transformers refuses to give one (loading and planning alike)."""
-    text = config.get_text_config()
-    if getattr(text, "is_heterogeneous", False):
-        varying = sorted(getattr(text, "per_layer_attributes", ()) or ())
-        raise RecipeError(
-            f"model.path: {text.model_type} sizes its layers one by one ({', '.join(varying) or 'per_layer_config'}"
-            " differ by layer), which qlora_kit does not count yet"
-        )
+    return text_only.language_model_config(config)
 
 
 def check_loadable_in_4_bits(config, quant: QuantSection) -> None:
@@ -222,17 +222,21 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
     path = path or resolve_model_path(model)
     check_model_folder(path)
     with _model_path_errors(path, revision=model.revision):
-        config = AutoConfig.from_pretrained(
+        checkpoint = AutoConfig.from_pretrained(
             path, trust_remote_code=model.trust_remote_code, revision=model.revision
         )
-    check_layers_share_sizes(config)
+    config = text_only.language_model_config(checkpoint)
+    layer_sizes.check_layers_counted(config)
     check_has_attention(config)
     check_loadable_in_4_bits(config, quant)
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
             path = mxfp4.dequantized_folder(path, model)
-        base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config))
+        language_model_alone = config if text_only.alone(checkpoint) else None
+        base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config), language_model_alone)
+    if language_model_alone is not None:
+        text_only.mark_loaded_alone(base, checkpoint)
     check_checkpointable(base)
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
@@ -280,13 +284,13 @@ def _attention_kernel(name: str, config) -> str | None:
 
 
 def _from_pretrained(
-    model: ModelSection, quant: QuantSection, path: str, kernel: str | None, facet=None
+    model: ModelSection, quant: QuantSection, path: str, kernel: str | None, facet=None, text_config=None
 ) -> PreTrainedModel:
+    """``text_config``: a multimodal checkpoint's language model is built from it and loaded alone."""
     # a vision-language model: its own auto class, the vision side left in 16 bits unless asked (vision.py)
     auto = AutoModelForImageTextToText if facet else AutoModelForCausalLM
     skip = vision.skipped_modules(facet, quant.vision) if facet else None
-    return auto.from_pretrained(
-        path,
+    settings = dict(
         quantization_config=bnb_config(quant, skip) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
         device_map=device_map(),
@@ -295,6 +299,12 @@ def _from_pretrained(
         # always the recipe's kernel: a config.json naming one would otherwise choose it silently
         attn_implementation=kernel,
     )
+    if text_config is None:
+        return auto.from_pretrained(path, **settings)
+    with text_only.towers_left_unread():
+        base, info = auto.from_pretrained(path, config=text_config, output_loading_info=True, **settings)
+    text_only.check_loaded(info, path, text_config.model_type)
+    return base
 
 
 def device_map() -> dict[str, int | str]:

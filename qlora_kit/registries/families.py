@@ -156,6 +156,10 @@ EXPERTS_NOT_PACKED = {
 WEIGHTS_WRITTEN_IN_FORWARD = {
     "gemma3n_text": "its AltUp clamps altup.prediction_coefs.weight in place on every training forward pass",
 }
+# Config keys that, set, make a model keep tensors outside its decoder layers as wide as it is deep (Gemma 4's
+# per-layer embeddings: tokens x layers x hidden_size_per_layer_input): the planner's trace of a few layers
+# counts them for every layer (memory/tracing.py)
+MODEL_TENSORS_PER_LAYER = ("hidden_size_per_layer_input",)
 # Qwen2.5-VL's vision side: 14-pixel patches merged 2 x 2, M-RoPE, the processor's video half optional
 QWEN2_5_VL_VISION = Vision(
     processor_class="Qwen2_5_VLProcessor",
@@ -466,6 +470,36 @@ FAMILIES: dict[str, Family] = {
                 "back); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
             ),
         ),
+        # Gemma 4's language model: heads of 64 in its full-attention layers against 32 in its sliding ones,
+        # and one key/value head of their own there whose keys are also its values (attention_k_eq_v, as
+        # the 26B and 31B: transformers' heterogeneous config, model/layer_sizes.py); per-layer embeddings
+        # beside the main ones (PLE, as E2B and E4B: tokens x layers x 128, gated into each layer; 128 wide,
+        # as a real model's 256: the planner's trace keeps a matmul's output under selective only from 128
+        # inputs, memory/selective.py, where a run keeps every 4-bit one's); its last two layers reuse the
+        # keys and values of the last earlier layer of their type (num_kv_shared_layers)
+        _family(
+            "gemma4_text",
+            "Gemma4TextConfig",
+            "tiny-gemma4",
+            tiny_config={
+                "head_dim": 32,
+                "global_head_dim": 64,
+                "num_global_key_value_heads": 1,
+                "attention_k_eq_v": True,
+                "sliding_window": 32,
+                "layer_types": ["sliding_attention", "full_attention"] * 2,
+                "num_kv_shared_layers": 2,
+                "hidden_size_per_layer_input": 128,
+                "vocab_size_per_layer_input": 640,  # the builtin tokenizer's (model/builtin.py)
+            },
+            linears=(*LLAMA_LINEARS, "per_layer_input_gate", "per_layer_projection"),
+            attention_inputs=QKV,
+            mlp=GATED,
+            export=NoExport(
+                "qlora_kit's GGUF writer has no gemma4 form yet (its layers of two head sizes and shared keys "
+                "and values); convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
+            ),
+        ),
         # Vision-language models: a vision tower and projector (16 bits) in front of a decoder (4 bits)
         _family(
             "llava",
@@ -728,9 +762,17 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+# Checkpoints whose config is the multimodal model's while qlora_kit trains their language model alone, built
+# from the text config (model/text_only.py): the text model_type, and the prefix its weights carry in the
+# checkpoint (Gemma 4's: model.language_model.*; its vision and audio towers are not loaded)
+LANGUAGE_MODEL_ALONE = {"gemma4": ("gemma4_text", "language_model")}
 # A Qwen3.5 checkpoint's config is the vision-language one; AutoModelForCausalLM loads its language model,
 # whose config is the text one (the vision tower is not loaded: image rows are refused as for any text model)
-TEXT_OF = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+TEXT_OF = {
+    "qwen3_5": "qwen3_5_text",
+    "qwen3_5_moe": "qwen3_5_moe_text",
+    **{model_type: text for model_type, (text, _) in LANGUAGE_MODEL_ALONE.items()},
+}
 
 
 def family(model_type: str) -> Family | None:

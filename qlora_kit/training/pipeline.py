@@ -24,7 +24,7 @@ from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
 from qlora_kit.memory import attention_fit, auto, checkpointing, loss_choice
-from qlora_kit.model import adapters, builtin, hub
+from qlora_kit.model import adapters, builtin, hub, layer_sizes
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
     check_adapter_folder,
@@ -118,7 +118,7 @@ def check_runnable(recipe: Recipe) -> tuple[dict[str, str] | None, str]:
     if not builtin.is_builtin(recipe.model.path):  # builtin models are built, then loaded, by build()
         check_model_folder(recipe.model.path)
         if Path(recipe.model.path).expanduser().is_dir():  # read here, not fetched: a hub id's is at load
-            model.check_layers_share_sizes(model.load_config(recipe.model))
+            layer_sizes.check_layers_counted(model.load_config(recipe.model))
     if recipe.model.adapter is not None:
         folder = Path(recipe.model.adapter).expanduser()
         bias = check_adapter_folder(folder, "model.adapter").get("bias", "none")

@@ -5,10 +5,10 @@ benchmarks.
 Model FLOPs per token, for LoRA on a frozen base, counted from the model's own linear layers: the
 forward pass does 2 FLOPs per weight of every linear layer and of the output head (N weights: 2N), the
 backward pass 2N more for the input gradients and 2 per trained weight (LoRA's) for the weight
-gradients (frozen weights get none). Attention adds 12 x layers x width x sequence per token for
-forward and backward (PaLM's accounting, appendix B, with the row's length for the sequence). Recomputation by
-checkpointing is not counted: it is work the hardware does, not the model, so MFU shows what
-checkpointing costs. ``tests/test_throughput.py`` checks the count against torch's FLOP counter.
+gradients (frozen weights get none). Attention adds 12 x width x sequence per token and layer for
+forward and backward (width: heads x head size, read layer by layer; PaLM's accounting, appendix B, with
+the row's length for the sequence). Recomputation by checkpointing is not counted: it is work the
+hardware does, not the model, so MFU shows what checkpointing costs. ``tests/test_throughput.py`` checks the count against torch's FLOP counter.
 
 MFU = model FLOPs per token x this process's tokens per second / the device's peak (``train.peak_tflops``,
 or the table below for common GPUs; none on a CPU).
@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from qlora_kit.model import layer_sizes
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.registries.formats import IGNORE_INDEX
@@ -68,8 +69,8 @@ class FlopsPerToken:
         self.weights = sum(math.prod(features(m)) for m in linears)
         self.trained = sum(math.prod(features(m)) for m in linears if m.weight.requires_grad)
         config = model.config.get_text_config()  # a vision-language model's decoder
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.attention = 12 * config.num_hidden_layers * config.num_attention_heads * head_dim
+        # layer by layer: Gemma 4's full-attention layers have heads twice as wide as its sliding ones
+        self.attention = 12 * config.num_attention_heads * sum(layer_sizes.head_dims(config))
 
     def __call__(self, sequence: int) -> float:
         return 4 * self.weights + 2 * self.trained + self.attention * sequence
