@@ -101,3 +101,29 @@ def test_an_adapter_of_another_base_of_the_same_shapes_loads_with_one_warning_na
     with caplog.at_level("WARNING", logger="qlora_kit"):
         build(continuing(llama, tmp_path))
     assert not [r for r in caplog.records if "trained on" in r.getMessage()], "its own base: no warning"
+
+
+def test_an_adapter_whose_tensors_name_no_layer_of_the_base_is_one_line_not_the_base_model(
+    finished_run, tmp_path
+):
+    """peft only warns when a LoRA layer it made finds no tensor in the file, and keeps B at zero: every
+    command would run the base model as the adapter (as a Gemma 4 adapter under the checkpoint's names read
+    without the key mapping did). Refused in one line (red without the check: it loads)."""
+    from safetensors.torch import load_file, save_file
+
+    from qlora_kit.errors import RecipeError
+    from tests.conftest import copy_run
+
+    run = copy_run(finished_run, tmp_path)
+    weights = run / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    save_file({k.replace(".layers.", ".blocks."): v for k, v in tensors.items()}, weights)
+    recipe = Recipe.from_dict({})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError) as refused:
+        adapters.load_adapter(base, run)
+    line = str(refused.value)
+    assert (
+        line.startswith(f"--adapter: {run} holds no tensors for {len(tensors)} of the LoRA weights")
+        and "\n" not in line
+    )

@@ -6,8 +6,11 @@ own rule), which is the QLoRA paper's finding: adapters on every layer matter mo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -123,20 +126,24 @@ def load_adapter(
     model: PreTrainedModel, adapter_dir: str | Path, trainable: bool = False, flag: str = "--adapter"
 ) -> PeftModel:
     """``adapter_dir``'s adapter on ``model``; an adapter of another architecture (layers this model has
-    not, or of other shapes) is a one-line RecipeError naming the base it was trained on. LoRA on fused
-    experts runs in low-rank form (moe_experts.LoraExperts)."""
+    not, or of other shapes), or one whose file holds no tensors for some of the LoRA layers its config puts
+    on this model, is a one-line RecipeError naming the base it was trained on. LoRA on fused experts runs
+    in low-rank form (moe_experts.LoraExperts)."""
     try:
         config = PeftConfig.from_pretrained(str(adapter_dir))
         experts = moe_experts.lora_targets(model, config.target_modules, True)
         if experts and getattr(config, "target_parameters", None):
             config._register_custom_module(experts["custom"])
-        return PeftModel.from_pretrained(
-            model,
-            str(adapter_dir),
-            is_trainable=trainable,
-            config=config,
-            key_mapping=text_only.adapter_key_mapping(model),  # None: peft's own (the model's conversions)
-        )
+        with _missing_tensors_refused(adapter_dir, flag):
+            return PeftModel.from_pretrained(
+                model,
+                str(adapter_dir),
+                is_trainable=trainable,
+                config=config,
+                key_mapping=text_only.adapter_key_mapping(
+                    model
+                ),  # None: peft's own (the model's conversions)
+            )
     except (ValueError, RuntimeError) as exc:  # peft's NoMatchingPeftModuleError, torch's size mismatch
         text = str(exc)
         if not (isinstance(exc, NoMatchingPeftModuleError) or "size mismatch" in text or "not found" in text):
@@ -146,6 +153,31 @@ def load_adapter(
             f"{flag}: {adapter_dir} was trained on {trained_on(adapter_dir)}, whose layers this base model "
             f"({model.config.model_type}) does not have ({first})"
         ) from None
+
+
+# peft 0.21's words when a LoRA layer it made finds no tensor in the adapter's file (it then keeps its fresh
+# values: B at zero, the base model's output); peft asks its own tests to follow any change of them
+PEFT_MISSING_KEYS = "Found missing adapter keys while loading the checkpoint"
+
+
+@contextlib.contextmanager
+def _missing_tensors_refused(adapter_dir: str | Path, flag: str) -> Iterator[None]:
+    """peft warns, and goes on, when LoRA layers get no tensors from the file (names that do not match this
+    model's): refused in one line, for a command would run the base model and call it the adapter's. Other
+    warnings pass through."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for warning in caught:
+        text = str(warning.message)
+        if PEFT_MISSING_KEYS in text:
+            count = text.count(".lora_")
+            raise RecipeError(
+                f"{flag}: {adapter_dir} holds no tensors for {count} of the LoRA weights its config puts on this "
+                f"base model, which would run without them (its tensors name other layers: trained on "
+                f"{trained_on(adapter_dir)}?)"
+            )
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
 
 
 def trained_on(adapter_dir: str | Path) -> str:
