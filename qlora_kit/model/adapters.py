@@ -134,15 +134,11 @@ def load_adapter(
         experts = moe_experts.lora_targets(model, config.target_modules, True)
         if experts and getattr(config, "target_parameters", None):
             config._register_custom_module(experts["custom"])
+        # key_mapping None: peft's own (the model's conversions); a multimodal checkpoint's language model's
+        mapping = text_only.adapter_key_mapping(model)
         with _missing_tensors_refused(adapter_dir, flag):
             return PeftModel.from_pretrained(
-                model,
-                str(adapter_dir),
-                is_trainable=trainable,
-                config=config,
-                key_mapping=text_only.adapter_key_mapping(
-                    model
-                ),  # None: peft's own (the model's conversions)
+                model, str(adapter_dir), is_trainable=trainable, config=config, key_mapping=mapping
             )
     except (ValueError, RuntimeError) as exc:  # peft's NoMatchingPeftModuleError, torch's size mismatch
         text = str(exc)
