@@ -211,6 +211,27 @@ def log_streams_open():
     rebind_closed_log_streams()
 
 
+@pytest.fixture(autouse=True)
+def autocast_left_as_found():
+    """A test that leaves torch's autocast on fails itself, not the next test its worker runs: left on,
+    autocast's cache of casts is never emptied, and a later run in the process trains on LoRA weights as
+    they were cast then (CI, 2026-12-05: a GRPO test's failed probe, then an unrelated test's run whose
+    every LoRA A got no gradient). training/step/oom_split.py's autocast_kept is the fix."""
+    yield
+    import torch
+
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    left_on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if depth or left_on:
+        for device in left_on:  # put back, so only this test fails
+            torch.set_autocast_enabled(device, False)
+        for _ in range(depth):
+            torch.autocast_decrement_nesting()
+        torch.clear_autocast_cache()
+        pytest.fail(f"this test left torch's autocast enabled on {left_on} at nesting {depth}")
+
+
 def rebind_closed_log_streams() -> None:
     """Point every log handler whose stream is closed at this test's stderr. A library's handler (as
     transformers' own) binds the sys.stderr of the moment it is made: made inside an earlier in-process

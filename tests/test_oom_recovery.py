@@ -2,8 +2,10 @@
 injector's real error, the checkpoint's split file and how ``qlora-kit show`` reports a split
 (tests/e2e/test_oom.py trains)."""
 
+import contextlib
 import gc
 import logging
+import sys
 import weakref
 
 import pytest
@@ -14,7 +16,14 @@ from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_folder.run_record import oom_rows
-from qlora_kit.training.step.oom_split import oom_policy, read_split, split_rows, tokens_of, write_split
+from qlora_kit.training.step.oom_split import (
+    autocast_kept,
+    oom_policy,
+    read_split,
+    split_rows,
+    tokens_of,
+    write_split,
+)
 
 
 def padded_batch() -> dict:
@@ -112,3 +121,39 @@ def test_a_forward_pass_dropped_before_backward_frees_what_it_saved():
     kept = forward_without_backward()
     gc.collect()
     assert kept() is None
+
+
+@contextlib.contextmanager
+def autocast_without_finally():
+    """accelerate 1.10.1's ``Accelerator.autocast`` as shipped (our floor; TRL's GRPO, DPO and KTO losses
+    run under it): torch's autocast entered before the ``yield`` and left after it, with no ``finally``."""
+    context = torch.autocast("cpu", dtype=torch.bfloat16)
+    context.__enter__()
+    yield
+    context.__exit__(*sys.exc_info())
+
+
+def autocast_nesting() -> int:
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+def test_an_error_inside_a_leaking_autocast_leaves_autocast_and_its_casts_as_they_were():
+    """An attempt that fails inside such a context left autocast on and one deep for the rest of the
+    process, so its cache of casts was never emptied: every later forward pass ran on the 16-bit copy of
+    a LoRA weight cast before the error, whatever the optimizer wrote since (CI's floors stage, torch
+    2.7: the guard found every LoRA A without a gradient at step 3)."""
+    weight = torch.zeros(4, 4, requires_grad=True)  # a LoRA B before its first step
+
+    def forward() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return (torch.ones(2, 4) @ weight).sum()
+
+    with pytest.raises(torch.OutOfMemoryError), autocast_kept(), autocast_without_finally():
+        forward()  # the weight cast (zeros), then the attempt fails inside accelerate's context
+        raise torch.OutOfMemoryError("the attempt's allocation")
+    assert not torch.is_autocast_enabled("cpu") and autocast_nesting() == 0
+    with torch.no_grad():
+        weight += 1  # the optimizer's step
+    assert forward().item() == 32, "the forward pass ran on the weight cast before the step"

@@ -58,6 +58,7 @@ from qlora_kit.training.distributed import over_ranks
 from qlora_kit.training.step.oom_split import (
     Failure,
     OomPolicy,
+    autocast_kept,
     concat,
     held_after_release,
     memory_figures,
@@ -149,9 +150,10 @@ class OomRecovery:
         ALLOCATIONS.attempt_started()
         try:
             total = None
-            for batch in batches:
-                loss = self._run_in_parts(model, batch, num_items_in_batch, forward_backward)
-                total = loss if total is None else total + loss
+            with autocast_kept():  # an error inside accelerate's autocast leaves it on (oom_split.py)
+                for batch in batches:
+                    loss = self._run_in_parts(model, batch, num_items_in_batch, forward_backward)
+                    total = loss if total is None else total + loss
         except (torch.OutOfMemoryError, PeerOutOfMemory) as error:
             # Text only: the error's traceback holds the frames, and they the activations; Python drops
             # ``error`` at the end of this clause, and with it all of them.
@@ -315,9 +317,10 @@ class OomRecovery:
 
     def _predict_attempt(self, model, inputs, prediction_loss_only, ignore_keys, predict):
         try:
-            if self.eval_parts == 1:
-                return predict(model, inputs, prediction_loss_only, ignore_keys), None
-            return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys, predict), None
+            with autocast_kept():
+                if self.eval_parts == 1:
+                    return predict(model, inputs, prediction_loss_only, ignore_keys), None
+                return self._predict_in_parts(model, inputs, prediction_loss_only, ignore_keys, predict), None
         except torch.OutOfMemoryError as error:
             failure = Failure(str(error).splitlines()[0][:300], memory_figures())
         release_memory()

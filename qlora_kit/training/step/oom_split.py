@@ -1,10 +1,12 @@
 """The out-of-memory split policy: the pieces of out-of-memory recovery (oom_recovery.py) that need no
-Trainer: a micro-batch cut into parts, the random states a redone step restores, the split file in a checkpoint, the memory figures and
-the messages of a split or a stop, and the recipe's policy (``train.on_oom``, ``train.probe_worst_batch``).
+Trainer: a micro-batch cut into parts, the random and autocast states a redone step restores, the split
+file in a checkpoint, the memory figures and the messages of a split or a stop, and the recipe's policy
+(``train.on_oom``, ``train.probe_worst_batch``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import logging
@@ -205,6 +207,59 @@ def held_after_release() -> str:
     if torch.cuda.is_available():
         return f"allocated {torch.cuda.memory_allocated() / 1024**3:.2f} GiB"
     return ALLOCATIONS.figures() or "no CUDA device"
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class AutocastState:
+    """torch's autocast state of this thread: its nesting, its cache switch, each device's switch and dtype.
+
+    accelerate's ``Accelerator.autocast`` (our chunked loss head's until 2026-12-06, TRL's DPO loss) enters
+    torch's autocast before its ``yield`` and leaves it after, with no ``finally``: an out-of-memory error
+    raised inside it leaves autocast on and its nesting one deep for the rest of the process, so the
+    cache of casts, emptied only when the nesting returns to 0, is never emptied again. Every later
+    forward pass then runs on the 16-bit copies of the LoRA weights cast before the error while the
+    optimizer moves the fp32 ones (CI on torch 2.7: the guard found every LoRA A without a gradient)."""
+
+    nesting: int
+    cache_enabled: bool
+    devices: dict[str, tuple[bool, torch.dtype]]
+
+    @classmethod
+    def now(cls) -> AutocastState:
+        devices = {d: (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in AUTOCAST_DEVICES}
+        return cls(_autocast_nesting(), torch.is_autocast_cache_enabled(), devices)
+
+    def restore(self) -> None:
+        for device, (enabled, dtype) in self.devices.items():
+            torch.set_autocast_enabled(device, enabled)
+            torch.set_autocast_dtype(device, dtype)
+        torch.set_autocast_cache_enabled(self.cache_enabled)
+        nesting = _autocast_nesting()
+        while nesting > self.nesting:
+            nesting = torch.autocast_decrement_nesting()
+        if nesting == 0:
+            torch.clear_autocast_cache()  # what leaving the outermost autocast does
+
+
+def _autocast_nesting() -> int:
+    # torch reads the depth only as the result of a change: one step in and back out
+    depth = torch.autocast_increment_nesting() - 1
+    torch.autocast_decrement_nesting()
+    return depth
+
+
+@contextlib.contextmanager
+def autocast_kept():
+    """Around an attempt: on an error from inside it, autocast is put back as it was before it."""
+    before = AutocastState.now()
+    try:
+        yield
+    except BaseException:
+        before.restore()
+        raise
 
 
 def rng_state() -> dict[str, Any]:

@@ -45,6 +45,7 @@ from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.step.oom_recovery import OomRecovery
 from qlora_kit.training.step.oom_split import (
     Failure,
+    autocast_kept,
     memory_figures,
     release_memory,
     rng_state,
@@ -109,7 +110,8 @@ class GrpoOomRecovery(OomRecovery):
             failure = None
             try:
                 for first in range(0, len(prompt_ids), size):
-                    with oom_faults.INJECTOR.generation():  # a no-op unless a test caps generation
+                    # a no-op unless a test caps generation; autocast as it was if the call fails
+                    with oom_faults.INJECTOR.generation(), autocast_kept():
                         one, one_logprobs = generate_rows(prompt_ids[first : first + size], first)
                     completions += one
                     logprobs += one_logprobs or []
