@@ -26,7 +26,11 @@ def trainer_loss_and_transformers_loss(trainer) -> tuple[float, float, int]:
 
 
 def test_two_budgets_give_each_head_and_transformers_loss(tmp_path, caplog):
-    recipe = quick_recipe(tmp_path / "plan")
+    # Where the head sets the peak: no checkpointing, and chunks smaller than the batch's 1,024 tokens (under
+    # full checkpointing the demo's peak is a layer's recompute, after the head's backward has freed what
+    # the head kept, so both heads plan the same peak and auto keeps full logits)
+    head_matters = {"memory.checkpointing": "none", "memory.loss_chunk_tokens": 64}
+    recipe = quick_recipe(tmp_path / "plan", **head_matters)
     assert recipe.memory.chunked_loss == "auto"  # the default
     full = planned_peak(with_head(recipe, False), "cpu", {}) / GIB
     chunked = planned_peak(with_head(recipe, True), "cpu", {}) / GIB
@@ -35,7 +39,7 @@ def test_two_budgets_give_each_head_and_transformers_loss(tmp_path, caplog):
     assert not choose_head(recipe, "cpu", roomy).chunked
     assert choose_head(recipe, "cpu", tight).chunked
     for budget, chunked_head in ((roomy, False), (tight, True)):
-        run = quick_recipe(tmp_path / f"{budget:.6f}", **{"memory.budget_gb": budget})
+        run = quick_recipe(tmp_path / f"{budget:.6f}", **head_matters, **{"memory.budget_gb": budget})
         with caplog.at_level(logging.INFO, logger="qlora_kit.memory.loss_choice"):
             trainer = build(run, tmp_path / f"out-{budget:.6f}").trainer
         said = "chunked" if chunked_head else "full logits"

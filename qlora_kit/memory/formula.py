@@ -36,25 +36,36 @@ class Activations:
 
 
 def kept_layer_bytes(
-    shape: ModelShape, recipe: Recipe, tokens: int, device: str, input_grad: bool = True
+    shape: ModelShape,
+    recipe: Recipe,
+    tokens: int,
+    device: str,
+    input_grad: bool = True,
+    mlp_tiled: bool = False,
 ) -> int:
-    """What one decoder layer that is not checkpointed keeps for backward (bf16/fp16 compute)."""
+    """What one decoder layer that is not checkpointed keeps for backward (bf16/fp16 compute); with
+    ``mlp_tiled`` (memory.mlp_tiles > 1) its MLP keeps only its input (``tiled_mlp._KeepInput``): none of
+    the MLP's LoRA inputs, dropout masks or intermediates."""
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     n, r = tokens, recipe.lora.rank
     norm = n * (4 * shape.hidden + 4)
     mask = 4 if device == "cpu" else 1
-    lora = sum(n * li.d_in * 4 + n * r * 4 for li in targets(shape, recipe))
+    adapted = [li for li in targets(shape, recipe) if not (mlp_tiled and in_mlp(li.name))]
+    lora = sum(n * li.d_in * 4 + n * r * 4 for li in adapted)
     if lora_dropout(shape, recipe) > 0:
         # Dropout keeps its mask only where its input needs a gradient: not for the attention input
         # projections of a first layer whose input needs none.
         lora += sum(
-            n * li.d_in * mask
-            for li in targets(shape, recipe)
-            if input_grad or not is_attention_input(shape, li.name)
+            n * li.d_in * mask for li in adapted if input_grad or not is_attention_input(shape, li.name)
         )
     attention = n * shape.head_dim * (2 * shape.heads + 2 * shape.kv_heads) * c + n * shape.heads * 4
-    mlp = mlp_tensors(shape) * n * shape.intermediate * c
+    mlp = n * shape.hidden * c if mlp_tiled else mlp_tensors(shape) * n * shape.intermediate * c
     return (2 if input_grad else 1) * norm + lora + attention + mlp
+
+
+def in_mlp(name: str) -> bool:
+    """Whether linear ``name`` of a decoder layer is inside its ``mlp`` module (what memory.mlp_tiles tiles)."""
+    return name.startswith("mlp.")
 
 
 def lora_dropout(shape: ModelShape, recipe: Recipe) -> float:
@@ -167,13 +178,25 @@ def loss_spike(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
     return rows * shape.vocab * per_logit
 
 
-def gradient_working_set(shape: ModelShape, recipe: Recipe, tokens: int) -> int:
+def gradient_working_set(
+    shape: ModelShape, recipe: Recipe, tokens: int, tile_tokens: int | None = None
+) -> int:
     """What a decoder layer's backward holds in flight at its widest LoRA-adapted linear (the MLP's down
     projection): the input's gradient along the 4-bit path and along LoRA's (compute dtype each), and
     LoRA's two float32 copies of it (its cast of the input to float32, and the dropout's gradient)."""
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
-    widest = max((li.d_in for li in targets(shape, recipe)), default=shape.hidden)
-    return tokens * widest * (2 * c + 2 * 4)
+    if tile_tokens is None:
+        widest = tokens * max((li.d_in for li in targets(shape, recipe)), default=shape.hidden)
+    else:  # the tiled MLP's linears run one tile of tokens at a time (tiled_mlp._TileRun.gradients)
+        widest = max(
+            [(tile_tokens if in_mlp(li.name) else tokens) * li.d_in for li in targets(shape, recipe)],
+            default=tokens * shape.hidden,
+        )
+    # an RMSNorm computed in float32 by autograd's ops (x.float(), pow, mean, rsqrt, mul: Llama's and its
+    # like): its backward holds five float32 tokens x hidden tensors at once (the product's gradient, the
+    # mean's expanded gradient, and pow's backward: x ** 1, 2 x and the gradient times it)
+    norm = tokens * shape.hidden * 5 * 4
+    return max(widest * (2 * c + 2 * 4), norm)
 
 
 def rollout_bytes(shape: ModelShape, recipe: Recipe) -> int:

@@ -149,12 +149,12 @@ def activation_bytes(
         # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1 (a selective
         # layer keeps no mask: dropout is recomputed).
         n = batch * seq
+        tiled = tile_count(recipe.memory.mlp_tiles, seq, shape.hidden) > 1  # its MLP keeps no mask to correct
         for i, layer_policy in enumerate(policies):
             if not table.recomputes(layer_policy):
                 grad = recomputing or i > 0
-                per_layer[i] -= kept_layer_bytes(shape, recipe, n, "cpu", grad) - kept_layer_bytes(
-                    shape, recipe, n, device, grad
-                )
+                on_cpu = kept_layer_bytes(shape, recipe, n, "cpu", grad, tiled)
+                per_layer[i] -= on_cpu - kept_layer_bytes(shape, recipe, n, device, grad, tiled)
     head = traced.head_checkpointed if recomputing else traced.head
     head_source = "traced"
     if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
@@ -292,7 +292,9 @@ class Plan:
         # spike, the peak a run must fit (a forward's peak is below the head's backward).
         tokens = self.batch * self.seq
         in_flight = self.lora_grads + 2 * tokens * shape.hidden * DTYPE_BYTES[recipe.quant.compute_dtype]
-        backward = in_flight + gradient_working_set(shape, recipe, tokens)
+        tiles = tile_count(recipe.memory.mlp_tiles, self.seq, shape.hidden)
+        tile_tokens = self.batch * math.ceil(self.seq / tiles) if tiles > 1 else None
+        backward = in_flight + gradient_working_set(shape, recipe, tokens, tile_tokens)
         recomputed = sum(table.recomputes(p) for p in layers)
         if recomputed:  # layer i recomputes when the layers above it have freed theirs: the worst such i
             whole = self.activations(table.NONE).per_layer
@@ -302,7 +304,10 @@ class Plan:
         host = self.offloaded(recomputed)
         if host:  # the input being recomputed from, back on the device, and the next one prefetched
             backward += 2 * host // recomputed
-        spike = max(in_flight + loss_spike(shape, recipe, tokens), backward)
+        # The head's saved tensors are released once its backward has run (autograd frees a node's saved
+        # tensors after its backward), before any decoder layer's backward: the layers' spike is on top
+        # of the layers' kept bytes alone, the loss head's on top of all of them.
+        spike = max(in_flight + loss_spike(shape, recipe, tokens), backward - acts.head)
         peak = max(self.static + self.pixels + acts.total + spike, self.static + self.rollout, self.load_peak)
         full_layer = max(self.activations(table.FULL).recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
