@@ -216,12 +216,14 @@ AUTOCAST_DEVICES = ("cpu", "cuda")
 class AutocastState:
     """torch's autocast state of this thread: its nesting, its cache switch, each device's switch and dtype.
 
-    accelerate's ``Accelerator.autocast`` (our chunked loss head's until 2026-12-06, TRL's DPO loss) enters
-    torch's autocast before its ``yield`` and leaves it after, with no ``finally``: an out-of-memory error
-    raised inside it leaves autocast on and its nesting one deep for the rest of the process, so the
-    cache of casts, emptied only when the nesting returns to 0, is never emptied again. Every later
-    forward pass then runs on the 16-bit copies of the LoRA weights cast before the error while the
-    optimizer moves the fp32 ones (CI on torch 2.7: the guard found every LoRA A without a gradient)."""
+    accelerate 1.10.1's ``Accelerator.autocast`` (our floor; 1.16 enters it with ``with``), which our chunked
+    loss head and TRL's GRPO, DPO and KTO forward passes run under, enters torch's autocast before its
+    ``yield`` and leaves it after, with no ``finally`` (a torch.compile'd region does the same: pytorch
+    issue 195488): an out-of-memory error raised inside it leaves autocast on and its nesting one deep for
+    the rest of the process, so the cache of casts, emptied only when the nesting returns to 0, is never
+    emptied again. Every later forward pass then runs on the 16-bit copies of the LoRA weights cast before
+    the error while the optimizer moves the fp32 ones (CI on torch 2.7: the guard found every LoRA A
+    without a gradient)."""
 
     nesting: int
     cache_enabled: bool
