@@ -213,23 +213,18 @@ def log_streams_open():
 
 @pytest.fixture(autouse=True)
 def autocast_left_as_found():
-    """A test that leaves torch's autocast on fails itself, not the next test its worker runs: left on,
+    """A test that leaves torch's autocast changed fails itself, not the next test its worker runs: left on,
     autocast's cache of casts is never emptied, and a later run in the process trains on LoRA weights as
     they were cast then (CI, 2026-12-05: a GRPO test's failed probe, then an unrelated test's run whose
     every LoRA A got no gradient). training/step/oom_split.py's autocast_kept is the fix."""
-    yield
-    import torch
+    from qlora_kit.training.step.oom_split import AutocastState
 
-    depth = torch.autocast_increment_nesting() - 1
-    torch.autocast_decrement_nesting()
-    left_on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    if depth or left_on:
-        for device in left_on:  # put back, so only this test fails
-            torch.set_autocast_enabled(device, False)
-        for _ in range(depth):
-            torch.autocast_decrement_nesting()
-        torch.clear_autocast_cache()
-        pytest.fail(f"this test left torch's autocast enabled on {left_on} at nesting {depth}")
+    before = AutocastState.now()
+    yield
+    after = AutocastState.now()
+    if after != before:
+        before.restore()  # so only this test fails
+        pytest.fail(f"this test left torch's autocast as {after}, not as it found it ({before})")
 
 
 def rebind_closed_log_streams() -> None:

@@ -17,6 +17,7 @@ from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.run_folder.run_record import oom_rows
 from qlora_kit.training.step.oom_split import (
+    AutocastState,
     autocast_kept,
     oom_policy,
     read_split,
@@ -133,17 +134,12 @@ def autocast_without_finally():
     context.__exit__(*sys.exc_info())
 
 
-def autocast_nesting() -> int:
-    depth = torch.autocast_increment_nesting() - 1
-    torch.autocast_decrement_nesting()
-    return depth
-
-
 def test_an_error_inside_a_leaking_autocast_leaves_autocast_and_its_casts_as_they_were():
     """An attempt that fails inside such a context left autocast on and one deep for the rest of the
     process, so its cache of casts was never emptied: every later forward pass ran on the 16-bit copy of
     a LoRA weight cast before the error, whatever the optimizer wrote since (CI's floors stage, torch
     2.7: the guard found every LoRA A without a gradient at step 3)."""
+    before = AutocastState.now()
     weight = torch.zeros(4, 4, requires_grad=True)  # a LoRA B before its first step
 
     def forward() -> torch.Tensor:
@@ -153,7 +149,7 @@ def test_an_error_inside_a_leaking_autocast_leaves_autocast_and_its_casts_as_the
     with pytest.raises(torch.OutOfMemoryError), autocast_kept(), autocast_without_finally():
         forward()  # the weight cast (zeros), then the attempt fails inside accelerate's context
         raise torch.OutOfMemoryError("the attempt's allocation")
-    assert not torch.is_autocast_enabled("cpu") and autocast_nesting() == 0
+    assert AutocastState.now() == before
     with torch.no_grad():
         weight += 1  # the optimizer's step
     assert forward().item() == 32, "the forward pass ran on the weight cast before the step"

@@ -13,11 +13,11 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
 from qlora_kit import Recipe
 from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.step.oom_split import AutocastState
 from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
 from tests.e2e.test_oom import ROOT, launched, metrics, splits
@@ -49,12 +49,13 @@ def values(out: Path, **train) -> dict:
 # LoRA and base weights, the random state and the first batch are equal when built; not explained).
 DRIVER = """
 import json, sys
-import torch
 from qlora_kit import Recipe, train
 from qlora_kit.memory import oom_faults
+from qlora_kit.training.step.oom_split import AutocastState
 result = train(Recipe.from_dict(json.loads(open(sys.argv[1]).read())))
 peaks = {"train": oom_faults.INJECTOR.peaks, "generation": oom_faults.INJECTOR.generation_peaks}
-peaks["autocast_after"] = [torch.is_autocast_enabled("cpu"), torch.autocast_increment_nesting() - 1]
+autocast = AutocastState.now()
+peaks["autocast_after"] = [autocast.devices["cpu"][0], autocast.nesting]
 open(sys.argv[2], "w").write(json.dumps(peaks))
 """
 
@@ -145,6 +146,7 @@ def test_a_run_that_cannot_fit_fails_in_the_worst_batch_probe_with_one_line(tmp_
     recipe_file.write_text(Recipe.from_dict(values(tmp_path / "out", **settings)).to_yaml())
     monkeypatch.setenv(oom_faults.ENV, "1000")  # no completion's policy step fits
     argv = ["train", str(recipe_file), "--output-dir", str(tmp_path / "out")]
+    before = AutocastState.now()
     code, _, err = run_cli_output(argv, monkeypatch, capsys)
     assert code == 3, err[-2000:]
     [line] = [x for x in err.splitlines() if "training stopped:" in x]
@@ -158,8 +160,7 @@ def test_a_run_that_cannot_fit_fails_in_the_worst_batch_probe_with_one_line(tmp_
     assert not list((tmp_path / "out").glob("checkpoint-*")), "no step ran"
     # each failed attempt's autocast put back: on accelerate 1.10.1 it was left on three deep, and this
     # process's next run trained on casts it never refreshed (CI: tests/e2e/test_oom.py's next test)
-    assert not torch.is_autocast_enabled("cpu") and torch.autocast_increment_nesting() == 1
-    torch.autocast_decrement_nesting()
+    assert AutocastState.now() == before
 
 
 def test_two_processes_agree_before_splitting_either_phase(reference, tmp_path):
