@@ -2,7 +2,7 @@
 the loss curve, and the time the failed attempts cost.
 
 A CPU has no device memory to run out of, so the fault injector (``QLORA_KIT_OOM_CAP_BYTES``,
-memory/oom_faults.py) raises a real ``torch.OutOfMemoryError`` when a forward pass saves more than a cap.
+testing/oom_faults.py) raises a real ``torch.OutOfMemoryError`` when a forward pass saves more than a cap.
 The data are 39 short rows and one long one; the cap is 1.5 times the largest forward pass of 4 rows,
 so only a micro-batch of 8 holding the long row passes it. Three runs, bf16 autocast through the Trainer:
 micro-batch 4 with accumulation 2 (the reference the split run should follow), micro-batch 8 uncapped,
@@ -30,7 +30,9 @@ def rows() -> list[dict]:
 
 def train_run(steps: int, micro_batch: int, grad_accum: int, cap: int | None):
     from qlora_kit import Recipe, train
-    from qlora_kit.memory import oom_faults
+    from qlora_kit.testing import faults, oom_faults
+
+    faults.install()  # the injector's caps in force through the run's fault seam
 
     folder = Path(tempfile.mkdtemp(prefix="oom-bench-"))
     data = folder / "train.jsonl"

@@ -379,7 +379,7 @@ MUTATIONS = [
     ),
     (
         "the generation cap is never read",
-        "qlora_kit/memory/oom_faults.py",
+        "qlora_kit/testing/oom_faults.py",
         "INJECTOR.generation_cap = cap_from_env(GENERATION_ENV)",
         "INJECTOR.generation_cap = None",
         [

@@ -205,6 +205,15 @@ def demo_run(tmp_path_factory, worker_id):
     return folder / "out", subprocess.CompletedProcess(done["args"], 0, done["stdout"], done["stderr"])
 
 
+@pytest.fixture(scope="session", autouse=True)
+def faults_installed():
+    """The fault injectors' caps (qlora_kit/testing/) in force through the run's one fault seam
+    (memory/fault_seam.py): each inert until a test sets its environment variable."""
+    from qlora_kit.testing import faults
+
+    faults.install()
+
+
 @pytest.fixture(autouse=True)
 def log_streams_open():
     """Every test starts with no log handler on a closed stream (rebind_closed_log_streams)."""

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "qlora_kit"
 
 # Bottom to top: a module may import only from its own layer's package (without a cycle) or from the
 # layers below it. errors and registries are leaves every layer reads.
-LAYERS = ["errors", "registries", "recipe", "model", "data", "memory", "training", "after", "cli"]
+LAYERS = ["errors", "registries", "recipe", "model", "data", "memory", "training", "after", "cli", "testing"]
 # The allowed arrows between the packages: a graph, not a line. Below its layer is not enough: after and
 # training are siblings (both read the trained run; neither imports the other), so what both need (the
 # rewards, the ignore index) sits below both. memory and data are siblings too (issue 72): the data's
@@ -30,6 +30,8 @@ ALLOWED = {
     "training": LEAVES | {"recipe", "model", "data", "memory"},
     "after": LEAVES | {"recipe", "model", "data", "memory"},
     "cli": LEAVES | {"recipe", "model", "data", "memory", "training", "after"},
+    # the tests' machinery (fault injectors, read-backs): above every layer, so none imports it
+    "testing": LEAVES | {"recipe", "model", "data", "memory", "training", "after", "cli"},
 }
 ROOT_MODULES_MAX = 8
 
@@ -278,3 +280,66 @@ def test_the_checker_sees_two_sub_packages_that_import_each_other(tmp_path, monk
         ["qlora_kit.training.step", "qlora_kit.training.watch"]
     ]
     assert find_cycles(sibling_graph(graph, "qlora_kit")) == []
+
+
+# What only the tests' machinery may name: the injectors, their globals and their environment variables
+FAULT_NAMES = {"oom_faults", "allocator_faults", "INJECTOR", "ALLOCATIONS", "reload_cap", "EnvFaults"}
+
+
+def fault_references(path: Path) -> list[str]:
+    """Where a module names a fault injector, imports the testing package, reads an injector's
+    environment variable or installs faults: ``path:line name``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or "", *(a.name for a in node.names)]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            seam = isinstance(node.value, ast.Name) and node.value.id == "fault_seam"
+            names = ["fault_seam.install" if seam and node.attr == "install" else node.attr]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = ["QLORA_KIT_OOM"] if "QLORA_KIT_OOM" in node.value else []
+        hits = [n for n in names if n.split(".")[-1] in FAULT_NAMES or n.startswith("qlora_kit.testing")]
+        hits += [n for n in names if n in ("QLORA_KIT_OOM", "fault_seam.install")]
+        found += [f"{path.relative_to(PACKAGE)}:{node.lineno} {n}" for n in hits]
+    return found
+
+
+def test_no_fault_hook_on_the_run_path_only_the_one_seam():
+    """The fault injectors live in qlora_kit/testing/ and enter a run only through memory/fault_seam.py,
+    which a test installs: no other module imports or names them, reads their environment, or installs
+    faults; and the seam's own faults do nothing."""
+    import contextlib
+
+    from qlora_kit.memory import fault_seam
+
+    outside = [f for f in PACKAGE.rglob("*.py") if "testing" not in f.relative_to(PACKAGE).parts]
+    found = [hit for path in outside for hit in fault_references(path)]
+    assert found == []
+    inert = fault_seam.Faults()
+    assert not inert.counts_saved and not inert.counts_recompute and inert.figures() == ""
+    for point in (inert.recompute, inert.evaluation, inert.generation, inert.micro_batch):
+        assert isinstance(point(), contextlib.nullcontext)
+
+
+def test_the_fault_check_sees_a_hook_on_the_run_path(tmp_path, monkeypatch):
+    """A module of the run that imports an injector, or reads its cap from the environment, is found."""
+    root = tmp_path / "qlora_kit"
+    (root / "training").mkdir(parents=True)
+    step = root / "training" / "step.py"
+    step.write_text(
+        "from qlora_kit.testing.oom_faults import INJECTOR\n"
+        "import os\nCAP = os.environ.get('QLORA_KIT_OOM_CAP_BYTES')\n"
+        "from qlora_kit.memory import fault_seam\nfault_seam.install(None)\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", root)
+    assert fault_references(step) == [
+        "training/step.py:1 qlora_kit.testing.oom_faults",
+        "training/step.py:1 INJECTOR",
+        "training/step.py:3 QLORA_KIT_OOM",
+        "training/step.py:5 fault_seam.install",
+    ]

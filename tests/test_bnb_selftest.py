@@ -11,6 +11,7 @@ import torch
 
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.model import bnb_selftest
+from qlora_kit.testing import model_state
 
 
 def blocks_per_row(packed, state):
@@ -54,7 +55,7 @@ def test_the_tolerance_is_a_few_ulps_not_more():
 def test_the_verdict_on_this_cpu_is_what_a_plain_comparison_shows():
     """On an AVX-512 CPU bitsandbytes 0.50 is wrong at width 48 and the run goes around it; elsewhere it is
     right: either way the verdict says what comparing with the reference shows, and ends right."""
-    bnb_selftest.stop_going_around()
+    model_state.stop_going_around()
     try:
         generator = torch.Generator().manual_seed(5)
         packed, state = bnbf.quantize_4bit(torch.randn(64, 48, generator=generator), quant_type="nf4")

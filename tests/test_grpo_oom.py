@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from qlora_kit.memory import oom_faults
+from qlora_kit.testing import oom_faults
 from qlora_kit.training.objectives.grpo.oom import MEAN_OVER, GrpoOomRecovery
 from qlora_kit.training.step.oom_split import (
     Failure,

@@ -16,6 +16,7 @@ from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
 from qlora_kit.registries import attention
+from qlora_kit.testing import model_state
 from qlora_kit.training import pipeline
 
 BATCH, SEQ = 2, 64
@@ -70,8 +71,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_bit_for_bit(poli
         "tiny-llama", checkpointing=policy, offload_activations=True
     )
     layers = len(checkpointing.decoder_layers(offloaded_model))
-    assert checkpointing.offloaded_layers(offloaded_model) == list(range(layers))
-    assert checkpointing.offloaded_layers(peft_model) == []
+    assert model_state.offloaded_layers(offloaded_model) == list(range(layers))
+    assert model_state.offloaded_layers(peft_model) == []
     assert checkpointing.applied_policies(offloaded_model) == [policy] * layers
     assert offloaded_loss == loss
     for name, grad in grads.items():
@@ -97,7 +98,7 @@ def test_a_tiled_mlp_gives_the_same_loss_and_lora_gradients_on_every_mlp_shape(a
     tiled_loss, tiled_grads, tiled, tiled_model = run_once(
         arch, dropout=0.0, checkpointing="full", mlp_tiles=4
     )
-    assert tiled_mlp.tiled_mlps(tiled_model) == len(checkpointing.decoder_layers(tiled_model))
+    assert model_state.tiled_mlps(tiled_model) == len(checkpointing.decoder_layers(tiled_model))
     assert tiled_loss == pytest.approx(loss, rel=1e-3)
     for name, grad in grads.items():
         scale = grad.abs().max().item()

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from qlora_kit import Recipe
-from qlora_kit.memory import oom_faults
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.testing import oom_faults
 from qlora_kit.training.run_folder.run_record import oom_rows
 from qlora_kit.training.step.oom_split import (
     AutocastState,

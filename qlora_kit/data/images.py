@@ -50,10 +50,6 @@ def image_paths(messages: list[Any]) -> list[str]:
     return paths
 
 
-def has_images(messages: list[Any]) -> bool:
-    return bool(image_paths(messages))
-
-
 def _parts(message: dict) -> list:
     content = message.get("content")
     return content if isinstance(content, list) else []

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from qlora_kit.memory import oom_faults
+from qlora_kit.memory import fault_seam
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model import vision
 from qlora_kit.registries import metric_keys as keys
@@ -68,10 +68,10 @@ class SavedTensors:
         self.host_seen: dict[int, int] = {}
         self.where = OUTSIDE
         self.read: SavedBytes | None = None
-        # ``inject_faults``: a training forward pass asks the fault injector (oom_faults.py) after each
-        # new storage, when a cap is set (tests); the planner's traces never do
-        armed = inject_faults and oom_faults.INJECTOR.cap is not None
-        self.injector = oom_faults.INJECTOR if armed else None
+        # ``inject_faults``: a training forward pass tells the faults a test installed (fault_seam.py)
+        # after each new storage; the planner's traces never do
+        faults = fault_seam.installed()
+        self.injector = faults if inject_faults and faults.counts_saved else None
 
     @contextlib.contextmanager
     def counting(self):

@@ -11,7 +11,7 @@ follows one of three policies:
 ``every_n`` is ``full`` on layers 0, n, 2n, ... and ``none`` on the rest; ``per_layer`` names each
 layer's policy (``memory.layer_policies``: what ``auto`` resolves to, ``auto.resolve_checkpointing``).
 Checkpointing is non-reentrant, and input-embedding outputs require grad so LoRA receives gradients
-through frozen, checkpointed layers. Under the test fault injector (``oom_faults``) every checkpointed
+through frozen, checkpointed layers. Under a test's fault injector (``fault_seam``) every checkpointed
 layer's recompute is also counted against its cap, composed into the same ``context_fn``.
 Two more fields act on the same layers: ``memory.offload_activations`` wraps each checkpointed layer's
 checkpoint function so its saved input waits in host memory (``offload.py``), and ``memory.mlp_tiles``
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import allocator_faults, offload, oom_faults, tiled_mlp
+from qlora_kit.memory import fault_seam, offload, tiled_mlp
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.registries import checkpointing as table
 
@@ -73,10 +73,8 @@ def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] |
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
     """Apply the memory section's policy to the decoder layers (checkpointing, offloaded checkpoints, MLP
     tiles); returns the indices of the layers that recompute in backward (selective or full)."""
-    injector = oom_faults.reload_cap()  # the fault injector's cap, read when each run is built (tests)
-    allocator_faults.ALLOCATIONS.reload()  # and the allocation cap's
-    if injector.cap is not None or injector.eval_cap is not None:
-        injector.watch(model)
+    faults = fault_seam.installed()  # inert unless a test installed its injector
+    faults.run_built(model)
     tiled_mlp.enable_mlp_tiles(model, memory.mlp_tiles)
     spec = table.policy(memory.checkpointing)
     if spec.layer and not spec.recomputes:
@@ -91,7 +89,7 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
     contexts = list(dict.fromkeys(p for p in policies if table.policy(p).context_fn))
     if len(contexts) > 1:
         raise RecipeError(f"memory.layer_policies: one of {', '.join(contexts)} at a time, not both")
-    context_fn = _context_fn(contexts[0] if contexts else None, injector)
+    context_fn = _context_fn(contexts[0] if contexts else None, faults)
     if context_fn is not None:
         kwargs["context_fn"] = context_fn
     model.activation_checkpointing_enable(kwargs)
@@ -101,7 +99,7 @@ def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[
         # vision-language model's decoder would then start wherever the tower's count left off. So the
         # decoder's layers are set by their own index (every_n's and per_layer's alike), and a vision
         # tower checkpoints throughout.
-        _mix(layers, policies, _context_fn(None, injector))
+        _mix(layers, policies, _context_fn(None, faults))
     if memory.offload_activations:
         _offload(layers)
     return checkpointed_layers(model)
@@ -127,18 +125,18 @@ def _vision_side_without_input_grads(model: PreTrainedModel) -> None:
             hook.remove()
 
 
-def _context_fn(policy: str | None, injector: oom_faults.FaultInjector):
+def _context_fn(policy: str | None, faults: fault_seam.Faults):
     """torch checkpoint's ``context_fn`` for layer policy ``policy``'s layers: the table's (selective's op
     policy), and under the test fault injector its recompute count too (out-of-memory in backward's
     recompute); None when neither applies."""
     named = table.policy(policy).context_fn if policy is not None else None
     context = _resolve(named) if named else None
-    if injector.cap is None:
+    if not faults.counts_recompute:
         return context
 
     def contexts():
         forward, recompute = context() if context else (contextlib.nullcontext(), contextlib.nullcontext())
-        return forward, _together(recompute, injector.recompute_context())
+        return forward, _together(recompute, faults.recompute())
 
     contexts.policy = policy if context else None  # read back by applied_policies
     return contexts
@@ -180,16 +178,6 @@ def _offload(layers: list[torch.nn.Module]) -> None:
             layer._gradient_checkpointing_func = functools.partial(
                 offload.offloaded_checkpoint, *func.args, checkpoint_fn=func.func, **func.keywords
             )
-
-
-def offloaded_layers(model: PreTrainedModel) -> list[int]:
-    """Indices of decoder layers whose checkpointed input lives in host memory."""
-    return [
-        i
-        for i, layer in enumerate(decoder_layers(model))
-        if getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
-        is offload.offloaded_checkpoint
-    ]
 
 
 def checkpointed_layers(model: PreTrainedModel) -> list[int]:

@@ -62,14 +62,6 @@ def enable_mlp_tiles(model: torch.nn.Module, setting: int | str) -> int:
     return tiled
 
 
-def tiled_mlps(model: torch.nn.Module) -> int:
-    """How many decoder layers' MLPs run in tiles."""
-    return sum(
-        getattr(getattr(layer, "mlp", None), "_untiled_forward", None) is not None
-        for layer in decoder_layers(model)
-    )
-
-
 def _tiled_forward(setting: int | str, hidden: int):
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         # hidden_states: (B, T, C); the MLP maps each of the T positions on its own

@@ -159,15 +159,6 @@ def go_around() -> None:
         _around = library
 
 
-def stop_going_around() -> None:
-    """Give bitsandbytes' own kernel back (tests show the numbers wrong without the way around)."""
-    global _around
-    if _around is not None:
-        _around._destroy()
-        _around = None
-    check.cache_clear()
-
-
 def _dequantize_in_blocks(A, absmax, blocksize, quant_type, shape, dtype):
     # in front of bitsandbytes' CPU kernel (AutogradCPU runs first; its inputs never need gradients): the
     # same bytes as rows of one block each, which its AVX-512 branch indexes right and still runs in

@@ -54,7 +54,9 @@ def _kill_after_step(step: int) -> None:
 
 if __name__ == "__main__":
     from qlora_kit.cli.app import main
+    from qlora_kit.testing import faults
 
+    faults.install()  # the caps a test sets in the environment (test_oom.py's FSDP stop)
     if "QLORA_KIT_TEST_KILL_AFTER_STEP" in os.environ:
         _kill_after_step(int(os.environ["QLORA_KIT_TEST_KILL_AFTER_STEP"]))
     main()

@@ -1,5 +1,5 @@
 """GRPO at the memory edge (training/objectives/grpo/oom.py), made on the CPU by the fault injector
-(memory/oom_faults.py): the training cap (bytes saved for backward) reaches the policy step, the
+(testing/oom_faults.py): the training cap (bytes saved for backward) reaches the policy step, the
 generation cap (``QLORA_KIT_OOM_GENERATION_CAP_BYTES``: live bytes of one generate call, the KV cache and
 logits) the rollouts. Everything after the injected error is the real code path: bnb 4-bit, peft, TRL's
 GRPOTrainer under bf16 autocast. No checkpointing, so a part's saved bytes scale with its rows.
@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import pytest
 
 from qlora_kit import Recipe
-from qlora_kit.memory import oom_faults
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.testing import oom_faults
 from qlora_kit.training.step.oom_split import AutocastState
 from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
@@ -50,7 +50,8 @@ def values(out: Path, **train) -> dict:
 DRIVER = """
 import json, sys
 from qlora_kit import Recipe, train
-from qlora_kit.memory import oom_faults
+from qlora_kit.testing import faults, oom_faults
+faults.install()
 from qlora_kit.training.step.oom_split import AutocastState
 result = train(Recipe.from_dict(json.loads(open(sys.argv[1]).read())))
 peaks = {"train": oom_faults.INJECTOR.peaks, "generation": oom_faults.INJECTOR.generation_peaks}
@@ -179,7 +180,7 @@ def test_two_processes_agree_before_splitting_either_phase(reference, tmp_path):
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
     out = tmp_path / "out"
     result = launched(
-        [*command, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)], caps
+        [*command, "-m", "qlora_kit.testing", "train", str(recipe_file), "--output-dir", str(out)], caps
     )
     assert result.returncode == 0, result.stderr[-3000:]
     events = [row[keys.OOM_SPLIT] for row in splits(out)]

@@ -1,5 +1,5 @@
 """Out-of-memory inside a step (training/step/oom_recovery.py), made on the CPU by the fault injector
-(memory/oom_faults.py, ``QLORA_KIT_OOM_CAP_BYTES``): every run here goes through the Trainer under
+(testing/oom_faults.py, ``QLORA_KIT_OOM_CAP_BYTES``): every run here goes through the Trainer under
 bf16 autocast, as on a GPU, and everything after the injected error is the real code path.
 
 The data are short rows and one long one, so only the micro-batch holding the long row needs more than
@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from transformers import TrainerCallback
 
 from qlora_kit import Recipe, train
-from qlora_kit.memory import allocator_faults, oom_faults
 from qlora_kit.model.builtin import ensure_tiny_model
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.testing import allocator_faults, oom_faults
 from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
 
@@ -352,7 +352,9 @@ def two_processes(recipe_file: Path, out: Path, env: dict[str, str]) -> subproce
     """``qlora-kit train`` in 2 processes (torchrun, gloo)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    return launched([*command, "-m", "qlora_kit", "train", str(recipe_file), "--output-dir", str(out)], env)
+    return launched(
+        [*command, "-m", "qlora_kit.testing", "train", str(recipe_file), "--output-dir", str(out)], env
+    )
 
 
 def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
@@ -463,7 +465,7 @@ def test_under_fsdp_an_out_of_memory_error_stops_the_run_and_no_process_hangs(tm
 
 
 def allocation_capped(folder: Path, monkeypatch, cap: int, policy: str):
-    """A run under the allocation cap (memory/allocator_faults.py): every tensor the step's attempts
+    """A run under the allocation cap (testing/allocator_faults.py): every tensor the step's attempts
     allocate counts while it lives, and the error comes from the operator that passes the cap."""
     monkeypatch.setenv(allocator_faults.ENV, str(cap))
     overrides = {"memory.checkpointing": "full" if policy == "offload" else policy, "train.max_steps": 5}

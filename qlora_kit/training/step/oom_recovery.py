@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from qlora_kit.errors import TrainingGuardError
-from qlora_kit.memory.allocator_faults import ALLOCATIONS
+from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.distributed import over_ranks
 from qlora_kit.training.step.oom_split import (
@@ -120,7 +120,7 @@ class OomRecovery:
         """The micro-batch's forward and backward passes, in ``parts`` chunks, each through
         ``forward_backward``; on an out-of-memory error the step's micro-batches so far again, in twice
         the parts."""
-        with ALLOCATIONS.micro_batch():  # a no-op unless a test caps the allocations (allocator_faults.py)
+        with fault_seam.installed().micro_batch():  # a no-op unless a test installed faults
             return self._train(model, inputs, num_items_in_batch, forward_backward)
 
     def _train(self, model, inputs, num_items_in_batch, forward_backward):
@@ -147,7 +147,7 @@ class OomRecovery:
 
     def _attempt(self, model, batches, num_items_in_batch, forward_backward):
         """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
-        ALLOCATIONS.attempt_started()
+        fault_seam.installed().attempt_started()
         try:
             total = None
             with autocast_kept():  # an error inside accelerate's autocast leaves it on (oom_split.py)

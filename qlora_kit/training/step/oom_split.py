@@ -202,11 +202,11 @@ def memory_figures() -> str:
 def held_after_release() -> str:
     """What is still allocated once a failed attempt is dropped (CUDA's allocator, or the CPU's
     allocation cap in tests): the next attempt starts from it."""
-    from qlora_kit.memory.allocator_faults import ALLOCATIONS
+    from qlora_kit.memory import fault_seam
 
     if torch.cuda.is_available():
         return f"allocated {torch.cuda.memory_allocated() / 1024**3:.2f} GiB"
-    return ALLOCATIONS.figures() or "no CUDA device"
+    return fault_seam.installed().figures() or "no CUDA device"
 
 
 AUTOCAST_DEVICES = ("cpu", "cuda")

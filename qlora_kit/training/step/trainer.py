@@ -68,7 +68,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from qlora_kit.memory import layer_costs, layout_costs, oom_faults, optimizers
+from qlora_kit.memory import fault_seam, layer_costs, layout_costs, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model import adapters
@@ -154,7 +154,7 @@ class GuardedTrainer(Trainer):
         """The forward pass and loss of one part (b above), with the bytes it saves for backward counted;
         an evaluation batch's under the evaluation's fault cap only."""
         if not model.training:
-            with oom_faults.INJECTOR.evaluation():  # a no-op unless a test caps evaluation's memory
+            with fault_seam.installed().evaluation():  # a no-op unless a test installed faults
                 return self._loss(model, inputs, return_outputs, num_items_in_batch)
         counter = SavedTensors(model, inject_faults=True)
         self.memory_monitor.phase_started()

@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from qlora_kit.errors import TrainingGuardError
-from qlora_kit.memory import oom_faults
+from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.step.oom_recovery import OomRecovery
 from qlora_kit.training.step.oom_split import (
@@ -111,7 +111,7 @@ class GrpoOomRecovery(OomRecovery):
             try:
                 for first in range(0, len(prompt_ids), size):
                     # a no-op unless a test caps generation; autocast as it was if the call fails
-                    with oom_faults.INJECTOR.generation(), autocast_kept():
+                    with fault_seam.installed().generation(), autocast_kept():
                         one, one_logprobs = generate_rows(prompt_ids[first : first + size], first)
                     completions += one
                     logprobs += one_logprobs or []
