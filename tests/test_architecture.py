@@ -8,6 +8,7 @@ is still a cycle a reader has to hold in their head, and the next refactor turns
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "qlora_kit"
@@ -214,13 +215,76 @@ def _module_level(body: list[ast.stmt]):
                 yield from _module_level(getattr(node, field))
 
 
-def test_every_format_names_functions_that_exist():
+def test_every_format_refers_to_its_functions_directly():
+    """data/formats.py's RENDERINGS has one line per format of the registry, each holding its functions
+    (a reference a search finds, not a name looked up): a pair's render is preference.render_chosen."""
     from qlora_kit.data import formats
     from qlora_kit.registries.formats import FORMATS
 
-    for spec in FORMATS.values():
-        assert callable(getattr(formats, spec.prompt, None)), spec
-        assert spec.pairs or callable(getattr(formats, spec.render, None)), spec
+    assert list(formats.RENDERINGS) == list(FORMATS)
+    for name, rendering in formats.RENDERINGS.items():
+        assert callable(rendering.prompt), name
+        assert callable(rendering.render) or (FORMATS[name].pairs and rendering.render is None), name
+    assert not [f for f in dataclasses.fields(FORMATS["alpaca"]) if f.type == "str" and f.name != "name"]
+
+
+def test_every_checkpointing_context_is_a_function_the_code_refers_to():
+    from qlora_kit.memory import checkpointing, selective
+    from qlora_kit.registries import checkpointing as table
+
+    with_context = [name for name, spec in table.POLICIES.items() if spec.context_fn]
+    assert list(checkpointing.CONTEXT_FNS) == with_context == ["selective"]
+    assert checkpointing.CONTEXT_FNS["selective"] is selective.context_fn
+
+
+def string_lookups(path: Path) -> list[str]:
+    """Where a module finds a function of its own package by a name it builds or reads: ``globals()``,
+    ``getattr`` of a module or ``importlib.import_module`` with a computed name (``path:line``)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        computed = node.args and not isinstance(node.args[-1 if name == "getattr" else 0], ast.Constant)
+        if name == "globals" or (name == "import_module" and computed):
+            found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {name}")
+        elif name == "getattr" and len(node.args) >= 2 and isinstance(node.args[1], ast.JoinedStr):
+            target = node.args[0]
+            if isinstance(target, ast.Call) or getattr(target, "id", "") in ("module", "sys"):
+                found.append(f"{path.relative_to(PACKAGE)}:{node.lineno} getattr")
+    return found
+
+
+# A library's own names, read lazily where the library declares them (STYLE: heavy imports stay lazy),
+# and a user's reward function named in the recipe: not the package's functions.
+LOOKUPS_OF_OTHERS = {
+    "registries/optimizers.py": "bitsandbytes' optimizer classes, imported when a run builds one",
+    "data/rewards.py": "a user's reward function, named in the recipe as module:function",
+}
+
+
+def test_no_registry_or_module_looks_a_function_up_by_string():
+    found = [
+        hit
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for hit in string_lookups(path)
+        if str(path.relative_to(PACKAGE)) not in LOOKUPS_OF_OTHERS
+    ]
+    assert found == []
+
+
+def test_the_string_lookup_check_sees_each_kind(tmp_path, monkeypatch):
+    module = tmp_path / "qlora_kit" / "data" / "formats.py"
+    module.parent.mkdir(parents=True)
+    module.write_text(
+        "import importlib\n"
+        "def render(spec):\n"
+        "    return globals()[spec.render]\n"
+        "def load(named):\n"
+        "    return importlib.import_module(named)\n"
+    )
+    monkeypatch.setitem(globals(), "PACKAGE", tmp_path / "qlora_kit")
+    assert sorted(string_lookups(module)) == ["data/formats.py:3 globals", "data/formats.py:5 import_module"]
 
 
 def test_the_root_holds_few_modules_and_sub_packages_import_nothing():

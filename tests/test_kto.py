@@ -70,7 +70,7 @@ def test_a_row_without_a_label_is_one_line_naming_the_field(tmp_path, tokenizer)
 
     path = tmp_path / "rows.jsonl"
     path.write_text(json.dumps({"prompt": "p", "completion": "c"}) + "\n")
-    with pytest.raises(DataError, match="missing field 'label' for format feedback"):
+    with pytest.raises(DataError, match="missing field 'label' for format 'feedback'"):
         kto.prepare(
             kto_recipe(**{"data.path": str(path), "data.val_fraction": 0.0, "train.eval_steps": None}),
             tokenizer,

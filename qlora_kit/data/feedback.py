@@ -13,6 +13,7 @@ from trl.data_utils import common_prefix_length
 
 from qlora_kit.data import format_hints, preference
 from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
+from qlora_kit.data.row_tokens import check_columns
 from qlora_kit.data.segments import RowError
 from qlora_kit.errors import DataError
 from qlora_kit.registries.formats import FORMATS
@@ -60,13 +61,7 @@ def trl_rows(
     assistant's reply as a message list), which TRL renders with the chat template itself; one line
     naming the row for a missing or wrong field. ``fmt``: the source's format (default data.format)."""
     fmt = fmt or section.format
-    missing = [name for name in COLUMNS if name not in rows.column_names]
-    if missing:
-        raise DataError(
-            f"{source}: row 1: missing field {missing[0]!r} for format {fmt} "
-            f"(has {', '.join(rows.column_names)}; map names with data.fields)"
-            f"{format_hints.columns_hint(rows, fmt)}"
-        )
+    check_columns(rows, fmt, source, COLUMNS)
     chat = FORMATS[fmt].chat_template
     columns = {name: [] for name in COLUMNS}
     for index, row in enumerate(rows.select_columns(list(COLUMNS))):

@@ -2,7 +2,8 @@
 training saw prompts), and tokenizing rendered rows with labels.
 
 Which formats exist, their fields and which of the functions here each one uses is the registry's
-(``registries/formats.py``); ``render`` and ``prompt`` look the functions up by the names a spec gives.
+(``registries/formats.py``); ``RENDERINGS``, at the end, gives each format its two functions by
+reference (the registry, standard library only, sits below data/), and ``render`` and ``prompt`` read it.
 
 A row becomes a list of ``Segment(text, trained)``. Segments are tokenized one by one and concatenated,
 so a BPE merge across a boundary can never blur which tokens are trained; labels are -100 on every
@@ -15,6 +16,8 @@ system prompt one: a system message in chats, text before the prompt in alpaca a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from qlora_kit.data import preference
@@ -43,7 +46,7 @@ def render(row: dict[str, Any], fmt: str, tokenizer, data: DataSection) -> list[
     if not spec.labelled:  # a labelled answer's too (render_feedback)
         for name in spec.fields:
             _check_field(row, name, optional=name in spec.optional)
-    return globals()[spec.render](row, tokenizer, data)
+    return RENDERINGS[fmt].render(row, tokenizer, data)
 
 
 def prompt(
@@ -51,7 +54,7 @@ def prompt(
 ) -> str:
     """The user's text as the model saw prompts in training (the format's own prompt function below,
     with the recipe's system prompt)."""
-    return globals()[FORMATS[fmt].prompt](text, tokenizer, data, history)
+    return RENDERINGS[fmt].prompt(text, tokenizer, data, history)
 
 
 def render_alpaca(row: dict[str, Any], tokenizer, data: DataSection) -> list[Segment]:
@@ -173,3 +176,29 @@ def completion_prompt(
 
 def raw_prompt(text: str, tokenizer, data: DataSection, history: list[dict[str, str]] | None = None) -> str:
     return text
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """A format's two functions: ``render`` (row, tokenizer, data section) -> segments, the trained part
+    marked (None for a preference pair: ``render`` gives its prompt and chosen answer through
+    ``render_chosen``, by the spec's ``pair_kind``); ``prompt`` (text, tokenizer, data section,
+    history) -> the prompt a model continues."""
+
+    render: Callable[..., list[Segment]] | None
+    prompt: Callable[..., str]
+
+
+# One line per registries/formats.py entry (tests/test_data.py checks the names match)
+RENDERINGS: dict[str, Rendering] = {
+    "alpaca": Rendering(render_alpaca, alpaca_prompt_for),
+    "chat": Rendering(render_conversation, chat_prompt),
+    "sharegpt": Rendering(render_conversation, chat_prompt),
+    "completion": Rendering(render_completion, completion_prompt),
+    "text": Rendering(render_text, raw_prompt),
+    "preference": Rendering(None, completion_prompt),
+    "preference_alpaca": Rendering(None, alpaca_prompt_for),
+    "preference_chat": Rendering(None, chat_prompt),
+    "feedback": Rendering(render_feedback, completion_prompt),
+    "feedback_chat": Rendering(render_feedback_chat, chat_prompt),
+}

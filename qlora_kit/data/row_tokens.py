@@ -28,10 +28,12 @@ ROW = "__qlora_kit_row__"  # a row's 1-based number in its file, kept through a 
 FACTS = ("full_length", "trained_tokens", "trains_end", "double_bos", "digest", "prefix_ok")
 
 
-def check_columns(rows: Dataset, fmt: str, source: str) -> None:
-    """The format's required fields are all columns of ``rows``; else one line naming the first missing."""
+def check_columns(rows: Dataset, fmt: str, source: str, required: tuple[str, ...] | None = None) -> None:
+    """The format's required fields (or ``required``: KTO's columns, data/feedback.py) are all columns of
+    ``rows``; else one line naming the first missing, the one every format's check writes."""
     spec = FORMATS[fmt]
-    required = [n for n in spec.fields if n not in spec.optional]
+    if required is None:
+        required = tuple(n for n in spec.fields if n not in spec.optional)
     missing = [n for n in required if n not in rows.column_names]
     if missing:
         raise DataError(

@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import logging
 from typing import TYPE_CHECKING
 
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import fault_seam, offload, tiled_mlp
+from qlora_kit.memory import fault_seam, offload, selective, tiled_mlp
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.registries import checkpointing as table
 
@@ -56,6 +55,11 @@ def layer_policies(memory: MemorySection, layers: int) -> list[str]:
             )
         return chosen
     return expand_policy(policy, memory.every_n, layers)
+
+
+# torch checkpoint's context_fn of each policy the table marks ``context_fn`` (the table, standard library
+# only, cannot refer to it)
+CONTEXT_FNS = {"selective": selective.context_fn}
 
 
 def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] | None = None) -> list[str]:
@@ -129,8 +133,7 @@ def _context_fn(policy: str | None, faults: fault_seam.Faults):
     """torch checkpoint's ``context_fn`` for layer policy ``policy``'s layers: the table's (selective's op
     policy), and under the test fault injector its recompute count too (out-of-memory in backward's
     recompute); None when neither applies."""
-    named = table.policy(policy).context_fn if policy is not None else None
-    context = _resolve(named) if named else None
+    context = CONTEXT_FNS[policy] if policy is not None and table.policy(policy).context_fn else None
     if not faults.counts_recompute:
         return context
 
@@ -140,12 +143,6 @@ def _context_fn(policy: str | None, faults: fault_seam.Faults):
 
     contexts.policy = policy if context else None  # read back by applied_policies
     return contexts
-
-
-def _resolve(named: str):
-    """The table's ``"module:attribute"`` as the object (the registry names mechanisms, never imports them)."""
-    module, _, attribute = named.partition(":")
-    return getattr(importlib.import_module(module), attribute)
 
 
 @contextlib.contextmanager
@@ -190,9 +187,7 @@ def applied_policies(model: PreTrainedModel) -> list[str]:
     uncheckpointed = next(p for p in table.layer_policies() if not table.recomputes(p))
     plain = table.of_kind(table.KEEPS_INPUT)  # checkpointed with no policy's context
     by_context = {
-        _resolve(spec.context_fn): name
-        for name, spec in table.POLICIES.items()
-        if spec.layer and spec.context_fn is not None
+        CONTEXT_FNS[name]: name for name, spec in table.POLICIES.items() if spec.layer and spec.context_fn
     }
     found = []
     for layer in decoder_layers(model):

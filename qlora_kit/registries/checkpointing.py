@@ -13,9 +13,10 @@ policy says what a layer keeps for backward, in one of three kinds the tracer an
 ``KEEPS_EXPENSIVE`` (its input and its expensive ops' outputs; backward recomputes the cheap ops).
 A policy that keeps something else needs its kind counted there too.
 
-A mechanism module is named, not imported (``context_fn``: ``"module:attribute"``, resolved by the
-checkpointing code): this table is standard library only. Adding a policy is one entry here plus its
-mechanism module and its tests.
+This table is standard library only, so it does not hold a mechanism: a policy whose layers run under a
+torch checkpoint ``context_fn`` says so (``context_fn=True``) and memory/checkpointing.py's
+``CONTEXT_FNS`` refers to the function. Adding a policy is one entry here plus its mechanism module (and
+its line there, when it has a context) and its tests.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class PolicySpec:
     expands: str  # UNIFORM, EVERY_N, LISTED or PLANNED
     keeps: str | None = None  # a layer policy's KEEPS_* (None for one that expands to others)
     recompute_share: float = 0.0  # its recompute against a full layer's, where the model is not traced
-    context_fn: str | None = None  # "module:attribute": torch checkpoint's context_fn for its layers
+    context_fn: bool = False  # its layers run under torch checkpoint's context_fn (checkpointing.CONTEXT_FNS)
     candidate: bool = False  # the planner plans it for every recipe (the plan's rows, auto's choices)
     needs: str | None = None  # the memory field it cannot do without
 
@@ -72,7 +73,7 @@ POLICIES: dict[str, PolicySpec] = {
             # the element-wise ops a selective layer replays are most of a QLoRA layer's forward time
             # on a CPU (benchmarks/memory.py's frontier)
             recompute_share=0.8,
-            context_fn="qlora_kit.memory.selective:context_fn",
+            context_fn=True,
             candidate=True,
         ),
         PolicySpec(FULL, UNIFORM, KEEPS_INPUT, recompute_share=1.0, candidate=True),

@@ -1,11 +1,12 @@
 """The format registry: one ``FormatSpec`` per ``data.format``, read by everything else.
 
-A spec says which fields a row has, which functions of ``data/formats.py`` render it for training and
-wrap a user's text for generation, whether a reference answer can be checked exactly (``qlora-kit eval``),
+A spec says which fields a row has, whether a reference answer can be checked exactly (``qlora-kit eval``),
 whether a conversation keeps its history (``qlora-kit chat``) and whether rows are preference pairs (and
 how their prompt is asked). The recipe's choices, data preparation, generation, evaluation and the CLI
-all read it, so adding a format is one entry here plus its two functions (and its tests). Standard
-library only: the recipe reads it.
+all read it, so adding a format is one entry here plus its two functions and their line in
+``data/formats.py``'s ``RENDERINGS`` (which refers to them, so a search finds every caller; this table,
+standard library only, sits below data/ and cannot), and its tests. Standard library only: the recipe
+reads it.
 
 It also owns the plain-text prompt conventions every format shares: the Stanford Alpaca template and
 how ``data.system_prompt`` goes before a plain prompt.
@@ -39,12 +40,10 @@ def system_text(system_prompt: str | None) -> str:
 
 @dataclass(frozen=True)
 class FormatSpec:
-    """One data format: its fields, and the names of its functions in ``data/formats.py``."""
+    """One data format: its fields and traits (its functions: ``data/formats.py``'s ``RENDERINGS``)."""
 
     name: str
     fields: tuple[str, ...]  # what a row has (data.fields may rename them)
-    render: str  # (row, tokenizer, data section) -> segments, the trained part marked
-    prompt: str  # (text, tokenizer, data section, history) -> the prompt a model continues
     optional: frozenset[str] = frozenset()  # fields that may be absent or empty
     checkable: bool = True  # has a reference answer to compare exactly (eval's exact match)
     multi_turn: bool = False  # a conversation: `qlora-kit chat` keeps the history
@@ -73,35 +72,29 @@ def _chat_format(name: str, conversation: str) -> FormatSpec:
     return FormatSpec(
         name,
         (conversation, "tools", "images"),  # images: a ShareGPT row's image paths (data/images.py)
-        "render_conversation",
-        "chat_prompt",
         optional=frozenset({"tools", "images"}),
         multi_turn=True,
         chat_template=True,
     )
 
 
-def _pair_format(name: str, asked: tuple[str, ...], kind: str, prompt: str) -> FormatSpec:
+def _pair_format(name: str, asked: tuple[str, ...], kind: str) -> FormatSpec:
     """Preference pairs (data/preference.py): what is asked, a chosen and a rejected answer."""
     return FormatSpec(
         name,
         (*asked, "chosen", "rejected"),
-        "render_chosen",
-        prompt,
         optional=frozenset({"input"}),
         chat_template=kind == "chat",
         pair_kind=kind,
     )
 
 
-def _feedback_format(name: str, prompt: str, chat: bool) -> FormatSpec:
+def _feedback_format(name: str, chat: bool) -> FormatSpec:
     """Labelled answers (train.objective kto), TRL's unpaired shape: a prompt, one answer (texts; with
     ``chat``, a conversation and the assistant's reply, as TRL's conversational rows) and a label."""
     return FormatSpec(
         name,
         ("prompt", "completion"),  # and the label (labelled), which data/preference.py checks
-        f"render_{name}",
-        prompt,
         checkable=False,  # an undesirable answer is no reference
         chat_template=chat,
         labelled=True,
@@ -111,21 +104,15 @@ def _feedback_format(name: str, prompt: str, chat: bool) -> FormatSpec:
 FORMATS: dict[str, FormatSpec] = {
     spec.name: spec
     for spec in (
-        FormatSpec(
-            "alpaca",
-            ("instruction", "input", "output"),
-            "render_alpaca",
-            "alpaca_prompt_for",
-            optional=frozenset({"input"}),
-        ),
+        FormatSpec("alpaca", ("instruction", "input", "output"), optional=frozenset({"input"})),
         _chat_format("chat", "messages"),
         _chat_format("sharegpt", "conversations"),
-        FormatSpec("completion", ("prompt", "completion"), "render_completion", "completion_prompt"),
-        FormatSpec("text", ("text",), "render_text", "raw_prompt", checkable=False),
-        _pair_format("preference", ("prompt",), "text", "completion_prompt"),
-        _pair_format("preference_alpaca", ("instruction", "input"), "alpaca", "alpaca_prompt_for"),
-        _pair_format("preference_chat", ("prompt",), "chat", "chat_prompt"),
-        _feedback_format("feedback", "completion_prompt", chat=False),
-        _feedback_format("feedback_chat", "chat_prompt", chat=True),
+        FormatSpec("completion", ("prompt", "completion")),
+        FormatSpec("text", ("text",), checkable=False),
+        _pair_format("preference", ("prompt",), "text"),
+        _pair_format("preference_alpaca", ("instruction", "input"), "alpaca"),
+        _pair_format("preference_chat", ("prompt",), "chat"),
+        _feedback_format("feedback", chat=False),
+        _feedback_format("feedback_chat", chat=True),
     )
 }
