@@ -2,17 +2,24 @@
 ``GuardedTrainer`` (training/step/trainer.py), which calls out-of-memory recovery, the throughput, the
 memory monitor and the guard as objects; no qlora_kit mixin sits between it and the library's trainer."""
 
+import ast
 import inspect
+import textwrap
 
 import pytest
 from transformers import Trainer
+from trl import DPOTrainer, KTOTrainer
 
+from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.training.objectives.dpo import GuardedDPOTrainer
 from qlora_kit.training.objectives.grpo.grpo import GuardedGRPOTrainer
+from qlora_kit.training.objectives.grpo.oom import GrpoOomRecovery
 from qlora_kit.training.objectives.kto import GuardedKTOTrainer
 from qlora_kit.training.objectives.orpo import GuardedORPOTrainer
 from qlora_kit.training.step import oom_recovery
+from qlora_kit.training.step.guards import TrainingGuard
 from qlora_kit.training.step.trainer import GuardedTrainer
+from qlora_kit.training.watch.throughput import Throughput
 
 TRAINERS = [GuardedTrainer, GuardedDPOTrainer, GuardedORPOTrainer, GuardedKTOTrainer, GuardedGRPOTrainer]
 # the Trainer methods a micro-batch's work runs through
@@ -42,3 +49,63 @@ def test_oom_recovery_is_an_object_the_step_calls_not_a_base():
         assert not any(issubclass(cls, oom_recovery.OomRecovery) for cls in trainer.__mro__)
     # the step hands it the library's forward and backward: it never reaches the trainer's via super()
     assert "super()" not in inspect.getsource(oom_recovery.OomRecovery)
+
+
+# The objects the step calls (GuardedTrainer's module docstring): they run the work they are handed
+CALLED = [oom_recovery.OomRecovery, GrpoOomRecovery, Throughput, MemoryMonitor, TrainingGuard]
+
+
+def trainer_methods_named(cls: type) -> list[str]:
+    """The trainers' methods ``cls`` reaches by name through a trainer it holds (``self.trainer.X``,
+    ``trainer.X``): a call back into the class that called it."""
+    methods = {
+        name
+        for trainer in TRAINERS
+        for name, value in inspect.getmembers(trainer)
+        if inspect.isfunction(value) or inspect.ismethod(value)
+    }
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    named = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or node.attr not in methods:
+            continue
+        held = node.value
+        if (isinstance(held, ast.Name) and held.id == "trainer") or (
+            isinstance(held, ast.Attribute) and held.attr == "trainer"
+        ):
+            named.append(f"{cls.__name__}:{node.lineno} trainer.{node.attr}")
+    return named
+
+
+@pytest.mark.parametrize("called", CALLED, ids=lambda cls: cls.__name__)
+def test_no_object_the_step_calls_calls_back_into_the_trainer_by_name(called):
+    """The step runs one way: the trainer calls these with the work to do (``OomRecovery.train``'s
+    ``forward_backward``, ``evaluate``'s ``predict``); the worst-batch probe is the trainer's own method,
+    inside ``OomRecovery.probe_running``."""
+    assert trainer_methods_named(called) == []
+
+
+def test_the_call_back_check_sees_a_trainer_method_named(monkeypatch):
+    class Recovery:
+        def __init__(self, trainer):
+            self.trainer = trainer
+
+        def probe(self, model, batch):
+            trainer = self.trainer
+            trainer.training_step(model, batch)
+            return self.trainer.prediction_step(model, batch, True), self.trainer.args
+
+    assert trainer_methods_named(Recovery) == [
+        "Recovery:7 trainer.training_step",
+        "Recovery:8 trainer.prediction_step",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("trainer", "library"), [(GuardedDPOTrainer, DPOTrainer), (GuardedKTOTrainer, KTOTrainer)]
+)
+def test_dpo_and_kto_are_the_guarded_trainer_on_trls_and_take_the_reference_over_in_init(trainer, library):
+    """No mixin first: a reader follows the class, its two bases, and ``__init__``'s call of
+    reference_adapter.take_over_reference."""
+    assert trainer.__bases__ == (GuardedTrainer, library)
+    assert "take_over_reference(self.model)" in inspect.getsource(trainer.__init__)

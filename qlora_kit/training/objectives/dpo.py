@@ -5,8 +5,8 @@ copied): the guards, the memory and throughput accounting, atomic checkpoints, t
 a resumed paged optimizer all come from GuardedTrainer; the pair loss, the reference log-probabilities
 and the reward metrics from TRL.
 
-The reference policy is TRL's frozen second adapter "ref" on the same 4-bit base (reference_adapter.py:
-``ReferenceAdapterTrainer``, shared with KTO, gives the policy its fp32 LoRA weights back after TRL's bf16
+The reference policy is TRL's frozen second adapter "ref" on the same 4-bit base (reference_adapter.py's
+``take_over_reference``, shared with KTO, gives the policy its fp32 LoRA weights back after TRL's bf16
 cast, leaves the recipe's checkpointing alone around the reference forward and sends no telemetry).
 
 What this module changes in TRL's behaviour besides, and why:
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from trl import DPOConfig, DPOTrainer
 
 from qlora_kit.data import prepare as data
-from qlora_kit.training.objectives.reference_adapter import ReferenceAdapterTrainer
+from qlora_kit.training.objectives.reference_adapter import describe_reference, take_over_reference
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
@@ -59,8 +59,18 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
 
 
 @private_hooks.checked
-class GuardedDPOTrainer(ReferenceAdapterTrainer, GuardedTrainer, DPOTrainer):
+class GuardedDPOTrainer(GuardedTrainer, DPOTrainer):
     """DPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # TRL makes the "ref" adapter, then casts the policy to bf16
+        self.policy_restored = take_over_reference(self.model)  # reference_adapter.py
+
+    def _send_telemetry(self) -> None:
+        pass  # TRL's usage ping at construction (private_hooks.py)
+
+    def reference_description(self, adapter: str | None) -> str:
+        return describe_reference(adapter)
 
     def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
         return dataset  # prompt_ids / chosen_ids / rejected_ids from data/preference.py

@@ -12,7 +12,7 @@ Trainer reads the rows in order: they are shuffled here once, with the recipe's 
 
 ``GuardedKTOTrainer`` is ``GuardedTrainer`` on top of TRL's ``KTOTrainer``, as dpo.py does for DPO, with
 the same changes to TRL's behaviour and for the same reasons (reference_adapter.py's
-``ReferenceAdapterTrainer``): the reference is a frozen second adapter "ref" on the same 4-bit base (the
+``take_over_reference``): the reference is a frozen second adapter "ref" on the same 4-bit base (the
 base itself without ``model.adapter``), the policy gets its fp32 LoRA weights back after TRL's bf16
 cast, the recipe's checkpointing is left alone around the reference forward, and TRL's telemetry ping
 is not sent. TRL tokenizes the rows (a text answer with the tokenizer's
@@ -31,7 +31,7 @@ from qlora_kit.data import feedback
 from qlora_kit.data.mixture import PreparedData
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
-from qlora_kit.training.objectives.reference_adapter import ReferenceAdapterTrainer
+from qlora_kit.training.objectives.reference_adapter import describe_reference, take_over_reference
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
@@ -75,5 +75,15 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
 
 
 @private_hooks.checked
-class GuardedKTOTrainer(ReferenceAdapterTrainer, GuardedTrainer, KTOTrainer):
+class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
     """KTOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)  # TRL makes the "ref" adapter, then casts the policy to bf16
+        self.policy_restored = take_over_reference(self.model)  # reference_adapter.py
+
+    def _send_telemetry(self) -> None:
+        pass  # TRL's usage ping at construction (private_hooks.py)
+
+    def reference_description(self, adapter: str | None) -> str:
+        return describe_reference(adapter)

@@ -7,8 +7,9 @@ starting adapter, without it the freshly initialised adapter (B = 0), i.e. the b
 reference is made the same way; its trainer, grpo/grpo.py, restores the policy its own way and says
 what the reference is with ``describe_reference`` too.)
 
-``ReferenceAdapterTrainer`` goes first in DPO's and KTO's trainer classes (dpo.py, kto.py), before
-``GuardedTrainer`` and TRL's trainer, and changes TRL's behaviour in the same ways for both:
+DPO's and KTO's trainers (dpo.py, kto.py: ``GuardedTrainer`` on top of TRL's trainer, in that order and
+nothing else) take the reference over once TRL built it, ``take_over_reference(self.model)`` at the end
+of their ``__init__``, and change TRL's behaviour in the same ways for both:
 
 - TRL casts a quantized model's trainable parameters to bf16 after making the "ref" copy; the policy
   gets its fp32 values back from "ref" (bit-exact), as QLoRA keeps LoRA weights and the optimizer in
@@ -16,7 +17,7 @@ what the reference is with ``describe_reference`` too.)
 - TRL turns checkpointing off and on around each reference forward with transformers' defaults, which
   would replace the recipe's policy (every_n) by "every layer" and add an input-gradient hook each step;
   the reference forward runs without grad, where checkpointing saves nothing, so it is left alone.
-- TRL's telemetry ping at construction is not sent.
+- TRL's telemetry ping at construction is not sent (each trainer's ``_send_telemetry``).
 """
 
 from __future__ import annotations
@@ -26,21 +27,13 @@ import torch
 POLICY, REFERENCE = "default", "ref"  # TRL's adapter names (DPOTrainer.__init__, KTOTrainer.__init__)
 
 
-class ReferenceAdapterTrainer:
-    """The first base of a TRL trainer class whose reference is the "ref" adapter (see the module
-    docstring): ``policy_restored`` counts the parameters given back their fp32 values."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.policy_restored = policy_back_to_fp32(self.model)
-        # TRL's reference forward toggles checkpointing when this says True (see the module docstring)
-        self.model.is_gradient_checkpointing = False
-
-    def _send_telemetry(self) -> None:
-        pass
-
-    def reference_description(self, adapter: str | None) -> str:
-        return describe_reference(adapter)
+def take_over_reference(model) -> int:
+    """After TRL built the "ref" adapter: the policy's fp32 values back, and the recipe's checkpointing
+    left alone around the reference forward (see the module docstring). Returns the parameters restored."""
+    restored = policy_back_to_fp32(model)
+    # TRL's reference forward toggles checkpointing when this says True
+    model.is_gradient_checkpointing = False
+    return restored
 
 
 def describe_reference(adapter: str | None) -> str:

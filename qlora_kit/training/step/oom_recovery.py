@@ -47,7 +47,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -92,9 +91,10 @@ class OomRecovery:
     """Out-of-memory recovery for one trainer, an object its step calls (training/step/trainer.py):
     ``step_started`` keeps the step's micro-batches and random state, ``train`` runs a micro-batch in
     ``parts`` and recovers, ``forward_done`` is the point after a part's loss where processes agree,
-    ``evaluate`` splits evaluation's batch, ``probe_worst_batch`` runs the longest micro-batch first.
-    It reads the trainer's arguments, accelerator and state and writes none of the trainer's attributes
-    (GRPO's probe sets TRL's metric stores aside while it runs: objectives/grpo/oom.py)."""
+    ``evaluate`` splits evaluation's batch, ``probe_running`` surrounds the worst-batch probe the trainer
+    runs. The step calls it, in one direction: it runs the work it is handed (``forward_backward``,
+    ``predict``), reads the trainer's arguments, accelerator and state, and calls none of the trainer's
+    methods (tests/test_step.py) and writes none of its attributes."""
 
     def __init__(self, trainer: Trainer, policy: OomPolicy, probe: bool) -> None:
         self.trainer = trainer
@@ -342,39 +342,18 @@ class OomRecovery:
             return loss, None, None
         return loss, concat([r[1] for r in results]), concat([r[2] for r in results])
 
-    def probe_worst_batch(self, model) -> None:
-        """Forward and backward on the micro-batch with the most tokens, and the largest evaluation batch
-        under no-grad, then discard the gradients and put back every random state: training afterwards
-        is bit-identical to a run without the probe, and an out-of-memory error comes in the first minute
-        (and is met as in training: split, or stop)."""
-        trainer, args = self.trainer, self.trainer.args
+    @contextlib.contextmanager
+    def probe_running(self):
+        """Around the worst-batch probe the trainer runs (``GuardedTrainer.probe_worst_batch``): its tokens
+        are not training's, an out-of-memory error in it is met as in training (split, or stop), and
+        every random state is put back after it, so training is bit-identical to a run without it."""
         state = rng_state()
         self.probing = True
-        sync = trainer.accelerator.sync_gradients
         try:
-            batch = self._worst_batch(trainer.train_dataset, args.per_device_train_batch_size)
-            num_items = trainer._get_num_items_in_batch([batch], args.device)
-            trainer.accelerator.gradient_state._set_sync_gradients(False)
-            with trainer.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
-                trainer.training_step(model, batch, num_items)
-            model.zero_grad(set_to_none=True)
-            if trainer.eval_dataset is not None and args.eval_strategy != "no":
-                batch = self._worst_batch(trainer.eval_dataset, args.per_device_eval_batch_size)
-                model.eval()
-                trainer.prediction_step(model, trainer._prepare_inputs(batch), prediction_loss_only=True)
-                model.train()
+            yield
         finally:
-            trainer.accelerator.gradient_state._set_sync_gradients(sync)
             self.probing = False
             set_rng_state(state)
-        log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.parts)
-
-    def _worst_batch(self, dataset, size: int) -> dict[str, Any]:
-        # the tokenized datasets prepare.py builds (a datasets.Dataset with input_ids)
-        lengths = np.array([len(ids) for ids in dataset["input_ids"]])
-        longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
-        rows = self.trainer._remove_unused_columns(dataset.select(longest), description="probe")
-        return self.trainer.data_collator([rows[i] for i in range(len(rows))])
 
     def save_split(self, checkpoint: Path) -> None:
         if self.parts > 1 or self.eval_parts > 1 or self.generation_parts > 1:

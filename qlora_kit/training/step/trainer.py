@@ -9,8 +9,8 @@ trackers, and TRL's DPO, KTO, ORPO and GRPO trainers are Trainers (they override
 ``self.memory_monitor`` (memory/monitor.py) and ``self.guard`` (guards.py). Paths below are under
 ``qlora_kit/``.
 
-Before the first step (``train.probe_worst_batch``): ``_run_epoch`` -> ``OomRecovery.probe_worst_batch``
-runs the longest micro-batch through 1 below and discards its gradients, so an out-of-memory error is
+Before the first step (``train.probe_worst_batch``): ``_run_epoch`` -> ``probe_worst_batch`` runs the
+longest micro-batch through 1 below, inside ``OomRecovery.probe_running``, and discards its gradients, so an out-of-memory error is
 met (split, or stop) in the first minute.
 
 One optimizer step:
@@ -64,6 +64,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
@@ -191,9 +192,39 @@ class GuardedTrainer(Trainer):
         # Private (transformers is pinned <6): the first point where the model is prepared (DDP, FSDP,
         # autocast) and the optimizer built, before step 1's batches are drawn.
         if self.oom.probe_pending and self.state.global_step == 0:
-            self.oom.probe_worst_batch(model)
+            self.probe_worst_batch(model)
         self.oom.probe_pending = False
         return super()._run_epoch(model, epoch, *args, **kwargs)
+
+    def probe_worst_batch(self, model) -> None:
+        """Forward and backward on the micro-batch with the most tokens, and the largest evaluation batch
+        under no-grad, through the step itself, then the gradients discarded and every random state put
+        back (``OomRecovery.probe_running``): an out-of-memory error comes in the first minute, and is met
+        as in training (split, or stop)."""
+        args, sync = self.args, self.accelerator.sync_gradients
+        with self.oom.probe_running():
+            try:
+                batch = self._worst_batch(self.train_dataset, args.per_device_train_batch_size)
+                num_items = self._get_num_items_in_batch([batch], args.device)
+                self.accelerator.gradient_state._set_sync_gradients(False)
+                with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                    self.training_step(model, batch, num_items)
+                model.zero_grad(set_to_none=True)
+                if self.eval_dataset is not None and args.eval_strategy != "no":
+                    batch = self._worst_batch(self.eval_dataset, args.per_device_eval_batch_size)
+                    model.eval()
+                    self.prediction_step(model, self._prepare_inputs(batch), prediction_loss_only=True)
+                    model.train()
+            finally:
+                self.accelerator.gradient_state._set_sync_gradients(sync)
+        log.info("worst-batch probe: the longest micro-batch fits (in %d part(s))", self.oom.parts)
+
+    def _worst_batch(self, dataset, size: int) -> dict:
+        # the tokenized datasets prepare.py builds (a datasets.Dataset with input_ids)
+        lengths = np.array([len(ids) for ids in dataset["input_ids"]])
+        longest = sorted(np.argsort(-lengths, kind="stable")[:size].tolist())
+        rows = self._remove_unused_columns(dataset.select(longest), description="probe")
+        return self.data_collator([rows[i] for i in range(len(rows))])
 
     # ---- checkpoints, the final save, resume ------------------------------------------------------
     def _save_checkpoint(self, model, trial) -> None:

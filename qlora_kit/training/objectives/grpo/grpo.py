@@ -30,8 +30,9 @@ What this module changes in TRL's behaviour, and why:
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from accelerate import PartialState
@@ -47,10 +48,13 @@ from qlora_kit.training.objectives.reference_adapter import describe_reference
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard, all_zero
+from qlora_kit.training.step.oom_split import rows_of
 from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
 
 
 def grpo_arguments(recipe: Recipe, output_dir: Path, has_eval: bool, precision: str) -> GRPOConfig:
@@ -171,6 +175,51 @@ class GuardedGRPOTrainer(GuardedTrainer, GRPOTrainer):
         self.oom.policy_logps_done()  # several processes agree before TRL's loss all-reduces (grpo/oom.py)
         return result
 
+    # ---- the worst batch first ------------------------------------------------------------------
+    def probe_worst_batch(self, model) -> None:
+        """The longest prompts sampled to max_completion_length, then the policy step on them, inside
+        ``OomRecovery.probe_running``; then TRL's step count, metrics and logs put back (grpo/oom.py's
+        module docstring)."""
+        step, metrics = self._step, self._metrics
+        seen, logs = self.state.num_input_tokens_seen, self._logs
+        self._metrics = {"train": _Discard(), "eval": _Discard()}
+        self._logs = {name: _Discard() for name in ("images", "prompt", "completion", "advantages")}
+        self._logs["rewards"], self._logs["extra"] = _Discard(), _Discard()
+        sync = self.accelerator.sync_gradients
+        self.generation_config.min_new_tokens = self.max_completion_length  # no early end of sequence
+        with self.oom.probe_running():
+            try:
+                rollout = self._generate_and_score_completions(self._longest_prompts())
+                size = self.args.per_device_train_batch_size
+                first = {k: v[:size] if _per_row(v, rollout) else v for k, v in rollout.items()}
+                self.accelerator.gradient_state._set_sync_gradients(False)
+                with self.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
+                    self.policy_step(model, first, None)
+                model.zero_grad(set_to_none=True)
+            finally:
+                self.generation_config.min_new_tokens = None
+                self.accelerator.gradient_state._set_sync_gradients(sync)
+                self._step, self._metrics, self._logs = step, metrics, logs
+                self.state.num_input_tokens_seen = seen
+        log.info(
+            "worst-batch probe: %d completions of %d tokens of the longest prompts fit (generation in %d "
+            "call(s), the policy step in %d part(s))",
+            rows_of(rollout),
+            self.max_completion_length,
+            self.oom.generation_parts,
+            self.oom.parts,
+        )
+
+    def _longest_prompts(self) -> list[dict[str, Any]]:
+        """One process's generation batch of the longest prompts, each num_generations times (the sampler's
+        layout: a prompt's copies adjacent)."""
+        dataset = self.train_dataset
+        prompt_ids, _, _ = self._tokenize_prompts([row["prompt"] for row in dataset])
+        args = self.args
+        prompts = args.per_device_train_batch_size * args.steps_per_generation // self.num_generations
+        order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))[: max(prompts, 1)]
+        return [dataset[i] for i in order for _ in range(self.num_generations)]
+
     def _send_telemetry(self) -> None:
         pass
 
@@ -256,3 +305,26 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     names = [function.__name__ for function in extras["reward_funcs"]]
     explainer = GrpoExplainer(names, args.beta, args.num_iterations, args.num_generations)
     return GuardedGRPOTrainer, args, RewardGuard, {**extras, "callbacks": [explainer]}
+
+
+def _per_row(value: Any, rollout: dict[str, Any]) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows_of(rollout)
+
+
+class _Discard:
+    """A stand-in for TRL's metric and log stores while the probe runs: whatever is put in is dropped."""
+
+    def __getitem__(self, key):
+        return self
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+    def __setitem__(self, key, value) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return 0
+
+    def __iter__(self):
+        return iter(())

@@ -24,7 +24,8 @@ gathers completion lengths right after, where a process that failed must not be 
 step's flags are OomRecovery's, plus one after the policy's log-probabilities, before TRL's metric
 all-reduces in the loss.
 
-The worst batch first (``train.probe_worst_batch``): before step 1 the longest prompts of the data
+The worst batch first (``train.probe_worst_batch``: ``GuardedGRPOTrainer.probe_worst_batch``, grpo.py,
+inside ``OomRecovery.probe_running``): before step 1 the longest prompts of the data
 (one generation batch of them, each ``num_generations`` times) are sampled to ``max_completion_length``
 (end of sequence suppressed), then the policy step runs on the first micro-batch of that rollout; the
 gradients, metrics and random states are put back, so training is what it would be without the probe.
@@ -168,74 +169,3 @@ class GrpoOomRecovery(OomRecovery):
                 },
             }
         )
-
-    # ---- the worst batch first ------------------------------------------------------------------
-    def probe_worst_batch(self, model) -> None:
-        """The longest prompts sampled to max_completion_length, then the policy step on them; then
-        everything put back (module docstring)."""
-        trainer = self.trainer
-        state, step, metrics = rng_state(), trainer._step, trainer._metrics
-        seen, logs = trainer.state.num_input_tokens_seen, trainer._logs
-        trainer._metrics = {"train": _Discard(), "eval": _Discard()}
-        trainer._logs = {name: _Discard() for name in ("images", "prompt", "completion", "advantages")}
-        trainer._logs["rewards"], trainer._logs["extra"] = _Discard(), _Discard()
-        self.probing = True
-        sync = trainer.accelerator.sync_gradients
-        trainer.generation_config.min_new_tokens = trainer.max_completion_length  # no early end of sequence
-        try:
-            rollout = trainer._generate_and_score_completions(self._longest_prompts())
-            size = trainer.args.per_device_train_batch_size
-            first = {k: v[:size] if _per_row(v, rollout) else v for k, v in rollout.items()}
-            trainer.accelerator.gradient_state._set_sync_gradients(False)
-            with trainer.accelerator.no_sync(model):  # nothing is reduced: the gradients are dropped
-                trainer.policy_step(model, first, None)
-            model.zero_grad(set_to_none=True)
-        finally:
-            trainer.generation_config.min_new_tokens = None
-            trainer.accelerator.gradient_state._set_sync_gradients(sync)
-            self.probing = False
-            trainer._step, trainer._metrics, trainer._logs = step, metrics, logs
-            trainer.state.num_input_tokens_seen = seen
-            set_rng_state(state)
-        log.info(
-            "worst-batch probe: %d completions of %d tokens of the longest prompts fit (generation in %d "
-            "call(s), the policy step in %d part(s))",
-            rows_of(rollout),
-            trainer.max_completion_length,
-            self.generation_parts,
-            self.parts,
-        )
-
-    def _longest_prompts(self) -> list[dict[str, Any]]:
-        """One process's generation batch of the longest prompts, each num_generations times (the sampler's
-        layout: a prompt's copies adjacent)."""
-        trainer = self.trainer
-        dataset = trainer.train_dataset
-        prompt_ids, _, _ = trainer._tokenize_prompts([row["prompt"] for row in dataset])
-        args = trainer.args
-        prompts = args.per_device_train_batch_size * args.steps_per_generation // trainer.num_generations
-        order = sorted(range(len(prompt_ids)), key=lambda i: -len(prompt_ids[i]))[: max(prompts, 1)]
-        return [dataset[i] for i in order for _ in range(trainer.num_generations)]
-
-
-def _per_row(value: Any, rollout: dict[str, Any]) -> bool:
-    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows_of(rollout)
-
-
-class _Discard:
-    """A stand-in for TRL's metric and log stores while the probe runs: whatever is put in is dropped."""
-
-    def __getitem__(self, key):
-        return self
-
-    def __getattr__(self, name):
-        return lambda *args, **kwargs: None
-
-    def __setitem__(self, key, value) -> None:
-        pass
-
-    def __len__(self) -> int:
-        return 0
-
-    def __iter__(self):
-        return iter(())
