@@ -363,7 +363,7 @@ MUTATIONS = [
     ),
     (
         "a GRPO rollout's tokens are not counted (issue 50's AttributeError, then KeyError)",
-        "qlora_kit/training/step/oom_split.py",
+        "qlora_kit/training/step/oom/rows.py",
         'if "prompt_mask" in inputs:',
         "if False:",
         ["tests/test_grpo_oom.py::test_a_rollout_is_measured_and_split_like_a_micro_batch"],
@@ -388,7 +388,7 @@ MUTATIONS = [
     ),
     (
         "the generation split is not written into a checkpoint",
-        "qlora_kit/training/step/oom_split.py",
+        "qlora_kit/training/step/oom/split_file.py",
         "if generation_parts > 1:",
         "if False:",
         ["tests/test_grpo_oom.py::test_the_generation_split_is_written_into_a_checkpoint_and_read_back"],

@@ -225,8 +225,8 @@ def autocast_left_as_found():
     """A test that leaves torch's autocast changed fails itself, not the next test its worker runs: left on,
     autocast's cache of casts is never emptied, and a later run in the process trains on LoRA weights as
     they were cast then (CI, 2026-12-05: a GRPO test's failed probe, then an unrelated test's run whose
-    every LoRA A got no gradient). training/step/oom_split.py's autocast_kept is the fix."""
-    from qlora_kit.training.step.oom_split import AutocastState
+    every LoRA A got no gradient). training/step/oom/autocast_state.py's autocast_kept is the fix."""
+    from qlora_kit.training.step.oom.autocast_state import AutocastState
 
     before = AutocastState.now()
     yield

@@ -303,7 +303,7 @@ def test_the_dead_gradient_guard_waits_for_a_step_with_a_reward_signal():
 
 def test_grpo_probes_and_splits_as_the_recipe_says(tmp_path):
     # GRPO splits its rollouts and its policy step and probes its worst batch (training/objectives/grpo/oom.py)
-    from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
+    from qlora_kit.training.step.oom.policy import oom_policy, probes_worst_batch
 
     recipe = grpo_recipe(tmp_path / "out", probe_worst_batch=True)
     assert probes_worst_batch(recipe)

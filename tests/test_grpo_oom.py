@@ -9,18 +9,10 @@ import torch
 
 from qlora_kit.testing import oom_faults
 from qlora_kit.training.objectives.grpo.oom import MEAN_OVER, GrpoOomRecovery
-from qlora_kit.training.step.oom_split import (
-    Failure,
-    OomPolicy,
-    read_generation_parts,
-    read_split,
-    rows_of,
-    split_rows,
-    stop_message,
-    tokens_of,
-    width_of,
-    write_split,
-)
+from qlora_kit.training.step.oom.failure import Failure, stop_message
+from qlora_kit.training.step.oom.policy import OomPolicy
+from qlora_kit.training.step.oom.rows import rows_of, split_rows, tokens_of, width_of
+from qlora_kit.training.step.oom.split_file import read_generation_parts, read_split, write_split
 
 
 def rollout() -> dict:

@@ -16,15 +16,10 @@ from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.testing import oom_faults
 from qlora_kit.training.run_folder.run_record import oom_rows
-from qlora_kit.training.step.oom_split import (
-    AutocastState,
-    autocast_kept,
-    oom_policy,
-    read_split,
-    split_rows,
-    tokens_of,
-    write_split,
-)
+from qlora_kit.training.step.oom.autocast_state import AutocastState, autocast_kept
+from qlora_kit.training.step.oom.policy import oom_policy
+from qlora_kit.training.step.oom.rows import split_rows, tokens_of
+from qlora_kit.training.step.oom.split_file import read_split, write_split
 
 
 def padded_batch() -> dict:
@@ -93,12 +88,12 @@ def test_under_fsdp_split_falls_back_to_stop_with_one_warning(caplog):
         "optimizer": {"name": "adamw_torch"},
         "quant": {"quant_storage": "bfloat16"},
     }
-    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom_split"):
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom.policy"):
         assert oom_policy(Recipe.from_dict(fsdp)).on_oom == "stop"
     [warning] = [r.getMessage() for r in caplog.records]
     assert warning.startswith("train.on_oom: split is not available under FSDP")
     assert oom_policy(Recipe.from_dict({})).on_oom == "split"  # one process, DDP: the default stays
-    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom_split"):
+    with caplog.at_level(logging.WARNING, logger="qlora_kit.training.step.oom.policy"):
         caplog.clear()
         stop = fsdp | {"train": {"fsdp": True, "on_oom": "stop"}}
         assert (

@@ -25,7 +25,7 @@ from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.registries import objectives
 from qlora_kit.training.step import callbacks as step_callbacks
 from qlora_kit.training.step.arguments import pin_to_one_device
-from qlora_kit.training.step.oom_split import oom_policy, probes_worst_batch
+from qlora_kit.training.step.oom.policy import oom_policy, probes_worst_batch
 from qlora_kit.training.step.trainer import GuardedTrainer
 from qlora_kit.training.watch import expert_load
 from qlora_kit.training.watch.expert_load import ExpertLoad

@@ -17,7 +17,7 @@ import pytest
 from qlora_kit import Recipe
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.testing import oom_faults
-from qlora_kit.training.step.oom_split import AutocastState
+from qlora_kit.training.step.oom.autocast_state import AutocastState
 from tests.conftest import once_per_session, run_cli_output
 from tests.e2e.test_distributed import free_port
 from tests.e2e.test_oom import ROOT, launched, metrics, splits
@@ -52,7 +52,7 @@ import json, sys
 from qlora_kit import Recipe, train
 from qlora_kit.testing import faults, oom_faults
 faults.install()
-from qlora_kit.training.step.oom_split import AutocastState
+from qlora_kit.training.step.oom.autocast_state import AutocastState
 result = train(Recipe.from_dict(json.loads(open(sys.argv[1]).read())))
 peaks = {"train": oom_faults.INJECTOR.peaks, "generation": oom_faults.INJECTOR.generation_peaks}
 autocast = AutocastState.now()
@@ -114,7 +114,7 @@ def test_a_policy_step_over_the_cap_splits_and_keeps_the_rewards(reference, tmp_
     saved = json.loads((result.output_dir / "checkpoint-1" / "micro_batch_split.json").read_text())
     assert saved["parts"] == 2
     # the error came from inside TRL's forward under accelerate's autocast, which accelerate 1.10.1 (our
-    # floor) left on: the run's later forward passes on LoRA weights cast before it (oom_split.py)
+    # floor) left on: the run's later forward passes on LoRA weights cast before it (oom/autocast_state.py)
     assert result.autocast_after == [False, 0]
 
 

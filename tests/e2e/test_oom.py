@@ -486,7 +486,7 @@ def test_a_failed_attempt_leaves_nothing_allocated_for_the_retry(tmp_path, monke
     holding the long row passes a cap at 0.8 of its own peak, the step is split and redone, and no
     tensor allocated by the failed attempt is alive when the retry begins: under none a forward pass's
     graph (accounting.py's saved tensors, held detached), under the checkpointing policies a failed
-    recompute's nodes left in autograd's ready queue (oom_split.release_memory drains it)."""
+    recompute's nodes left in autograd's ready queue (oom/failure.py's release_memory drains it)."""
     _, allocations = allocation_capped(tmp_path / "free", monkeypatch, 10**15, policy)
     cap = int(0.8 * max(allocations.peaks))
     result, allocations = allocation_capped(tmp_path / "capped", monkeypatch, cap, policy)

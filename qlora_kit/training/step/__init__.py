@@ -9,8 +9,9 @@
 - ``interrupts``: a signal -> a checkpoint;
 - ``oom_recovery``: ``OomRecovery``, the object the step calls: an out-of-memory error in a step splits
   the micro-batch and keeps the global batch;
-- ``oom_split``: the out-of-memory split policy, without a Trainer (the policy from the recipe, a
-  micro-batch cut in parts, the split file, the messages).
+- ``oom/``: the pieces of that recovery that need no Trainer, one concern a module (the recipe's policy,
+  a micro-batch's rows cut in parts, the autocast and random states, the split file, a failure's figures
+  and messages).
 
 What one process of several does differently (DDP, FSDP2) is ``training/distributed.py``, which the step
 and what watches it (``watch/``) both read.

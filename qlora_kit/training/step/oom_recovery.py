@@ -54,25 +54,19 @@ from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.distributed import over_ranks
-from qlora_kit.training.step.oom_split import (
+from qlora_kit.training.step.oom.autocast_state import autocast_kept
+from qlora_kit.training.step.oom.failure import (
     Failure,
-    OomPolicy,
-    autocast_kept,
-    concat,
     held_after_release,
     memory_figures,
-    read_generation_parts,
-    read_split,
     release_memory,
-    rng_state,
-    rows_of,
-    set_rng_state,
     split_record,
-    split_rows,
     stop_message,
-    tokens_of,
-    write_split,
 )
+from qlora_kit.training.step.oom.policy import OomPolicy
+from qlora_kit.training.step.oom.random_state import rng_state, set_rng_state
+from qlora_kit.training.step.oom.rows import concat, rows_of, split_rows, tokens_of
+from qlora_kit.training.step.oom.split_file import read_generation_parts, read_split, write_split
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -150,7 +144,7 @@ class OomRecovery:
         fault_seam.installed().attempt_started()
         try:
             total = None
-            with autocast_kept():  # an error inside accelerate's autocast leaves it on (oom_split.py)
+            with autocast_kept():  # an error inside accelerate's autocast leaves it on (oom/autocast_state.py)
                 for batch in batches:
                     loss = self._run_in_parts(model, batch, num_items_in_batch, forward_backward)
                     total = loss if total is None else total + loss

@@ -33,7 +33,7 @@ One optimizer step:
         left in an all-reduce when another runs out of memory);
 
       on an out-of-memory error, the step's micro-batches so far again in twice the parts, or a stop
-      with one line, by the recipe's policy (oom_split.py: ``oom_policy``, the cut rows, the split file,
+      with one line, by the recipe's policy (oom/: ``policy.oom_policy``, the cut rows, the split file,
       the messages);
    c. the backward phase's peak: ``MemoryMonitor.backward_done``;
    d. its loss into the guard's device flag, no host read: ``TrainingGuard.record_loss``.
@@ -75,8 +75,8 @@ from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model import adapters
 from qlora_kit.training.run_folder.outputs import move_into_place, staging_dir
 from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.oom.policy import OomPolicy
 from qlora_kit.training.step.oom_recovery import OomRecovery
-from qlora_kit.training.step.oom_split import OomPolicy
 
 if TYPE_CHECKING:
     from qlora_kit.memory.monitor import MemoryMonitor

@@ -48,7 +48,7 @@ from qlora_kit.training.objectives.reference_adapter import describe_reference
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard, all_zero
-from qlora_kit.training.step.oom_split import rows_of
+from qlora_kit.training.step.oom.rows import rows_of
 from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:

@@ -43,16 +43,11 @@ import torch
 from qlora_kit.errors import TrainingGuardError
 from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training.step.oom.autocast_state import autocast_kept
+from qlora_kit.training.step.oom.failure import Failure, memory_figures, release_memory
+from qlora_kit.training.step.oom.random_state import rng_state, set_rng_state
+from qlora_kit.training.step.oom.rows import rows_of
 from qlora_kit.training.step.oom_recovery import OomRecovery
-from qlora_kit.training.step.oom_split import (
-    Failure,
-    autocast_kept,
-    memory_figures,
-    release_memory,
-    rng_state,
-    rows_of,
-    set_rng_state,
-)
 
 log = logging.getLogger(__name__)
 
