@@ -144,7 +144,9 @@ class OomRecovery:
         fault_seam.installed().attempt_started()
         try:
             total = None
-            with autocast_kept():  # an error inside accelerate's autocast leaves it on (oom/autocast_state.py)
+            with (
+                autocast_kept()
+            ):  # an error inside accelerate's autocast leaves it on (oom/autocast_state.py)
                 for batch in batches:
                     loss = self._run_in_parts(model, batch, num_items_in_batch, forward_backward)
                     total = loss if total is None else total + loss

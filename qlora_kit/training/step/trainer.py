@@ -49,9 +49,9 @@ One optimizer step:
    checkpoint and a stop, at the same step on all;
 6. ``on_log``, when due, in the order callbacks.py lists the callbacks: the figures added to the logs,
    then written (metrics file, trackers, the run console last);
-7. a checkpoint when due: ``_save_checkpoint`` stages it with the split (``OomRecovery.save_split``)
-   and the costs auto chose by, then renames it into place (``move_into_place``,
-   training/run_folder/outputs.py).
+7. a checkpoint when due: ``_save_checkpoint`` hands the library's save to ``StagedCheckpoints.save``
+   (training/run_folder/checkpoints.py), which stages it, adds the split (``OomRecovery.save_split``) and
+   the costs auto chose by, then renames it into place.
 
 The private Trainer methods overridden here are named, with the reason no public hook serves, in
 private_hooks.py, which checks at import that each still exists.
@@ -59,8 +59,8 @@ private_hooks.py, which checks at import that each still exists.
 
 from __future__ import annotations
 
+import functools
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,8 +72,7 @@ from transformers.trainer_pt_utils import LengthGroupedSampler
 from qlora_kit.memory import fault_seam, layer_costs, layout_costs, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
-from qlora_kit.model import adapters
-from qlora_kit.training.run_folder.outputs import move_into_place, staging_dir
+from qlora_kit.training.run_folder.checkpoints import StagedCheckpoints, save_final
 from qlora_kit.training.step import private_hooks
 from qlora_kit.training.step.oom.policy import OomPolicy
 from qlora_kit.training.step.oom_recovery import OomRecovery
@@ -125,7 +124,7 @@ class GuardedTrainer(Trainer):
         self.repaged_tensors = 0  # optimizer state tensors put back into paged memory on resume
         self.layer_costs: layer_costs.LayerCosts | None = None  # checkpointing auto's (training/resolved.py)
         self.layout_costs: layout_costs.LayoutCosts | None = None  # data.packing auto's
-        self._staging: Path | None = None
+        self.checkpoints = StagedCheckpoints()  # where a checkpoint is written while it is (run_folder/)
 
     # ---- one step (the module docstring's items 0 and 1) ------------------------------------------
     def get_batch_samples(self, epoch_iterator, num_batches, device):
@@ -226,65 +225,32 @@ class GuardedTrainer(Trainer):
         rows = self._remove_unused_columns(dataset.select(longest), description="probe")
         return self.data_collator([rows[i] for i in range(len(rows))])
 
-    # ---- checkpoints, the final save, resume ------------------------------------------------------
+    # ---- checkpoints, the final save (run_folder/checkpoints.py), resume ---------------------------
     def _save_checkpoint(self, model, trial) -> None:
-        # Write the whole checkpoint under .staging/, then rename it into place: a kill mid-save leaves
-        # the previous checkpoint as the newest complete one, never a half-written one. Every rank writes
-        # its part (RNG states) into the same staging folder; the main process moves it once all are done.
-        output_dir = Path(self.args.output_dir)
-        self._staging = staging_dir(output_dir, name=f"step-{self.state.global_step}")
-        try:
-            super()._save_checkpoint(model, trial)
-        finally:
-            staged, self._staging = self._staging, None
-        if self.args.should_save:  # the micro-batch split a --resume continues with
-            self.oom.save_split(staged / f"checkpoint-{self.state.global_step}")
-        if self.args.should_save and self.layer_costs is not None:  # and the costs auto chose its layers by
-            layer_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layer_costs)
-        if (
-            self.args.should_save and self.layout_costs is not None
-        ):  # and the figures auto chose its layout by
-            layout_costs.write(staged / f"checkpoint-{self.state.global_step}", self.layout_costs)
-        self._record_best_where_it_will_be(staged, output_dir)
-        self.accelerator.wait_for_everyone()
-        if self.accelerator.is_main_process:
-            for checkpoint in staged.glob("checkpoint-*"):
-                move_into_place(checkpoint, output_dir / checkpoint.name)
-            shutil.rmtree(staged, ignore_errors=True)
-        self.accelerator.wait_for_everyone()
+        # staged whole, then renamed into place; the library's own save writes it
+        write = functools.partial(super()._save_checkpoint, model, trial)
+        self.checkpoints.save(self.args, self.state, self.accelerator, write, self._add_to_checkpoint)
 
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # The adapter and tokenizer, as the final folder holds them (adapters.save_adapter). Replaces the
-        # Trainer's: under FSDP it writes a model only with FULL_STATE_DICT, and then gathers the whole
-        # model, 4-bit base included, onto one process. Here every rank gathers the adapter alone. (The
-        # sharded adapter and optimizer state the Trainer resumes from are written beside it.)
-        output_dir = output_dir or self.args.output_dir
-        adapter = adapters.full_adapter_state(self.model) if self.is_fsdp_enabled else None
-        if self.args.should_save:
-            adapters.save_adapter(
-                self.accelerator.unwrap_model(self.model, keep_torch_compile=False), output_dir, adapter
-            )
-            if self.processing_class is not None:
-                self.processing_class.save_pretrained(output_dir)
-
-    def _record_best_where_it_will_be(self, staged: Path, output_dir: Path) -> None:
-        # The Trainer records the best checkpoint as the folder it has just written, here under .staging/:
-        # record where it is moved to, in the state and in the checkpoint's trainer_state.json (a resume
-        # reads it from there, and would drop a path that no longer exists).
-        best = self.state.best_global_step
-        if not best or self.state.best_model_checkpoint is None:
-            return
-        final = output_dir / f"checkpoint-{best}"
-        if Path(self.state.best_model_checkpoint) == final:
-            return
-        self.state.best_model_checkpoint = str(final)
-        if self.args.should_save:
-            self.state.save_to_json(
-                str(staged / f"checkpoint-{self.state.global_step}" / "trainer_state.json")
-            )
+    def _add_to_checkpoint(self, checkpoint: Path) -> None:
+        self.oom.save_split(checkpoint)  # the micro-batch split a --resume continues with
+        if self.layer_costs is not None:  # and the costs auto chose its layers by
+            layer_costs.write(checkpoint, self.layer_costs)
+        if self.layout_costs is not None:  # and the figures auto chose its layout by
+            layout_costs.write(checkpoint, self.layout_costs)
 
     def _get_output_dir(self, trial) -> str:
-        return str(self._staging) if self._staging is not None else super()._get_output_dir(trial)
+        return self.checkpoints.output_dir(super()._get_output_dir(trial))
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        unwrapped = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        save_final(
+            self.model,
+            unwrapped,
+            output_dir or self.args.output_dir,
+            self.processing_class,
+            self.is_fsdp_enabled,
+            self.args.should_save,
+        )
 
     def _get_train_sampler(self, train_dataset=None):
         # group_by_length: transformers' sampler draws each epoch's order from the global random state at
