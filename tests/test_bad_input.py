@@ -404,6 +404,9 @@ def test_target_modules_that_match_nothing_list_the_models_linear_layers(tmp_pat
 def test_a_budget_no_policy_fits_is_refused_with_the_knobs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     settings = ["--set", "memory.checkpointing=auto", "--set", "memory.budget_gb=0.001"]
+    # the layout and the loss head set, not chosen: their choices (timed, planned) come before this
+    # refusal and are proved in tests/test_layout.py and tests/test_loss_choice.py
+    settings += ["--set", "data.packing=true", "--set", "memory.chunked_loss=true"]
     code, err = run_cli(
         ["train", RECIPE, "--output-dir", str(tmp_path / "out"), *settings], monkeypatch, capsys
     )
