@@ -96,6 +96,16 @@ def table(junit: Path, wall: float | None, command: str) -> str:
     return "\n".join(lines)
 
 
+MOVES = "\n## What moved where"
+
+
+def moves(old_table: Path) -> str:
+    """The section of the old table that says which tests were made cheaper or changed tier, and why
+    (written by hand), to keep below the new one; empty when there is none."""
+    text = old_table.read_text(encoding="utf-8") if old_table.is_file() else ""
+    return "\n" + text[text.index(MOVES) :].lstrip("\n") if MOVES in text else ""
+
+
 def main() -> int:
     args = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     args.add_argument("--junit", type=Path, help="a JUnit XML file of a run made earlier (no run then)")
@@ -109,7 +119,8 @@ def main() -> int:
         junit = Path(tempfile.mkdtemp()) / "suite.xml"
         wall = run_suite(options.pytest_args, junit)
         command = f"python scripts/suite_durations.py {' '.join(options.pytest_args)}".strip()
-    options.out.write_text(table(junit, wall, command), encoding="utf-8")
+    kept = moves(options.out)  # the hand-written record of what moved where survives a new table
+    options.out.write_text(table(junit, wall, command) + kept, encoding="utf-8")
     print(f"{options.out}: written" + (f" (wall time {wall:,.0f} s)" if wall is not None else ""))
     return 0
 
