@@ -24,14 +24,14 @@ PRIVATE_OVERRIDES = {
     "_load_optimizer_and_scheduler": (
         "a resumed paged optimizer pages again: no callback runs between loading its state and step 1"
     ),
-    # step/oom_recovery.py
+    # step/trainer.py (the worst-batch probe)
     "_run_epoch": (
         "the worst-batch probe: on_train_begin runs before the model is prepared (DDP, FSDP, autocast) "
         "and the optimizer built; _run_epoch is the first point after both"
     ),
     # objectives/dpo.py
     "_prepare_dataset": "DPO's rows arrive tokenized (data/preference.py); TRL has no switch to skip its own",
-    # objectives/reference_adapter.py (DPO, KTO), objectives/grpo/grpo.py
+    # objectives/dpo.py, kto.py, grpo/grpo.py
     "_send_telemetry": "TRL reports usage over the network; a training run here makes no such call",
     # objectives/grpo/grpo.py
     "_get_per_token_logps_and_entropies": (
