@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
-from trl.data_utils import common_prefix_length
+from trl.data_utils import apply_chat_template, common_prefix_length
 
 from qlora_kit.data import format_hints, preference
 from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
@@ -25,8 +25,15 @@ def prepare_feedback(data, tokenizer, seed: int) -> PreparedData:
     and deduplicated as every objective's, then shuffled once with the seed (TRL reads them in order:
     its KL baseline); validation rows from data.val_path, data.val_fraction or the builtin set."""
 
+    # A mixture of text and conversational sources: one column cannot hold both, so the conversations are
+    # rendered to text by TRL's own apply_chat_template (what TRL's KTO collator does with them)
+    mixed = len({FORMATS[fmt].chat_template for _, fmt in data.formats_by_field()}) > 1
+
     def answers(rows: datasets.Dataset, fmt: str, source: str) -> tuple[datasets.Dataset, LengthReport]:
-        return _answers(trl_rows(rows, data, source, tokenizer, fmt), source, tokenizer)
+        trl = trl_rows(rows, data, source, tokenizer, fmt)
+        if mixed and FORMATS[fmt].chat_template:
+            trl = trl.map(apply_chat_template, fn_kwargs={"processing_class": tokenizer})
+        return _answers(trl, source, tokenizer)
 
     mixture = mix_sources(data, seed, answers)
     train = mixture.train.shuffle(seed=seed)
