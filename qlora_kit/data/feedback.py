@@ -47,16 +47,24 @@ def _answers(rows: datasets.Dataset, source: str, tokenizer) -> tuple[datasets.D
     row (it truncates to preference.max_length itself), each answer's tokens trained."""
     ids = [token_ids(row, tokenizer) for row in rows]
     lengths = [len(p) + len(a) for p, a in ids]
+    trained = [len(a) for _, a in ids]  # each answer's tokens (what the mixture's report counts)
     digests = [text_digest(r["prompt"], r["completion"], r["label"]) for r in rows]
-    labelled = sum(rows["label"])
     report = LengthReport(
         source,
         len(rows),
         lengths=lengths,
-        trained_tokens=sum(len(a) for _, a in ids),
-        labels=f" ({labelled} desirable, {len(rows) - labelled} undesirable answers)",
+        trained_tokens=sum(trained),
+        labels=label_phrase(rows),
+        label_phrase=label_phrase,
     )
-    return rows.add_column("length", lengths).add_column(DIGEST, digests), report
+    rows = rows.add_column("length", lengths).add_column("trained_tokens", trained)
+    return rows.add_column(DIGEST, digests), report
+
+
+def label_phrase(rows: datasets.Dataset) -> str:
+    """`` (163 desirable, 163 undesirable answers)`` for these labelled answers."""
+    labelled = sum(rows["label"])
+    return f" ({labelled} desirable, {len(rows) - labelled} undesirable answers)"
 
 
 def trl_rows(
