@@ -172,13 +172,23 @@ def plan(
         Checked("--processes", bounds={"ge": 1}),
     ] = 1,
     with_data: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--with-data",
-            help="Also read the recipe's data (tokenized, cached for the run): count only the largest "
-            "trained share of an example's positions as the chunked head's, as the run plans.",
+            "--with-data/--no-data",
+            help="Read the recipe's data (tokenized, cached for the run) and plan the batch the run will have: "
+            "the layout data.packing chooses, the longest row, a padding mask only where rows differ in "
+            "length, the chunked head's largest trained share (default: when the model and data are "
+            "builtin or local and no --batch/--seq/--padded is given).",
         ),
-    ] = False,
+    ] = None,
+    padded: Annotated[
+        bool | None,
+        typer.Option(
+            "--padded/--no-padded",
+            help="Without the data: plan rows padded with their attention mask (the default, the larger), "
+            "or rows of one length (no mask).",
+        ),
+    ] = None,
     max_seq_len: Annotated[
         bool,
         typer.Option(
@@ -188,8 +198,8 @@ def plan(
         ),
     ] = False,
 ) -> None:
-    """Predict peak memory per GPU from the model config alone (and with --with-data, its data), for
-    every checkpointing policy."""
+    """Predict peak memory per GPU from the model config (and, where readable, the batch its data makes),
+    for every checkpointing policy."""
     resolved = load_recipe(recipe, set_)
     if max_seq_len:
         from qlora_kit.memory.max_length import STEP, longest_fits
@@ -208,7 +218,7 @@ def plan(
         return
     from qlora_kit.training.recipe_plan import plan_recipe
 
-    planned = plan_recipe(resolved, device, budget_gb, batch, seq, processes, with_data)
+    planned = plan_recipe(resolved, device, budget_gb, batch, seq, processes, with_data, padded)
     if as_json:
         print(json.dumps(views.plan_as_dict(planned, budget_gb), indent=2))
         return

@@ -139,6 +139,7 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
 def show_plan(console: Console, planned: RecipePlan, budget_gb: float | None) -> None:
     """``qlora-kit plan``: the plan's tables, then the loss head it planned and why."""
     show_plan_tables(console, planned.plan, planned.recipe, budget_gb)
+    console.print(planned.batch, highlight=False, markup=False)
     if planned.head is not None:
         console.print(f"loss head: {planned.head.describe()}", highlight=False, markup=False)
 
@@ -237,6 +238,7 @@ def show_longest_fits(console: Console, fits: list, recipe: Recipe, budget_gb: f
 def plan_as_dict(planned: RecipePlan, budget_gb: float | None) -> dict[str, Any]:
     """The plan for scripts (``qlora-kit plan --json``): every size in bytes, and the loss head planned."""
     result = plan_tables_as_dict(planned.plan, planned.recipe, budget_gb)
+    result["padded"], result["batch_layout"] = planned.plan.padded, planned.batch
     if planned.head is not None:
         head = planned.head
         result["loss_head"] = {"chunked": head.chunked, "chunk_tokens": head.chunk_tokens, "why": head.why}
