@@ -204,8 +204,9 @@ def test_plan_says_which_head_figures_are_closed_form(family, chunked, head_from
 
 
 def test_plan_with_data_counts_only_the_trained_share_of_the_head(monkeypatch, capsys):
-    """The demo's alpaca prompts are untrained: with --with-data the chunked head's figure drops to the
-    data's largest trained share, and the plan says so; without, every position counts. The chunked head is
+    """The demo's alpaca prompts are untrained: with its data (plan's default for builtin data, or
+    --with-data) the chunked head's figure drops to the data's largest trained share, and the plan says
+    so; with --no-data every position counts. The chunked head is
     set: auto picks full logits for the demo on a CPU's memory, and full logits keep every position."""
 
     def full_policy(*flags: str) -> tuple[int, str]:
@@ -217,8 +218,9 @@ def test_plan_with_data_counts_only_the_trained_share_of_the_head(monkeypatch, c
         (full,) = [p for p in printed["policies"] if p["policy"] == "full"]
         return full["activations"], printed["loss_head_from"]
 
-    blind, blind_from = full_policy()
+    blind, blind_from = full_policy("--no-data")
     seen, seen_from = full_policy("--with-data")
+    assert full_policy() == (seen, seen_from)
     assert blind_from == "traced, the trained positions closed form"
     assert seen_from.startswith("traced, the trained positions closed form (at most ")
     assert seen < blind
