@@ -325,3 +325,19 @@ def test_every_n_under_bf16_with_dropout_on_rows_of_one_length_is_never_under(tm
     assert traced == [measured.per_layer[f"layer {i}"] for i in range(len(layers))]
     activations = planned.plan.chosen(planned.recipe).activations
     assert -0.02 <= activations / measured.total - 1 <= 0.05, (activations, measured.per_layer)
+
+
+def test_plan_says_which_layout_and_mask_it_planned(monkeypatch, capsys):
+    """Without the data the batch is planned padded (the larger plan) unless --no-padded, and the plan says
+    which; with the demo's builtin data (read by default) it says the layout the data makes."""
+
+    def planned(*flags: str) -> dict:
+        argv = ["plan", "recipes/demo.yaml", "--json", "--device", "cpu", *flags]
+        code, out, err = run_cli_output(argv, monkeypatch, capsys)
+        assert code == 0, err[-2000:]
+        return json.loads(out[out.index("{") :])
+
+    padded, one_length = planned("--no-data"), planned("--no-data", "--no-padded")
+    assert padded["padded"] and "--no-padded plans rows of one length" in padded["batch_layout"]
+    assert not one_length["padded"] and "rows of one length, no mask" in one_length["batch_layout"]
+    assert planned()["batch_layout"].startswith("planned the batch from the data: ")
