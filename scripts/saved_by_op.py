@@ -26,6 +26,7 @@ def main() -> None:
     args.add_argument("--batch", type=int, default=2)
     args.add_argument("--seq", type=int, default=256)
     args.add_argument("--padded", action="store_true", help="the run's batch carries a padding mask")
+    args.add_argument("--precision", default="no", choices=["no", "bf16"], help="bf16: under bf16 autocast")
     args.add_argument("--rows", type=int, default=30, help="how many (module, op) rows to print")
     given = args.parse_args()
     recipe = Recipe.from_yaml(given.recipe)
@@ -37,8 +38,10 @@ def main() -> None:
     if given.padded:
         batch["attention_mask"] = torch.ones_like(ids)
         batch["attention_mask"][-1, given.seq * 3 // 4 :] = 0
-    measured = saved_by_op.measured_by_op(peft_model, batch)
-    traced = saved_by_op.traced_by_op(base.config, recipe, given.batch, given.seq, padded=given.padded)
+    measured = saved_by_op.measured_by_op(peft_model, batch, given.precision)
+    traced = saved_by_op.traced_by_op(
+        base.config, recipe, given.batch, given.seq, padded=given.padded, precision=given.precision
+    )
     print(saved_by_op.table(saved_by_op.compare(measured, traced), given.rows))
 
 

@@ -763,3 +763,53 @@ def test_a_row_in_another_formats_shape_names_that_format(given, shaped, tmp_pat
     chat, was_chat = FORMATS[shaped].chat_template, FORMATS[given].chat_template
     what = "message lists" if chat and not was_chat else "text" if was_chat and not chat else "'"
     assert f"(data.format: {shaped} reads {what}" in lines[0] and lines[0].endswith(")"), err
+
+
+def feedback_mixture(tmp_path: Path, second_format: str) -> dict:
+    """A KTO recipe mixing the demo's labelled answers (format feedback) with a file of rows of
+    ``second_format`` (its shape from ROW_OF), each source naming its own format; data.format unset."""
+    rows = tmp_path / "second.jsonl"
+    rows.write_text(
+        "".join(json.dumps(ROW_OF[second_format] | {"label": n % 2 == 0}) + "\n" for n in range(8))
+    )
+    return {
+        "data": {
+            "sources": [
+                {"path": "builtin:demo-feedback", "format": "feedback", "rows": 32},
+                {"path": str(rows), "format": second_format},
+            ],
+            "max_seq_len": 64,
+            "val_fraction": 0.0,
+        },
+        "quant": {"compute_dtype": "float32"},
+        "lora": {"dropout": 0.0},
+        "train": {
+            "objective": "kto",
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 2,
+            "micro_batch_size": 8,
+            "eval_steps": None,
+            "sample_prompts": 0,
+        },
+    }
+
+
+@pytest.mark.slow  # two KTO steps on the tiny model (~5 s)
+def test_a_kto_mixture_of_feedback_and_feedback_chat_sources_trains(tmp_path):
+    """The objective's format check reads each source's format, not the defaulted data.format (red when it
+    read data.format: "data.format: train.objective kto trains on answers labelled desirable or not: use
+    feedback or feedback_chat (got alpaca)")."""
+    from qlora_kit import train
+
+    recipe = Recipe.from_dict(feedback_mixture(tmp_path, "feedback_chat"))
+    assert recipe.data.format == "alpaca"  # the default, which no source reads
+    result = train(recipe)
+    assert (result.output_dir / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("second_format", ["alpaca", "preference"])
+def test_a_source_whose_format_another_objective_needs_is_named(tmp_path, second_format):
+    values = feedback_mixture(tmp_path, second_format)
+    with pytest.raises(ValueError, match=r"data\.sources\[1\]\.format") as refused:
+        Recipe.from_dict(values)
+    assert f"(got {second_format})" in str(refused.value) and "data.format:" not in str(refused.value)

@@ -4,9 +4,12 @@ the planner's memory, shown, copied out without overwriting, and the same wherev
 from __future__ import annotations
 
 import shutil
+import time
 from pathlib import Path
 
+import psutil
 import pytest
+import torch
 
 from qlora_kit.recipe import shipped
 from qlora_kit.recipe.recipe import Recipe
@@ -112,17 +115,69 @@ def test_recipes_copy_onto_an_existing_file_is_one_line(tmp_path, monkeypatch, c
     )
 
 
-@pytest.mark.slow  # plans every shipped recipe twice (~20 s on 2 cores)
+def host_memory_reading(monkeypatch, available: int) -> None:
+    """psutil's reading of the host's available memory, as another machine (or moment) would give it."""
+    reading = psutil.virtual_memory()._replace(available=available)
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: reading)
+
+
+def test_every_gpu_recipe_states_the_memory_it_is_written_for():
+    """A recipe for a GPU (a hub model) states its GPU's memory, so that its plan on any machine budgets by
+    it and not by the memory of the machine that reads it."""
+    for path in RECIPES:
+        recipe = Recipe.from_yaml(path)
+        if not recipe.model.path.startswith("builtin:"):
+            assert recipe.memory.budget_gb is not None, path.stem
+
+
+def test_recipes_lists_the_same_under_two_memory_readings_in_seconds(monkeypatch, capsys):
+    """The listing reads nothing of this machine's memory and plans nothing unless asked (red when it
+    planned every recipe: 119 s here, and a GPU recipe's line followed the host's free memory)."""
+    listings = []
+    for available in (2**20, 2**40):  # 1 MiB free, then 1 TiB free
+        host_memory_reading(monkeypatch, available)
+        started = time.monotonic()
+        code, out, _ = run_cli(["recipes"], monkeypatch, capsys)
+        assert code == 0 and time.monotonic() - started < 10
+        listings.append(out)
+    assert listings[0] == listings[1]
+    lines = {line.split()[0]: line for line in listings[0].splitlines()[1:] if line.split()}
+    assert lines["llama3-8b-alpaca-fsdp-2x24gb"].endswith("24 GiB per GPU x 2")
+
+
+def test_a_cuda_plan_on_a_machine_without_cuda_reads_no_host_memory(monkeypatch, tmp_path):
+    """memory.chunked_loss auto planned for CUDA here (no GPU) without memory.budget_gb assumes no budget and
+    says so: the same head under any reading of the host's memory (red when free_bytes("cuda") returned the
+    host's available memory: 1 MiB free chose the chunked head, 1 TiB full logits)."""
+    from qlora_kit.memory.loss_choice import choose_head, free_bytes
+
+    assert not torch.cuda.is_available()
+    recipe = Recipe.from_yaml(ROOT / "recipes" / "demo.yaml")
+    assert recipe.memory.chunked_loss == "auto" and recipe.memory.budget_gb is None
+    choices = []
+    for available in (2**20, 2**40):
+        host_memory_reading(monkeypatch, available)
+        assert free_bytes("cuda")[0] is None
+        assert free_bytes("cpu")[0] == available  # a CPU plan is this machine's: its memory is the budget
+        choices.append(choose_head(recipe, "cuda"))
+    assert choices[0] == choices[1] and not choices[0].chunked
+    assert "assumed no budget" in choices[0].why
+
+
+@pytest.mark.slow  # plans every shipped recipe twice (~2 min on 2 cores)
 def test_recipes_lists_each_with_the_planners_memory(monkeypatch, capsys):
     """Each line's peak is the plan's with the loss head the run chooses (red when the listing planned
     memory.chunked_loss auto as the chunked head: Qwen3.5-9B listed at 11.54 GiB, planned and run with full
-    logits at 20.01)."""
+    logits at 20.01), and the same under another reading of this machine's memory (the listing read under
+    1 MiB free, the reference under 1 TiB: red when a CUDA plan budgeted by the host's memory)."""
     from qlora_kit.memory.loss_choice import choose_head, with_head
     from qlora_kit.memory.planner import GIB, plan
     from qlora_kit.registries import objectives
 
-    code, out, _ = run_cli(["recipes"], monkeypatch, capsys)
+    host_memory_reading(monkeypatch, 2**20)
+    code, out, _ = run_cli(["recipes", "--plan"], monkeypatch, capsys)
     assert code == 0
+    host_memory_reading(monkeypatch, 2**40)
     lines = {line.split()[0]: line for line in out.splitlines()[1:] if line.split()}
     for path in RECIPES:
         recipe = Recipe.from_yaml(path)
@@ -133,5 +188,6 @@ def test_recipes_lists_each_with_the_planners_memory(monkeypatch, capsys):
         if objectives.of(recipe).chunked_head:
             head = choose_head(recipe, "cuda", processes=processes)
             recipe = with_head(recipe, head.chunked, head.chunk_tokens)
+            assert ("chunked loss" if head.chunked else "full logits") in line, line
         peak = plan(recipe, device="cuda", processes=processes).chosen(recipe).peak
         assert f"{peak / GIB:.2f} GiB" in line, line

@@ -158,3 +158,40 @@ def test_the_validation_file_reads_with_datas_own_field_names_for_every_objectiv
     ).data
     assert len(prepare.prepare_datasets(data, tokenizer, seed=0).val) == 6
     assert len(prepare_prompts(data, tokenizer, seed=0, completion_tokens=16).val) == 6
+
+
+@pytest.mark.parametrize("objective", ["sft", "kto"])
+def test_a_sources_report_says_what_the_mixture_trains_from_it(objective, tokenizer, tmp_path):
+    """A capped source whose 5 drawn rows all repeat the first source's: its report says the mixture
+    trains none of them (no token, no label) beside what the source held (red when the report gave
+    only the source's own figures: "5 rows in the mixture, 5 left out as repeats; 652 trained tokens" and
+    "(163 desirable, 163 undesirable answers)")."""
+    from qlora_kit.data.demo import demo_data_files
+    from qlora_kit.training.objective_trainer import builder
+
+    builtin, fmt = ("demo-facts", "alpaca") if objective == "sft" else ("demo-feedback", "feedback")
+    rows = [json.loads(line) for line in demo_data_files(builtin)[0].read_text().splitlines()][:40]
+    first, again = jsonl(tmp_path / "first.jsonl", rows), jsonl(tmp_path / "again.jsonl", rows)
+    recipe = Recipe.from_dict(
+        {
+            "data": {
+                "format": fmt,
+                "packing": False,
+                "dedup": True,
+                "val_fraction": 0.0,
+                "sources": [{"path": first}, {"path": again, "rows": 5}],
+            },
+            "train": {"objective": objective},
+        }
+    )
+    reports = builder(recipe).prepare(recipe, tokenizer).train_reports
+    whole, repeated = reports
+    assert (repeated.taken, repeated.repeats) == (5, 5) and repeated.trained_tokens > 0
+    assert (repeated.trains.rows, repeated.trains.trained_tokens) == (0, 0)
+    assert (whole.trains.rows, whole.trains.trained_tokens) == (40, whole.trained_tokens)
+    said = repeated.summary()
+    assert "5 rows in the mixture, 5 left out as repeats: the mixture trains 0 of its rows, 0 trained" in said
+    if objective == "kto":
+        desirable = sum(row["label"] for row in rows)
+        assert f"({desirable} desirable, {40 - desirable} undesirable answers)" in whole.summary()
+        assert said.endswith("0 trained tokens (0 desirable, 0 undesirable answers)"), said

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
+from qlora_kit.after import drift_bounds
 from qlora_kit.after.floor import MERGED_DTYPES, load_trained_exactly, merged_model
 from qlora_kit.after.parity import decided_positions, training_ids
 from qlora_kit.data import images, prepare, prompt_examples
@@ -43,19 +44,13 @@ if TYPE_CHECKING:
 # which is coarse against an update that is a small fraction of W; vLLM's "auto" serves f16 as f16).
 # bfloat16 for a family whose activations overflow f16 (Gemma), float32 for the merge as computed.
 MERGED_DTYPE = "float16"
-# Judged against the trained model computed in float32 (floor.load_trained_exactly), the merged folder
-# read back in its own dtype (as a user's server reads it): mean KL at the held-out answers' positions and
-# at every position. Calibrated on the real model's adapters of every layout, ranks 8-64, 8-60 steps,
-# against wrong merges of each (the update x 0.9 and x 0.5, the middle layer's update dropped):
-# benchmarks/results/export-calibration-real-cpu.md. In float16 a correct merge's KL was at most 0.0002
-# at the answers and 0.0009 everywhere, the wrong ones' at least 0.0008 and 0.0030: neither statistic
-# alone parts them by much (an adapter trained 60 steps answers so surely that one layer's update
-# missing moved its answers' KL to 0.0008 only, while its prompts' positions moved 0.0075), so both are
-# judged, each bound between its two. In bfloat16 the merged model's own arithmetic (8 mantissa bits in
-# every activation) costs about as much as one layer's update (a correct merge: up to 0.026 and 0.032):
-# its bounds refuse a halved update (0.2 and more) but cannot see one layer's missing.
-MAX_KL = {"float16": 0.0005, "float32": 0.0005, "bfloat16": 0.05}  # at the answers
-MAX_ALL_KL = {"float16": 0.002, "float32": 0.002, "bfloat16": 0.06}  # at every position
+# Judged against the trained model computed in float32 (floor.load_trained_exactly): the merged folder's
+# weights as saved, read back into float32, so that the merge is judged by what it wrote and not by this
+# machine's 16-bit kernels (the tiny Qwen3.5 mixture's float16 forward on the CPU moved its answers by
+# 0.00059 nats while its float16 weights computed in float32 moved them by 1.4e-7: drift_bounds.py). The
+# bounds are derived per merge from what it measures (drift_bounds.py): the merged weights' dtype (the
+# experts' too), the layers the rounding passes through, and how spread the trained model's own
+# distributions are; a wrong merge (an update scaled, a layer's or an expert's wrong) lies far past them.
 # Top-1 counts only where the trained model's choice leads its runner-up by DECIDED nats (parity.py):
 # rounding moves logits by hundredths there, so a flip is an error, while near-ties flip under any rounding.
 MIN_TOP1 = 0.98
@@ -70,6 +65,8 @@ class Drift:
     decided: int = 0
     all_kl: float = 0.0  # every position, prompts included
     all_top1: float = 1.0  # every position: shown, not judged (near-ties flip under any rounding)
+    max_kl: float = 0.0  # the bound derived for the answers' mean KL (drift_bounds.py)
+    max_all_kl: float = 0.0  # and for every position's
 
     def within(self, max_kl: float, min_top1: float, max_all_kl: float | None = None) -> bool:
         """``max_all_kl`` None: every position's KL bound is ``max_kl`` too."""
@@ -94,7 +91,7 @@ def merge_adapter(
     dtype: str = MERGED_DTYPE,
 ) -> MergeResult:
     """Write a standalone merged model to ``out_dir``; raise MergeDriftError when it drifts (unless forced).
-    ``max_kl`` None: the bounds calibrated for the merged ``dtype`` (MAX_KL, MAX_ALL_KL); given, it
+    ``max_kl`` None: the bounds derived for this merge (``Drift.max_kl``, ``Drift.max_all_kl``); given, it
     bounds the KL at the answers and at every position alike."""
     adapter_dir, out_dir = Path(adapter_dir).resolve(), Path(out_dir).expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
@@ -102,7 +99,6 @@ def merge_adapter(
         raise OutputDirError(f"--out: {out_dir} already holds files; choose an empty or new folder")
     if dtype not in MERGED_DTYPES:
         raise RecipeError(f"--dtype: must be one of {', '.join(MERGED_DTYPES)} (got {dtype!r})")
-    max_kl, max_all_kl = (MAX_KL[dtype], MAX_ALL_KL[dtype]) if max_kl is None else (max_kl, max_kl)
     recipe = adapters.recipe_of(adapter_dir)
     check_model_folder(model.resolve_model_path(recipe.model))
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -113,10 +109,11 @@ def merge_adapter(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # nothing half-made is left beside the destination
         raise
+    max_kl, max_all_kl = (drift.max_kl, drift.max_all_kl) if max_kl is None else (max_kl, max_kl)
     if not drift.within(max_kl, min_top1, max_all_kl) and not force:
         raise MergeDriftError(
-            f"merged model drifts from the adapter: mean KL {drift.mean_kl:.4g} at the answers (max {max_kl}) "
-            f"and {drift.all_kl:.4g} at every position (max {max_all_kl}), top-1 agreement "
+            f"merged model drifts from the adapter: mean KL {drift.mean_kl:.4g} at the answers (max {max_kl:.4g}) "
+            f"and {drift.all_kl:.4g} at every position (max {max_all_kl:.4g}), top-1 agreement "
             f"{drift.top1_agreement:.1%} where the adapter is decided (min {min_top1:.0%}); left in {staging}; "
             "--force exports it anyway"
         )
@@ -184,28 +181,35 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     references = _log_probs(trained, batches)
     del trained
     _free_device_memory()
-    # in the dtype it was saved in (a server's "auto"): loading it into the compute dtype would round it again
+    # its weights as saved, computed in float32: the merge is judged by what it wrote (module comment)
     config = AutoConfig.from_pretrained(merged_dir)
     merged = vision.auto_class(config).from_pretrained(
-        merged_dir, dtype="auto", device_map=model.device_map()
+        merged_dir, dtype=torch.float32, device_map=model.device_map()
     )
     candidates = _log_probs(merged, batches)
-    kl, same, answer, decided = [], [], [], []
+    kl, same, answer, decided, expected = [], [], [], [], []
+    roundoff, passes = drift_bounds.weight_roundoff(merged_dir), drift_bounds.rounding_passes(config)
     for reference, candidate, mask in zip(references, candidates, answers, strict=True):
         # position t predicts token t + 1: the last position predicts past the row
-        reference, candidate = reference[:-1], candidate[:-1]
+        reference, candidate = reference[:-1].double(), candidate[:-1].double()
         kl.append(torch.nn.functional.kl_div(candidate, reference, log_target=True, reduction="none").sum(-1))
         same.append(reference.argmax(-1) == candidate.argmax(-1))
         answer.append(mask)
         decided.append(mask & decided_positions(reference))  # log-probabilities: the same margins
-    kl, same, answer, decided = (torch.cat(x) for x in (kl, same, answer, decided))
+        expected.append(drift_bounds.expected_kl(reference, roundoff, passes))
+    kl, same, answer, decided, expected = (torch.cat(x) for x in (kl, same, answer, decided, expected))
+    positions = int(answer.sum())
+    if not positions:
+        answer = torch.ones_like(answer)  # no answer position: every position's figures
     return Drift(
-        mean_kl=float(kl[answer].mean()) if answer.any() else 0.0,
+        mean_kl=float(kl[answer].mean()),
         top1_agreement=float(same[decided].float().mean()) if decided.any() else 1.0,
-        positions=int(answer.sum()),
+        positions=positions,
         decided=int(decided.sum()),
         all_kl=float(kl.mean()),
         all_top1=float(same.float().mean()),
+        max_kl=drift_bounds.bound(expected[answer]),
+        max_all_kl=drift_bounds.bound(expected),
     )
 
 

@@ -21,7 +21,6 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import shipped
 from qlora_kit.recipe.options import Checked
 from qlora_kit.recipe.recipe import Recipe
-from qlora_kit.registries import objectives
 
 app = typer.Typer(
     name="qlora-kit",
@@ -173,13 +172,23 @@ def plan(
         Checked("--processes", bounds={"ge": 1}),
     ] = 1,
     with_data: Annotated[
-        bool,
+        bool | None,
         typer.Option(
-            "--with-data",
-            help="Also read the recipe's data (tokenized, cached for the run): count only the largest "
-            "trained share of an example's positions as the chunked head's, as the run plans.",
+            "--with-data/--no-data",
+            help="Read the recipe's data (tokenized, cached for the run) and plan the batch the run will have: "
+            "the layout data.packing chooses, the longest row, a padding mask only where rows differ in "
+            "length, the chunked head's largest trained share (default: when the model and data are "
+            "builtin or local and no --batch/--seq/--padded is given).",
         ),
-    ] = False,
+    ] = None,
+    padded: Annotated[
+        bool | None,
+        typer.Option(
+            "--padded/--no-padded",
+            help="Without the data: plan rows padded with their attention mask (the default, the larger), "
+            "or rows of one length (no mask).",
+        ),
+    ] = None,
     max_seq_len: Annotated[
         bool,
         typer.Option(
@@ -189,10 +198,8 @@ def plan(
         ),
     ] = False,
 ) -> None:
-    """Predict peak memory per GPU from the model config alone (and with --with-data, its data), for
-    every checkpointing policy."""
-    from qlora_kit.memory.planner import plan as make_plan
-
+    """Predict peak memory per GPU from the model config (and, where readable, the batch its data makes),
+    for every checkpointing policy."""
     resolved = load_recipe(recipe, set_)
     if max_seq_len:
         from qlora_kit.memory.max_length import STEP, longest_fits
@@ -209,40 +216,13 @@ def plan(
             )
         views.show_longest_fits(console, fits, resolved, room)
         return
-    # without the data: every position trained, images_in_a_row's bound (and max_pixels' for Qwen-VL)
-    share, images_per_row, image_tokens = 1.0, None, None
-    if with_data and objectives.of(resolved).chunked_head:  # TRL's heads (DPO, GRPO) keep no selection
-        from qlora_kit.data import images
-        from qlora_kit.data.prepare import prepare_datasets
-        from qlora_kit.model.loading import load_tokenizer
+    from qlora_kit.training.recipe_plan import plan_recipe
 
-        runs = images.image_runs(resolved.model)
-        tokenizer = runs.processor.tokenizer if runs else load_tokenizer(resolved.model)
-        prepared = prepare_datasets(resolved.data, tokenizer, resolved.train.seed, runs=runs)
-        share, images_per_row = prepared.largest_trained_share(), prepared.most_images_per_row()
-        image_tokens = prepared.most_image_tokens_per_row()
-    options = {"batch": batch, "seq": seq, "processes": processes, "trained_share": share}
-    options |= {"images_per_row": images_per_row, "image_tokens": image_tokens}
-    head = None
-    if objectives.of(resolved).chunked_head:  # memory.chunked_loss auto: the head the run would choose
-        from qlora_kit.memory.loss_choice import choose_head, with_head
-
-        head = choose_head(resolved, device, budget_gb, **options)
-        resolved = with_head(resolved, head.chunked, head.chunk_tokens)
-    the_plan = make_plan(resolved, device=device, **options)
+    planned = plan_recipe(resolved, device, budget_gb, batch, seq, processes, with_data, padded)
     if as_json:
-        result = views.plan_as_dict(the_plan, resolved, budget_gb)
-        if head is not None:
-            result["loss_head"] = {
-                "chunked": head.chunked,
-                "chunk_tokens": head.chunk_tokens,
-                "why": head.why,
-            }
-        print(json.dumps(result, indent=2))
+        print(json.dumps(views.plan_as_dict(planned, budget_gb), indent=2))
         return
-    views.show_plan(console, the_plan, resolved, budget_gb)
-    if head is not None:
-        console.print(f"loss head: {head.describe()}")
+    views.show_plan(console, planned, budget_gb)
 
 
 @app.command("eval")

@@ -42,7 +42,7 @@ def merge(
     max_kl: Annotated[
         float | None,
         typer.Option(
-            help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds calibrated for --dtype, docs: after-training.md]."
+            help="Largest mean KL(adapter || merged) accepted, at the held-out answers and at every position [default: the bounds derived for the merge from its dtype, depth and the adapter's distributions, docs: after-training.md]."
         ),
         Checked("--max-kl", bounds={"ge": 0}),
     ] = None,
@@ -69,9 +69,9 @@ def merge(
         raise typer.Exit(GUARD_STOP) from None
     drift = result.drift
     console.print(
-        f"drift at {drift.positions} answer positions: mean KL {drift.mean_kl:.3g}, top-1 agreement "
-        f"{drift.top1_agreement:.1%} at the {drift.decided} the adapter is decided at (every position: mean KL "
-        f"{drift.all_kl:.3g}, top-1 {drift.all_top1:.1%})",
+        f"drift at {drift.positions} answer positions: mean KL {drift.mean_kl:.3g} (max {drift.max_kl:.3g}), "
+        f"top-1 agreement {drift.top1_agreement:.1%} at the {drift.decided} the adapter is decided at (every "
+        f"position: mean KL {drift.all_kl:.3g}, max {drift.max_all_kl:.3g}; top-1 {drift.all_top1:.1%})",
         highlight=False,
     )
     console.print(

@@ -1,6 +1,7 @@
 """``qlora-kit recipes``: the recipes shipped inside the package, for a user who installed it.
 
-    qlora-kit recipes                      # one line each: model, data, the GPU memory the planner predicts
+    qlora-kit recipes                      # one line each: model, data, the GPU memory it is written for
+    qlora-kit recipes --plan               # and the peak the planner predicts for it (a few s per recipe)
     qlora-kit recipes show demo            # print one (pipe it, or read it)
     qlora-kit recipes copy demo [DEST]     # write it out for editing; never overwrites
 
@@ -27,7 +28,7 @@ from qlora_kit.registries import checkpointing as table
 
 app = typer.Typer(
     name="recipes",
-    help="The shipped recipes: list them (with the GPU memory each plans for), show one, copy one out.",
+    help="The shipped recipes: list them (with the GPU memory each is written for), show one, copy one out.",
     add_completion=False,
     pretty_exceptions_enable=False,
 )
@@ -38,56 +39,70 @@ NameArg = Annotated[str, typer.Argument(help="A shipped recipe's name (qlora-kit
 
 @app.callback(invoke_without_command=True)
 @user_errors
-def list_recipes(context: typer.Context) -> None:
-    """One line per shipped recipe: model, data, and the peak GPU memory the planner predicts for it."""
+def list_recipes(
+    context: typer.Context,
+    with_plans: Annotated[
+        bool,
+        typer.Option(
+            "--plan",
+            help="Also plan each recipe's peak GPU memory (the planner traces each model: seconds each).",
+        ),
+    ] = False,
+) -> None:
+    """One line per shipped recipe: model, data, the GPU memory it is written for (memory.budget_gb) and,
+    with --plan, the peak the planner predicts for it. The same on every machine: nothing here reads this
+    machine's memory (a GPU recipe is planned against its own memory.budget_gb)."""
     if context.invoked_subcommand is not None:
         return
     names = shipped.recipe_names()
     recipes = {name: Recipe.from_yaml(shipped.folder() / f"{name}{shipped.SUFFIX}") for name in names}
     rows = [
-        (name, r.model.path, ", ".join(s.path for s in r.data.source_list())) for name, r in recipes.items()
+        (name, r.model.path, ", ".join(s.path for s in r.data.source_list()), written_for(r))
+        for name, r in recipes.items()
     ]
-    widths = [max(len(row[i]) for row in [("NAME", "MODEL", "DATA"), *rows]) for i in range(3)]
-    line = "  ".join(f"{{:<{w}}}" for w in widths) + "  {}"
-    console.print(
-        line.format("NAME", "MODEL", "DATA", "GPU MEMORY (planned peak)"),
-        style="bold",
-        highlight=False,
-        soft_wrap=True,
-    )
+    header = ("NAME", "MODEL", "DATA", "WRITTEN FOR")
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    line = "  ".join(f"{{:<{w}}}" for w in widths) + ("  {}" if with_plans else "")
+    title = line.format(*header, "GPU MEMORY (planned peak)") if with_plans else line.format(*header)
+    console.print(title.rstrip(), style="bold", highlight=False, soft_wrap=True)
     for row in rows:
-        # planning takes a second or two per recipe: each line is printed as soon as it is known
-        console.print(
-            line.format(*row, planned_memory(recipes[row[0]])), highlight=False, markup=False, soft_wrap=True
-        )
+        # planning takes a second or more per recipe: each line is printed as soon as it is known
+        text = line.format(*row, planned_memory(recipes[row[0]])) if with_plans else line.format(*row)
+        console.print(text.rstrip(), highlight=False, markup=False, soft_wrap=True)
     console.print(
         f"accelerate configs (for train.fsdp recipes): {', '.join(shipped.accelerate_names())}\n"
-        "qlora-kit train NAME runs one as shipped; qlora-kit recipes copy NAME writes it out for editing",
+        + ("" if with_plans else "qlora-kit recipes --plan adds each one's planned peak; ")
+        + "qlora-kit train NAME runs one as shipped; qlora-kit recipes copy NAME writes it out for editing",
         style="dim",
         highlight=False,
         soft_wrap=True,
     )
 
 
+def written_for(recipe: Recipe) -> str:
+    """The GPU memory the recipe states it is written for (memory.budget_gb), per GPU."""
+    if recipe.memory.budget_gb is None:
+        return "-"
+    per_gpu = f" per GPU x {fsdp_processes()}" if recipe.train.fsdp else ""
+    return f"{recipe.memory.budget_gb:g} GiB{per_gpu}"
+
+
 def planned_memory(recipe: Recipe) -> str:
     """The planner's peak per GPU for the checkpointing policy and the loss head the recipe trains with
     (memory.chunked_loss auto resolved as ``qlora-kit plan`` and the run resolve it)."""
     from qlora_kit.memory.auto import choose_layers
-    from qlora_kit.memory.loss_choice import choose_head, with_head
-    from qlora_kit.memory.planner import GIB, plan, policy_name
-    from qlora_kit.registries import objectives
+    from qlora_kit.memory.planner import GIB, policy_name
+    from qlora_kit.training.recipe_plan import plan_recipe
 
     processes = fsdp_processes() if recipe.train.fsdp else 1
     try:
         with warnings.catch_warnings():
             # transformers' deprecation notes from building the meta model are not the user's business here
             warnings.simplefilter("ignore", FutureWarning)
-            if objectives.of(recipe).chunked_head:
-                head = choose_head(recipe, "cuda", processes=processes)
-                recipe = with_head(recipe, head.chunked, head.chunk_tokens)
-            the_plan = plan(recipe, device="cuda", processes=processes)
+            planned = plan_recipe(recipe, "cuda", processes=processes)
     except Exception as exc:  # a listing goes on: one recipe that cannot be planned says why on its line
         return f"cannot plan ({exc.__class__.__name__}: {one_line(str(exc))[:160]})"
+    recipe, the_plan = planned.recipe, planned.plan
     memory = recipe.memory
     if table.planned(memory.checkpointing):
         row = choose_layers(recipe, memory.budget_gb, the_plan)[0]
@@ -96,7 +111,8 @@ def planned_memory(recipe: Recipe) -> str:
         name = policy_name(memory.checkpointing, memory.every_n)
         peak = next(p.peak for p in the_plan.policies if p.policy == name)
     per_gpu = f" per GPU on {processes}" if processes > 1 else ""
-    return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}, bs {the_plan.batch} x {the_plan.seq})"
+    head = "" if planned.head is None else ", chunked loss" if planned.head.chunked else ", full logits"
+    return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}{head}, bs {the_plan.batch} x {the_plan.seq})"
 
 
 def fsdp_processes() -> int:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from qlora_kit.memory.planner import Plan
     from qlora_kit.recipe.recipe import Recipe
     from qlora_kit.training.pipeline import TrainResult
+    from qlora_kit.training.recipe_plan import RecipePlan
     from qlora_kit.training.run_folder.run_record import RunRecord
 
 
@@ -135,7 +136,15 @@ def show_data(console: Console, view: DataView, recipe: Recipe) -> None:
     console.print(checks)
 
 
-def show_plan(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:
+def show_plan(console: Console, planned: RecipePlan, budget_gb: float | None) -> None:
+    """``qlora-kit plan``: the plan's tables, then the loss head it planned and why."""
+    show_plan_tables(console, planned.plan, planned.recipe, budget_gb)
+    console.print(planned.batch, highlight=False, markup=False)
+    if planned.head is not None:
+        console.print(f"loss head: {planned.head.describe()}", highlight=False, markup=False)
+
+
+def show_plan_tables(console: Console, plan: Plan, recipe: Recipe, budget_gb: float | None) -> None:
     shape, weights = plan.shape, plan.weights
     table = Table(
         title=f"{recipe.model.path}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab}"
@@ -226,8 +235,17 @@ def show_longest_fits(console: Console, fits: list, recipe: Recipe, budget_gb: f
     console.print("traced at each length shown (sdpa, one unpacked row); tiles: memory.mlp_tiles auto")
 
 
-def plan_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[str, Any]:
-    """The plan for scripts (``qlora-kit plan --json``): every size in bytes."""
+def plan_as_dict(planned: RecipePlan, budget_gb: float | None) -> dict[str, Any]:
+    """The plan for scripts (``qlora-kit plan --json``): every size in bytes, and the loss head planned."""
+    result = plan_tables_as_dict(planned.plan, planned.recipe, budget_gb)
+    result["padded"], result["batch_layout"] = planned.plan.padded, planned.batch
+    if planned.head is not None:
+        head = planned.head
+        result["loss_head"] = {"chunked": head.chunked, "chunk_tokens": head.chunk_tokens, "why": head.why}
+    return result
+
+
+def plan_tables_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> dict[str, Any]:
     shape, weights = plan.shape, plan.weights
     result: dict[str, Any] = {
         "model": recipe.model.path,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import datasets
-from trl.data_utils import common_prefix_length
+from trl.data_utils import apply_chat_template, common_prefix_length
 
 from qlora_kit.data import format_hints, preference
 from qlora_kit.data.mixture import DIGEST, LengthReport, PreparedData, mix_sources, text_digest
@@ -26,8 +26,15 @@ def prepare_feedback(data, tokenizer, seed: int) -> PreparedData:
     and deduplicated as every objective's, then shuffled once with the seed (TRL reads them in order:
     its KL baseline); validation rows from data.val_path, data.val_fraction or the builtin set."""
 
+    # A mixture of text and conversational sources: one column cannot hold both, so the conversations are
+    # rendered to text by TRL's own apply_chat_template (what TRL's KTO collator does with them)
+    mixed = len({FORMATS[fmt].chat_template for _, fmt in data.formats_by_field()}) > 1
+
     def answers(rows: datasets.Dataset, fmt: str, source: str) -> tuple[datasets.Dataset, LengthReport]:
-        return _answers(trl_rows(rows, data, source, tokenizer, fmt), source, tokenizer)
+        trl = trl_rows(rows, data, source, tokenizer, fmt)
+        if mixed and FORMATS[fmt].chat_template:
+            trl = trl.map(apply_chat_template, fn_kwargs={"processing_class": tokenizer})
+        return _answers(trl, source, tokenizer)
 
     mixture = mix_sources(data, seed, answers)
     train = mixture.train.shuffle(seed=seed)
@@ -41,16 +48,24 @@ def _answers(rows: datasets.Dataset, source: str, tokenizer) -> tuple[datasets.D
     row (it truncates to preference.max_length itself), each answer's tokens trained."""
     ids = [token_ids(row, tokenizer) for row in rows]
     lengths = [len(p) + len(a) for p, a in ids]
+    trained = [len(a) for _, a in ids]  # each answer's tokens (what the mixture's report counts)
     digests = [text_digest(r["prompt"], r["completion"], r["label"]) for r in rows]
-    labelled = sum(rows["label"])
     report = LengthReport(
         source,
         len(rows),
         lengths=lengths,
-        trained_tokens=sum(len(a) for _, a in ids),
-        labels=f" ({labelled} desirable, {len(rows) - labelled} undesirable answers)",
+        trained_tokens=sum(trained),
+        labels=label_phrase(rows),
+        label_phrase=label_phrase,
     )
-    return rows.add_column("length", lengths).add_column(DIGEST, digests), report
+    rows = rows.add_column("length", lengths).add_column("trained_tokens", trained)
+    return rows.add_column(DIGEST, digests), report
+
+
+def label_phrase(rows: datasets.Dataset) -> str:
+    """`` (163 desirable, 163 undesirable answers)`` for these labelled answers."""
+    labelled = sum(rows["label"])
+    return f" ({labelled} desirable, {len(rows) - labelled} undesirable answers)"
 
 
 def trl_rows(

@@ -29,8 +29,19 @@ DIGEST = "digest"  # the column a row format names a row's content in (what data
 
 
 @dataclass
+class InMixture:
+    """What the mixture trains from one source: its rows left after data.dedup, their trained tokens (None:
+    sampled in training) and their labels (the objective's phrase, '' where it has none)."""
+
+    rows: int
+    trained_tokens: int | None
+    labels: str = ""
+
+
+@dataclass
 class LengthReport:
-    """What the length policy did to one split of one source, and what it trains."""
+    """What the length policy did to one split of one source, what the source holds, and (data.sources)
+    what the mixture trains from it."""
 
     source: str
     rows: int
@@ -42,20 +53,29 @@ class LengthReport:
     taken: int | None = None  # rows in the mixture (data.sources: sampled by weight or rows)
     repeats: int | None = None  # data.dedup: the mixture's rows of this source left out as repeats
     labels: str = ""  # what the rows are, where the objective says (KTO's desirable and undesirable)
+    # the objective's phrase for a set of its rows' labels (KTO's), for what the mixture trains
+    label_phrase: Callable[[Dataset], str] | None = None
+    trains: InMixture | None = None  # data.sources: what the mixture trains from this source
 
     def summary(self) -> str:
         kept = self.rows - self.dropped - self.untrainable
         text = (
-            f"{self.source}{self.labels}: {kept} of {self.rows} rows kept; {self.truncated} truncated, "
+            f"{self.source}: {kept} of {self.rows} rows kept; {self.truncated} truncated, "
             f"{self.dropped} dropped as too long, {self.untrainable} without a trained token"
         )
+        if self.trained_tokens is None:  # prompts only: what trains is sampled when the run trains
+            text += "; the trained tokens are the completions sampled in training"
+        else:
+            text += f"; {self.trained_tokens:,} trained tokens{self.labels}"
         if self.taken is not None:
             text += f"; {self.taken} rows in the mixture"
         if self.repeats is not None:
             text += f", {self.repeats} left out as repeats"
-        if self.trained_tokens is None:  # prompts only: what trains is sampled when the run trains
-            return text + "; the trained tokens are the completions sampled in training"
-        return text + f"; {self.trained_tokens:,} trained tokens"
+        if self.trains is not None:
+            trains = self.trains
+            tokens = "" if trains.trained_tokens is None else f", {trains.trained_tokens:,} trained tokens"
+            text += f": the mixture trains {trains.rows} of its rows{tokens}{trains.labels}"
+        return text
 
 
 @dataclass
@@ -194,14 +214,18 @@ def _mix(
         if data.sources:
             report.taken = wanted
     mixed = _concatenate(chosen, common_columns)
+    kept = range(len(mixed))
     if data.dedup:
-        mixed = _deduplicated(mixed, [len(part) for part in chosen], reports)
+        kept = _deduplicated(mixed, [len(part) for part in chosen], reports)
+        mixed = mixed.select(kept) if len(kept) < len(mixed) else mixed
+    if data.sources:
+        _tell_what_trains(chosen, kept, reports)
     return mixed
 
 
-def _deduplicated(mixed: Dataset, sizes: list[int], reports: list[LengthReport]) -> Dataset:
-    """The mixture without the rows whose digest an earlier row has, each left out counted against the
-    source it came from (the sources lie in ``mixed`` one after another, ``sizes`` rows each)."""
+def _deduplicated(mixed: Dataset, sizes: list[int], reports: list[LengthReport]) -> list[int]:
+    """The mixture's rows (their indices) whose digest no earlier row has, each left out counted against
+    the source it came from (the sources lie in ``mixed`` one after another, ``sizes`` rows each)."""
     owner = [number for number, size in enumerate(sizes) for _ in range(size)]
     seen: set[str] = set()
     keep = []
@@ -215,8 +239,21 @@ def _deduplicated(mixed: Dataset, sizes: list[int], reports: list[LengthReport])
             keep.append(i)
     if len(keep) < len(mixed):
         log.info("data.dedup: %d repeated examples left out of %d", len(mixed) - len(keep), len(mixed))
-        mixed = mixed.select(keep)
-    return mixed
+    return keep
+
+
+def _tell_what_trains(chosen: list[Dataset], kept, reports: list[LengthReport]) -> None:
+    """Each source's report told what the mixture trains from it: of the rows drawn from it (``chosen``,
+    one after another in the mixture), those data.dedup ``kept``; their trained tokens and labels."""
+    start, kept = 0, list(kept)
+    for part, report in zip(chosen, reports, strict=True):
+        rows = part.select([i - start for i in kept if start <= i < start + len(part)])
+        start += len(part)
+        tokens = None
+        if report.trained_tokens is not None and "trained_tokens" in rows.column_names:
+            tokens = sum(rows["trained_tokens"])
+        labels = report.label_phrase(rows) if report.label_phrase is not None else ""
+        report.trains = InMixture(len(rows), tokens, labels)
 
 
 def _sample(part: Dataset, wanted: int, seed: int) -> Dataset:

@@ -5,7 +5,9 @@ The chunked head recomputes the head in backward and runs it as a loop of chunks
 a 1B Llama's step at Llama-3's vocabulary (0.365 s against 0.258 s, 4 x 2,048 tokens) to save 10 GiB that
 the device never needed. So the budget decides: ``memory.budget_gb`` where the recipe sets it, else the
 memory free when the run starts (``torch.cuda.mem_get_info`` on CUDA, the host's available memory on the
-CPU). The peaks are ``planner.plan``'s, under the recipe's checkpointing (the least-memory policy when it
+CPU). A plan for a device this machine does not have (a CUDA plan read on a CPU machine) reads nothing of
+this machine: without memory.budget_gb it assumes no budget and says so, so that a listing or a plan of a
+GPU recipe is the same on every machine and at every moment. The peaks are ``planner.plan``'s, under the recipe's checkpointing (the least-memory policy when it
 is ``auto``, which is then chosen against the head chosen here). Used by the pipeline before the weights
 load (logged) and by ``qlora-kit plan`` (shown).
 """
@@ -45,9 +47,12 @@ class HeadChoice:
         return f"{head} ({self.why})"
 
 
-def free_bytes(device: str) -> tuple[int, str]:
-    """(bytes, what they are) the run can still take on ``device``: a GPU's free memory, else the host's."""
-    if device == "cuda" and torch.cuda.is_available():
+def free_bytes(device: str) -> tuple[int | None, str]:
+    """(bytes, what they are) the run can still take on ``device``: a GPU's free memory, the host's for a
+    CPU run; (None, why) for a CUDA plan on a machine without CUDA (the host's memory is not the GPU's)."""
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            return None, "no memory.budget_gb and no GPU here to read: assumed no budget"
         free, _ = torch.cuda.mem_get_info()
         return free, "the GPU's free memory"
     return psutil.virtual_memory().available, "the host's available memory"
@@ -64,8 +69,8 @@ def with_head(recipe: Recipe, chunked: bool, chunk_tokens: int | None = None) ->
 def choose_head(recipe: Recipe, device: str, budget_gb: float | None = None, **plan_options) -> HeadChoice:
     """The head ``recipe`` trains with on ``device`` (``plan_options``: ``planner.plan``'s batch, seq,
     trained_share...): as set when ``memory.chunked_loss`` is true or false; with auto, full logits when
-    their planned peak fits ``budget_gb`` (else memory.budget_gb, else the device's free memory), else the
-    chunked head with the largest chunk (memory.loss_chunk_tokens doubled) whose planned peak fits."""
+    their planned peak fits ``budget_gb`` (else memory.budget_gb, else the device's free memory; a CUDA plan
+    without a GPU here assumes no budget: full logits), else the chunked head with the largest chunk (memory.loss_chunk_tokens doubled) whose planned peak fits."""
     memory = recipe.memory
     if memory.chunked_loss != "auto":
         return HeadChoice(bool(memory.chunked_loss), memory.loss_chunk_tokens, "memory.chunked_loss set")
@@ -74,6 +79,8 @@ def choose_head(recipe: Recipe, device: str, budget_gb: float | None = None, **p
         budget, source = budget_gb * GIB, f"memory.budget_gb {budget_gb:g} GiB"
     else:
         budget, source = free_bytes(device)
+        if budget is None:  # a plan for another machine's GPU: full logits, the head that costs no time
+            return HeadChoice(False, memory.loss_chunk_tokens, source)
         source = f"{source}, {budget / GIB:.2f} GiB"
     try:
         full = planned_peak(with_head(recipe, False), device, plan_options)

@@ -99,18 +99,25 @@ def _short(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def measured_by_op(model: torch.nn.Module, batch: dict[str, Any]) -> dict[Label, int]:
-    """What one training forward of ``model`` (a peft model, transformers' loss) saves, per (module, op)."""
+def measured_by_op(model: torch.nn.Module, batch: dict[str, Any], precision: str = "no") -> dict[Label, int]:
+    """What one training forward of ``model`` (a peft model, transformers' loss) saves, per (module, op);
+    ``precision`` bf16: under the CPU's bfloat16 autocast, as the Trainer's bf16 runs it."""
     counter = SavedByOp(model)
     model.train()
-    with counter.counting():
+    with counter.counting(), torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
         loss = model(**batch).loss
     loss.backward()
     return counter.by_op()
 
 
 def traced_by_op(
-    config, recipe: Recipe, batch: int, seq: int, padded: bool = True, device: str = "cpu"
+    config,
+    recipe: Recipe,
+    batch: int,
+    seq: int,
+    padded: bool = True,
+    device: str = "cpu",
+    precision: str = "no",
 ) -> dict[Label, int]:
     """What the planner's trace of ``recipe``'s policy counts at ``batch`` x ``seq``, per (module, op),
     over every layer of ``config`` (a real run's, so the modules line up)."""
@@ -121,7 +128,7 @@ def traced_by_op(
         return made[-1]
 
     shape = fake_forward.Shape(batch, seq, 1, device, padded)
-    fake_forward.trace(config, recipe, recipe.memory.checkpointing, shape, "no", set(), counter=counter)
+    fake_forward.trace(config, recipe, recipe.memory.checkpointing, shape, precision, set(), counter=counter)
     return made[0].by_op()
 
 

@@ -99,8 +99,17 @@ class DataSection(Section):
     def format_of(self, source: SourceSection) -> str:
         return source.format or self.format
 
+    def formats_by_field(self) -> list[tuple[str, str]]:
+        """(the field that sets it, format) for every format the rows are read with: each source's own
+        (data.sources[i].format, else data.format), and data.format for data.val_path's rows."""
+        named = [
+            (f"data.sources[{number}].format" if source.format else "data.format", self.format_of(source))
+            for number, source in enumerate(self.source_list())
+        ]
+        return named + ([("data.format", self.format)] if self.val_path is not None else [])
+
     def formats_used(self) -> set[str]:
-        return {self.format_of(source) for source in self.source_list()} | {self.format}
+        return {fmt for _, fmt in self.formats_by_field()}
 
     @model_validator(mode="after")
     def _check_fields(self) -> DataSection:

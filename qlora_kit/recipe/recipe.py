@@ -351,19 +351,22 @@ def check_objective(recipe: Recipe) -> None:
     """The combinations train.objective, the data formats, the preference section and model.adapter allow."""
     spec = objectives.of(recipe)
     own = {objectives.PAIRS, objectives.UNPAIRED}  # rows only their formats hold (FormatSpec.rows)
-    used = recipe.data.formats_used()
-    if spec.rows in own and any(FORMATS[f].rows != spec.rows for f in used):
-        wrong = sorted(f for f in used if FORMATS[f].rows != spec.rows)[0]
+    # each source's own format (a mixture's sources name theirs; data.format is then only their default)
+    by_field = recipe.data.formats_by_field()
+    wrong = [(field, f) for field, f in by_field if FORMATS[f].rows != spec.rows]
+    if spec.rows in own and wrong:
         fitting = " or ".join(n for n, fmt in FORMATS.items() if fmt.rows == spec.rows)
+        field, fmt = wrong[0]
         raise ValueError(
-            f"data.format: train.objective {spec.name} trains on {ROW_NOUNS[spec.rows]}: use {fitting} (got {wrong})"
+            f"{field}: train.objective {spec.name} trains on {ROW_NOUNS[spec.rows]}: use {fitting} (got {fmt})"
         )
-    held = sorted(f for f in used if FORMATS[f].rows in own and FORMATS[f].rows != spec.rows)
+    held = [(field, f) for field, f in wrong if FORMATS[f].rows in own]
     if held:
-        rows = FORMATS[held[0]].rows
+        field, fmt = held[0]
+        rows = FORMATS[fmt].rows
         by = " or ".join(n for n, s in OBJECTIVES.items() if s.rows == rows)
         raise ValueError(
-            f"train.objective: format {held[0]} holds {ROW_NOUNS[rows]}; set train.objective: {by}"
+            f"train.objective: format {fmt} holds {ROW_NOUNS[rows]}; set train.objective: {by} (set by {field})"
         )
     # from values: a saved recipe holds defaults
     if spec.section != "preference" and recipe.preference != PreferenceSection():

@@ -10,6 +10,8 @@ Assembling a run, here at the top:
 - ``sample_prompts``: the validation prompts a run answers before and after training;
 - ``batch_layout``: ``data.packing: auto``'s stage: the data's layouts (data/layout.py) timed
   (memory/layout_costs.py) or read back from a checkpoint, and the choice;
+- ``recipe_plan``: what ``qlora-kit plan`` plans: the batch the run will have (from its data when read),
+  the loss head auto resolves to, the planner's figures;
 - ``distributed``: what one process of several does differently (DDP, FSDP2): the ranks, the launch's
   FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it).
 

@@ -79,9 +79,7 @@ def test_installed_wheel_lists_copies_and_trains_the_demo(wheel, tmp_path):
 
     listing = run(cli, "recipes", cwd=empty, env=env).stdout
     for path in sorted((ROOT / "recipes").glob("*.yaml")):
-        assert any(line.startswith(f"{path.stem} ") and "GiB" in line for line in listing.splitlines()), (
-            path.stem
-        )
+        assert any(line.startswith(f"{path.stem} ") for line in listing.splitlines()), path.stem
     assert "accelerate/fsdp-qlora" in listing
 
     copied = run(cli, "recipes", "copy", "demo", cwd=empty, env=env)
