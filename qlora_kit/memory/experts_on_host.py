@@ -33,6 +33,7 @@ import logging
 
 import torch
 
+from qlora_kit.errors import RecipeError
 from qlora_kit.model import moe_experts
 
 log = logging.getLogger(__name__)
@@ -204,11 +205,17 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def keep_experts_on_host(model: torch.nn.Module) -> ExpertsOnHost | None:
+def keep_experts_on_host(model: torch.nn.Module, field: str | None = None) -> ExpertsOnHost | None:
     """Move every experts module's frozen tensors of ``model`` (the 4-bit base, before or after peft wraps
-    it) to host memory and hook their blocks; None for a model without packed experts."""
+    it) to host memory and hook their blocks. A model without fused experts: None, or with ``field`` (the
+    recipe's, asking for it) a RecipeError naming it."""
     found = [(name, m) for name, m in moe_experts.fused_experts(model) if not hasattr(m, "base_layer")]
     if not found:
+        if field is not None:
+            model_type = getattr(getattr(model, "config", None), "model_type", "this model")
+            raise RecipeError(
+                f"{field}: {model_type} is not a mixture of experts (it has no experts to keep)"
+            )
         return None
     elsewhere = _storages_outside(model, [m for _, m in found])
     layers, owners = [], []
