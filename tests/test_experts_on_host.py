@@ -1,0 +1,136 @@
+"""memory.experts_on_host (memory/experts_on_host.py): a mixture's 4-bit experts live in host memory and
+visit the "device" a layer at a time. On the CPU the device storage and the host copy are two storages and
+every copy is counted, so the same losses and gradients as the resident experts prove the copies are whole
+and on time, and the counts prove when they happen."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit import Recipe
+from qlora_kit.errors import RecipeError
+from qlora_kit.memory import experts_on_host
+from qlora_kit.model import loading, moe_experts
+from qlora_kit.training.pipeline import build
+
+from .conftest import quick_recipe
+from .test_after_training import interrupted_then_resumed
+
+MIXTURE = "builtin:tiny-qwen3-moe"
+
+
+def one_step(tmp_path, policy: str, path: str, on_host: bool):
+    """One forward and backward of the run's first micro-batch: (loss, LoRA gradients, the run's model)."""
+    recipe = quick_recipe(
+        tmp_path / f"{policy}-{path}-{on_host}",
+        **{"model.path": MIXTURE, "memory.checkpointing": policy, "memory.experts_on_host": on_host},
+    )
+    setup = build(recipe)
+    moe_experts.set_matmul_path(setup.model, path)
+    for name, param in setup.model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: no gradient would reach A
+            torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
+    trainer = setup.trainer
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    setup.model.train()
+    loss = setup.model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in setup.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, setup.model
+
+
+@pytest.mark.slow  # four policy x path pairs of builds
+@pytest.mark.parametrize("path", ["looped", "grouped"])
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(tmp_path, policy, path):
+    """Each layer's experts are copied once in the forward pass and once in the backward pass (a full
+    checkpoint's recompute shares the backward's copy), at most two layers' are on the device at a time,
+    and none is left there after backward."""
+    resident_loss, resident_grads, _ = one_step(tmp_path, policy, path, on_host=False)
+    loss, grads, model = one_step(tmp_path, policy, path, on_host=True)
+    assert torch.equal(loss, resident_loss)
+    assert grads.keys() == resident_grads.keys()
+    assert any(".experts." in n for n in grads)  # the experts' own LoRA trains
+    assert all(torch.equal(grads[n], resident_grads[n]) for n in grads)
+    layers = experts_on_host.layers_on_host(model)
+    assert len(layers) == model.config.num_hidden_layers
+    assert [dict(layer.copies) for layer in layers] == [{"forward": 1, "backward": 1}] * len(layers)
+    assert not any(layer.filled for layer in layers)
+    assert all(s.nbytes() == 0 for layer in layers for s in layer.storages)
+
+
+@pytest.mark.slow  # a build
+def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(tmp_path):
+    """Without gradients (evaluation, sample prompts) each layer is copied once and emptied after its
+    block; while a layer computes, at most it and the next (prefetched) are on the device. The packed
+    weights really are emptied: every byte the experts hold sits on the host between uses."""
+    _, _, model = one_step(tmp_path, "full", "looped", on_host=True)
+    layers = experts_on_host.layers_on_host(model)
+    before = [collections.Counter(layer.copies) for layer in layers]
+    packed = sum(
+        getattr(m, name).nbytes
+        for _, m in moe_experts.fused_experts(model)
+        for name in moe_experts.EXPERT_PARAMETERS
+    )
+    assert sum(layer.nbytes for layer in layers) > packed  # the packed weights and their statistics
+    on_device = []
+    blocks = {id(m) for m in model.modules() if hasattr(m, "experts")}
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: on_device.append(sum(layer.filled for layer in layers)))
+        for m in model.modules()
+        if id(m) in blocks
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 600, (1, 16), generator=torch.Generator().manual_seed(0)))
+    for hook in hooks:
+        hook.remove()
+    assert on_device and max(on_device) <= 2
+    assert [layer.copies - seen for layer, seen in zip(layers, before, strict=True)] == [
+        collections.Counter(forward=1)
+    ] * len(layers)
+    assert not any(layer.filled for layer in layers)
+
+
+@pytest.mark.slow  # three short runs
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path):
+    settings = {
+        "model.path": MIXTURE,
+        "memory.experts_on_host": True,
+        "train.max_steps": 4,
+        "train.save_steps": 2,
+        "data.packing": False,
+    }
+    whole = load_file(
+        build_and_train(quick_recipe(tmp_path / "whole", **settings)) / "adapter_model.safetensors"
+    )
+    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 3)
+    again = load_file(resumed.output_dir / "adapter_model.safetensors")
+    resident = {**settings, "memory.experts_on_host": False}
+    kept = load_file(
+        build_and_train(quick_recipe(tmp_path / "resident", **resident)) / "adapter_model.safetensors"
+    )
+    assert whole.keys() == again.keys() == kept.keys()
+    assert all(torch.equal(whole[k], again[k]) and torch.equal(whole[k], kept[k]) for k in whole)
+
+
+def build_and_train(recipe):
+    from qlora_kit import train
+
+    return train(recipe).output_dir
+
+
+def test_a_dense_model_asking_for_it_is_refused_naming_the_field():
+    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-llama"}})
+    base = loading.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError, match=r"^memory.experts_on_host: llama is not a mixture"):
+        experts_on_host.keep_experts_on_host(base, "memory.experts_on_host")
+    assert experts_on_host.keep_experts_on_host(base) is None
+
+
+def test_auto_needs_a_budget():
+    with pytest.raises(ValueError, match=r"memory\.budget_gb: required with memory\.experts_on_host: auto"):
+        Recipe.from_dict({"memory": {"experts_on_host": "auto"}})
