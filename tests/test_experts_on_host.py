@@ -11,9 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from qlora_kit import Recipe
+from qlora_kit import Recipe, train
 from qlora_kit.errors import RecipeError
-from qlora_kit.memory import experts_on_host
+from qlora_kit.memory import auto, experts_on_host
+from qlora_kit.memory.planner import GIB, plan
 from qlora_kit.model import loading, moe_experts
 from qlora_kit.training.pipeline import build
 
@@ -95,32 +96,22 @@ def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(t
     assert not any(layer.filled for layer in layers)
 
 
-@pytest.mark.slow  # three short runs
+@pytest.mark.slow  # two short runs and a resume
 def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path):
+    """Three steps straight, and two steps then a resume from checkpoint-1, end with the same adapter."""
     settings = {
         "model.path": MIXTURE,
         "memory.experts_on_host": True,
-        "train.max_steps": 4,
-        "train.save_steps": 2,
+        "train.max_steps": 3,
+        "train.save_steps": 1,
         "data.packing": False,
     }
-    whole = load_file(
-        build_and_train(quick_recipe(tmp_path / "whole", **settings)) / "adapter_model.safetensors"
-    )
-    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 3)
-    again = load_file(resumed.output_dir / "adapter_model.safetensors")
-    resident = {**settings, "memory.experts_on_host": False}
-    kept = load_file(
-        build_and_train(quick_recipe(tmp_path / "resident", **resident)) / "adapter_model.safetensors"
-    )
-    assert whole.keys() == again.keys() == kept.keys()
-    assert all(torch.equal(whole[k], again[k]) and torch.equal(whole[k], kept[k]) for k in whole)
-
-
-def build_and_train(recipe):
-    from qlora_kit import train
-
-    return train(recipe).output_dir
+    whole = train(quick_recipe(tmp_path / "whole", **settings))
+    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 2)
+    a = load_file(whole.output_dir / "adapter_model.safetensors")
+    b = load_file(resumed.output_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_dense_model_asking_for_it_is_refused_naming_the_field():
@@ -134,3 +125,44 @@ def test_a_dense_model_asking_for_it_is_refused_naming_the_field():
 def test_auto_needs_a_budget():
     with pytest.raises(ValueError, match=r"memory\.budget_gb: required with memory\.experts_on_host: auto"):
         Recipe.from_dict({"memory": {"experts_on_host": "auto"}})
+
+
+def planned(budget_gb: float | None = None, on_host: bool | str = False):
+    memory = {"checkpointing": "full", "experts_on_host": on_host}
+    if budget_gb is not None:
+        memory["budget_gb"] = budget_gb
+    recipe = Recipe.from_dict({"model": {"path": MIXTURE}, "memory": memory, "train": {"grad_accum": 4}})
+    return recipe, plan(recipe, device="cpu")
+
+
+@pytest.mark.slow  # two plans traced
+def test_the_plan_keeps_every_layers_experts_on_the_host_and_two_layers_on_the_device():
+    recipe, resident = planned()
+    _, on_host = planned(on_host=True)
+    experts, layers = resident.weights.experts, recipe_layers(recipe)
+    assert experts > 0 and on_host.host_experts == experts and resident.host_experts == 0
+    assert on_host.experts_in_flight == 2 * experts // layers  # the tiny mixture's layers are alike
+    assert resident.static - on_host.static == experts - on_host.experts_in_flight
+    assert on_host.experts_copied_per_step == 2 * experts * 4  # forward and backward, 4 micro-batches
+    full, full_on_host = resident.chosen(recipe), on_host.chosen(recipe)
+    assert full.peak - full_on_host.peak == experts - on_host.experts_in_flight  # loading is below both
+
+
+def recipe_layers(recipe) -> int:
+    from qlora_kit.memory.shapes import model_shape
+
+    return len({stack.name.rsplit(".", 1)[0] for stack in model_shape(recipe).expert_stacks})
+
+
+@pytest.mark.slow  # plans traced at two budgets
+def test_auto_keeps_the_experts_on_the_host_only_where_the_budget_needs_it():
+    """Two budgets: between the two plans' peaks auto moves them (the run's resolution and the plan
+    agree), above the resident peak it leaves them on the device."""
+    recipe, resident = planned()
+    _, on_host = planned(on_host=True)
+    low, high = on_host.chosen(recipe).peak, resident.chosen(recipe).peak
+    for budget, expected in (((low + high) / 2, True), (high * 1.01, False)):
+        recipe, the_plan = planned(budget / GIB, on_host="auto")
+        assert the_plan.experts_on_host is expected
+        memory, _ = auto.resolve_auto(recipe)
+        assert memory.experts_on_host is expected
