@@ -166,3 +166,14 @@ def test_auto_keeps_the_experts_on_the_host_only_where_the_budget_needs_it():
         assert the_plan.experts_on_host is expected
         memory, _ = auto.resolve_auto(recipe)
         assert memory.experts_on_host is expected
+
+
+def test_it_is_refused_with_fsdp():
+    fields = {
+        "train": {"fsdp": True},
+        "optimizer": {"name": "adamw_torch"},
+        "memory": {"experts_on_host": True},
+    }
+    fields["quant"] = {"compute_dtype": "bfloat16", "quant_storage": "bfloat16"}
+    with pytest.raises(ValueError, match=r"memory\.experts_on_host: not with train\.fsdp"):
+        Recipe.from_dict(fields)
