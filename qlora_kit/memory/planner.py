@@ -344,9 +344,11 @@ class Plan:
 
     def peak_of(self, activations: int, spike: int) -> int:
         """A row's peak from what it keeps and its largest transient, on top of this plan's static bytes."""
-        return max(
-            self.static + self.pixels + activations + spike, self.static + self.rollout, self.load_peak
-        )
+        return max(self.training_peak(activations, spike), self.load_peak)
+
+    def training_peak(self, activations: int, spike: int) -> int:
+        """The peak once the model is loaded: a step's, or GRPO's rollouts'."""
+        return max(self.static + self.pixels + activations + spike, self.static + self.rollout)
 
     def mlp_tile_transient(self) -> int:
         """memory.mlp_tiles: one tile's MLP activations, alive while backward recomputes that tile (the trace
