@@ -6,6 +6,7 @@ and on time, and the counts prove when they happen."""
 from __future__ import annotations
 
 import collections
+import json
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from qlora_kit.memory.planner import GIB, plan
 from qlora_kit.model import loading, moe_experts
 from qlora_kit.training.pipeline import build
 
-from .conftest import quick_recipe
+from .conftest import quick_recipe, run_cli_output
 from .test_after_training import interrupted_then_resumed
 
 MIXTURE = "builtin:tiny-qwen3-moe"
@@ -177,3 +178,19 @@ def test_it_is_refused_with_fsdp():
     fields["quant"] = {"compute_dtype": "bfloat16", "quant_storage": "bfloat16"}
     with pytest.raises(ValueError, match=r"memory\.experts_on_host: not with train\.fsdp"):
         Recipe.from_dict(fields)
+
+
+@pytest.mark.slow  # two plans of the demo mixture
+def test_qlora_kit_plan_shows_the_host_and_device_split_and_the_bytes_copied(monkeypatch, capsys):
+    argv = ["plan", "demo-moe", "--set", "memory.experts_on_host=true", "--set", "train.grad_accum=2"]
+    code, out, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 0, err
+    for shown in ("in pinned host memory", "two layers' in flight", "copied to the device per step"):
+        assert shown in out
+    assert "experts on host: the training peak under full is" in out
+    code, out, err = run_cli_output([*argv, "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["experts_on_host"] is True
+    assert shown["experts_copied_per_step"] == 2 * 2 * shown["experts_host"] > 0
+    assert 2 * shown["experts_in_flight"] == shown["experts_host"]  # two of the demo mixture's four layers
