@@ -4,7 +4,8 @@ written as soon as it ends, so one failing or hanging case loses only its own ro
 The cases: ``gpu_rows.CASES`` (checkpointing policies against the planner, selective, auto, a real
 out-of-memory error split, long context, paged optimizers, the default loss head's cost), then
 ``qlora-kit doctor``, ``moe.py --expert-counts`` (a mixture layer's step at 8, 64 and 128 experts,
-CUDA-synchronised) and ``vs_trl.py --gpu`` (against a TRL SFTTrainer script on the 1B model). Each
+CUDA-synchronised), ``vs_trl.py --gpu`` (against a TRL SFTTrainer script on the 1B model) and
+``experts_on_host.py`` (GPU only: a mixture under a memory cap with its experts in host memory). Each
 case's JSON lands in ``--out`` as ``gpu-check.json`` (rewritten after every case) and its log beside it.
 
     bash benchmarks/gpu_check.sh                        # on the lent machine (installs the carried wheels)
@@ -39,6 +40,7 @@ LIMITS = {
     "doctor": 40,
     "moe": 60,
     "vs_trl": 90,
+    "experts_on_host": 120,  # GPU only: a mixture under a memory cap with its experts in host memory
 }
 
 
@@ -51,13 +53,15 @@ def external(case: str, tiny: bool, out: Path) -> list[str] | None:
         return [sys.executable, str(HERE / "moe.py"), "--expert-counts", *size, "--out", str(out)]
     if case == "vs_trl":
         return None if tiny else [sys.executable, str(HERE / "vs_trl.py"), "--gpu", "--out", str(out)]
+    if case == "experts_on_host":
+        return None if tiny else [sys.executable, str(HERE / "experts_on_host.py"), "--out", str(out)]
     return None
 
 
 def run_case(case: str, tiny: bool, out: Path, limit: float) -> dict:
     """One case in a process of its own: its rows, or what stopped it (an error's last line, a timeout)."""
     command = external(case, tiny, out)
-    if command is None and case not in ("doctor", "moe", "vs_trl"):
+    if command is None and case not in ("doctor", "moe", "vs_trl", "experts_on_host"):
         command = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -127,6 +131,8 @@ def describe(case: str, result: dict) -> list[str]:
         )
     for r in result.get("optimizers", []):
         lines.append(json.dumps(r))
+    if "host_measured_gib" in result:  # experts_on_host
+        lines.append(json.dumps({k: round(v, 4) for k, v in result.items() if isinstance(v, float)}))
     if "oom" in result:
         lines.append("out of memory (real): " + json.dumps(result["oom"]))
     return lines

@@ -112,7 +112,10 @@ def planned_memory(recipe: Recipe) -> str:
         peak = next(p.peak for p in the_plan.policies if p.policy == name)
     per_gpu = f" per GPU on {processes}" if processes > 1 else ""
     head = "" if planned.head is None else ", chunked loss" if planned.head.chunked else ", full logits"
-    return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}{head}, bs {the_plan.batch} x {the_plan.seq})"
+    on_host = (
+        ", experts on host" if the_plan.experts_on_host else ""
+    )  # memory.experts_on_host (auto: as planned)
+    return f"{peak / GIB:.2f} GiB{per_gpu} (checkpointing {name}{head}, bs {the_plan.batch} x {the_plan.seq}{on_host})"
 
 
 def fsdp_processes() -> int:

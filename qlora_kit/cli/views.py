@@ -161,6 +161,14 @@ def show_plan_tables(console: Console, plan: Plan, recipe: Recipe, budget_gb: fl
             f"{shape.expert_values / 1e9:.2f} B values, {bits:.2f} bits each; {active:.0%} active per token"
         )
         table.add_row(f"experts ({what})", size(weights.experts), "closed form")
+    if plan.experts_on_host:  # memory.experts_on_host: the split between host and device, and the traffic
+        table.add_row("  of them in pinned host memory (memory.experts_on_host)", size(plan.host_experts), "")
+        table.add_row("  of them on the device: two layers' in flight", size(plan.experts_in_flight), "")
+        copied = f"forward and backward x grad_accum {recipe.train.grad_accum}"
+        table.add_row(f"  copied to the device per step ({copied})", size(plan.experts_copied_per_step), "")
+        table.add_row(
+            "  loading: the whole 4-bit model on the device first", size(plan.load_peak), "closed form"
+        )
     table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", size(weights.unquantized), "shapes")
     table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", size(weights.lora), "shapes")
     table.add_row("LoRA gradients (during backward)", size(plan.lora_grads), "shapes")
@@ -214,6 +222,15 @@ def show_plan_tables(console: Console, plan: Plan, recipe: Recipe, budget_gb: fl
         "the CUDA context and allocator fragmentation come on top",
         highlight=False,
     )
+    if plan.experts_on_host and not policy_table.planned(recipe.memory.checkpointing):
+        row = plan.chosen(recipe)
+        training = plan.training_peak(row.activations, row.spike)
+        sets = "loading sets the peak" if plan.load_peak > training else "training sets the peak"
+        console.print(
+            f"experts on host: the training peak under {row.policy} is {size(training)}, loading needs "
+            f"{size(plan.load_peak)} ({sets})",
+            highlight=False,
+        )
     if budget_gb is not None:
         console.print(f"auto would pick {_auto_choice(plan, recipe, budget_gb)[1]}", highlight=False)
     if plan.rollout:  # train.objective grpo: which of its two peaks sets the step's
@@ -266,6 +283,10 @@ def plan_tables_as_dict(plan: Plan, recipe: Recipe, budget_gb: float | None) -> 
         "optimizer_state": plan.optimizer_state,
         "optimizer_pageable": plan.optimizer_pageable,
         "fsdp_processes": plan.shards,
+        "experts_on_host": plan.experts_on_host,
+        "experts_host": plan.host_experts,
+        "experts_in_flight": plan.experts_in_flight,
+        "experts_copied_per_step": plan.experts_copied_per_step,
         "static_per_gpu": plan.static,
         "load_peak_per_gpu": plan.load_peak,
         "rollout": plan.rollout,

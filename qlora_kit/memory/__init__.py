@@ -5,6 +5,7 @@
 - ``selective``: the selective policy's op-level choice: keep the 4-bit matmuls' and attention's outputs,
   recompute the cheap ops;
 - ``offload``: offloaded checkpoints, each checkpointed layer's saved input in host memory until backward;
+- ``experts_on_host``: a mixture's frozen experts in host memory, a layer at a time on the device;
 - ``tiled_mlp``: each decoder layer's MLP in sequence tiles, each recomputed on its own;
 - ``attention_fit``: a quadratic attention kernel refused at a length whose scores would not fit;
 - ``optimizers``: building the recipe's optimizer, its state report, re-paging after a resume (which

@@ -122,7 +122,8 @@ def resolve_auto(
     ``checkpoint`` when a resumed run's has them, else measured here; None where FLOPs were counted),
     which every checkpoint keeps."""
     memory = recipe.memory
-    if not table.planned(memory.checkpointing):
+    experts_auto = memory.experts_on_host == "auto"
+    if not table.planned(memory.checkpointing) and not experts_auto:
         return memory, None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # per GPU of this launch: under FSDP the weights and optimizer state are sharded over its processes
@@ -135,6 +136,18 @@ def resolve_auto(
         images_per_row=images_per_row,
         image_tokens=image_tokens,
     )
+    if experts_auto:  # the plan resolved it (planner.experts_on_host_plan); the run reads the choice
+        memory = memory.model_copy(update={"experts_on_host": the_plan.experts_on_host})
+        recipe = recipe.model_copy(update={"memory": memory})
+        log.info(
+            "memory.experts_on_host auto: %s (%s)",
+            str(the_plan.experts_on_host).lower(),
+            "the plan does not fit memory.budget_gb with them resident"
+            if the_plan.experts_on_host
+            else "the plan fits memory.budget_gb with them resident",
+        )
+        if not table.planned(memory.checkpointing):
+            return memory, None
     if not the_plan.fitting(memory.budget_gb) and not memory.over_budget:
         smallest = min(the_plan.policies, key=lambda p: p.peak)
         raise RecipeError(

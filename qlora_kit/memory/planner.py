@@ -35,6 +35,11 @@ Llama-shaped layer, is used instead (and ``plan`` says so):
   (n_trained x hidden x c), their labels (n_trained x 8) and the boolean mask that selected them
   (batch x (seq - 1)), logits never kept; n_trained as above (every position without the data).
 
+With ``memory.experts_on_host`` a mixture's experts live in host memory (``Plan.host_experts``) and the
+device holds two layers' of them (``Plan.experts_in_flight``: the one computing, the one arriving); every
+layer's are copied to the device twice a micro-batch (forward, backward: ``Plan.experts_copied_per_step``).
+Loading still brings the whole 4-bit model to the device first (``load_peak``, unchanged).
+
 With ``memory.offload_activations`` the checkpointed layers' inputs leave the device (the trace counts them
 as host bytes: ``PolicyPlan.host``), and backward holds two of them back on it (the one recomputing, the one
 prefetched). With ``memory.mlp_tiles`` the trace runs the tiled MLP, so its intermediate counts one tile's.
@@ -90,6 +95,7 @@ from qlora_kit.memory.shapes import (
     Weights,
     every_layers_targets,
     model_shape,
+    stack_bytes,
     weight_bytes,
 )
 from qlora_kit.memory.tiled_mlp import tile_count
@@ -205,6 +211,7 @@ class Plan:
     # (rows truncated to data.max_seq_len: no mask, and on CUDA the flash kernel)
     padded: bool = True
     kernels: tuple[str, ...] = ()  # the attention kernels the trace assumed (device_kernels.py)
+    experts_on_host: bool = False  # memory.experts_on_host, resolved (experts_on_host_plan)
 
     @property
     def trained_positions(self) -> int | None:
@@ -231,7 +238,7 @@ class Plan:
         """Weights and optimizer state one GPU holds while it trains."""
         w = self.weights
         if self.shards == 1:
-            return w.total + self.optimizer_state
+            return w.total - self.host_experts + self.experts_in_flight + self.optimizer_state
         sharded = (w.quantized + w.experts + w.lora + self.optimizer_state) // self.shards
         return sharded + w.unquantized + 2 * self.layer_weights
 
@@ -239,6 +246,28 @@ class Plan:
     def load_peak(self) -> int:
         """What one GPU holds while the model loads: the whole 4-bit model, under FSDP too."""
         return self.weights.quantized + self.weights.experts + self.weights.unquantized
+
+    @property
+    def host_experts(self) -> int:
+        """memory.experts_on_host: every layer's packed experts and statistics, in pinned host memory."""
+        return self.weights.experts if self.experts_on_host else 0
+
+    @property
+    def experts_in_flight(self) -> int:
+        """memory.experts_on_host: two layers' experts on the device (the one computing, the one arriving)."""
+        if not self.experts_on_host:
+            return 0
+        per_layer: dict[str, int] = {}
+        for stack in self.shape.expert_stacks:
+            layer = stack.name.rsplit(".", 1)[0]
+            per_layer[layer] = per_layer.get(layer, 0) + stack_bytes(stack, self.recipe)
+        return 2 * max(per_layer.values(), default=0)
+
+    @property
+    def experts_copied_per_step(self) -> int:
+        """memory.experts_on_host: bytes copied host to device per optimizer step: every layer's experts in
+        each micro-batch's forward and again in its backward (a recompute shares the backward's copy)."""
+        return 2 * self.host_experts * self.recipe.train.grad_accum
 
     def chosen(self, recipe: Recipe) -> PolicyPlan:
         return next(
@@ -308,10 +337,18 @@ class Plan:
         # tensors after its backward), before any decoder layer's backward: the layers' spike is on top
         # of the layers' kept bytes alone, the loss head's on top of all of them.
         spike = max(in_flight + loss_spike(shape, recipe, tokens), backward - acts.head)
-        peak = max(self.static + self.pixels + acts.total + spike, self.static + self.rollout, self.load_peak)
+        peak = self.peak_of(acts.total, spike)
         full_layer = max(self.activations(table.FULL).recompute_cost) or 1.0
         cost = sum(acts.recompute_cost) / full_layer
         return PolicyPlan(label, acts.total, spike, peak, recomputed, layers, cost, host)
+
+    def peak_of(self, activations: int, spike: int) -> int:
+        """A row's peak from what it keeps and its largest transient, on top of this plan's static bytes."""
+        return max(self.training_peak(activations, spike), self.load_peak)
+
+    def training_peak(self, activations: int, spike: int) -> int:
+        """The peak once the model is loaded: a step's, or GRPO's rollouts'."""
+        return max(self.static + self.pixels + activations + spike, self.static + self.rollout)
 
     def mlp_tile_transient(self) -> int:
         """memory.mlp_tiles: one tile's MLP activations, alive while backward recomputes that tile (the trace
@@ -416,4 +453,23 @@ def plan(
     for policy, every_n in wanted:
         label = policy_name(policy, every_n)
         result.policies.append(result.policy_plan(layer_plan(policy, every_n, shape.layers, recipe), label))
+    return experts_on_host_plan(result, recipe)
+
+
+def experts_on_host_plan(result: Plan, recipe: Recipe) -> Plan:
+    """``memory.experts_on_host`` in the plan: true moves every layer's experts to the host but two
+    layers' in flight; auto does so only where the plan does not fit ``memory.budget_gb`` without it (the
+    recipe's checkpointing policy, or any policy under checkpointing auto). Only the static bytes change,
+    so each row's peak is recomputed from what it keeps."""
+    wanted = recipe.memory.experts_on_host
+    if wanted == "auto":
+        budget = recipe.memory.budget_gb * GIB
+        own = not table.planned(recipe.memory.checkpointing)
+        rows = [result.chosen(recipe)] if own else result.policies
+        wanted = not any(row.peak <= budget for row in rows)
+    if not wanted or not result.shape.expert_stacks or result.shards > 1:
+        return result
+    result.experts_on_host = True
+    for row in result.policies:
+        row.peak = result.peak_of(row.activations, row.spike)
     return result

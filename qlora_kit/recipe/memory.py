@@ -49,6 +49,10 @@ class MemorySection(Section):
     offload_activations: bool = False
     """Keep each checkpointed layer's saved input in host memory until its recompute (pinned, copied on a side
     stream with a one-layer prefetch on CUDA; host to host on the CPU): frees layers x tokens x hidden bytes."""
+    experts_on_host: bool | Literal["auto"] = False
+    """A mixture's frozen experts (4-bit packed, with their quantization statistics) in host memory, pinned on
+    CUDA: each layer's copied to the device for its forward and again for its backward (its recompute shares that
+    copy), one layer ahead on a side stream; auto: on only where the plan does not fit budget_gb without it."""
     mlp_tiles: int | Literal["auto"] = 1
     """Compute each decoder layer's MLP in this many tiles along the sequence, each recomputed in backward on
     its own, so one tile's intermediate exists at a time; auto: ceil(tokens / hidden) tiles; 1: untiled."""
@@ -64,6 +68,8 @@ class MemorySection(Section):
     def _check_budget(self) -> MemorySection:
         if self.mlp_tiles != "auto" and self.mlp_tiles < 1:
             raise ValueError(f"memory.mlp_tiles: must be >= 1 or auto (got {self.mlp_tiles})")
+        if self.experts_on_host == "auto" and self.budget_gb is None:
+            raise ValueError("memory.budget_gb: required with memory.experts_on_host: auto")
         needs = policies.policy(self.checkpointing).needs
         if needs is not None and getattr(self, needs) in (None, []):
             raise ValueError(f"memory.{needs}: required with memory.checkpointing: {self.checkpointing}")

@@ -225,6 +225,8 @@ class Recipe(Section):
                 f"(got {self.quant.quant_storage}): the FSDP-QLoRA setting peft and accelerate document (FSDP1 "
                 "shards flat tensors of one dtype) and the one qlora_kit tests under FSDP2"
             )
+        if self.train.fsdp and self.memory.experts_on_host is True:
+            raise ValueError("memory.experts_on_host: not with train.fsdp (FSDP shards the experts instead)")
         if self.train.fsdp and not OPTIMIZERS[self.optimizer.name].shards:
             raise ValueError(
                 f"optimizer.name: {self.optimizer.name} cannot step FSDP2's sharded parameters (bitsandbytes' "

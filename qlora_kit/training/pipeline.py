@@ -23,7 +23,7 @@ from transformers import TrainerState, set_seed
 from qlora_kit.data import preflight, prepare
 from qlora_kit.data.rewards import check_importable
 from qlora_kit.errors import Interrupted, RecipeError
-from qlora_kit.memory import attention_fit, auto, checkpointing, loss_choice
+from qlora_kit.memory import attention_fit, auto, checkpointing, experts_on_host, loss_choice
 from qlora_kit.model import adapters, builtin, hub, layer_sizes
 from qlora_kit.model import loading as model
 from qlora_kit.model.paths import (
@@ -206,6 +206,8 @@ def _build_checked(
         base.config, recipe.train.micro_batch_size, recipe.data.max_seq_len, recipe.memory.budget_gb
     )
     checkpointed = checkpointing.enable_checkpointing(base, resolved.memory)
+    if resolved.memory.experts_on_host:  # before peft: the hooks sit on the blocks that call the experts
+        experts_on_host.keep_experts_on_host(base, "memory.experts_on_host")
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(
             base, Path(recipe.model.adapter).expanduser(), True, "model.adapter"

@@ -1,0 +1,299 @@
+"""Memory stage: a mixture's frozen 4-bit experts kept in host memory, brought to the device a layer at a
+time (``memory.experts_on_host``).
+
+A mixture's routed experts are most of its weights (Qwen3-30B-A3B in 4 bits: ~14.5 of ~17 GB) and they are
+frozen: only their LoRA trains. ``keep_experts_on_host`` moves every experts module's packed weights and
+quantization statistics (whatever tensors model/moe_experts.py gave it, found by walking the module) to
+host memory, pinned on CUDA, and frees their device storage. The tensors stay where they are, with their
+shapes: only their storage is emptied (``untyped_storage().resize_(0)``, the way FSDP frees a gathered
+parameter) and refilled from the host copy when the layer needs it. So every holder of them, the module,
+a QuantState built from them, and the views bitsandbytes' ``MatMul4Bit`` keeps in its ``ctx`` for
+backward, sees the refilled bytes: nothing in the experts' code changes.
+
+When the bytes are on the device (hooks on the module that calls the experts, its "block"):
+- forward: filled before the block runs, emptied after it; the next layer's copy starts meanwhile;
+- backward: filled when the gradient reaches the block's output (an identity function there), emptied
+  when it has passed the block's input (an identity there too, anchored to a tensor that requires grad so
+  its backward always runs); the previous layer's copy starts meanwhile;
+- recompute (a checkpointed layer's forward again, inside its backward): it finds the bytes already
+  filled for that backward, or fills them and the backward uses the same copy. One copy a layer in the
+  forward pass, one in the backward pass, recompute included.
+So at most two layers' experts are on the device at a time (the one computing, the one arriving).
+
+On CUDA the copies run on a side stream from pinned memory, one layer ahead, as ``offload.py`` prefetches
+saved inputs; the compute stream waits for a layer's copy only when it needs that layer. On the CPU the
+same code copies host to host: the "device" storage and the host copy are two storages, the copies real
+and counted (``LayerExperts.copies``), so the tests prove the losses, the gradients and the copy counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+import torch
+
+from qlora_kit.errors import RecipeError
+from qlora_kit.model import moe_experts
+
+log = logging.getLogger(__name__)
+
+FORWARD, RECOMPUTE, BACKWARD = "forward", "recompute", "backward"  # the passes a copy is counted in
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+class LayerExperts:
+    """One layer's experts: each storage they use, its host copy, and whether the device's is filled."""
+
+    def __init__(self, index: int, storages: list[torch.UntypedStorage], device: torch.device) -> None:
+        self.index, self.device, self.storages = index, device, storages
+        pinned = device.type == "cuda"
+        self.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pinned) for s in storages]
+        for storage, host in zip(storages, self.host, strict=True):
+            host.copy_(_bytes_of(storage, device))
+        self.nbytes = sum(host.numel() for host in self.host)
+        self.filled, self.arriving = True, None  # arriving: the side stream's event of a copy under way
+        self.copies: collections.Counter = collections.Counter()  # pass -> copies made in it
+
+    def fetch(self, phase: str) -> None:
+        """Start filling the device storages from the host (asynchronous on CUDA); nothing when filled."""
+        if self.filled:
+            return
+        for storage, host in zip(self.storages, self.host, strict=True):
+            storage.resize_(host.numel())  # allocated on the compute stream, which frees it again
+        if self.device.type == "cuda":
+            side = _side_stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))  # the memory is free on that stream
+            with torch.cuda.stream(side):
+                for storage, host in zip(self.storages, self.host, strict=True):
+                    _bytes_of(storage, self.device).copy_(host, non_blocking=True)
+                self.arriving = side.record_event()
+        else:
+            for storage, host in zip(self.storages, self.host, strict=True):
+                _bytes_of(storage, self.device).copy_(host)
+        self.filled = True
+        self.copies[phase] += 1
+
+    def ready(self, phase: str) -> None:
+        """The bytes on the device before the compute stream reads them."""
+        self.fetch(phase)
+        if self.arriving is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.arriving)
+            self.arriving = None
+
+    def release(self) -> None:
+        """Empty the device storages (the tensors keep their shapes; their bytes are the host's)."""
+        if not self.filled:
+            return
+        if self.arriving is not None:  # a copy nobody waited for must land before its memory is reused
+            torch.cuda.current_stream(self.device).wait_event(self.arriving)
+            self.arriving = None
+        for storage in self.storages:
+            storage.resize_(0)
+        self.filled = False
+
+
+class ExpertsOnHost:
+    """Every mixture layer's experts in host memory, and the hooks that bring each to the device."""
+
+    def __init__(self, layers: list[LayerExperts]) -> None:
+        self.layers = layers
+        self.handles: list = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(layer.nbytes for layer in self.layers)
+
+    def copies(self) -> list[collections.Counter]:
+        """Each layer's copies so far, by pass (forward, recompute, backward)."""
+        return [collections.Counter(layer.copies) for layer in self.layers]
+
+    def neighbour(self, layer: LayerExperts, step: int) -> LayerExperts | None:
+        index = layer.index + step
+        return self.layers[index] if 0 <= index < len(self.layers) else None
+
+    def before_block(self, layer: LayerExperts, args: tuple, kwargs: dict):
+        if _in_backward():  # a checkpointed layer's recompute: its backward empties the storages
+            layer.ready(RECOMPUTE)
+            return None
+        layer.ready(FORWARD)
+        following = self.neighbour(layer, 1)
+        if following is not None:
+            following.fetch(FORWARD)  # one layer ahead: it travels while this one computes
+        if not torch.is_grad_enabled():
+            return None
+        if args and isinstance(args[0], torch.Tensor):
+            return (_LeaveInBackward.apply(args[0], _anchor(args[0]), layer), *args[1:]), kwargs
+        states = kwargs.get("hidden_states")
+        if isinstance(states, torch.Tensor):
+            return args, {**kwargs, "hidden_states": _LeaveInBackward.apply(states, _anchor(states), layer)}
+        raise RuntimeError(f"memory.experts_on_host: layer {layer.index}'s block has no hidden states input")
+
+    def after_block(self, layer: LayerExperts, output):
+        if _in_backward():
+            return None
+        layer.release()
+        if not torch.is_grad_enabled():
+            return None
+        if isinstance(output, torch.Tensor):
+            return _EnterInBackward.apply(output, layer, self)
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (_EnterInBackward.apply(output[0], layer, self), *output[1:])
+        raise RuntimeError(f"memory.experts_on_host: layer {layer.index}'s block returns no tensor")
+
+    def remove(self) -> None:
+        """Hooks off and every layer's bytes back on the device (for merging or saving the 4-bit model)."""
+        for handle in self.handles:
+            handle.remove()
+        for layer in self.layers:
+            layer.ready(FORWARD)
+
+
+class _LeaveInBackward(torch.autograd.Function):
+    """Identity on a block's input; its backward runs once the block's backward is done: the layer's
+    experts leave the device."""
+
+    @staticmethod
+    def forward(ctx, states, anchor, layer):
+        ctx.layer = layer
+        return states.view_as(states)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.layer.release()
+        return grad, None, None
+
+
+class _EnterInBackward(torch.autograd.Function):
+    """Identity on a block's output; its backward runs before the block's: the layer's experts come back
+    (and the layer backward visits next starts its copy)."""
+
+    @staticmethod
+    def forward(ctx, output, layer, owner):
+        ctx.layer, ctx.owner = layer, owner
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.layer.ready(BACKWARD)
+        previous = ctx.owner.neighbour(ctx.layer, -1)
+        if previous is not None:
+            previous.fetch(BACKWARD)
+        return grad, None, None
+
+
+def _anchor(states: torch.Tensor) -> torch.Tensor:
+    # the input may not require grad (a first layer under frozen embeddings): the identity's backward must
+    # run regardless, or the layer would stay on the device
+    return torch.empty(0, device=states.device, requires_grad=True)
+
+
+def _in_backward() -> bool:
+    # torch's own test for "inside the autograd engine" (torch.utils.checkpoint reads it too): a forward
+    # run there is a checkpointed layer's recompute
+    return torch._C._current_graph_task_id() != -1
+
+
+def _bytes_of(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over the whole storage (its current size)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (storage.nbytes(),))
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _SIDE_STREAMS:
+        _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[device]
+
+
+def keep_experts_on_host(model: torch.nn.Module, field: str | None = None) -> ExpertsOnHost | None:
+    """Move every experts module's frozen tensors of ``model`` (the 4-bit base, before or after peft wraps
+    it) to host memory and hook their blocks. A model without fused experts: None, or with ``field`` (the
+    recipe's, asking for it) a RecipeError naming it."""
+    found = [(name, m) for name, m in moe_experts.fused_experts(model) if not hasattr(m, "base_layer")]
+    if not found:
+        if field is not None:
+            model_type = getattr(getattr(model, "config", None), "model_type", "this model")
+            raise RecipeError(
+                f"{field}: {model_type} is not a mixture of experts (it has no experts to keep)"
+            )
+        return None
+    elsewhere = _storages_outside(model, [m for _, m in found])
+    layers, owners = [], []
+    for name, experts in found:
+        storages = _own_storages(experts, elsewhere)
+        device = next(iter(experts.parameters())).device
+        layers.append(LayerExperts(len(layers), storages, device))
+        owners.append(model.get_submodule(name.rpartition(".")[0]))
+    on_host = ExpertsOnHost(layers)
+    for layer, block in zip(layers, owners, strict=True):
+        layer.release()
+        on_host.handles.append(
+            block.register_forward_pre_hook(
+                lambda _, args, kwargs, layer=layer: on_host.before_block(layer, args, kwargs),
+                with_kwargs=True,
+            )
+        )
+        on_host.handles.append(
+            block.register_forward_hook(
+                lambda _, args, output, layer=layer: on_host.after_block(layer, output)
+            )
+        )
+    for (_, experts), layer in zip(found, layers, strict=True):
+        experts.experts_on_host = layer  # read back by layers_on_host
+    log.info(
+        "memory.experts_on_host: %d layers' experts (%.2f GiB) in host memory, %.2f MiB a layer",
+        len(layers),
+        on_host.nbytes / 2**30,
+        on_host.nbytes / len(layers) / 2**20,
+    )
+    return on_host
+
+
+def layers_on_host(model: torch.nn.Module) -> list[LayerExperts]:
+    """Each mixture layer's experts kept in host memory, in layer order ([] when the feature is off)."""
+    return [
+        m.experts_on_host
+        for m in model.modules()
+        if isinstance(getattr(m, "experts_on_host", None), LayerExperts)
+    ]
+
+
+def _frozen_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    tensors = [*module.parameters(), *module.buffers()]
+    return [t for t in tensors if not t.requires_grad and t.untyped_storage().nbytes()]
+
+
+def _storages_outside(model: torch.nn.Module, experts: list[torch.nn.Module]) -> set[int]:
+    """The storages some tensor outside one experts module reads: another layer's experts (a code book
+    bitsandbytes shares), the rest of the model, a Linear4bit's quantization state. They stay resident."""
+    inside = {id(t) for module in experts for t in _frozen_tensors(module)}
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers(), *_quant_state_tensors(model)]:
+        if id(tensor) not in inside:
+            seen.add(tensor.untyped_storage().data_ptr())
+    owners = collections.Counter(
+        ptr for module in experts for ptr in {t.untyped_storage().data_ptr() for t in _frozen_tensors(module)}
+    )
+    return seen | {ptr for ptr, count in owners.items() if count > 1}
+
+
+def _quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    found = []
+    for parameter in model.parameters():
+        state = getattr(parameter, "quant_state", None)
+        if state is not None:
+            found += [state.absmax, state.code]
+            if state.nested:
+                found += [state.state2.absmax, state.state2.code]
+    return [t for t in found if isinstance(t, torch.Tensor)]
+
+
+def _own_storages(experts: torch.nn.Module, elsewhere: set[int]) -> list[torch.UntypedStorage]:
+    """The storages of ``experts``' frozen tensors (packed weights, statistics, biases) that nothing else
+    reads, each once."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    for tensor in _frozen_tensors(experts):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in elsewhere:
+            storages.setdefault(storage.data_ptr(), storage)
+    return list(storages.values())

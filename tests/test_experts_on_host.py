@@ -1,0 +1,196 @@
+"""memory.experts_on_host (memory/experts_on_host.py): a mixture's 4-bit experts live in host memory and
+visit the "device" a layer at a time. On the CPU the device storage and the host copy are two storages and
+every copy is counted, so the same losses and gradients as the resident experts prove the copies are whole
+and on time, and the counts prove when they happen."""
+
+from __future__ import annotations
+
+import collections
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from qlora_kit import Recipe, train
+from qlora_kit.errors import RecipeError
+from qlora_kit.memory import auto, experts_on_host
+from qlora_kit.memory.planner import GIB, plan
+from qlora_kit.model import loading, moe_experts
+from qlora_kit.training.pipeline import build
+
+from .conftest import quick_recipe, run_cli_output
+from .test_after_training import interrupted_then_resumed
+
+MIXTURE = "builtin:tiny-qwen3-moe"
+
+
+def one_step(tmp_path, policy: str, path: str, on_host: bool):
+    """One forward and backward of the run's first micro-batch: (loss, LoRA gradients, the run's model)."""
+    recipe = quick_recipe(
+        tmp_path / f"{policy}-{path}-{on_host}",
+        **{"model.path": MIXTURE, "memory.checkpointing": policy, "memory.experts_on_host": on_host},
+    )
+    setup = build(recipe)
+    moe_experts.set_matmul_path(setup.model, path)
+    for name, param in setup.model.named_parameters():
+        if "lora_B" in name:  # peft starts B at zero: no gradient would reach A
+            torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
+    trainer = setup.trainer
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    setup.model.train()
+    loss = setup.model(**inputs).loss
+    loss.backward()
+    grads = {n: p.grad for n, p in setup.model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, setup.model
+
+
+@pytest.mark.slow  # four policy x path pairs of builds
+@pytest.mark.parametrize("path", ["looped", "grouped"])
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(tmp_path, policy, path):
+    """Each layer's experts are copied once in the forward pass and once in the backward pass (a full
+    checkpoint's recompute shares the backward's copy), at most two layers' are on the device at a time,
+    and none is left there after backward."""
+    resident_loss, resident_grads, _ = one_step(tmp_path, policy, path, on_host=False)
+    loss, grads, model = one_step(tmp_path, policy, path, on_host=True)
+    assert torch.equal(loss, resident_loss)
+    assert grads.keys() == resident_grads.keys()
+    assert any(".experts." in n for n in grads)  # the experts' own LoRA trains
+    assert all(torch.equal(grads[n], resident_grads[n]) for n in grads)
+    layers = experts_on_host.layers_on_host(model)
+    assert len(layers) == model.config.num_hidden_layers
+    assert [dict(layer.copies) for layer in layers] == [{"forward": 1, "backward": 1}] * len(layers)
+    assert not any(layer.filled for layer in layers)
+    assert all(s.nbytes() == 0 for layer in layers for s in layer.storages)
+
+
+@pytest.mark.slow  # a build
+def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(tmp_path):
+    """Without gradients (evaluation, sample prompts) each layer is copied once and emptied after its
+    block; while a layer computes, at most it and the next (prefetched) are on the device. The packed
+    weights really are emptied: every byte the experts hold sits on the host between uses."""
+    _, _, model = one_step(tmp_path, "full", "looped", on_host=True)
+    layers = experts_on_host.layers_on_host(model)
+    before = [collections.Counter(layer.copies) for layer in layers]
+    packed = sum(
+        getattr(m, name).nbytes
+        for _, m in moe_experts.fused_experts(model)
+        for name in moe_experts.EXPERT_PARAMETERS
+    )
+    assert sum(layer.nbytes for layer in layers) > packed  # the packed weights and their statistics
+    on_device = []
+    blocks = {id(m) for m in model.modules() if hasattr(m, "experts")}
+    hooks = [
+        m.register_forward_pre_hook(lambda *_: on_device.append(sum(layer.filled for layer in layers)))
+        for m in model.modules()
+        if id(m) in blocks
+    ]
+    with torch.no_grad():
+        model(input_ids=torch.randint(5, 600, (1, 16), generator=torch.Generator().manual_seed(0)))
+    for hook in hooks:
+        hook.remove()
+    assert on_device and max(on_device) <= 2
+    assert [layer.copies - seen for layer, seen in zip(layers, before, strict=True)] == [
+        collections.Counter(forward=1)
+    ] * len(layers)
+    assert not any(layer.filled for layer in layers)
+
+
+@pytest.mark.slow  # two short runs and a resume
+def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path):
+    """Three steps straight, and two steps then a resume from checkpoint-1, end with the same adapter."""
+    settings = {
+        "model.path": MIXTURE,
+        "memory.experts_on_host": True,
+        "train.max_steps": 3,
+        "train.save_steps": 1,
+        "data.packing": False,
+    }
+    whole = train(quick_recipe(tmp_path / "whole", **settings))
+    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), 2)
+    a = load_file(whole.output_dir / "adapter_model.safetensors")
+    b = load_file(resumed.output_dir / "adapter_model.safetensors")
+    assert a.keys() == b.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_dense_model_asking_for_it_is_refused_naming_the_field():
+    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-llama"}})
+    base = loading.load_base_model(recipe.model, recipe.quant)
+    with pytest.raises(RecipeError, match=r"^memory.experts_on_host: llama is not a mixture"):
+        experts_on_host.keep_experts_on_host(base, "memory.experts_on_host")
+    assert experts_on_host.keep_experts_on_host(base) is None
+
+
+def test_auto_needs_a_budget():
+    with pytest.raises(ValueError, match=r"memory\.budget_gb: required with memory\.experts_on_host: auto"):
+        Recipe.from_dict({"memory": {"experts_on_host": "auto"}})
+
+
+def planned(budget_gb: float | None = None, on_host: bool | str = False):
+    memory = {"checkpointing": "full", "experts_on_host": on_host}
+    if budget_gb is not None:
+        memory["budget_gb"] = budget_gb
+    recipe = Recipe.from_dict({"model": {"path": MIXTURE}, "memory": memory, "train": {"grad_accum": 4}})
+    return recipe, plan(recipe, device="cpu")
+
+
+@pytest.mark.slow  # two plans traced
+def test_the_plan_keeps_every_layers_experts_on_the_host_and_two_layers_on_the_device():
+    recipe, resident = planned()
+    _, on_host = planned(on_host=True)
+    experts, layers = resident.weights.experts, recipe_layers(recipe)
+    assert experts > 0 and on_host.host_experts == experts and resident.host_experts == 0
+    assert on_host.experts_in_flight == 2 * experts // layers  # the tiny mixture's layers are alike
+    assert resident.static - on_host.static == experts - on_host.experts_in_flight
+    assert on_host.experts_copied_per_step == 2 * experts * 4  # forward and backward, 4 micro-batches
+    full, full_on_host = resident.chosen(recipe), on_host.chosen(recipe)
+    assert full.peak - full_on_host.peak == experts - on_host.experts_in_flight  # loading is below both
+
+
+def recipe_layers(recipe) -> int:
+    from qlora_kit.memory.shapes import model_shape
+
+    return len({stack.name.rsplit(".", 1)[0] for stack in model_shape(recipe).expert_stacks})
+
+
+@pytest.mark.slow  # plans traced at two budgets
+def test_auto_keeps_the_experts_on_the_host_only_where_the_budget_needs_it():
+    """Two budgets: between the two plans' peaks auto moves them (the run's resolution and the plan
+    agree), above the resident peak it leaves them on the device."""
+    recipe, resident = planned()
+    _, on_host = planned(on_host=True)
+    low, high = on_host.chosen(recipe).peak, resident.chosen(recipe).peak
+    for budget, expected in (((low + high) / 2, True), (high * 1.01, False)):
+        recipe, the_plan = planned(budget / GIB, on_host="auto")
+        assert the_plan.experts_on_host is expected
+        memory, _ = auto.resolve_auto(recipe)
+        assert memory.experts_on_host is expected
+
+
+def test_it_is_refused_with_fsdp():
+    fields = {
+        "train": {"fsdp": True},
+        "optimizer": {"name": "adamw_torch"},
+        "memory": {"experts_on_host": True},
+    }
+    fields["quant"] = {"compute_dtype": "bfloat16", "quant_storage": "bfloat16"}
+    with pytest.raises(ValueError, match=r"memory\.experts_on_host: not with train\.fsdp"):
+        Recipe.from_dict(fields)
+
+
+@pytest.mark.slow  # two plans of the demo mixture
+def test_qlora_kit_plan_shows_the_host_and_device_split_and_the_bytes_copied(monkeypatch, capsys):
+    argv = ["plan", "demo-moe", "--set", "memory.experts_on_host=true", "--set", "train.grad_accum=2"]
+    code, out, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 0, err
+    for shown in ("in pinned host memory", "two layers' in flight", "copied to the device per step"):
+        assert shown in out
+    assert "experts on host: the training peak under full is" in out
+    code, out, err = run_cli_output([*argv, "--json"], monkeypatch, capsys)
+    assert code == 0, err
+    shown = json.loads(out)
+    assert shown["experts_on_host"] is True
+    assert shown["experts_copied_per_step"] == 2 * 2 * shown["experts_host"] > 0
+    assert 2 * shown["experts_in_flight"] == shown["experts_host"]  # two of the demo mixture's four layers
