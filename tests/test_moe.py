@@ -236,15 +236,21 @@ def save_phimoe(folder) -> None:
     builtin.build_tokenizer().save_pretrained(folder)
 
 
-def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
-    """A mixture the families table does not list (PhiMoE): refused in one line naming the family, never
-    loaded with its experts silently in 16 bits, and never planned."""
+def test_a_mixture_the_table_does_not_list_loads_in_4_bits_from_its_declared_layout(tmp_path):
+    """A mixture the families table does not list (PhiMoE, whose router is a linear layer of its own): its
+    experts' layout is read from transformers' declaration on the module, so they pack in 4 bits, the planner
+    plans them as 4-bit stacks from the config's common keys, and all-linear leaves its router (a linear
+    subclass returning logits, weights and picks) to its own forward. Red with the old model_type gate."""
     save_phimoe(tmp_path)
-    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
-        model.load_base_model(recipe.model, recipe.quant)
-    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
-        model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}, "lora": {"dropout": 0}})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    packed = [e for _, e in moe_experts.fused_experts(base) if hasattr(e, "gate_up_proj_4bit")]
+    assert packed and all(e.gate_up_proj.dtype == torch.uint8 for e in packed)
+    shape = model_shape(recipe)
+    assert shape.expert_stacks and all(s.active == 2 for s in shape.expert_stacks)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    trained = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    assert any(".experts." in name for name in trained) and not any(".router." in name for name in trained)
 
 
 def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its_router_in_one_line(tmp_path):
@@ -263,37 +269,6 @@ def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its
         RecipeError, match=r"^lora\.router: phimoe's router is not in qlora_kit's families table$"
     ):
         adapters.attach_lora(model.load_base_model(router.model, router.quant), router.lora)
-
-
-def test_deepseek_v3_is_refused_at_load_naming_its_shared_experts(tmp_path):
-    """DeepSeek-V3 builds here, and its experts' layout packs, but peft would move the LoRA of its shared
-    experts onto the fused experts: refused in one line saying so, never trained without them."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=640,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    builtin.build_tokenizer().save_pretrained(tmp_path)
-    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(
-        RecipeError, match=r"^model\.path: deepseek_v3 is a mixture of experts .*shared experts"
-    ):
-        model.load_base_model(recipe.model, recipe.quant)
 
 
 @pytest.mark.slow
