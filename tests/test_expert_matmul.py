@@ -70,7 +70,7 @@ def dense_weights(experts, name: str) -> torch.Tensor:
 def reference_step(experts, states, index, weights, lora):
     """routed_step's output and gradients in float64, token by token and pick by pick: each pick's expert
     projects the token (its LoRA pairs added), the gate applied, the down projection weighted and summed."""
-    dense = {name: dense_weights(experts, name) for name in moe_experts.EXPERT_PARAMETERS}
+    dense = {name: dense_weights(experts, name) for name in moe_experts.stacks_of(experts)}
     states = states.double().requires_grad_()
     lora = {
         n: [

@@ -42,7 +42,7 @@ def dequantized_16bit(four_bit, recipe: Recipe):
         if isinstance(module, bnb.nn.Linear4bit):
             weight = module.weight
             modules[name].weight.data.copy_(bnbf.dequantize_4bit(weight.data, weight.quant_state))
-        for param in moe_experts.EXPERT_PARAMETERS:
+        for param in moe_experts.stacks_of(module):
             stats = getattr(module, f"{param}_4bit", None)
             if stats is not None:
                 packed = getattr(module, param)
@@ -70,9 +70,10 @@ def test_experts_are_loaded_in_4_bits(name):
     recipe = moe_recipe(name)
     base = model.load_base_model(recipe.model, recipe.quant)
     experts = moe_experts.fused_experts(base)
-    assert len(experts) == base.config.get_text_config().num_hidden_layers
+    text = base.config.get_text_config()  # DeepSeek's and GLM's first layer is dense
+    assert len(experts) == text.num_hidden_layers - getattr(text, "first_k_dense_replace", 0)
     for _, module in experts:
-        for param in moe_experts.EXPERT_PARAMETERS:
+        for param in moe_experts.stacks_of(module):
             packed = getattr(module, param)
             e, out_features, in_features = moe_experts.logical_shape(module, param)
             assert packed.dtype == torch.uint8 and packed.shape == (e, out_features * in_features // 2)
@@ -84,11 +85,12 @@ def test_experts_are_loaded_in_4_bits(name):
     bf16 = sum(
         2 * e * o * i
         for _, m in experts
-        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.stacks_of(m))
     ) + sum(2 * p.numel() for p in biases)
     assert sizes["experts"] <= 0.30 * bf16
     routers = [p for n, p in base.named_parameters() if moe_experts.kind_of(n) == "router"]
-    assert routers and all(p.dtype == torch.bfloat16 for p in routers)
+    # DeepSeek's and GLM's routers are kept in float32 by their own code (_keep_in_fp32_modules)
+    assert routers and all(p.dtype in (torch.bfloat16, torch.float32) for p in routers)
 
 
 def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_weights():
@@ -183,7 +185,7 @@ def test_lora_on_experts_never_materializes_the_update_of_the_stack():
     stack = min(
         e * o * i
         for _, m in moe_experts.fused_experts(base)
-        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.stacks_of(m))
     )
     ids = batch(base)
     with LargestTensor() as seen:
