@@ -417,7 +417,10 @@ def all_linear_names(model) -> list[str]:
         )
         block = next((b for b in blocks if name.startswith(f"{b}.")), None)
         router = block is not None and features(module)[1] == blocks[block]
-        (left_out if own_forward or router or ".indexer." in f".{name}." else kept).add(leaf)
+        # a Mamba mixer's projections beside its convolution (Nemotron-H's): peft refuses LoRA on its
+        # out_proj (tuners_utils._check_lora_target_modules_mamba); its in_proj takes it
+        mamba = leaf == "out_proj" and hasattr(model.get_submodule(name.rpartition(".")[0]), "conv1d")
+        (left_out if own_forward or router or mamba or ".indexer." in f".{name}." else kept).add(leaf)
     return sorted(kept - left_out)
 
 
