@@ -109,3 +109,37 @@ def test_shared_experts_train_from_the_shell_and_plain_peft_reloads_them(name, t
     with peft_3711.targets_kept(base):
         reloaded = PeftModel.from_pretrained(base, str(out))
     assert wanted <= adapted(reloaded)
+
+
+def test_an_adapter_saved_on_transformers_5_reloads_whole_where_a_renaming_would_break_it(tmp_path):
+    """Laguna's transformers-4 renaming (``mlp.shared_expert.``, a regex) also matches ``mlp.shared_experts``:
+    plain peft reloads its shared experts' LoRA under names the model has not (peft warns of missing keys and
+    keeps them at B = 0); under the wrap every tensor lands. The plain half is a canary too."""
+    import sys
+    import warnings
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from tiny_configs import build_model
+
+    folder = build_model("laguna", tmp_path / "model")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj"])
+    get_peft_model(base, config).save_pretrained(tmp_path / "adapter")
+    shared = {
+        k for k in load_file(tmp_path / "adapter" / "adapter_model.safetensors") if "shared_experts" in k
+    }
+    assert shared
+    for wrapped in (False, True):
+        fresh = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if wrapped:
+                with peft_3711.targets_kept(fresh):
+                    PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
+            else:
+                PeftModel.from_pretrained(fresh, str(tmp_path / "adapter"))
+        missing = [str(w.message) for w in caught if "missing adapter keys" in str(w.message)]
+        assert bool(missing) != wrapped, (
+            missing or "transformers' renaming no longer breaks it: drop its half"
+        )

@@ -10,7 +10,10 @@ reload moves them again. https://github.com/huggingface/peft/issues/3711
 ``targets_kept(model)`` leaves peft's conversion out for one model, while peft attaches or loads its
 adapter, where the conversion would move real linear layers' targets and the model was built by
 transformers 5 (its config saved by transformers 5, or made here), not converted from a transformers-4
-checkpoint. Everywhere else peft converts as it does. tests/test_peft_3711.py turns red as soon as the
+checkpoint; and on loading, it leaves out the renaming of the adapter's tensors where every one of them
+already names a module of the model (the same bug's other half: transformers' checkpoint renamings, meant
+for transformers-4 names, applied to an adapter saved on transformers 5; Laguna's shared experts lost
+their tensors to it). Everywhere else peft converts as it does. tests/test_peft_3711.py turns red as soon as the
 installed peft keeps these targets itself: then this module and its calls go.
 """
 
@@ -39,23 +42,48 @@ def built_by_transformers_5(model) -> bool:
     return version is None or not str(version).startswith(("3.", "4."))
 
 
+def names_this_model(model, adapter_state_dict: dict) -> bool:
+    """Every LoRA tensor of the adapter names a module ``model`` has: an adapter saved on transformers 5,
+    which the transformers-4 renaming can only break (Laguna's ``mlp.shared_expert.`` pattern, a regex,
+    also matches ``mlp.shared_experts`` and renames it to a layer that is not there)."""
+    modules = {name for name, _ in model.named_modules()}
+    lora = [key.split(".lora_")[0] for key in adapter_state_dict if ".lora_" in key]
+    return bool(lora) and all(key in modules for key in lora)
+
+
 @contextlib.contextmanager
 def targets_kept(model) -> Iterator[None]:
-    """peft attaches or loads adapters on ``model`` with its targets as written (the module docstring)."""
-    if not (moved_linears(model) and built_by_transformers_5(model)):
+    """peft attaches or loads adapters on ``model`` with its targets and tensors' names as written (the
+    module docstring); a no-op for a model converted from a transformers-4 checkpoint."""
+    if not built_by_transformers_5(model):
         yield
         return
-    original = conversion.convert_peft_config_for_transformers
-
-    def convert_all_but_this_model(peft_config, model, conversions):
-        if model is not kept:
-            original(peft_config, model, conversions)
-
     kept = model
-    # peft's inject_adapter imports the function at each call (tuners_utils), so the module's name is the one
-    # to replace for the duration
-    conversion.convert_peft_config_for_transformers = convert_all_but_this_model
+    original_config = conversion.convert_peft_config_for_transformers
+    original_state = conversion.convert_peft_adapter_state_dict_for_transformers
+    moves = bool(moved_linears(model))
+
+    def convert_config(peft_config, model, conversions):
+        if not (moves and model is kept):
+            original_config(peft_config, model, conversions)
+
+    def convert_state(model, peft_config, adapter_state_dict, adapter_name="default"):
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        if base is kept and names_this_model(model, adapter_state_dict):
+            return adapter_state_dict
+        return original_state(
+            model=model,
+            peft_config=peft_config,
+            adapter_state_dict=adapter_state_dict,
+            adapter_name=adapter_name,
+        )
+
+    # peft imports these at each call (tuners_utils.inject_adapter, save_and_load.set_peft_model_state_dict),
+    # so the module's names are the ones to replace for the duration
+    conversion.convert_peft_config_for_transformers = convert_config
+    conversion.convert_peft_adapter_state_dict_for_transformers = convert_state
     try:
         yield
     finally:
-        conversion.convert_peft_config_for_transformers = original
+        conversion.convert_peft_config_for_transformers = original_config
+        conversion.convert_peft_adapter_state_dict_for_transformers = original_state
