@@ -65,7 +65,7 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
     else:
         builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES
         assert builtins[entry.tiny] == (entry.config_class, entry.tiny_config)
-        config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
+        config = getattr(transformers, entry.config_class)(**{**TINY_SHAPE, **entry.tiny_config})
         assert config.model_type == model_type
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)

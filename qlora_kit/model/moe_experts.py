@@ -30,7 +30,9 @@ import re
 
 import bitsandbytes.functional as bnbf
 import torch
+from peft import LoraConfig
 from peft.tuners.lora.layer import ParamWrapper
+from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
 from transformers.integrations.moe import ExpertsInterface
 
 from qlora_kit.errors import RecipeError
@@ -417,11 +419,19 @@ def all_linear_names(model) -> list[str]:
         )
         block = next((b for b in blocks if name.startswith(f"{b}.")), None)
         router = block is not None and features(module)[1] == blocks[block]
-        # a Mamba mixer's projections beside its convolution (Nemotron-H's): peft refuses LoRA on its
-        # out_proj (tuners_utils._check_lora_target_modules_mamba); its in_proj takes it
-        mamba = leaf == "out_proj" and hasattr(model.get_submodule(name.rpartition(".")[0]), "conv1d")
-        (left_out if own_forward or router or mamba or ".indexer." in f".{name}." else kept).add(leaf)
+        refused = peft_refuses(model, leaf)
+        (left_out if own_forward or router or refused or ".indexer." in f".{name}." else kept).add(leaf)
     return sorted(kept - left_out)
+
+
+def peft_refuses(model, leaf: str) -> bool:
+    """peft refuses LoRA on this layer name for this model (a Mamba mixer's out_proj on Nemotron-H), by its
+    own check (tuners_utils._check_lora_target_modules_mamba), which raises at get_peft_model."""
+    try:
+        _check_lora_target_modules_mamba(LoraConfig(), model, leaf)
+    except ValueError:
+        return True
+    return False
 
 
 LAYER_PREFIX = re.compile(r"^.*?\.\d+\.")  # model.layers.3. (a decoder layer's path, up to its index)
