@@ -405,8 +405,8 @@ def all_linear_names(model) -> list[str]:
     not), a router that is a linear layer, and the linears of a sparse-attention indexer (DeepSeek-V3.2's, GLM-5's): they only choose which
     keys attend, through a top-k no gradient crosses, so LoRA there would never train."""
     output = model.get_output_embeddings()
-    # a router that is a linear layer (Hunyuan's gate.wg): in the experts' block, one output per expert;
-    # routers stay frozen (lora.router trains one whole)
+    # a router that is a linear layer (Hunyuan's gate.wg): the one linear of a module in the experts' block,
+    # one output per expert; routers stay frozen (lora.router trains one whole)
     blocks = {name.rpartition(".")[0]: getattr(m, "num_experts", None) for name, m in fused_experts(model)}
     kept, left_out = set(), set()
     for name, module in model.named_modules():
@@ -418,7 +418,13 @@ def all_linear_names(model) -> list[str]:
             type(module).forward is not torch.nn.Linear.forward
         )
         block = next((b for b in blocks if name.startswith(f"{b}.")), None)
-        router = block is not None and features(module)[1] == blocks[block]
+        parent = name.rpartition(".")[0]
+        router = (  # the one linear of a module of the block (a shared expert's MLP holds three)
+            block is not None
+            and parent != block
+            and features(module)[1] == blocks[block]
+            and sum(map(is_linear, model.get_submodule(parent).children())) == 1
+        )
         refused = peft_refuses(model, leaf)
         (left_out if own_forward or router or refused or ".indexer." in f".{name}." else kept).add(leaf)
     return sorted(kept - left_out)
