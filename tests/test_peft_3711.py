@@ -111,6 +111,7 @@ def test_shared_experts_train_from_the_shell_and_plain_peft_reloads_them(name, t
     assert wanted <= adapted(reloaded)
 
 
+@pytest.mark.slow  # builds, saves and reloads a tiny Laguna three times
 def test_an_adapter_saved_on_transformers_5_reloads_whole_where_a_renaming_would_break_it(tmp_path):
     """Laguna's transformers-4 renaming (``mlp.shared_expert.``, a regex) also matches ``mlp.shared_experts``:
     plain peft reloads its shared experts' LoRA under names the model has not (peft warns of missing keys and
