@@ -193,10 +193,11 @@ def reload_with_plain_peft(path: Path, adapter: Path) -> None:
     from safetensors.torch import load_file
     from transformers import AutoConfig
 
-    from qlora_kit.model import vision
+    from qlora_kit.model import peft_3711, vision
 
     base = vision.auto_class(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
-    model = PeftModel.from_pretrained(base, str(adapter))
+    with peft_3711.targets_kept(base):  # peft 0.21.2 would move shared experts' LoRA (model/peft_3711.py)
+        model = PeftModel.from_pretrained(base, str(adapter))
     saved = load_file(adapter / "adapter_model.safetensors")
     loaded = get_peft_model_state_dict(model)
     if saved.keys() != loaded.keys():

@@ -46,9 +46,12 @@ OVERRIDES: dict[str, dict] = {
         "attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0},
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 1},
     },
+    "deepseek_v2": {"num_experts_per_tok": 2},  # its config's default is None, a checkpoint's 6
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     # its last layers reuse the key/value cache of earlier ones of their kind: two patterns of 4 + 1
     "gemma3n_text": {"num_hidden_layers": 10, "num_kv_shared_layers": 5, "vocab_size_per_layer_input": 1024},
+    # Granite-4.0-H mixes Mamba and attention layers; the config's default is Mamba alone
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
     "mamba2": {"num_heads": 4, "head_dim": 32, "n_groups": 1},  # expand x hidden = heads x head size

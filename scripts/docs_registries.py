@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def families_page() -> str:
-    from qlora_kit.registries.families import EXPERTS_NOT_PACKED, FAMILIES, Gguf
+    from qlora_kit.registries.families import FAMILIES, Gguf
     from qlora_kit.registries.formats import FORMATS
     from qlora_kit.registries.optimizers import OPTIMIZERS
 
@@ -58,7 +58,6 @@ def families_page() -> str:
         ]
         for spec in OPTIMIZERS.values()
     ]
-    not_packed = [[f"`{name}`", why] for name, why in EXPERTS_NOT_PACKED.items()]
     return page(
         "# Model families, data formats and optimizers",
         GENERATED,
@@ -71,9 +70,9 @@ def families_page() -> str:
             ["model_type", "builtin", "kind", "MLP", "export", "system turn", "chat template notes"],
             family_rows,
         ),
-        "Mixtures of experts whose experts are not packed in 4 bits (loading one with `quant.bits: 4` is "
-        "refused in one line):",
-        table(["model_type", "why"], not_packed),
+        "A mixture of experts packs in 4 bits whatever its `model_type` where transformers declares its "
+        "experts (`use_experts_implementation`), checked against the model's own forward at load; one whose "
+        "experts are not declared (Llama 4's) is refused in one line naming them (docs/moe.md).",
         *support_table(),
         "## Data formats",
         "`data.format` (and each source's `format`), from `qlora_kit/registries/formats.py`; "

@@ -8,7 +8,6 @@ from __future__ import annotations
 import collections
 from types import SimpleNamespace
 
-import peft
 import pytest
 import torch
 import transformers
@@ -70,7 +69,7 @@ def dense_weights(experts, name: str) -> torch.Tensor:
 def reference_step(experts, states, index, weights, lora):
     """routed_step's output and gradients in float64, token by token and pick by pick: each pick's expert
     projects the token (its LoRA pairs added), the gate applied, the down projection weighted and summed."""
-    dense = {name: dense_weights(experts, name) for name in moe_experts.EXPERT_PARAMETERS}
+    dense = {name: dense_weights(experts, name) for name in moe_experts.stacks_of(experts)}
     states = states.double().requires_grad_()
     lora = {
         n: [
@@ -216,28 +215,37 @@ def test_the_loop_makes_no_tensor_of_every_pick_by_the_hidden_size(bits):
     assert_matches_reference([grouped_out, *grouped_grads], [reference[0], *reference[1]])
 
 
-def mixture_block(experts: int, top_k: int, bits: int):
-    """One Qwen3-MoE layer's mixture block (router, experts, LoRA r=8 on every expert through LoraExperts),
-    at equal active weights for any expert count: 384 intermediate values a token, over top_k experts; each
-    expert's absmax fills no whole second-level block (the alignment the stacked statistics must not need)."""
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        moe_intermediate_size=384 // top_k,
-    )
+def mixture_block(experts: int, top_k: int, bits: int, family: str = "qwen3_moe"):
+    """One mixture block (router, experts, LoRA r=8 on every expert through LoraExperts and on a shared
+    expert's linears), at equal active weights for any expert count: 384 intermediate values a token, over
+    top_k experts; each expert's absmax fills no whole second-level block (the alignment the stacked
+    statistics must not need). Qwen3-MoE's, or DeepSeek-V3's (a shared expert beside the routed ones, grouped
+    routing; its own decorated experts class)."""
+    shape = {"vocab_size": 64, "hidden_size": HIDDEN, "num_hidden_layers": 1, "num_attention_heads": 2}
+    shape |= {"num_experts_per_tok": top_k, "moe_intermediate_size": 384 // top_k}
+    if family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **shape,
+            num_key_value_heads=2,
+            n_routed_experts=experts,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=0,
+            q_lora_rank=32,
+            kv_lora_rank=32,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+        )
+    else:
+        config = transformers.Qwen3MoeConfig(**shape, num_key_value_heads=1, head_dim=32, num_experts=experts)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if bits == 4:
         quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
         moe_experts.quantize_experts(model, quant)
     lora = Recipe.from_dict({"lora": {"dropout": 0.0, "rank": 8}}).lora
-    peft_model = peft.get_peft_model(model, adapters.lora_config(lora, model)).train()
+    peft_model = adapters.attach_lora(model, lora).train()  # shared experts' LoRA kept (peft#3711)
     return peft_model.base_model.model.model.layers[0].mlp
 
 
@@ -253,8 +261,9 @@ def block_operators(block, states) -> collections.Counter:
     not hasattr(torch, "_grouped_mm"),
     reason="torch before 2.8 has no grouped GEMM: runs there take the loop (moe_experts.grouped_mm_runs)",
 )
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
 @pytest.mark.parametrize("bits", [4, 16])
-def test_a_grouped_mixture_step_dispatches_as_many_operators_at_8_64_and_128_experts(bits):
+def test_a_grouped_mixture_step_dispatches_as_many_operators_at_8_64_and_128_experts(bits, family):
     """Forward + backward of one mixture block on the grouped path (CUDA's, here on torch's CPU grouped GEMM)
     at equal active weights: the same operators at 8 experts top-2, 64 and 128 top-8 (every expert with
     tokens), so no Python loop, dequantization call or index operation per expert is left, and nothing is
@@ -262,7 +271,7 @@ def test_a_grouped_mixture_step_dispatches_as_many_operators_at_8_64_and_128_exp
     states = torch.randn(1, 512, HIDDEN, generator=torch.Generator().manual_seed(0))
     counts = {}
     for experts, top_k in ((8, 2), (64, 8), (128, 8)):
-        block = mixture_block(experts, top_k, bits)
+        block = mixture_block(experts, top_k, bits, family)
         moe_experts.set_matmul_path(block, "grouped")
         counts[experts] = block_operators(block, states)
     assert counts[8]["aten._grouped_mm"] > 0

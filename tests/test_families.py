@@ -65,25 +65,27 @@ def test_the_facets_hold_for_the_model_built_from_the_config(model_type):
     else:
         builtins = TINY_MOE_ARCHITECTURES if entry.experts else TINY_ARCHITECTURES
         assert builtins[entry.tiny] == (entry.config_class, entry.tiny_config)
-        config = getattr(transformers, entry.config_class)(**TINY_SHAPE, **entry.tiny_config)
+        config = getattr(transformers, entry.config_class)(**{**TINY_SHAPE, **entry.tiny_config})
         assert config.model_type == model_type
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     # a vision-language model's decoder is its language model (the vision tower has layers of its own)
     layers = decoder_layers(model.model.language_model if entry.vision else model)
     layer = layers[0]
-    # the first layer's linears, then those of each other kind of layer (hybrid: linear and full attention)
-    types = getattr(config, "layer_types", None) or ["one kind"] * len(layers)
-    firsts = [layers[types.index(kind)] for kind in dict.fromkeys(types)]
-    linears = (name for each in firsts for name, m in each.named_modules() if is_linear(m))
+    # the first layer's linears, then those each later layer adds (hybrid: linear and full attention; DeepSeek:
+    # a dense first layer, then experts beside a shared expert)
+    linears = (name for each in layers for name, m in each.named_modules() if is_linear(m))
     assert tuple(dict.fromkeys(linears)) == entry.linears
     routes = any(getattr(config, key, None) for key in families.EXPERT_COUNT_KEYS)
     assert routes == (entry.experts is not None), "a mixture-of-experts family needs its experts facet"
     if entry.experts is None:
         assert intermediate_size(config) in {w for m in layer.modules() if is_linear(m) for w in _sides(m)}
         return
-    # the facet's router and experts are the layer's, and its keys count the experts and their picks
+    # the facet's router and experts are the first mixture layer's, and its keys count the experts and picks
     facet = entry.experts
+    layer = next(
+        each for each in layers if hasattr(each.get_submodule(facet.experts.rsplit(".", 1)[0]), "experts")
+    )
     assert layer.get_submodule(facet.router).weight.shape == (
         getattr(config, facet.count_key),
         config.hidden_size,

@@ -27,6 +27,14 @@ NOT_TRAINED = {
     # refused before the weights load: its config sets its attention's sizes layer by layer, which qlora_kit
     # reads once for all (it reads Gemma 4's head_dim and num_key_value_heads layer by layer)
     "dots3_note_text": ("refused", "run", "dots3_note_text sets kv_lora_rank, num_attention_heads"),
+    # refused once loaded: Llama 4's experts are not declared with transformers' use_experts_implementation,
+    # whose layout qlora_kit reads to pack them
+    "llama4_text": (
+        "refused",
+        "run",
+        "model.layers.0.feed_forward.experts (Llama4TextExperts) is not declared with transformers' "
+        "use_experts_implementation",
+    ),
 }
 
 

@@ -14,8 +14,7 @@ import transformers
 
 from qlora_kit import Recipe
 from qlora_kit.data import layout, prepare
-from qlora_kit.errors import RecipeError
-from qlora_kit.model import adapters, builtin, recurrent
+from qlora_kit.model import adapters, recurrent
 from qlora_kit.model import loading as model
 from qlora_kit.model.builtin import TINY_SHAPE
 from qlora_kit.registries import families
@@ -140,33 +139,6 @@ def test_the_gated_deltanet_projections_load_in_4_bits_and_take_lora(name):
         for path in reached:
             base = adapted[path].base_layer
             assert isinstance(base, bnb.nn.Linear4bit), f"{path}: {type(base).__name__}"
-
-
-def test_qwen3_next_is_refused_at_load_because_peft_would_drop_its_shared_experts_lora(tmp_path):
-    """The reason, shown at 16 bits (where loading is not refused): all-linear on Qwen3-Next gives the shared
-    expert's gate_proj, up_proj and down_proj no LoRA, as peft 0.21 reads them as a transformers-4
-    checkpoint's experts; the same names on Qwen3.5's mixture keep theirs. Then the refusal, in one line."""
-    from peft.tuners.lora import LoraLayer
-
-    config = transformers.Qwen3NextConfig(
-        **TINY_SHAPE, head_dim=32, **families.LINEAR_ATTENTION_TINY, **families.SHARED_EXPERT_TINY
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    builtin.build_tokenizer().save_pretrained(tmp_path)
-    wide = Recipe.from_dict({"model": {"path": str(tmp_path)}, "quant": {"bits": 16}})
-    for recipe, keeps in (
-        (wide, False),
-        (wide.with_overrides({"model.path": "builtin:tiny-qwen3.5-moe"}), True),
-    ):
-        peft_model = adapters.attach_lora(model.load_base_model(recipe.model, recipe.quant), recipe.lora)
-        adapted = [path for path, layer in peft_model.named_modules() if isinstance(layer, LoraLayer)]
-        assert any(".shared_expert_gate" in path for path in adapted)
-        assert any(".shared_expert.down_proj" in path for path in adapted) == keeps, recipe.model.path
-    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(
-        RecipeError, match=r"^model\.path: qwen3_next is a mixture of experts .*shared experts"
-    ):
-        model.load_base_model(recipe.model, recipe.quant)
 
 
 def test_doctor_says_which_cuda_kernels_would_speed_the_linear_attention_layers():

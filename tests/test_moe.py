@@ -42,7 +42,7 @@ def dequantized_16bit(four_bit, recipe: Recipe):
         if isinstance(module, bnb.nn.Linear4bit):
             weight = module.weight
             modules[name].weight.data.copy_(bnbf.dequantize_4bit(weight.data, weight.quant_state))
-        for param in moe_experts.EXPERT_PARAMETERS:
+        for param in moe_experts.stacks_of(module):
             stats = getattr(module, f"{param}_4bit", None)
             if stats is not None:
                 packed = getattr(module, param)
@@ -70,9 +70,10 @@ def test_experts_are_loaded_in_4_bits(name):
     recipe = moe_recipe(name)
     base = model.load_base_model(recipe.model, recipe.quant)
     experts = moe_experts.fused_experts(base)
-    assert len(experts) == base.config.get_text_config().num_hidden_layers
+    text = base.config.get_text_config()  # DeepSeek's and GLM's first layer is dense
+    assert len(experts) == text.num_hidden_layers - getattr(text, "first_k_dense_replace", 0)
     for _, module in experts:
-        for param in moe_experts.EXPERT_PARAMETERS:
+        for param in moe_experts.stacks_of(module):
             packed = getattr(module, param)
             e, out_features, in_features = moe_experts.logical_shape(module, param)
             assert packed.dtype == torch.uint8 and packed.shape == (e, out_features * in_features // 2)
@@ -84,11 +85,12 @@ def test_experts_are_loaded_in_4_bits(name):
     bf16 = sum(
         2 * e * o * i
         for _, m in experts
-        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.stacks_of(m))
     ) + sum(2 * p.numel() for p in biases)
     assert sizes["experts"] <= 0.30 * bf16
     routers = [p for n, p in base.named_parameters() if moe_experts.kind_of(n) == "router"]
-    assert routers and all(p.dtype == torch.bfloat16 for p in routers)
+    # DeepSeek's and GLM's routers are kept in float32 by their own code (_keep_in_fp32_modules)
+    assert routers and all(p.dtype in (torch.bfloat16, torch.float32) for p in routers)
 
 
 def test_4bit_experts_compute_what_transformers_computes_with_their_dequantized_weights():
@@ -183,7 +185,7 @@ def test_lora_on_experts_never_materializes_the_update_of_the_stack():
     stack = min(
         e * o * i
         for _, m in moe_experts.fused_experts(base)
-        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.EXPERT_PARAMETERS)
+        for e, o, i in (moe_experts.logical_shape(m, p) for p in moe_experts.stacks_of(m))
     )
     ids = batch(base)
     with LargestTensor() as seen:
@@ -236,15 +238,21 @@ def save_phimoe(folder) -> None:
     builtin.build_tokenizer().save_pretrained(folder)
 
 
-def test_a_family_whose_experts_cannot_be_packed_is_refused_at_load(tmp_path):
-    """A mixture the families table does not list (PhiMoE): refused in one line naming the family, never
-    loaded with its experts silently in 16 bits, and never planned."""
+def test_a_mixture_the_table_does_not_list_loads_in_4_bits_from_its_declared_layout(tmp_path):
+    """A mixture the families table does not list (PhiMoE, whose router is a linear layer of its own): its
+    experts' layout is read from transformers' declaration on the module, so they pack in 4 bits, the planner
+    plans them as 4-bit stacks from the config's common keys, and all-linear leaves its router (a linear
+    subclass returning logits, weights and picks) to its own forward. Red with the old model_type gate."""
     save_phimoe(tmp_path)
-    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
-        model.load_base_model(recipe.model, recipe.quant)
-    with pytest.raises(RecipeError, match=r"^model\.path: phimoe is a mixture of experts .*not been checked"):
-        model_shape(recipe)  # qlora-kit plan refuses it as loading does, not planning 16-bit experts as 4-bit
+    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}, "lora": {"dropout": 0}})
+    base = model.load_base_model(recipe.model, recipe.quant)
+    packed = [e for _, e in moe_experts.fused_experts(base) if hasattr(e, "gate_up_proj_4bit")]
+    assert packed and all(e.gate_up_proj.dtype == torch.uint8 for e in packed)
+    shape = model_shape(recipe)
+    assert shape.expert_stacks and all(s.active == 2 for s in shape.expert_stacks)
+    peft_model = adapters.attach_lora(base, recipe.lora)
+    trained = [name for name, p in peft_model.named_parameters() if p.requires_grad]
+    assert any(".experts." in name for name in trained) and not any(".router." in name for name in trained)
 
 
 def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its_router_in_one_line(tmp_path):
@@ -263,37 +271,6 @@ def test_a_mixture_the_table_does_not_list_takes_lora_in_16_bits_and_refuses_its
         RecipeError, match=r"^lora\.router: phimoe's router is not in qlora_kit's families table$"
     ):
         adapters.attach_lora(model.load_base_model(router.model, router.quant), router.lora)
-
-
-def test_deepseek_v3_is_refused_at_load_naming_its_shared_experts(tmp_path):
-    """DeepSeek-V3 builds here, and its experts' layout packs, but peft would move the LoRA of its shared
-    experts onto the fused experts: refused in one line saying so, never trained without them."""
-    config = transformers.DeepseekV3Config(
-        vocab_size=640,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        first_k_dense_replace=1,
-        q_lora_rank=32,
-        kv_lora_rank=32,
-        qk_rope_head_dim=16,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-    )
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path)
-    builtin.build_tokenizer().save_pretrained(tmp_path)
-    recipe = Recipe.from_dict({"model": {"path": str(tmp_path)}})
-    with pytest.raises(
-        RecipeError, match=r"^model\.path: deepseek_v3 is a mixture of experts .*shared experts"
-    ):
-        model.load_base_model(recipe.model, recipe.quant)
 
 
 @pytest.mark.slow

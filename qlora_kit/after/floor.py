@@ -73,7 +73,7 @@ def round_into(lm, kind: str):
     writer keeps them; a q8_0 matrix whose rows do not tile 32-value blocks is F16, the writer's
     fallback)."""
     _, experts = moe_experts.experts_of(lm)
-    router = f"{experts.router}.weight" if experts and kind in GGUF_TYPES else None
+    router = f"{experts.router}.weight" if experts and experts.router and kind in GGUF_TYPES else None
     with torch.no_grad():
         for name, parameter in lm.named_parameters():  # a tied head is one parameter: rounded once
             if router is None or not name.endswith(router):

@@ -119,7 +119,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
     ]
     stacks = expert_stacks(meta, config)
     if stacks and recipe.quant.bits == 4:
-        moe_experts.check_packable(config.model_type)  # as loading it would be
+        moe_experts.check_packable(meta)  # as loading it would be
     try:  # a kernel that cannot run the model's attention sinks is refused as loading refuses it
         attention.check_sinks(recipe.model.attn_implementation, config.get_text_config())
     except ValueError as exc:
@@ -168,9 +168,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
 
 def expert_stacks(meta, config) -> list[ExpertStack]:
     """The fused expert weights of a model built from ``config`` (none for a dense model)."""
-    text = config.get_text_config()
-    entry = families.family(getattr(text, "model_type", ""))
-    active = getattr(text, entry.experts.active_key, 1) if entry and entry.experts else 1
+    text, facet = config.get_text_config(), families.experts_facet(config)
+    active = getattr(text, facet.active_key, 1) if facet else 1
     return [
         ExpertStack(f"{name}.{param}", *moe_experts.logical_shape(experts, param), active)
         for name, experts in moe_experts.fused_experts(meta)

@@ -7,7 +7,11 @@
   checkpoint's names;
 - ``bnb_selftest``: bitsandbytes' 4-bit dequantization on this device against a plain-torch reference, and
   the way around its AVX-512 CPU kernel's wrong widths;
-- ``moe_experts``: a mixture of experts' fused experts packed in 4 bits, and LoRA on them in low-rank form;
+- ``moe_experts``: a mixture of experts' fused experts packed in 4 bits (their layout read from
+  transformers' declaration on the module), and LoRA on them in low-rank form; ``experts_selfcheck``: one
+  layer's packed experts against the model's own eager forward at every load; ``moe_targets``: what LoRA
+  targets on a mixture; ``peft_3711``: peft 0.21's
+  conversion kept off the shared experts' and dense layers' LoRA targets (until peft ships its fix);
 - ``mxfp4``: a checkpoint stored in MXFP4 (the released gpt-oss) dequantized once into a cached 16-bit folder;
 - ``expert_matmul``: the routed experts' matmuls, looped on the CPU, grouped on CUDA;
 - ``recurrent``: layers that carry a state along the sequence (Gated DeltaNet, Mamba): why they refuse packing;

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import loading as base_model
-from qlora_kit.model import moe_experts, text_only, vision
+from qlora_kit.model import moe_targets, peft_3711, text_only, vision
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
@@ -41,7 +41,7 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
     """peft's LoraConfig for the recipe's lora section; on a mixture-of-experts ``model`` with lora.experts,
     the experts' fused weights too (peft's target_parameters, run in low-rank form: moe_experts.py)."""
     experts = (
-        moe_experts.lora_targets(model, lora.target_modules, lora.experts, lora.router)
+        moe_targets.lora_targets(model, lora.target_modules, lora.experts, lora.router)
         if model is not None
         else {}
     )
@@ -78,7 +78,8 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
 def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
     try:
-        return get_peft_model(model, lora_config(lora, model))
+        with peft_3711.targets_kept(model):  # LoRA on shared experts' linears (peft#3711)
+            return get_peft_model(model, lora_config(lora, model))
     except NoMatchingPeftModuleError:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m)})
         raise RecipeError(
@@ -131,12 +132,12 @@ def load_adapter(
     in low-rank form (moe_experts.LoraExperts)."""
     try:
         config = PeftConfig.from_pretrained(str(adapter_dir))
-        experts = moe_experts.lora_targets(model, config.target_modules, True)
+        experts = moe_targets.lora_targets(model, config.target_modules, True)
         if experts and getattr(config, "target_parameters", None):
             config._register_custom_module(experts["custom"])
         # key_mapping None: peft's own (the model's conversions); a multimodal checkpoint's language model's
         mapping = text_only.adapter_key_mapping(model)
-        with _missing_tensors_refused(adapter_dir, flag):
+        with _missing_tensors_refused(adapter_dir, flag), peft_3711.targets_kept(model):
             return PeftModel.from_pretrained(
                 model, str(adapter_dir), is_trainable=trainable, config=config, key_mapping=mapping
             )

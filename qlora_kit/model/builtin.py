@@ -85,7 +85,12 @@ def ensure_tiny_model(name: str, **shape_overrides) -> Path:
         known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, *TINY_VISION_NAMES, "smollm2-135m-instruct"]
         # (the vision-language builtins are built by builtin_vision.py; loading.resolve_model_path asks it)
         raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
-    shape = {**TINY_SHAPE, **shape_overrides}
+    # a family's own value of a shared key (DeepSeek-V3's key/value heads, one per query head) over the
+    # default shape; the caller's over both
+    own = {
+        k: v for k, v in {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name][1].items() if k in TINY_SHAPE
+    }
+    shape = {**TINY_SHAPE, **own, **shape_overrides}
     key = _cache_key(name, shape)
     folder = cache_root() / "models" / f"{name}-{key}"
     if (folder / "config.json").exists():

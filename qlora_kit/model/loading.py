@@ -31,6 +31,7 @@ from qlora_kit.model import (
     bnb_selftest,
     builtin,
     builtin_vision,
+    experts_selfcheck,
     hub,
     layer_sizes,
     moe_experts,
@@ -240,8 +241,13 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
     check_checkpointable(base)
     disable_cpu_weight_repacking(base)
     if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
+        experts_selfcheck.check(base)  # the layout read from the module, against the model's own forward
         log.info(
-            "experts: every expert in 4 bits (%s, double quant %s)", quant.quant_type, quant.double_quant
+            "experts: every expert in 4 bits (%s, double quant %s), checked against transformers' eager "
+            "forward within %.2g",
+            quant.quant_type,
+            quant.double_quant,
+            experts_selfcheck.tolerance(getattr(torch, quant.compute_dtype)),
         )
     if quant.bits == 4:  # bitsandbytes checked on this device before its weights are used (bnb_selftest.py)
         check_quantized(base, vision.vision_of(config))

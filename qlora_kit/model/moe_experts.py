@@ -13,14 +13,19 @@ LoRA on the experts is peft's own ``target_parameters`` (``ParamWrapper``, its s
 change: ``LoraExperts`` applies expert e's update as ``x @ A_e.T @ B_e.T`` to the tokens routed to e,
 never materialising ``B @ A`` for the whole stack at every forward as peft's wrapper does.
 
-Which mixtures it packs, and where their router and experts are, is the families table's ``experts`` facet
-(registries/families.py); ``EXPERTS_NOT_PACKED`` there names the ones refused, and why.
+Which mixtures it packs is read from the experts module, not from a list of model types: transformers'
+``use_experts_implementation`` decorator states the layout as the module's attributes (``has_gate``: a fused
+gate/up stack or ``up_proj`` alone; ``has_bias``; ``is_transposed``: (in, out) stacks; ``is_concatenated``:
+gate/up halves or interleaved, which the module's own ``_apply_gate`` reads; ``has_post_expert_norm``), and
+``experts_forward`` follows them as transformers' own grouped_mm/batched_mm do. An experts module without the
+decorator (Llama 4's, LongCat-Flash's) is refused in one line naming what is missing. The families table keeps
+what the module cannot say (the router's name, the config's count keys; registries/families.py).
+model/experts_selfcheck.py checks the packed layout against transformers' eager forward at every load.
 """
 
 from __future__ import annotations
 
 import logging
-import re
 
 import bitsandbytes.functional as bnbf
 import torch
@@ -29,33 +34,58 @@ from transformers.integrations.moe import ExpertsInterface
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import expert_matmul
-from qlora_kit.model.layers import is_linear
 from qlora_kit.registries import families
 
 log = logging.getLogger(__name__)
 
-EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")  # the fused 3-D weights, as transformers names them
+# the fused 3-D weights, as transformers names them: gate/up fused (has_gate) or up alone, then down
+EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
+# what transformers' use_experts_implementation sets on an experts module (integrations/moe.py)
+DECLARED_LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as for Linear4bit
 IMPLEMENTATION = "qlora_kit_4bit"  # our entry in transformers' ExpertsInterface
 
 
 def fused_experts(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
-    """(name, module) of every module holding fused 3-D expert weights (in any dtype)."""
+    """(name, module) of every module holding fused 3-D expert weights (in any dtype): those transformers
+    declares (use_experts_implementation), and those it does not whose stacks hold one matrix per routed
+    expert (Llama 4's: refused by check_packable). Another module's 3-D weights (Inkling's stack of shared
+    experts, run by its own bmm) are not the routed experts and stay as the model keeps them."""
+    facet = families.experts_facet(model.config) if hasattr(model, "config") else None
+    routed = getattr(model.config.get_text_config(), facet.count_key, None) if facet else None
     found = []
     for name, module in model.named_modules():
-        params = dict(module.named_parameters(recurse=False))
-        if any(n in params and params[n].dim() == 3 for n in EXPERT_PARAMETERS) or hasattr(
-            module, "gate_up_proj_4bit"
-        ):
+        stacks = stacks_of(module)
+        if not stacks:
+            continue
+        first_dims = {
+            getattr(module, stack).shape[0] for stack in stacks if not hasattr(module, f"{stack}_4bit")
+        }
+        if declares_layout(module) or routed is None or routed in first_dims:
             found.append((name, module))
     return found
 
 
+def stacks_of(experts) -> tuple[str, ...]:
+    """The fused weights an experts module holds, packed or not, input projection first."""
+    return tuple(
+        name
+        for name in EXPERT_PARAMETERS
+        if hasattr(experts, f"{name}_4bit")
+        or (isinstance(getattr(experts, name, None), torch.Tensor) and getattr(experts, name).dim() == 3)
+    )
+
+
+def declares_layout(experts) -> bool:
+    """The module went through transformers' use_experts_implementation, which states its layout."""
+    return all(hasattr(experts, key) for key in DECLARED_LAYOUT) and hasattr(experts, "_apply_gate")
+
+
 def experts_of(model) -> tuple[str, families.Experts | None]:
-    """The model's type and its families-table experts facet (None: not a mixture qlora_kit knows)."""
+    """The model's type and its experts facet: the families table's, else one read from the config's common
+    keys (families.experts_facet); None for a dense model."""
     model_type = getattr(model.config, "model_type", "?")
-    entry = families.family(model_type)
-    return model_type, entry.experts if entry else None
+    return model_type, families.experts_facet(model.config)
 
 
 def quantize_experts(model, quant) -> int:
@@ -65,30 +95,26 @@ def quantize_experts(model, quant) -> int:
     modules = fused_experts(model)
     if not modules:
         return 0
-    model_type, _ = experts_of(model)
-    check_packable(model_type)
-    dtype = getattr(torch, quant.compute_dtype)
+    check_packable(model)
     for _, experts in modules:
-        _check_layout(model_type, experts)
-        for name in EXPERT_PARAMETERS:
-            _pack(experts, name, quant, dtype)
+        pack_experts(experts, quant)
     use_routed_loop(model)
     check_no_16bit_experts(model)
     return len(modules)
 
 
-def check_packable(model_type: str) -> None:
-    """RecipeError in one line when qlora_kit cannot pack this mixture's experts in 4 bits (loading and
-    planning it alike)."""
-    entry = families.family(model_type)
-    if entry is None or entry.experts is None:
-        why = families.EXPERTS_NOT_PACKED.get(
-            model_type, "qlora_kit has not been checked against its experts' layout"
-        )
-        raise RecipeError(
-            f"model.path: {model_type} is a mixture of experts whose experts cannot be loaded in 4 bits: "
-            f"{why} (quant.bits 16 loads it with the experts in 16 bits)"
-        )
+def check_packable(model) -> None:
+    """RecipeError in one line when an experts module of ``model`` does not state its layout (transformers'
+    use_experts_implementation), which packing it in 4 bits reads (loading and planning it alike)."""
+    for name, experts in fused_experts(model):
+        if not declares_layout(experts):
+            model_type = getattr(model.config, "model_type", "?")
+            raise RecipeError(
+                f"model.path: {model_type} is a mixture of experts whose experts cannot be loaded in 4 bits: "
+                f"{name} ({type(experts).__name__}) is not declared with transformers' use_experts_implementation, "
+                f"so its layout ({', '.join(DECLARED_LAYOUT)}) and its forward through the experts interface are "
+                "missing (quant.bits 16 loads it with the experts in 16 bits)"
+            )
 
 
 def use_routed_loop(model) -> None:
@@ -98,15 +124,10 @@ def use_routed_loop(model) -> None:
     model.set_experts_implementation(IMPLEMENTATION)
 
 
-def _check_layout(model_type: str, experts) -> None:
-    # biases and a transposed (in x out) stack are handled (gpt-oss); gate/up interleaved or concatenated
-    # is the module's own _apply_gate, which experts_forward calls
-    layout = {"has_gate": True, "has_post_expert_norm": False}
-    wrong = [k for k, v in layout.items() if getattr(experts, k, v) != v]
-    if wrong:
-        raise RecipeError(
-            f"model.path: {model_type}'s experts have a layout qlora_kit does not quantize ({', '.join(wrong)})"
-        )
+def pack_experts(experts, quant) -> None:
+    """Pack each fused stack of one experts module in 4 bits with the recipe's quant settings."""
+    for name in stacks_of(experts):
+        _pack(experts, name, quant, getattr(torch, quant.compute_dtype))
 
 
 def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
@@ -180,24 +201,33 @@ def dequantize_experts(model) -> int:
     the experts back to transformers' own implementation: the 16-bit model merge and export write (the
     counterpart of transformers' ``dequantize()``, which knows only ``Linear4bit``). Returns the stacks
     unpacked."""
-    unpacked = 0
-    for _, experts in fused_experts(model):
-        for name in EXPERT_PARAMETERS:
-            stats = getattr(experts, f"{name}_4bit", None)
-            if stats is None:
-                continue
-            packed = getattr(experts, name)
-            weight = torch.stack(
-                [bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])]
-            )
-            if stats.transposed:
-                weight = weight.transpose(1, 2)  # back to transformers' (experts, in, out)
-            setattr(experts, name, torch.nn.Parameter(weight.to(stats.dtype), requires_grad=False))
-            delattr(experts, f"{name}_4bit")
-            unpacked += 1
+    unpacked = sum(dequantize_experts_of(experts) for _, experts in fused_experts(model))
     if unpacked:
         model.set_experts_implementation(None)  # transformers' default for the model's own code
     return unpacked
+
+
+def dequantize_experts_of(experts) -> int:
+    """One experts module's packed stacks back into 3-D parameters in transformers' storage layout."""
+    unpacked = 0
+    for name in stacks_of(experts):
+        stats = getattr(experts, f"{name}_4bit", None)
+        if stats is None:
+            continue
+        packed = getattr(experts, name)
+        weight = torch.stack([bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])])
+        if stats.transposed:
+            weight = weight.transpose(1, 2)  # back to transformers' (experts, in, out)
+        setattr(experts, name, torch.nn.Parameter(weight.to(stats.dtype), requires_grad=False))
+        delattr(experts, f"{name}_4bit")
+        unpacked += 1
+    return unpacked
+
+
+def compute_dtype(experts) -> torch.dtype | None:
+    """The dtype a packed experts module computes in (None: not packed)."""
+    stats = [getattr(experts, f"{name}_4bit", None) for name in EXPERT_PARAMETERS]
+    return next((s.dtype for s in stats if s is not None), None)
 
 
 def check_no_16bit_experts(model) -> None:
@@ -234,22 +264,37 @@ def experts_forward(experts, hidden_states, top_k_index, top_k_weights, lora=Non
         x = expert_matmul.rows_per_expert(hidden_states, tokens, routing)
     else:  # (S, H): the picks' states in expert order
         x = hidden_states[tokens]
-    h = experts._apply_gate(project(experts, "gate_up_proj", x, routing, lora))
+    # the layout transformers declares on the module (integrations/moe.py): gate and up fused, whose halves
+    # (concatenated or interleaved) the module's own _apply_gate splits, or up alone and the activation
+    if experts.has_gate:
+        h = experts._apply_gate(project(experts, "gate_up_proj", x, routing, lora))
+    else:
+        h = experts.act_fn(project(experts, "up_proj", x, routing, lora))
     weights = top_k_weights.reshape(-1)[picks].unsqueeze(1)  # (S, 1): each pick's routing weight
+    norm = experts.post_expert_norm if experts.has_post_expert_norm else None
     # the down projection is linear: its input weighted is its output weighted, and the narrower of the two
-    # costs less (128 experts top-8: 768 values a row against 2,048); a bias must be weighted too, so not there
-    weigh_first = expert_matmul.bias_of(experts, "down_proj") is None and h.shape[1] < hidden_states.shape[1]
+    # costs less (128 experts top-8: 768 values a row against 2,048); a bias must be weighted too, and a norm
+    # after each expert is not linear, so not there
+    weigh_first = (
+        expert_matmul.bias_of(experts, "down_proj") is None
+        and norm is None
+        and h.shape[1] < hidden_states.shape[1]
+    )
     if weigh_first:
         h = h * weights.to(h.dtype)
     if path == "looped":  # each expert's rows added into the tokens' sums as they come: no (S, H) tensor
         out = hidden_states.new_zeros(hidden_states.shape)
         for rows, y in expert_matmul.each_expert(experts, "down_proj", h, routing, lora):
+            if norm is not None:
+                y = norm(y)
             if not weigh_first:
                 y = y * weights[rows].to(y.dtype)
             # index_put_ saves no copy of y for backward, as index_add_ would
             out.index_put_((tokens[rows],), y.to(out.dtype), accumulate=True)
         return out
     y = project(experts, "down_proj", h, routing, lora)  # (S, H)
+    if norm is not None:
+        y = norm(y)
     if not weigh_first:
         y = y * weights.to(y.dtype)
     return expert_matmul.sum_over_slots(y.to(hidden_states.dtype), routing)
@@ -319,37 +364,6 @@ class LoraExperts(ParamWrapper):
 # peft tells its parameter wrappers apart by class name (tuners_utils.BaseTuner._inject_parameters: nesting a
 # second wrapper on the same experts, or a second adapter); LoraExperts is one, under peft's name.
 LoraExperts.__name__ = ParamWrapper.__name__
-
-
-def lora_targets(model, target_modules, experts: bool, router: bool = False) -> dict:
-    """peft LoraConfig arguments for a mixture-of-experts ``model`` ({} for a dense one).
-
-    On transformers 5 MoE models peft rewrites a string target_modules ("all-linear") for checkpoints of
-    transformers 4 (peft's utils/transformers_weight_conversion): it adds the router (``gate.weight``) and
-    the fused experts, at twice the rank. The router stays frozen here, so all-linear is spelled out as
-    the linear layers' names, and the experts come as target_parameters when ``experts`` is on; with
-    ``router`` each layer's router trains whole (peft's modules_to_save)."""
-    modules = fused_experts(model)
-    if not modules:
-        return {}
-    _, facet = experts_of(model)
-    if target_modules == "all-linear":
-        output = model.get_output_embeddings()
-        target_modules = sorted(
-            {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m) and m is not output}
-        )
-    arguments = {"target_modules": target_modules}
-    if experts:
-        # a mixture the families table does not list (quant.bits 16): its experts where they were found
-        where = facet.experts if facet else re.sub(r"^.*?\.\d+\.", "", modules[0][0])
-        arguments["target_parameters"] = [f"{where}.{name}" for name in EXPERT_PARAMETERS]
-        arguments["custom"] = {type(m): LoraExperts for _, m in modules}
-    if router:  # trained whole: peft keeps a trainable copy and saves it in the adapter
-        if facet is None:
-            model_type = getattr(model.config, "model_type", "?")
-            raise RecipeError(f"lora.router: {model_type}'s router is not in qlora_kit's families table")
-        arguments["modules_to_save"] = [facet.router]
-    return arguments
 
 
 KINDS = ("attention", "experts", "shared experts", "router", "embeddings", "other")

@@ -15,7 +15,8 @@ Each ``Family`` says, for its architecture:
   (``data.system_prompt_mode``) and what else they do their own way;
 - ``experts``: for a mixture-of-experts family, where its router and experts are and which config keys
   count them (``Experts``); None for a dense one. A family whose config counts experts must have it
-  (tests/test_families.py); ``EXPERTS_NOT_PACKED`` names the mixtures whose experts are refused, and why;
+  (tests/test_families.py). A mixture without an entry is read from its config's common keys
+  (``experts_facet``); its experts' layout is read from the module itself (model/moe_experts.py);
 - ``attention_sinks``: its attention adds a learned sink logit per head to each softmax (gpt-oss): only
   the kernels that take the sinks may run it (registries/attention.py);
 - ``vision``: for a vision-language family, its processor, image marker, vision-side modules, the inputs
@@ -70,7 +71,8 @@ class Experts:
 
     count_key: str  # e.g. "num_local_experts"
     active_key: str = "num_experts_per_tok"  # experts each token is routed to
-    router: str = "mlp.gate"  # a parameter module (never a linear layer): it stays in 16/32 bits
+    # a parameter module (never a linear layer): it stays in 16/32 bits; None: not known (no table entry)
+    router: str | None = "mlp.gate"
     experts: str = "mlp.experts"  # the fused 3-D expert stacks (model/moe_experts.py packs them)
 
 
@@ -138,19 +140,6 @@ class Family:
 
 # config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
-# Mixtures of experts whose experts qlora_kit does not pack in 4 bits, and why: loading one with quant.bits 4
-# is refused in one line (a plain 4-bit load would keep its experts, most of the model, in 16 bits).
-PEFT_MOVES_SHARED_EXPERTS = (
-    "peft 0.21 takes its shared experts' and dense layers' gate_proj, up_proj and down_proj for the experts of "
-    "a transformers-4 checkpoint and moves their LoRA onto the fused experts (its transformers_weight_conversion): "
-    "LoRA would miss the shared experts"
-)
-EXPERTS_NOT_PACKED = {
-    "deepseek_v3": PEFT_MOVES_SHARED_EXPERTS,
-    # tests/test_hybrid.py; Qwen3.5's mixture, the same layers, is not in peft's conversion table and trains
-    "qwen3_next": PEFT_MOVES_SHARED_EXPERTS,
-    "glm4_moe": PEFT_MOVES_SHARED_EXPERTS,  # GLM-4.5 / 4.6
-}
 # Architectures whose code writes into a linear layer's weight during the forward pass, which a 4-bit
 # (uint8-packed) weight cannot take: refused in one line at quant.bits 4 (benchmarks/results/families-matrix.md)
 WEIGHTS_WRITTEN_IN_FORWARD = {
@@ -264,6 +253,43 @@ SHARED_EXPERT_TINY = {
     "moe_intermediate_size": 128,
     "shared_expert_intermediate_size": 128,
 }
+# DeepSeek-V3's and GLM-4.5's builtins: a dense first layer (first_k_dense_replace), then 8 routed experts
+# of 64 (2 a token) and one shared expert
+SHARED_EXPERTS_TINY = {
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+}
+# DeepSeek's multi-head latent attention at the builtins' width (queries and keys/values through ranks of 64)
+MLA_TINY = {
+    "q_lora_rank": 64,
+    "kv_lora_rank": 64,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 32,
+}
+MLA_LINEARS = (
+    "self_attn.q_a_proj",
+    "self_attn.q_b_proj",
+    "self_attn.kv_a_proj_with_mqa",
+    "self_attn.kv_b_proj",
+    "self_attn.o_proj",
+)
+# the dense first layers' MLP, then each later layer's shared expert
+DENSE_AND_SHARED_EXPERT_LINEARS = (
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+    "mlp.shared_experts.gate_proj",
+    "mlp.shared_experts.up_proj",
+    "mlp.shared_experts.down_proj",
+)
+SHARED_EXPERTS_NO_GGUF = NoExport(
+    "qlora_kit's GGUF writer has no form for shared experts beside routed ones yet; convert the merged folder "
+    "with llama.cpp's convert_hf_to_gguf.py"
+)
 HYBRID_NO_GGUF = NoExport(
     "qlora_kit's GGUF writer has no form for Gated DeltaNet layers (their convolution and recurrent state); "
     "convert the merged folder with llama.cpp's convert_hf_to_gguf.py"
@@ -725,7 +751,7 @@ FAMILIES: dict[str, Family] = {
             experts=Experts(count_key="num_local_experts", router="mlp.router"),
             attention_sinks=True,
         ),
-        # Hybrid linear attention (Qwen3.5; Qwen3-Next is refused: EXPERTS_NOT_PACKED): three Gated DeltaNet
+        # Hybrid linear attention (Qwen3.5, Qwen3-Next): three Gated DeltaNet
         # layers to each full-attention one (layer_types). A DeltaNet layer keeps a recurrent state, not keys
         # and values: its projections load in 4 bits and take LoRA like any linear layer (all-linear takes
         # them all), but packing is refused (model/recurrent.py: the state runs on across a packed row's
@@ -758,6 +784,65 @@ FAMILIES: dict[str, Family] = {
             export=HYBRID_NO_GGUF,
             experts=Experts(count_key="num_experts"),
         ),
+        # Shared experts beside the routed ones, and dense first layers (first_k_dense_replace): their linears
+        # take LoRA by name, which peft 0.21.2 would move onto the fused experts (model/peft_3711.py)
+        _family(
+            "deepseek_v3",
+            "DeepseekV3Config",
+            "tiny-deepseek-v3",
+            # DeepSeek-V3's layout (Kimi K2's too): multi-head latent attention, a dense first layer, then 8
+            # routed experts (2 a token, in 2 groups) and one shared expert
+            # (its attention keeps a key and value head per query head: MLA's keys come from one latent)
+            tiny_config={
+                **SHARED_EXPERTS_TINY,
+                **MLA_TINY,
+                "n_group": 2,
+                "topk_group": 1,
+                "num_key_value_heads": 4,
+            },
+            linears=(
+                *MLA_LINEARS,
+                *DENSE_AND_SHARED_EXPERT_LINEARS,
+            ),
+            attention_inputs=("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"),
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=SHARED_EXPERTS_NO_GGUF,
+            experts=Experts(count_key="n_routed_experts"),
+        ),
+        _family(
+            "glm4_moe",
+            "Glm4MoeConfig",
+            "tiny-glm4-moe",
+            # GLM-4.5 / 4.6 / 4.7's layout: a dense first layer, then routed experts and a shared expert
+            tiny_config={**SHARED_EXPERTS_TINY, "head_dim": 32, "n_group": 1, "topk_group": 1},
+            linears=(*ATTENTION_LINEARS, *DENSE_AND_SHARED_EXPERT_LINEARS),
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=SHARED_EXPERTS_NO_GGUF,
+            experts=Experts(count_key="n_routed_experts"),
+        ),
+        _family(
+            "qwen3_next",
+            "Qwen3NextConfig",
+            "tiny-qwen3-next",
+            # Qwen3-Next-80B-A3B's layout: Qwen3.5's hybrid (three Gated DeltaNet layers to each attention one)
+            # with routed experts and a gated shared expert in every layer
+            tiny_config={"head_dim": 32, **LINEAR_ATTENTION_TINY, **SHARED_EXPERT_TINY},
+            linears=(
+                "linear_attn.in_proj_qkvz",
+                "linear_attn.in_proj_ba",
+                "linear_attn.out_proj",
+                *SHARED_EXPERT_LINEARS,
+                *ATTENTION_LINEARS,
+            ),
+            attention_inputs=QKV,
+            mlp=GATED,
+            intermediate_key="moe_intermediate_size",
+            export=HYBRID_NO_GGUF,
+            experts=Experts(count_key="num_experts"),
+        ),
     )
 }
 
@@ -778,6 +863,19 @@ TEXT_OF = {
 def family(model_type: str) -> Family | None:
     """The table's entry for ``model_type``, or None for an architecture it does not list."""
     return FAMILIES.get(TEXT_OF.get(model_type, model_type))
+
+
+def experts_facet(config) -> Experts | None:
+    """A model's experts facet: its table entry's, else one read from the config's common keys (a count
+    key of EXPERT_COUNT_KEYS and num_experts_per_tok; its router's name unknown); None for a dense model."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    entry = family(getattr(text, "model_type", "")) or family(getattr(config, "model_type", ""))
+    if entry is not None and entry.experts is not None:
+        return entry.experts
+    count_key = next((key for key in EXPERT_COUNT_KEYS if getattr(text, key, None)), None)
+    if count_key is None or not getattr(text, "num_experts_per_tok", None):
+        return None
+    return Experts(count_key=count_key, router=None)
 
 
 def by_tiny_name(name: str) -> Family | None:

@@ -40,11 +40,21 @@ def routers(model) -> tuple[list[torch.nn.Module], int]:
     model or one the table does not know)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     _, facet = moe_experts.experts_of(base)
-    if facet is None or not moe_experts.fused_experts(base):
+    if facet is None or facet.router is None or not moe_experts.fused_experts(base):
         return [], 0
     # a vision-language mixture (Qwen3-VL-MoE) counts its experts in its language model's config
     count = getattr(base.config.get_text_config(), facet.count_key)
-    return [layer.get_submodule(facet.router) for layer in decoder_layers(base)], count
+    # a dense layer before the mixture ones (DeepSeek's first_k_dense_replace) has no router
+    layers = [layer for layer in decoder_layers(base) if _has_submodule(layer, facet.router)]
+    return [layer.get_submodule(facet.router) for layer in layers], count
+
+
+def _has_submodule(module, path: str) -> bool:
+    try:
+        module.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def in_forward_pass() -> bool:
