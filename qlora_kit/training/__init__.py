@@ -11,7 +11,11 @@ Assembling a run, here at the top:
 - ``batch_layout``: ``data.packing: auto``'s stage: the data's layouts (data/layout.py) timed
   (memory/layout_costs.py) or read back from a checkpoint, and the choice;
 - ``distributed``: what one process of several does differently (DDP, FSDP2): the ranks, the launch's
-  FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it).
+  FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it);
+- ``compiled``: ``train.compile``'s mechanism: each decoder layer compiled (one graph for all), the layers
+  left eager and why, and whether the device's compiler works;
+- ``compile_choice``: ``train.compile`` resolved (``auto``: a timed eager and compiled step against the
+  planned steps) and applied before step 1.
 
 And four sub-packages, each listing its modules:
 
