@@ -98,7 +98,7 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(
             False,
             f"auto: {steps} steps of {eager_s:.3f} s save at most {bound:.1f} s, under the "
-            f"{COMPILE_FLOOR_S:.0f} s a compile takes at least",
+            f"{COMPILE_FLOOR_S:.1f} s a compile takes at least",
         )
     compiled.compile_decoder_layers(model)
     first_s, compiled_s = _timed_steps(trainer, model, batch, 2)
@@ -106,8 +106,8 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
     cost = max(first_s - compiled_s, 0.0) * compiles
     saving = (eager_s - compiled_s) * steps
     figures = (
-        f"{steps} steps x ({eager_s:.3f} s eager - {compiled_s:.3f} s compiled) = {saving:.0f} s saved "
-        f"against {compiles} compiles of {first_s - compiled_s:.0f} s"
+        f"{steps} steps x ({eager_s:.3f} s eager - {compiled_s:.3f} s compiled) = {saving:.1f} s saved "
+        f"against {compiles} compiles of {first_s - compiled_s:.1f} s"
     )
     if saving > cost:
         return CompileChoice(True, f"auto: {figures}")

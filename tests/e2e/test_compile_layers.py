@@ -9,6 +9,8 @@ checkpointing stays around the compiled call), so only the first policy pays the
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -16,6 +18,7 @@ from torch._dynamo.utils import counters
 from qlora_kit import Recipe
 from qlora_kit.training import compiled
 from qlora_kit.training.pipeline import build
+from tests.test_compile_choice import assert_decided_by_its_figures
 
 pytestmark = pytest.mark.slow  # compiling a layer takes tens of seconds on 2 cores
 
@@ -46,9 +49,9 @@ EAGER = {
 }
 
 
-def _trainer(tmp_path, compile_layers: bool, overrides: dict):
+def _trainer(tmp_path, compile_layers: bool | str, overrides: dict):
     values = {
-        "train.output_dir": str(tmp_path / ("compiled" if compile_layers else "eager")),
+        "train.output_dir": str(tmp_path / f"compile-{compile_layers}"),
         "train.compile": compile_layers,
         "train.micro_batch_size": 2,
         "train.max_steps": 100,
@@ -104,3 +107,13 @@ def test_every_policy_runs_compiled_or_names_why_a_layer_is_eager(tmp_path, name
     assert result.compiled == [i for i in range(4) if i not in result.eager]
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert losses == pytest.approx(eager, rel=TOLERANCE)
+
+
+def test_auto_on_a_long_run_times_a_compile_and_decides_by_it(tmp_path, caplog):
+    # 100,000 planned steps: the bound passes, so a compile is timed (the graph the defaults' test compiled
+    # serves it when the tests run in order) and any saving repays it
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.compile_choice"):
+        trainer = _trainer(tmp_path, "auto", {"train.max_steps": 100_000})
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.compile: ")]
+    assert "compiled) = " in line, line  # timed, not bounded
+    assert_decided_by_its_figures(line, trainer.model, steps=100_000)
