@@ -17,6 +17,9 @@ the compiled forward in backward. Two kinds of layer are left eager, each with i
 - a layer whose checkpoint keeps its input in host memory (``memory.offload_activations``): dynamo cannot
   trace the ``saved_tensors_hooks`` active around it (two graph breaks a step, then an eager layer).
 
+Mixture, hybrid (recurrent) and vision-language families keep every layer eager for now, with the reason
+logged: their compiled losses are not yet measured against eager.
+
 Shapes: the first call compiles for its shapes; a call with another sequence length (packing, the last
 batch, images) recompiles once with the changed sizes marked dynamic (torch's automatic dynamic shapes),
 and every later length reuses that graph: two compiles per layer class for training, whatever the data.
@@ -32,6 +35,7 @@ import torch
 
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import decoder_layers
+from qlora_kit.model import moe_experts, recurrent, vision
 from qlora_kit.registries import checkpointing as table
 
 log = logging.getLogger(__name__)
@@ -40,6 +44,10 @@ SELECTIVE_REASON = "selective checkpointing's dispatch mode breaks inductor's pa
 OFFLOAD_REASON = (
     "dynamo cannot trace the host-offload saved_tensors_hooks around it (memory.offload_activations)"
 )
+# Families whose layers are not yet proven compiled (losses against eager, graph breaks): left eager
+MIXTURE_REASON = "a mixture's routed experts are not yet proven compiled (data-dependent tokens per expert)"
+RECURRENT_REASON = "recurrent (hybrid) layers are not yet proven compiled"
+VISION_REASON = "a vision-language decoder is not yet proven compiled (image runs change the shapes)"
 
 
 @dataclass
@@ -58,8 +66,13 @@ class CompiledLayers:
 def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
     """Compile each decoder layer of ``model`` that can be (see the module docstring), in place."""
     layers = decoder_layers(model)
-    offloaded = set(checkpointing.offloaded_layers(model))
     result = CompiledLayers()
+    family = _family_reason(model)
+    if family:
+        result.eager = dict.fromkeys(range(len(layers)), family)
+        log.info("train.compile: %s", result.describe())
+        return result
+    offloaded = set(checkpointing.offloaded_layers(model))
     for index, (layer, policy) in enumerate(zip(layers, checkpointing.applied_policies(model), strict=True)):
         reason = _eager_reason(policy, index in offloaded)
         if reason:
@@ -80,6 +93,18 @@ def uncompile_decoder_layers(model: torch.nn.Module) -> None:
 def decoder_layers_compiled(model: torch.nn.Module) -> bool:
     """Whether any decoder layer of ``model`` runs compiled."""
     return any(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+
+
+def _family_reason(model: torch.nn.Module) -> str | None:
+    """Why this model's family keeps every decoder layer eager (None: it compiles)."""
+    config = getattr(model, "config", None)
+    if moe_experts.experts_of(model)[1] is not None:
+        return MIXTURE_REASON
+    if config is not None and recurrent.recurrent_layer_types(config):
+        return RECURRENT_REASON
+    if vision.vision_of(config) is not None:
+        return VISION_REASON
+    return None
 
 
 def _eager_reason(policy: str, offloaded: bool) -> str | None:

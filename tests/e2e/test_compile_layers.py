@@ -117,3 +117,22 @@ def test_auto_on_a_long_run_times_a_compile_and_decides_by_it(tmp_path, caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.compile: ")]
     assert "compiled) = " in line, line  # timed, not bounded
     assert_decided_by_its_figures(line, trainer.model, steps=100_000)
+
+
+@pytest.mark.parametrize(
+    ("builtin", "reason"),
+    [
+        ("builtin:tiny-qwen3-moe", compiled.MIXTURE_REASON),
+        ("builtin:tiny-qwen2.5-vl", compiled.VISION_REASON),
+    ],
+)
+def test_a_mixture_or_vision_language_model_stays_eager_and_says_why(builtin, reason, caplog):
+    from qlora_kit.model.loading import load_base_model
+
+    recipe = Recipe.from_dict({"model": {"path": builtin}})
+    model = load_base_model(recipe.model, recipe.quant)
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.compiled"):
+        result = compiled.compile_decoder_layers(model)
+    assert result.compiled == [] and set(result.eager.values()) == {reason}
+    assert not compiled.decoder_layers_compiled(model)
+    assert f"eager: {reason}" in caplog.text
