@@ -2,8 +2,8 @@
 
 ``auto`` compiles the decoder layers (compiled.py) where the run repays the compile, decided by measuring:
 
-1. a run of fewer than ``MIN_STEPS`` optimizer steps, or of an objective whose batches are not token rows
-   with labels, stays eager unmeasured;
+1. a run of fewer than ``MIN_STEPS`` optimizer steps, of several processes (each would time its own
+   step), or of an objective whose batches are not token rows with labels, stays eager unmeasured;
 2. the device's compiler must work (``compiled.compiler_works``);
 3. an eager forward and backward of a micro-batch of the run's own rows is timed: if even the largest
    saving measured (``SAVING_BOUND`` of a step) over every planned step cannot repay the compiles the run
@@ -88,6 +88,8 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(
             False, f"auto: {steps} planned steps, fewer than {MIN_STEPS} never repay a compile"
         )
+    if trainer.args.world_size > 1:  # each process would time its own step, and might decide otherwise
+        return CompileChoice(False, "auto: decided in one process only; train.compile: true compiles")
     if objectives.of(recipe).rows != objectives.SEQUENCES:
         return CompileChoice(False, "auto: measured on token rows only; train.compile: true compiles")
     works, detail = compiled.compiler_works()
