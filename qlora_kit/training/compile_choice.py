@@ -7,7 +7,7 @@
 2. the device's compiler must work (``compiled.compiler_works``);
 3. an eager forward and backward of a micro-batch of the run's own rows is timed: if even the largest
    saving measured (``SAVING_BOUND`` of a step) over every planned step cannot repay the compiles the run
-   makes (``EXPECTED_COMPILES``, one more with evaluation) at ``COMPILE_FLOOR_S`` each, the least a
+   makes (``EXPECTED_COMPILES``) at ``COMPILE_FLOOR_S`` each, the least a
    layer's compile took, it stays eager;
 4. otherwise the layers are compiled and the same micro-batch timed twice: the first call is the compile,
    the second the compiled step. Compiled when the saving over the planned steps exceeds the compile
@@ -48,8 +48,7 @@ SAVING_BOUND = 0.4
 # layer (full checkpointing) on 2 CPU cores (recipes/demo.yaml's auto decision, 2026-12-06; the
 # whole-model compile took 18-82 s: benchmarks/results/compile-cpu.md).
 COMPILE_FLOOR_S = 8.0
-# A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation's
-# no-grad forward compiles once more.
+# A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation runs eager.
 EXPECTED_COMPILES = 2
 
 
@@ -98,7 +97,7 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
     batch = _micro_batch(recipe, trainer)
     eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
     bound = steps * SAVING_BOUND * eager_s
-    compiles = EXPECTED_COMPILES + (trainer.args.eval_strategy != "no")
+    compiles = EXPECTED_COMPILES
     if bound < COMPILE_FLOOR_S * compiles:
         return CompileChoice(
             False,

@@ -1,6 +1,7 @@
 """Training stage: regional compilation of the decoder layers (``train.compile``), after LoRA is attached.
 
-Each decoder layer is compiled with ``nn.Module.compile`` (inductor), as torchtune and torchtitan do: all
+Each decoder layer's training forward is compiled as ``nn.Module.compile`` does (inductor), as torchtune and
+torchtitan do (evaluation and generation run it eager: their shapes change with each decoded token): all
 layers of a class run the same ``forward`` code object, and torch inlines the module's parameters as graph
 inputs (``inline_inbuilt_nn_modules``), so one compiled graph serves every layer. Compared with compiling
 the whole model (the Trainer's ``torch_compile``): the graph is one layer, not the model (a fraction of
@@ -78,7 +79,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
         if reason:
             result.eager[index] = reason
             continue
-        layer.compile()
+        _compile_training_forward(layer)
         result.compiled.append(index)
     log.info("train.compile: %s", result.describe())
     return result
@@ -88,6 +89,20 @@ def uncompile_decoder_layers(model: torch.nn.Module) -> None:
     """Undo ``compile_decoder_layers``: every layer runs eager again (``nn.Module.compile``'s attribute)."""
     for layer in decoder_layers(model):
         layer._compiled_call_impl = None
+
+
+def _compile_training_forward(layer: torch.nn.Module) -> None:
+    """``nn.Module.compile`` for training's forward (and checkpointing's recompute) only: evaluation and
+    generation call the layer eager, as their shapes change with every decoded token and KV cache."""
+    compiled_call = torch.compile(layer._call_impl)
+    eager_call = layer._call_impl
+
+    def call(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            return compiled_call(*args, **kwargs)
+        return eager_call(*args, **kwargs)
+
+    layer._compiled_call_impl = call  # what Module.__call__ runs instead of _call_impl when set
 
 
 def decoder_layers_compiled(model: torch.nn.Module) -> bool:
