@@ -1,14 +1,14 @@
-"""torch.compile (the Trainer's ``torch_compile``) on the CPU with 4-bit layers and LoRA: is it correct,
-and is it faster?
+"""train.compile (each decoder layer compiled, one graph for all: training/compiled.py) on the CPU with
+4-bit layers and LoRA: is it correct, and is it faster?
 
 Two runs of the demo-sized tiny Llama, set up by ``pipeline.build`` with the same seed and batches, one
-with ``train.compile`` (the Trainer's ``torch_compile``: accelerate compiles the model with inductor), stepped in
+with ``train.compile: true`` (its decoder layers compiled with inductor), stepped in
 turn (forward, backward, paged AdamW 8-bit step) so they see the same machine load. Compared: the
 loss of every step (the compiled run must follow the eager one) and the median step time after the
 compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``. Then two fresh runs of
 each setting go through ``trainer.train()`` itself, TRAIN_STEPS steps of recipes/demo.yaml (its rows,
 packed, its micro-batch and learning rate): the Trainer's loop, on collated batches, with the model
-compiled by the Trainer's own accelerate prepare; their logged losses (in the summary) must agree too.
+compiled as the pipeline compiles it; their logged losses (in the summary) must agree too.
 
 Whether ``train.compile`` pays is in benchmarks/results/compile-cpu.md.
 
@@ -40,6 +40,7 @@ SETTINGS = {
 
 def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precision: str):
     from qlora_kit import Recipe
+    from qlora_kit.training.compiled import decoder_layers_compiled
     from qlora_kit.training.pipeline import build as build_run
 
     recipe = Recipe.from_dict(
@@ -57,12 +58,13 @@ def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precisi
         }
     )
     trainer = build_run(recipe).trainer
-    assert trainer.args.torch_compile is compiled, "train.compile is the Trainer's torch_compile"
+    assert compiled == decoder_layers_compiled(trainer.model), (
+        "the decoder layers compiled exactly when asked"
+    )
     trainer.create_optimizer()
     trainer.current_gradient_accumulation_steps = 1
-    # What trainer.train() does first: accelerate prepares the model, compiling it when asked.
+    # What trainer.train() does first: accelerate prepares the model (the layers are compiled already).
     trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
-    assert compiled == hasattr(trainer.model_wrapped, "_orig_mod"), "compiled exactly when asked"
     return trainer
 
 
@@ -71,6 +73,7 @@ def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[flo
     compiles): the demo recipe with the setting, its rows packed (what data.packing auto picks there), in
     the compared runs' compute dtype. Run after ``compare``, whose step 1 times the compile from cold."""
     from qlora_kit import Recipe
+    from qlora_kit.training.compiled import decoder_layers_compiled
     from qlora_kit.training.pipeline import build as build_run
 
     losses = {}
@@ -89,9 +92,10 @@ def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[flo
         }
         torch.manual_seed(0)
         trainer = build_run(Recipe.from_yaml(DEMO, overrides)).trainer
-        assert trainer.args.torch_compile is compiled, "train.compile is the Trainer's torch_compile"
+        assert compiled == decoder_layers_compiled(trainer.model), (
+            "the decoder layers compiled exactly when asked"
+        )
         trainer.train()
-        assert compiled == hasattr(trainer.model_wrapped, "_orig_mod"), "trainer.train() compiled it"
         losses[name] = [row["loss"] for row in trainer.metrics_log.rows if "loss" in row]
     assert len(losses["eager"]) == len(losses["compiled"]) == TRAIN_STEPS, losses
     return losses
@@ -117,6 +121,7 @@ def compare(
             )
     autocast = compiled.accelerator.mixed_precision  # what accelerate autocasts the forward to (or "no")
     breaks = sum(counters["graph_break"].values())
+    graphs = counters["stats"]["unique_graphs"]  # compiled graphs (forward and backward of one layer class)
     reasons = sorted(counters["graph_break"], key=lambda r: -counters["graph_break"][r])[:5]
     warm = 2  # the compiled run's first steps compile
     rows = []
@@ -128,7 +133,7 @@ def compare(
     summary = (
         f"Largest loss difference {worst:.2e}; median step after {warm} warm-up steps: eager {eager_median:.3f} s, "
         f"compiled {comp_median:.3f} s ({comp_median / eager_median:.2f}x); compile time in step 1: "
-        f"{results['compiled'][0][1]:.1f} s; graph breaks: {breaks}; autocast: {autocast}."
+        f"{results['compiled'][0][1]:.1f} s; graph breaks: {breaks}; graphs compiled: {graphs}; autocast: {autocast}."
     )
     if reasons:
         summary += "\n\nMost frequent graph-break reasons:\n\n" + "\n".join(f"- {r}" for r in reasons)

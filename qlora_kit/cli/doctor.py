@@ -4,7 +4,8 @@ It checks bitsandbytes' 4-bit dequantization on this device against a plain-torc
 a kernel known to be wrong: model/bnb_selftest.py), then proves the machine end to end through ``qlora-kit train``'s own code path (``pipeline.run``), on the
 builtin tiny model, with the device's defaults: 4-bit NF4 weights, LoRA, checkpointing, the default
 paged 8-bit optimizer, the chunked loss head and ``train.mixed_precision: auto`` (bf16 autocast on a
-bf16 GPU). Then the saved adapter is loaded back with plain peft onto a freshly loaded 4-bit base and
+bf16 GPU). Whether torch.compile's inductor compiles and runs a small function here is a row too
+(``train.compile``). Then the saved adapter is loaded back with plain peft onto a freshly loaded 4-bit base and
 must give the trained model's logits, and the merge must pass its drift check. With a recipe, the
 planner predicts its peak memory per checkpointing policy against this device's free memory.
 
@@ -39,6 +40,7 @@ from qlora_kit.recipe.base import one_line
 from qlora_kit.recipe.recipe import Recipe
 from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import metric_keys as keys
+from qlora_kit.training import compiled
 from qlora_kit.training.pipeline import run
 
 PACKAGES = ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets")
@@ -73,6 +75,8 @@ def diagnose(
     shows nothing of it, never the Trainer's printed log dicts and bars."""
     checks = [_versions(), _device(), _driver(), _llama_cpp(), _cuda_kernels()]
     _attempt(checks, "bitsandbytes 4-bit", _dequantization)
+    # whether train.compile can compile here (auto leaves the layers eager where it cannot)
+    _attempt(checks, "compiler (torch.compile)", compiled.compiler_works)
     console = console if console is not None else Console(stderr=True, quiet=True)
     with tempfile.TemporaryDirectory(prefix="qlora-kit-doctor-", dir=workdir) as folder:
         run = _attempt(checks, "train (tiny, this device)", lambda: _train(Path(folder), console))

@@ -177,8 +177,8 @@ class TrainSection(Section):
     """The run shards the 4-bit model with FSDP (launched by accelerate with an FSDP config)."""
     mixed_precision: Literal["auto", "bf16", "fp16", "no"] = "auto"
     """Autocast of the forward pass: auto (on a GPU: bf16, or fp16 for compute_dtype float16; no on a CPU), bf16, fp16 (GPU only, with a gradient scaler) or no."""
-    compile: bool = False
-    """torch.compile the model (the Trainer's torch_compile, inductor): faster steps after a one-off compile of tens of seconds."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each decoder layer (one graph for all, inductor): faster steps after a one-off compile; auto: on when a timed step and compile show the planned steps repay it (logged with its figures)."""
     keep_best: str | None = None
     """Keep the adapter of the best evaluation as the final output: eval_loss, or another metric evaluation logs (lower is better for names ending in loss)."""
     early_stopping_patience: int | None = Field(None, gt=0)

@@ -13,7 +13,11 @@ Assembling a run, here at the top:
 - ``recipe_plan``: what ``qlora-kit plan`` plans: the batch the run will have (from its data when read),
   the loss head auto resolves to, the planner's figures;
 - ``distributed``: what one process of several does differently (DDP, FSDP2): the ranks, the launch's
-  FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it).
+  FSDP settings, a flag or a figure gathered over the ranks (the step and ``watch/`` both read it);
+- ``compiled``: ``train.compile``'s mechanism: each decoder layer compiled (one graph for all), the layers
+  left eager and why, and whether the device's compiler works;
+- ``compile_choice``: ``train.compile`` resolved (``auto``: a timed eager and compiled step against the
+  planned steps) and applied before step 1.
 
 And four sub-packages, each listing its modules:
 

@@ -53,6 +53,8 @@ class Ranks:
 
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on any rank (so all ranks stop at the same step)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag  # one process: nothing to agree on, and no tensor to read back each step
     return bool(over_ranks(torch.tensor([1 if flag else 0]), dist.ReduceOp.MAX).item())
 
 

@@ -36,7 +36,7 @@ from qlora_kit.model.paths import (
 from qlora_kit.model.precision import resolve_mixed_precision
 from qlora_kit.registries import attention, objectives
 from qlora_kit.registries import metric_keys as keys
-from qlora_kit.training import batch_layout, sample_prompts
+from qlora_kit.training import batch_layout, compile_choice, sample_prompts
 from qlora_kit.training.distributed import Ranks, check_fsdp_launch, launched_fsdp_settings
 from qlora_kit.training.objective_trainer import build_trainer, builder
 from qlora_kit.training.resolved import ResolvedRun
@@ -216,6 +216,7 @@ def _build_checked(
     else:
         peft_model = adapters.attach_lora(base, recipe.lora)
     trainer = build_trainer(resolved, peft_model, tokenizer, prepared.train, prepared.val, callbacks, guards)
+    compile_choice.resolve_compile(recipe, trainer, peft_model)  # train.compile, measured for auto
     if spec.reference:
         log.info(
             "%s: the reference policy is %s", spec.name, trainer.reference_description(recipe.model.adapter)

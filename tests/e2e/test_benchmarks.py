@@ -53,6 +53,9 @@ TABLES = {
     "compile.py": ("compile-cpu.md", [(
         [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 3,
     )]),
+    "step_overhead.py": ("step-overhead-cpu.md", [(
+        [("component", r"[a-z' :()-]+"), ("ms / step", N), ("share of the step", rf"{N}%")], 8,
+    )]),
     "data_throughput.py": ("data-throughput-cpu.md", [(
         [("mode", "padding|group_by_length|packing"), ("pad share", rf"{N}%"), ("median step (s)", SECONDS),
          ("real tokens/s", N), ("vs padding", rf"{N}x")], 3,

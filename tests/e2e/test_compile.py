@@ -1,10 +1,10 @@
-"""train.compile: the Trainer compiles the model (accelerate, inductor) and trains it to the same losses.
+"""train.compile: the decoder layers compiled (training/compiled.py, inductor) train to the same losses.
 
 One run of ``benchmarks/compile.py --smoke`` under bf16 autocast (the GPU's path: autocast around the
 compiled forward) proves both the benchmark (its table, checked as tests/e2e/test_benchmarks.py checks
 every script's) and the training: the runs it steps by hand, and the runs ``trainer.train()`` itself
-compiles and trains on the demo recipe (the script stops on an assertion if ``train.compile`` is not the
-Trainer's ``torch_compile`` or the model the Trainer trained is not compiled)."""
+trains on the demo recipe (the script stops on an assertion if the decoder layers are not compiled
+exactly when ``train.compile`` asks)."""
 
 import re
 

@@ -45,12 +45,13 @@ def test_doctor_passes_on_this_machine_and_fails_a_recipe_that_cannot_fit():
         "llama.cpp reader",
         "CUDA kernels",
         "bitsandbytes 4-bit",
+        "compiler (torch.compile)",
         "train (tiny, this device)",
         "reload with plain peft",
         "merge and drift check",
         "plan builtin:tiny-llama",
     ], result.stdout + result.stderr[-2000:]
-    assert [v for k, v in checks.items() if k != "plan builtin:tiny-llama"] == ["pass"] * 9, result.stdout
+    assert [v for k, v in checks.items() if k != "plan builtin:tiny-llama"] == ["pass"] * 10, result.stdout
     assert checks["plan builtin:tiny-llama"] == "FAIL"  # 100,000 rows of 65,536 tokens fit nowhere
     assert result.returncode == 1
     assert "1 failed: plan builtin:tiny-llama" in result.stdout

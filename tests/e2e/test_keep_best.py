@@ -34,7 +34,8 @@ def recipe_file(folder: Path) -> Path:
         # float32 compute: a CPU without AVX512-BF16 emulates bfloat16 matmuls (11x slower)
         "quant:\n  compute_dtype: float32\n"
         "lora:\n  dropout: 0.0\noptimizer:\n  lr: 1.0e-3\n"
-        "train:\n  max_steps: 60\n  micro_batch_size: 16\n  eval_steps: 4\n  save_steps: 4\n  logging_steps: 4\n"
+        # compile: false: auto would time a step (and compile, on a loaded machine) for three runs alike
+        "train:\n  compile: false\n  max_steps: 60\n  micro_batch_size: 16\n  eval_steps: 4\n  save_steps: 4\n  logging_steps: 4\n"
         "  keep_best: eval_loss\n  early_stopping_patience: 2\n"
     )
     return recipe

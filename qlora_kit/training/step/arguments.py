@@ -52,9 +52,8 @@ def training_settings(recipe: Recipe, output_dir: Path, has_eval: bool, precisio
         # accelerate's autocast and fp32 output conversion, on a CPU as on a GPU (precision.py)
         bf16=precision == "bf16",
         fp16=precision == "fp16",
-        # accelerate compiles the model when it prepares it (the same losses in less step time, with
-        # checkpointing and the chunked loss head too: benchmarks/results/compile-cpu.md)
-        torch_compile=train.compile,
+        # never the whole model: train.compile compiles the decoder layers (training/compiled.py)
+        torch_compile=False,
         # The Trainer's default for a PeftModel is True: a graph walk every step, and with LoRA on
         # lm_head under the chunked loss head (applied outside the forward) a crash. Every LoRA
         # parameter gets a gradient each step, so DDP needs no search.

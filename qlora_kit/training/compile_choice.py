@@ -1,0 +1,147 @@
+"""Training stage: ``train.compile`` resolved (true, false or auto) and applied, before step 1.
+
+``auto`` compiles the decoder layers (compiled.py) where the run repays the compile, decided by measuring:
+
+1. a run of fewer than ``MIN_STEPS`` optimizer steps, of several processes (each would time its own
+   step), or of an objective whose batches are not token rows with labels, stays eager unmeasured;
+2. the device's compiler must work (``compiled.compiler_works``);
+3. an eager forward and backward of a micro-batch of the run's own rows is timed: if even the largest
+   saving measured (``SAVING_BOUND`` of a step) over every planned step cannot repay the compiles the run
+   makes (``EXPECTED_COMPILES``) at ``COMPILE_FLOOR_S`` each, the least a
+   layer's compile took, it stays eager;
+4. otherwise the layers are compiled and the same micro-batch timed twice: the first call is the compile,
+   the second the compiled step. Compiled when the saving over the planned steps exceeds the compile
+   times the compiles the run makes; the compiled graphs are kept for the run, and removed again when it
+   does not pay.
+
+The decision and its figures are logged as ``memory.chunked_loss: auto``'s are.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from qlora_kit.registries import objectives
+from qlora_kit.training import compiled
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+    from qlora_kit.recipe.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+# Fewer steps than this are never measured: at the least compile measured (COMPILE_FLOOR_S) and the largest
+# saving (SAVING_BOUND), repaying it in 50 steps needs eager steps of over 0.5 s, and the measurement
+# itself costs three steps. (The suite's short runs stay unmeasured: none trains 50 steps.)
+MIN_STEPS = 50
+# The largest share of a step compiling saved in our measurements: 0.35 under the defaults and 0.30
+# without checkpointing (whole-model compile, benchmarks/results/compile-cpu.md, tiny Llama on 2 cores).
+SAVING_BOUND = 0.4
+# The least time one compile of a decoder layer's forward and backward took: 8.4 s for the tiny Llama's
+# layer (full checkpointing) on 2 CPU cores (recipes/demo.yaml's auto decision, 2026-12-06; the
+# whole-model compile took 18-82 s: benchmarks/results/compile-cpu.md).
+COMPILE_FLOOR_S = 8.0
+# A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation runs eager.
+EXPECTED_COMPILES = 2
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    enabled: bool
+    reason: str
+
+
+def resolve_compile(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileChoice:
+    """Resolve ``train.compile`` for this run, compile the decoder layers when on, and log why."""
+    setting = recipe.train.compile
+    if setting is True:
+        choice = CompileChoice(True, "train.compile: true")
+    elif setting is False:
+        choice = CompileChoice(False, "train.compile: false")
+    else:
+        choice = _auto(recipe, trainer, model)
+    if choice.enabled and not compiled.decoder_layers_compiled(model):
+        compiled.compile_decoder_layers(model)
+    log.info("train.compile: %s (%s)", "on" if choice.enabled else "off", choice.reason)
+    return choice
+
+
+def planned_steps(recipe: Recipe, trainer: Trainer) -> int:
+    """The optimizer steps the run will take: ``train.max_steps``, else epochs of the training rows."""
+    if recipe.train.max_steps:
+        return recipe.train.max_steps
+    per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
+    return math.ceil(len(trainer.train_dataset) / per_step) * math.ceil(recipe.train.epochs)
+
+
+def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileChoice:
+    steps = planned_steps(recipe, trainer)
+    if steps < MIN_STEPS:
+        return CompileChoice(
+            False, f"auto: {steps} planned steps, fewer than {MIN_STEPS} never repay a compile"
+        )
+    if trainer.args.world_size > 1:  # each process would time its own step, and might decide otherwise
+        return CompileChoice(False, "auto: decided in one process only; train.compile: true compiles")
+    if objectives.of(recipe).rows != objectives.SEQUENCES:
+        return CompileChoice(False, "auto: measured on token rows only; train.compile: true compiles")
+    works, detail = compiled.compiler_works()
+    if not works:
+        return CompileChoice(False, f"auto: the compiler does not work here ({detail})")
+    batch = _micro_batch(recipe, trainer)
+    eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
+    bound = steps * SAVING_BOUND * eager_s
+    compiles = EXPECTED_COMPILES
+    if bound < COMPILE_FLOOR_S * compiles:
+        return CompileChoice(
+            False,
+            f"auto: {steps} steps of {eager_s:.3f} s save at most {bound:.1f} s, under the "
+            f"{compiles} compiles of at least {COMPILE_FLOOR_S:.1f} s the run would make",
+        )
+    compiled.compile_decoder_layers(model)
+    first_s, compiled_s = _timed_steps(trainer, model, batch, 2)
+    cost = max(first_s - compiled_s, 0.0) * compiles
+    saving = (eager_s - compiled_s) * steps
+    figures = (
+        f"{steps} steps x ({eager_s:.3f} s eager - {compiled_s:.3f} s compiled) = {saving:.1f} s saved "
+        f"against {compiles} compiles of {first_s - compiled_s:.1f} s"
+    )
+    if saving > cost:
+        return CompileChoice(True, f"auto: {figures}")
+    compiled.uncompile_decoder_layers(model)
+    return CompileChoice(False, f"auto: {figures}")
+
+
+def _micro_batch(recipe: Recipe, trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The first micro-batch of the training rows, collated as the Trainer collates them, on the device."""
+    count = min(recipe.train.micro_batch_size, len(trainer.train_dataset))
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(count)])
+    device = next(p.device for p in trainer.model.parameters())
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _timed_steps(trainer: Trainer, model: torch.nn.Module, batch: dict, count: int) -> list[float]:
+    """Seconds of each of ``count`` forward and backward passes on ``batch``, under the run's autocast;
+    the random state and the gradients are left as they were (none)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    times = []
+    was_training = model.training
+    model.train()
+    with torch.random.fork_rng(devices=devices):
+        for _ in range(count):
+            start = time.perf_counter()
+            with trainer.accelerator.autocast():
+                loss = model(**batch).loss
+            loss.backward()
+            if devices:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    model.zero_grad(set_to_none=True)
+    model.train(was_training)
+    return times

@@ -1,0 +1,151 @@
+"""Training stage: regional compilation of the decoder layers (``train.compile``), after LoRA is attached.
+
+Each decoder layer's training forward is compiled as ``nn.Module.compile`` does (inductor), as torchtune and
+torchtitan do (evaluation and generation run it eager: their shapes change with each decoded token): all
+layers of a class run the same ``forward`` code object, and torch inlines the module's parameters as graph
+inputs (``inline_inbuilt_nn_modules``), so one compiled graph serves every layer. Compared with compiling
+the whole model (the Trainer's ``torch_compile``): the graph is one layer, not the model (a fraction of
+the compile time), and the embedding's ``requires_grad_()`` hook, the loss head and the checkpointing
+machinery stay outside it, which is where the whole-model compile broke its graph (7 breaks under the
+defaults: benchmarks/results/compile-cpu.md).
+
+Checkpointing stays outside the compiled region too: transformers' ``GradientCheckpointingLayer.__call__``
+checkpoints around ``Module.__call__``, which runs the compiled layer, so full and every_n layers recompute
+the compiled forward in backward. Two kinds of layer are left eager, each with its reason in the log:
+- a selective layer: its forward runs under torch's selective-checkpoint dispatch mode, and inductor's
+  partitioner fails on a graph traced there (torch 2.13: ``cleanup_recompute_tags`` compares the
+  ``ac_graph_id`` of None with None);
+- a layer whose checkpoint keeps its input in host memory (``memory.offload_activations``): dynamo cannot
+  trace the ``saved_tensors_hooks`` active around it (two graph breaks a step, then an eager layer).
+
+Mixture, hybrid (recurrent) and vision-language families keep every layer eager for now, with the reason
+logged: their compiled losses are not yet measured against eager.
+
+Shapes: the first call compiles for its shapes; a call with another sequence length (packing, the last
+batch, images) recompiles once with the changed sizes marked dynamic (torch's automatic dynamic shapes),
+and every later length reuses that graph: two compiles per layer class for training, whatever the data.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from qlora_kit.memory import checkpointing
+from qlora_kit.memory.accounting import decoder_layers
+from qlora_kit.model import moe_experts, recurrent, vision
+from qlora_kit.registries import checkpointing as table
+
+log = logging.getLogger(__name__)
+
+SELECTIVE_REASON = "selective checkpointing's dispatch mode breaks inductor's partitioner (torch 2.13, cleanup_recompute_tags)"
+OFFLOAD_REASON = (
+    "dynamo cannot trace the host-offload saved_tensors_hooks around it (memory.offload_activations)"
+)
+# Families whose layers are not yet proven compiled (losses against eager, graph breaks): left eager
+MIXTURE_REASON = "a mixture's routed experts are not yet proven compiled (data-dependent tokens per expert)"
+RECURRENT_REASON = "recurrent (hybrid) layers are not yet proven compiled"
+VISION_REASON = "a vision-language decoder is not yet proven compiled (image runs change the shapes)"
+
+
+@dataclass
+class CompiledLayers:
+    """Which decoder layers were compiled, and each eager one's reason."""
+
+    compiled: list[int] = field(default_factory=list)
+    eager: dict[int, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        text = f"{len(self.compiled)} of {len(self.compiled) + len(self.eager)} decoder layers compiled"
+        reasons = sorted(set(self.eager.values()))
+        return text + "".join(f"; eager: {reason}" for reason in reasons)
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
+    """Compile each decoder layer of ``model`` that can be (see the module docstring), in place."""
+    layers = decoder_layers(model)
+    result = CompiledLayers()
+    family = _family_reason(model)
+    if family:
+        result.eager = dict.fromkeys(range(len(layers)), family)
+        log.info("train.compile: %s", result.describe())
+        return result
+    offloaded = set(checkpointing.offloaded_layers(model))
+    for index, (layer, policy) in enumerate(zip(layers, checkpointing.applied_policies(model), strict=True)):
+        reason = _eager_reason(policy, index in offloaded)
+        if reason:
+            result.eager[index] = reason
+            continue
+        _compile_training_forward(layer)
+        result.compiled.append(index)
+    log.info("train.compile: %s", result.describe())
+    return result
+
+
+def uncompile_decoder_layers(model: torch.nn.Module) -> None:
+    """Undo ``compile_decoder_layers``: every layer runs eager again (``nn.Module.compile``'s attribute)."""
+    for layer in decoder_layers(model):
+        layer._compiled_call_impl = None
+
+
+def _compile_training_forward(layer: torch.nn.Module) -> None:
+    """``nn.Module.compile`` for training's forward (and checkpointing's recompute) only: evaluation and
+    generation call the layer eager, as their shapes change with every decoded token and KV cache."""
+    compiled_call = torch.compile(layer._call_impl)
+    eager_call = layer._call_impl
+
+    def call(*args, **kwargs):
+        if layer.training and torch.is_grad_enabled():
+            return compiled_call(*args, **kwargs)
+        return eager_call(*args, **kwargs)
+
+    layer._compiled_call_impl = call  # what Module.__call__ runs instead of _call_impl when set
+
+
+def decoder_layers_compiled(model: torch.nn.Module) -> bool:
+    """Whether any decoder layer of ``model`` runs compiled."""
+    return any(layer._compiled_call_impl is not None for layer in decoder_layers(model))
+
+
+def _family_reason(model: torch.nn.Module) -> str | None:
+    """Why this model's family keeps every decoder layer eager (None: it compiles)."""
+    config = getattr(model, "config", None)
+    if moe_experts.experts_of(model)[1] is not None:
+        return MIXTURE_REASON
+    if config is not None and recurrent.recurrent_layer_types(config):
+        return RECURRENT_REASON
+    if vision.vision_of(config) is not None:
+        return VISION_REASON
+    return None
+
+
+def _eager_reason(policy: str, offloaded: bool) -> str | None:
+    if table.policy(policy).context_fn is not None:
+        return SELECTIVE_REASON
+    if offloaded:
+        return OFFLOAD_REASON
+    return None
+
+
+@functools.cache
+def compiler_works() -> tuple[bool, str]:
+    """Whether inductor compiles and runs a small function on this device (a C++ compiler on a CPU,
+    Triton on a GPU), with what it found; cached for the process."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.arange(8, dtype=torch.float32, device=device)
+    try:
+        compiled = torch.compile(_probe, backend="inductor", fullgraph=True)
+        ok = torch.equal(compiled(x), _probe(x))
+    except Exception as exc:  # any failure of the toolchain means: do not compile
+        return (
+            False,
+            f"inductor on {device} failed: {exc.__class__.__name__}: {str(exc).splitlines()[0][:200]}",
+        )
+    return ok, f"inductor on {device} (torch {torch.__version__})" + ("" if ok else ": wrong result")
+
+
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x * 2 - 3).sum(-1, keepdim=True) + x

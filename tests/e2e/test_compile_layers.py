@@ -1,0 +1,138 @@
+"""train.compile: each decoder layer compiled (training/compiled.py), under every checkpointing policy and
+both loss heads, with LoRA on 4-bit linears: no graph break, a bounded number of graphs over varied
+sequence lengths, and the eager run's losses.
+
+Each policy's compiled run and eager run are built by ``pipeline.build`` with the same seed and stepped
+on the same batches through the Trainer's own ``training_step`` (our step, guards and accounting
+included). The layers compile once for the process (one code object for all layers and all policies:
+checkpointing stays around the compiled call), so only the first policy pays the compile."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from qlora_kit import Recipe
+from qlora_kit.training import compiled
+from qlora_kit.training.pipeline import build
+from tests.test_compile_choice import assert_decided_by_its_figures
+
+pytestmark = pytest.mark.slow  # compiling a layer takes tens of seconds on 2 cores
+
+# Sequence lengths of successive micro-batches (packing, the last batch, other data): a recompile with
+# the lengths dynamic after the first change, then none.
+LENGTHS = (32, 48, 40, 24, 56)
+# The compiled graph sums in another order (fused kernels): in float32 compute each of a layer's
+# reductions rounds by ~eps * sqrt(n); sqrt(eps) (3.5e-4 relative) bounds the loss's drift over the
+# tiny Llama's 4 layers, while a graph that computes something else is off by 1e-2 and more.
+TOLERANCE = torch.finfo(torch.float32).eps ** 0.5
+
+POLICIES = {
+    "full (the defaults), chunked head": {},
+    "none, transformers' loss": {"memory.checkpointing": "none", "memory.chunked_loss": False},
+    "every_n": {"memory.checkpointing": "every_n", "memory.every_n": 2},
+    "per_layer": {
+        "memory.checkpointing": "per_layer",
+        "memory.layer_policies": ["full", "none", "selective", "none"],
+    },
+    "selective": {"memory.checkpointing": "selective"},
+    "offload": {"memory.offload_activations": True},
+}
+# The layers each policy leaves eager, and why (compiled.py's docstring)
+EAGER = {
+    "per_layer": {2: compiled.SELECTIVE_REASON},
+    "selective": dict.fromkeys(range(4), compiled.SELECTIVE_REASON),
+    "offload": dict.fromkeys(range(4), compiled.OFFLOAD_REASON),
+}
+
+
+def _trainer(tmp_path, compile_layers: bool | str, overrides: dict):
+    values = {
+        "train.output_dir": str(tmp_path / f"compile-{compile_layers}"),
+        "train.compile": compile_layers,
+        "train.micro_batch_size": 2,
+        "train.max_steps": 100,
+        "train.probe_worst_batch": False,
+        "data.packing": False,
+        "data.max_seq_len": max(LENGTHS),
+        **overrides,
+    }
+    torch.manual_seed(0)
+    trainer = build(Recipe.from_yaml("recipes/demo.yaml", values)).trainer
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 1
+    trainer.model_wrapped = trainer.accelerator.prepare_model(trainer.model)
+    trainer.model.train()
+    return trainer
+
+
+def _losses(trainer, batches) -> list[float]:
+    return [float(trainer.training_step(trainer.model_wrapped, batch)) for batch in batches]
+
+
+def _batches() -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(5, 600, (2, length), generator=generator) for length in LENGTHS]
+    return [{"input_ids": ids, "labels": ids} for ids in rows]
+
+
+def test_the_defaults_compile_one_graph_without_a_break_and_follow_the_eager_losses(tmp_path):
+    torch._dynamo.reset()
+    counters.clear()
+    batches = _batches()
+    eager = _losses(_trainer(tmp_path, False, {}), batches)
+    run = _trainer(tmp_path, True, {})
+    assert compiled.decoder_layers_compiled(run.model)
+    losses = _losses(run, batches)
+
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    # one graph for the first length, one with the lengths dynamic; five lengths, no third
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    assert losses == pytest.approx(eager, rel=TOLERANCE)
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_every_policy_runs_compiled_or_names_why_a_layer_is_eager(tmp_path, name):
+    counters.clear()
+    batches = _batches()[:2]
+    eager = _losses(_trainer(tmp_path, False, POLICIES[name]), batches)
+    run = _trainer(tmp_path, True, POLICIES[name])
+    result = compiled.compile_decoder_layers(run.model)  # again: what it compiles, reported
+    losses = _losses(run, batches)
+
+    assert result.eager == EAGER.get(name, {})
+    assert result.compiled == [i for i in range(4) if i not in result.eager]
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    assert losses == pytest.approx(eager, rel=TOLERANCE)
+
+
+def test_auto_on_a_long_run_times_a_compile_and_decides_by_it(tmp_path, caplog):
+    # 100,000 planned steps: the bound passes, so a compile is timed (the graph the defaults' test compiled
+    # serves it when the tests run in order) and any saving repays it
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.compile_choice"):
+        trainer = _trainer(tmp_path, "auto", {"train.max_steps": 100_000})
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.compile: ")]
+    assert "compiled) = " in line, line  # timed, not bounded
+    assert_decided_by_its_figures(line, trainer.model, steps=100_000)
+
+
+@pytest.mark.parametrize(
+    ("builtin", "reason"),
+    [
+        ("builtin:tiny-qwen3-moe", compiled.MIXTURE_REASON),
+        ("builtin:tiny-qwen2.5-vl", compiled.VISION_REASON),
+    ],
+)
+def test_a_mixture_or_vision_language_model_stays_eager_and_says_why(builtin, reason, caplog):
+    from qlora_kit.model.loading import load_base_model
+
+    recipe = Recipe.from_dict({"model": {"path": builtin}})
+    model = load_base_model(recipe.model, recipe.quant)
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.compiled"):
+        result = compiled.compile_decoder_layers(model)
+    assert result.compiled == [] and set(result.eager.values()) == {reason}
+    assert not compiled.decoder_layers_compiled(model)
+    assert f"eager: {reason}" in caplog.text

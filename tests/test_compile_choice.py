@@ -1,0 +1,80 @@
+"""train.compile: auto decides before step 1, by the planned steps and a timed step, and says why; the
+compiler check doctor shows. (The compiled layers themselves: tests/e2e/test_compile_layers.py.)"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+import torch
+
+from qlora_kit.training import compile_choice, compiled
+from qlora_kit.training.pipeline import build
+from tests.conftest import quick_recipe
+
+pytestmark = pytest.mark.slow  # each builds a run (seconds); the compiler check compiles
+
+
+def _built(tmp_path, caplog, **overrides):
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.compile_choice"):
+        setup = build(quick_recipe(tmp_path / "out", **overrides))
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.compile: ")]
+    return setup, line
+
+
+def test_auto_leaves_a_short_run_eager_without_measuring(tmp_path, caplog):
+    setup, line = _built(tmp_path, caplog, **{"train.max_steps": 6})
+    assert line == "train.compile: off (auto: 6 planned steps, fewer than 50 never repay a compile)"
+    assert not compiled.decoder_layers_compiled(setup.model)
+
+
+def test_auto_times_a_step_and_decides_by_its_figures(tmp_path, caplog):
+    # 50 steps of one row of up to 32 tokens: milliseconds a step on an idle machine, far from repaying a
+    # compile (on a loaded one the step may time long enough that a compile is timed too)
+    overrides = {"train.max_steps": 50, "train.micro_batch_size": 1, "data.max_seq_len": 32}
+    setup, line = _built(tmp_path, caplog, **overrides)
+    assert_decided_by_its_figures(line, setup.model, steps=50)
+    # the measurement left no gradient behind
+    assert all(p.grad is None for p in setup.model.parameters())
+
+
+def assert_decided_by_its_figures(line: str, model, steps: int) -> None:
+    """The logged decision of auto follows from the figures it logs, and the layers are as it says."""
+    bounded = re.fullmatch(
+        rf"train\.compile: off \(auto: {steps} steps of ([\d.]+) s save at most ([\d.]+) s, under the "
+        r"(\d) compiles of at least ([\d.]+) s the run would make\)",
+        line,
+    )
+    timed = re.fullmatch(
+        rf"train\.compile: (on|off) \(auto: {steps} steps x \(([\d.]+) s eager - ([\d.]+) s compiled\) = "
+        r"(-?[\d.]+) s saved against (\d) compiles of ([\d.]+) s\)",
+        line,
+    )
+    assert bounded or timed, line
+    if bounded:
+        eager_s, bound, compiles, floor = (float(v) for v in bounded.groups())
+        assert bound == pytest.approx(steps * compile_choice.SAVING_BOUND * eager_s, abs=0.1)
+        assert bound < compiles * floor
+        assert not compiled.decoder_layers_compiled(model)
+        return
+    state, eager_s, compiled_s, saving, compiles, compile_s = timed.groups()
+    assert float(saving) == pytest.approx(
+        steps * (float(eager_s) - float(compiled_s)), abs=steps * 1e-3 + 0.1
+    )
+    cost = int(compiles) * float(compile_s)
+    if abs(float(saving) - cost) > 0.1 * (int(compiles) + 1):  # beyond the figures' rounding
+        assert (state == "on") == (float(saving) > cost)
+    assert compiled.decoder_layers_compiled(model) == (state == "on")
+
+
+def test_the_compiler_check_passes_here_and_fails_without_a_cpp_compiler():
+    ok, detail = compiled.compiler_works.__wrapped__()
+    assert ok and detail.startswith("inductor on cpu"), detail
+    torch._dynamo.reset()
+    # inductor's C++ compiler on the CPU, as its config names it; no cached kernel may stand in for it
+    broken = {"cpp.cxx": (None, "/nonexistent/g++"), "fx_graph_cache": False}
+    with torch._inductor.config.patch(broken):
+        ok, detail = compiled.compiler_works.__wrapped__()
+    torch._dynamo.reset()
+    assert not ok and "failed" in detail, detail
