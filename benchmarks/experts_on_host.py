@@ -17,7 +17,6 @@ experts most of its 4-bit bytes), 1 x 1,024 tokens, full checkpointing. Rows:
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -29,6 +28,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
+from common import parser  # noqa: E402
 from gpu_rows import GIB, recipe_for, text_rows, train  # noqa: E402
 
 SHAPE = {
@@ -66,9 +66,7 @@ def copy_seconds(layer_bytes: int, copies: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    args = parser(__doc__, out=Path(".")).parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("experts_on_host: a GPU-only case (no CUDA here)")
     from qlora_kit.model import builtin

@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from qlora_kit.memory import experts_on_host
 from qlora_kit.training import compile_choice, compiled
 from qlora_kit.training.pipeline import build
 from tests.conftest import quick_recipe
@@ -37,6 +38,23 @@ def test_auto_times_a_step_and_decides_by_its_figures(tmp_path, caplog):
     assert_decided_by_its_figures(line, setup.model, steps=50)
     # the measurement left no gradient behind
     assert all(p.grad is None for p in setup.model.parameters())
+
+
+def test_auto_leaves_a_mixture_eager_without_measuring(tmp_path, caplog):
+    # compile_decoder_layers keeps a mixture's layers eager: timed steps would be eager steps, and would copy
+    # experts kept on the host to the device for each (memory.experts_on_host counts every copy)
+    overrides = {
+        "model.path": "builtin:tiny-qwen3-moe",
+        "memory.experts_on_host": True,
+        "train.max_steps": 50,
+        "train.micro_batch_size": 1,
+        "data.max_seq_len": 32,
+    }
+    setup, line = _built(tmp_path, caplog, **overrides)
+    assert line == f"train.compile: off (auto: every decoder layer stays eager ({compiled.MIXTURE_REASON}))"
+    assert not compiled.decoder_layers_compiled(setup.model)
+    layers = experts_on_host.layers_on_host(setup.model)
+    assert layers and not any(layer.copies for layer in layers)  # no step ran
 
 
 def assert_decided_by_its_figures(line: str, model, steps: int) -> None:

@@ -76,7 +76,7 @@ def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(t
     packed = sum(
         getattr(m, name).nbytes
         for _, m in moe_experts.fused_experts(model)
-        for name in moe_experts.EXPERT_PARAMETERS
+        for name in moe_experts.stacks_of(m)
     )
     assert sum(layer.nbytes for layer in layers) > packed  # the packed weights and their statistics
     on_device = []

@@ -71,8 +71,8 @@ def test_offloaded_checkpoints_give_the_same_loss_and_gradients_bit_for_bit(poli
         "tiny-llama", checkpointing=policy, offload_activations=True
     )
     layers = len(checkpointing.decoder_layers(offloaded_model))
-    assert model_state.offloaded_layers(offloaded_model) == list(range(layers))
-    assert model_state.offloaded_layers(peft_model) == []
+    assert checkpointing.offloaded_layers(offloaded_model) == list(range(layers))
+    assert checkpointing.offloaded_layers(peft_model) == []
     assert checkpointing.applied_policies(offloaded_model) == [policy] * layers
     assert offloaded_loss == loss
     for name, grad in grads.items():

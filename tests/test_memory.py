@@ -9,7 +9,6 @@ from qlora_kit.data import prepare
 from qlora_kit.memory import checkpointing, optimizers
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
-from qlora_kit.testing import model_state
 from qlora_kit.training.objective_trainer import build_trainer
 from qlora_kit.training.resolved import ResolvedRun
 
@@ -42,7 +41,7 @@ def test_policy_checkpoints_the_right_layers(fields, expected):
 def test_offload_on_a_cpu_takes_the_same_path_not_a_crash():
     _, base, layers = base_with(checkpointing="every_n", every_n=2, offload_activations=True)
     assert layers == [0, 2]
-    assert model_state.offloaded_layers(base) == [0, 2]  # only the checkpointed layers keep an input
+    assert checkpointing.offloaded_layers(base) == [0, 2]  # only the checkpointed layers keep an input
     ids = torch.randint(5, 600, (1, 8))
     base.train()
     base(

@@ -61,6 +61,7 @@ SPECIAL = {
     "train.probe_worst_batch": st.sampled_from([True, False, "auto"]),
     "memory.mlp_tiles": st.sampled_from([1, 2, 4, "auto"]),
     "memory.experts_on_host": st.sampled_from([False, True, "auto"]),
+    "train.compile": st.sampled_from([False, True, "auto"]),
     "lora.dropout": st.sampled_from(["auto", 0.0]) | st.floats(0, 0.99),
     "data.fields": st.dictionaries(st.sampled_from(FIELD_NAMES), WORDS, max_size=2),
     "data.roles": st.dictionaries(

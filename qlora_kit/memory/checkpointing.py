@@ -158,7 +158,7 @@ def _mix(layers: list[torch.nn.Module], policies: list[str], full_context_fn) ->
     tests), a layer that keeps everything is not checkpointed."""
     for layer, policy in zip(layers, policies, strict=True):
         func = layer._gradient_checkpointing_func
-        if table.policy(policy).context_fn is None and "context_fn" in func.keywords:
+        if not table.policy(policy).context_fn and "context_fn" in func.keywords:
             keywords = {k: v for k, v in func.keywords.items() if k != "context_fn"}
             if full_context_fn is not None:
                 keywords["context_fn"] = full_context_fn
@@ -175,6 +175,17 @@ def _offload(layers: list[torch.nn.Module]) -> None:
             layer._gradient_checkpointing_func = functools.partial(
                 offload.offloaded_checkpoint, *func.args, checkpoint_fn=func.func, **func.keywords
             )
+
+
+def offloaded_layers(model: PreTrainedModel) -> list[int]:
+    """Indices of decoder layers whose checkpointed input lives in host memory (training/compiled.py
+    keeps them eager: dynamo cannot trace the offload hooks)."""
+    return [
+        i
+        for i, layer in enumerate(decoder_layers(model))
+        if getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
+        is offload.offloaded_checkpoint
+    ]
 
 
 def checkpointed_layers(model: PreTrainedModel) -> list[int]:

@@ -4,21 +4,9 @@
 from __future__ import annotations
 
 import torch
-from transformers import PreTrainedModel
 
-from qlora_kit.memory import offload
 from qlora_kit.memory.checkpointing import decoder_layers
 from qlora_kit.model import bnb_selftest
-
-
-def offloaded_layers(model: PreTrainedModel) -> list[int]:
-    """Indices of decoder layers whose checkpointed input lives in host memory."""
-    return [
-        i
-        for i, layer in enumerate(decoder_layers(model))
-        if getattr(getattr(layer, "_gradient_checkpointing_func", None), "func", None)
-        is offload.offloaded_checkpoint
-    ]
 
 
 def tiled_mlps(model: torch.nn.Module) -> int:

@@ -3,7 +3,10 @@
 ``auto`` compiles the decoder layers (compiled.py) where the run repays the compile, decided by measuring:
 
 1. a run of fewer than ``MIN_STEPS`` optimizer steps, of several processes (each would time its own
-   step), or of an objective whose batches are not token rows with labels, stays eager unmeasured;
+   step), of an objective whose batches are not token rows with labels, or of a family whose layers all
+   stay eager (``compiled.family_reason``: a mixture, a hybrid, a vision-language model; their timed
+   steps would be eager steps, and a mixture's experts kept on the host would be copied for each) stays
+   eager unmeasured;
 2. the device's compiler must work (``compiled.compiler_works``);
 3. an eager forward and backward of a micro-batch of the run's own rows is timed: if even the largest
    saving measured (``SAVING_BOUND`` of a step) over every planned step cannot repay the compiles the run
@@ -91,6 +94,9 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(False, "auto: decided in one process only; train.compile: true compiles")
     if objectives.of(recipe).rows != objectives.SEQUENCES:
         return CompileChoice(False, "auto: measured on token rows only; train.compile: true compiles")
+    family = compiled.family_reason(model)
+    if family:  # compile_decoder_layers would leave every layer eager: nothing to time
+        return CompileChoice(False, f"auto: every decoder layer stays eager ({family})")
     works, detail = compiled.compiler_works()
     if not works:
         return CompileChoice(False, f"auto: the compiler does not work here ({detail})")

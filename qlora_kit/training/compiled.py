@@ -68,7 +68,7 @@ def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
     """Compile each decoder layer of ``model`` that can be (see the module docstring), in place."""
     layers = decoder_layers(model)
     result = CompiledLayers()
-    family = _family_reason(model)
+    family = family_reason(model)
     if family:
         result.eager = dict.fromkeys(range(len(layers)), family)
         log.info("train.compile: %s", result.describe())
@@ -110,7 +110,7 @@ def decoder_layers_compiled(model: torch.nn.Module) -> bool:
     return any(layer._compiled_call_impl is not None for layer in decoder_layers(model))
 
 
-def _family_reason(model: torch.nn.Module) -> str | None:
+def family_reason(model: torch.nn.Module) -> str | None:
     """Why this model's family keeps every decoder layer eager (None: it compiles)."""
     config = getattr(model, "config", None)
     if moe_experts.experts_of(model)[1] is not None:
@@ -123,7 +123,7 @@ def _family_reason(model: torch.nn.Module) -> str | None:
 
 
 def _eager_reason(policy: str, offloaded: bool) -> str | None:
-    if table.policy(policy).context_fn is not None:
+    if table.policy(policy).context_fn:
         return SELECTIVE_REASON
     if offloaded:
         return OFFLOAD_REASON

@@ -163,6 +163,7 @@ MEANING = {"fsdp_check.py": fsdp_runs_did_what_they_should}
 ELSEWHERE = {
     "gpu_check.py": "test_gpu_check.py",
     "packing_check.py": "test_gpu_check.py",
+    "experts_on_host.py": "test_gpu_check.py",  # GPU only: gpu_check's case, skipped at --tiny
     "compile.py": "test_compile.py",
     "fsdp_check.py": "test_fsdp.py",
 }

@@ -184,7 +184,7 @@ def test_eval_generate_chat_and_merge_from_the_shell(demo_run, tmp_path, qlora_k
     assert not (tmp_path / "m").exists()
     merged = qlora_kit_here("merge", "--adapter", str(out), "--out", str(tmp_path / "m"))
     assert merged.returncode == 0, merged.stderr
-    assert "top-1 agreement 100.0%" in merged.stdout
+    assert "top-1 agreement 100.0%" in " ".join(merged.stdout.split())  # the console wraps long lines
 
 
 def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path, qlora_kit_here):

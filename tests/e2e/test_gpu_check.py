@@ -79,3 +79,19 @@ def test_packing_check_runs_every_kernel_available_here(tmp_path):
         assert "skipped" in flash or (flash["ok"] and flash["max_difference"] < 1e-2), flash
     else:
         assert "skipped" in flash  # no CUDA here
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the case runs for real in gpu_check")
+def test_the_experts_on_host_case_parses_and_says_in_one_line_that_it_needs_a_gpu(tmp_path):
+    """benchmarks/experts_on_host.py is gpu_check's GPU-only case (the CPU proofs are
+    tests/test_experts_on_host.py): here it must still import and parse its command line, then stop in one
+    line naming why, so it cannot rot unseen between the sessions that have a GPU."""
+    result = subprocess.run(
+        [sys.executable, "benchmarks/experts_on_host.py", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1 and "GPU-only case (no CUDA here)" in result.stderr, result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
