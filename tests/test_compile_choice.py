@@ -20,7 +20,8 @@ pytestmark = pytest.mark.slow  # each builds a run (seconds); the compiler check
 def _built(tmp_path, caplog, **overrides):
     with caplog.at_level(logging.INFO, logger="qlora_kit.training.compile_choice"):
         setup = build(quick_recipe(tmp_path / "out", **overrides))
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("train.compile: ")]
+    decisions = [r for r in caplog.records if r.name == "qlora_kit.training.compile_choice"]
+    (line,) = [r.getMessage() for r in decisions if r.getMessage().startswith("train.compile: ")]
     return setup, line
 
 
