@@ -16,6 +16,7 @@ from qlora_kit import Recipe, train
 from qlora_kit.errors import RecipeError
 from qlora_kit.memory import auto, experts_on_host
 from qlora_kit.memory.planner import GIB, plan
+from qlora_kit.memory.shapes import model_shape, weight_bytes
 from qlora_kit.model import loading, moe_experts
 from qlora_kit.training.pipeline import build
 
@@ -25,56 +26,74 @@ from .test_after_training import interrupted_then_resumed
 MIXTURE = "builtin:tiny-qwen3-moe"
 
 
-def one_step(tmp_path, policy: str, path: str, on_host: bool):
-    """One forward and backward of the run's first micro-batch: (loss, LoRA gradients, the run's model)."""
-    recipe = quick_recipe(
-        tmp_path / f"{policy}-{path}-{on_host}",
-        **{"model.path": MIXTURE, "memory.checkpointing": policy, "memory.experts_on_host": on_host},
-    )
-    setup = build(recipe)
-    moe_experts.set_matmul_path(setup.model, path)
-    for name, param in setup.model.named_parameters():
-        if "lora_B" in name:  # peft starts B at zero: no gradient would reach A
-            torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
-    trainer = setup.trainer
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    setup.model.train()
-    loss = setup.model(**inputs).loss
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """The run's model under a checkpointing policy, with its experts resident or on the host, built once
+    for the module (builds are most of these tests' time): (policy, on_host) -> (model, first micro-batch)."""
+    models = {}
+
+    def build_once(policy: str, on_host: bool):
+        if (policy, on_host) not in models:
+            recipe = quick_recipe(
+                tmp_path_factory.mktemp(f"{policy}-{on_host}"),
+                **{"model.path": MIXTURE, "memory.checkpointing": policy, "memory.experts_on_host": on_host},
+            )
+            setup = build(recipe)
+            for name, param in setup.model.named_parameters():
+                if "lora_B" in name:  # peft starts B at zero: no gradient would reach A
+                    torch.nn.init.normal_(param, std=0.02, generator=torch.Generator().manual_seed(1))
+            trainer = setup.trainer
+            inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+            models[policy, on_host] = setup.model, inputs
+        return models[policy, on_host]
+
+    return build_once
+
+
+def one_step(model, inputs, path: str):
+    """One forward and backward of the run's first micro-batch on the matmul path: (loss, LoRA gradients)."""
+    moe_experts.set_matmul_path(model, path)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**inputs).loss
     loss.backward()
-    grads = {n: p.grad for n, p in setup.model.named_parameters() if p.grad is not None}
-    return loss.detach(), grads, setup.model
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
 
 
-@pytest.mark.slow  # four policy x path pairs of builds
-@pytest.mark.parametrize("path", ["looped", "grouped"])
+@pytest.mark.slow  # two builds a policy (shared with the forward's test)
 @pytest.mark.parametrize("policy", ["none", "full"])
-def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(tmp_path, policy, path):
-    """Each layer's experts are copied once in the forward pass and once in the backward pass (a full
-    checkpoint's recompute shares the backward's copy), at most two layers' are on the device at a time,
-    and none is left there after backward."""
-    resident_loss, resident_grads, _ = one_step(tmp_path, policy, path, on_host=False)
-    loss, grads, model = one_step(tmp_path, policy, path, on_host=True)
-    assert torch.equal(loss, resident_loss)
-    assert grads.keys() == resident_grads.keys()
-    assert any(".experts." in n for n in grads)  # the experts' own LoRA trains
-    assert all(torch.equal(grads[n], resident_grads[n]) for n in grads)
-    layers = experts_on_host.layers_on_host(model)
-    assert len(layers) == model.config.num_hidden_layers
-    assert [dict(layer.copies) for layer in layers] == [{"forward": 1, "backward": 1}] * len(layers)
-    assert not any(layer.filled for layer in layers)
-    assert all(s.nbytes() == 0 for layer in layers for s in layer.storages)
+def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(built, policy):
+    """On the looped and the grouped matmul paths, each layer's experts are copied once in the forward pass
+    and once in the backward pass (a full checkpoint's recompute shares the backward's copy), and none is
+    left on the device after backward."""
+    resident, on_host = built(policy, False), built(policy, True)
+    layers = experts_on_host.layers_on_host(on_host[0])
+    assert len(layers) == on_host[0].config.num_hidden_layers
+    for path in ("looped", "grouped"):
+        resident_loss, resident_grads = one_step(*resident, path)
+        before = [collections.Counter(layer.copies) for layer in layers]
+        loss, grads = one_step(*on_host, path)
+        assert torch.equal(loss, resident_loss), path
+        assert grads.keys() == resident_grads.keys()
+        assert any(".experts." in n for n in grads)  # the experts' own LoRA trains
+        assert all(torch.equal(grads[n], resident_grads[n]) for n in grads), path
+        copies = [dict(layer.copies - seen) for layer, seen in zip(layers, before, strict=True)]
+        assert copies == [{"forward": 1, "backward": 1}] * len(layers), path
+        assert not any(layer.filled for layer in layers)
+        assert all(s.nbytes() == 0 for layer in layers for s in layer.storages)
 
 
-@pytest.mark.slow  # a build
-def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(tmp_path):
+@pytest.mark.slow  # the bit-for-bit test's model (a build when run alone)
+def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(built):
     """Without gradients (evaluation, sample prompts) each layer is copied once and emptied after its
     block; while a layer computes, at most it and the next (prefetched) are on the device. The packed
     weights really are emptied: every byte the experts hold sits on the host between uses."""
-    _, _, model = one_step(tmp_path, "full", "looped", on_host=True)
+    model, _ = built("full", True)
     layers = experts_on_host.layers_on_host(model)
     before = [collections.Counter(layer.copies) for layer in layers]
     packed = sum(
-        getattr(m, name).nbytes
+        getattr(m, name).nbytes  # from the shape: the storage is empty
         for _, m in moe_experts.fused_experts(model)
         for name in moe_experts.stacks_of(m)
     )
@@ -97,13 +116,56 @@ def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(t
     assert not any(layer.filled for layer in layers)
 
 
+def storage_bytes(model) -> int:
+    """Bytes the model's tensors hold where they live (each storage once; an emptied one holds none): its
+    parameters, buffers and Linear4bit quantization states."""
+    tensors = [*model.parameters(), *model.buffers()]
+    for parameter in model.parameters():
+        state = getattr(parameter, "quant_state", None)
+        if state is not None:
+            tensors += [state.absmax, state.code]
+            if state.nested:
+                tensors += [state.state2.absmax, state.state2.code]
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(nbytes for ptr, nbytes in held.items() if nbytes)
+
+
+def whole_storage(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+
+
+@pytest.mark.slow  # two loads
+def test_loading_keeps_the_experts_on_the_host_and_puts_only_the_rest_on_the_device():
+    """The load path with memory.experts_on_host: the model comes back with every layer's packed experts in
+    their host copies, byte for byte a resident load's, their device tensors empty and never filled (no copy
+    counted), so the device holds the resident load's bytes less exactly the planned host bytes."""
+    recipe = Recipe.from_dict({"model": {"path": MIXTURE}, "memory": {"experts_on_host": True}})
+    base = loading.load_base_model(
+        recipe.model, recipe.quant, experts_to_host=experts_on_host.keep_experts_on_host
+    )
+    resident = loading.load_base_model(recipe.model, recipe.quant)
+    layers = experts_on_host.layers_on_host(base)
+    found = moe_experts.fused_experts(resident)
+    assert len(layers) == len(found) == base.config.num_hidden_layers
+    for layer, (_, experts) in zip(layers, found, strict=True):
+        assert not layer.filled and not layer.copies
+        assert all(s.nbytes() == 0 for s in layer.storages)
+        loaded = {t.untyped_storage().data_ptr(): t for t in [*experts.parameters(), *experts.buffers()]}
+        as_bytes = sorted(whole_storage(t).numpy().tobytes() for t in loaded.values())
+        assert sorted(h.numpy().tobytes() for h in layer.host) == as_bytes
+    planned_on_host = weight_bytes(model_shape(recipe), recipe).experts  # Plan.host_experts, untraced
+    assert planned_on_host == sum(layer.nbytes for layer in layers)
+    assert storage_bytes(resident) - storage_bytes(base) == planned_on_host
+
+
 @pytest.mark.slow  # two short runs and a resume
 def test_a_resumed_run_ends_with_the_adapter_of_an_uninterrupted_one(tmp_path):
-    """Three steps straight, and two steps then a resume from checkpoint-1, end with the same adapter."""
+    """Two steps straight, and two steps whose second checkpoint is lost then a resume from checkpoint-1,
+    end with the same adapter."""
     settings = {
         "model.path": MIXTURE,
         "memory.experts_on_host": True,
-        "train.max_steps": 3,
+        "train.max_steps": 2,
         "train.save_steps": 1,
         "data.packing": False,
     }
@@ -150,8 +212,6 @@ def test_the_plan_keeps_every_layers_experts_on_the_host_and_two_layers_on_the_d
 
 
 def recipe_layers(recipe) -> int:
-    from qlora_kit.memory.shapes import model_shape
-
     return len({stack.name.rsplit(".", 1)[0] for stack in model_shape(recipe).expert_stacks})
 
 

@@ -167,7 +167,7 @@ def show_plan_tables(console: Console, plan: Plan, recipe: Recipe, budget_gb: fl
         copied = f"forward and backward x grad_accum {recipe.train.grad_accum}"
         table.add_row(f"  copied to the device per step ({copied})", size(plan.experts_copied_per_step), "")
         table.add_row(
-            "  loading: the whole 4-bit model on the device first", size(plan.load_peak), "closed form"
+            "  loading: the rest of the model and one layer's experts", size(plan.load_peak), "closed form"
         )
     table.add_row(f"unquantized layers in {recipe.quant.compute_dtype}", size(weights.unquantized), "shapes")
     table.add_row(f"LoRA parameters ({weights.lora_values / 1e6:.1f} M, fp32)", size(weights.lora), "shapes")

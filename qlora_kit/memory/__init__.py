@@ -20,6 +20,8 @@
 - ``saved_by_op``: what a real forward saved and what the trace counted, per op and module, side by side;
 - ``formula``: the planner's closed forms (the Llama-shaped fallback, the loss head's selection);
 - ``planner``: peak memory predicted per policy; ``pixels``: a vision-language batch's images in it;
+  ``kept_activations``: what each policy keeps, per layer and in the head; ``experts_plan``: a mixture's
+  experts in it (memory.experts_on_host's host and device split, their load and their working set);
 - ``max_length``: the longest row each way of keeping activations fits (``plan --max-seq-len``);
 - ``auto``: ``checkpointing: auto`` resolved from the plan, layer by layer;
 - ``layer_choice``: auto's search for each layer's policy (least recompute cost within a byte budget);
@@ -35,7 +37,7 @@
 - ``device_kernels``: the attention kernel the target device runs, for the planner's trace;
 - ``loss_choice``: ``memory.chunked_loss: auto``, full logits where the plan with them fits.
 
-Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> tracing -> fake_forward -> checkpointing; saved_by_op -> fake_forward -> selective -> accounting;
+Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> experts_plan; planner -> kept_activations -> tracing -> fake_forward -> checkpointing; saved_by_op -> fake_forward -> selective -> accounting;
 checkpointing -> offload, tiled_mlp, fault_seam; max_length -> planner; monitor -> accounting -> fault_seam. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

@@ -136,7 +136,7 @@ def resolve_auto(
         images_per_row=images_per_row,
         image_tokens=image_tokens,
     )
-    if experts_auto:  # the plan resolved it (planner.experts_on_host_plan); the run reads the choice
+    if experts_auto:  # the plan resolved it (experts_plan.resolve); the run reads the choice
         memory = memory.model_copy(update={"experts_on_host": the_plan.experts_on_host})
         recipe = recipe.model_copy(update={"memory": memory})
         log.info(

@@ -2,13 +2,19 @@
 time (``memory.experts_on_host``).
 
 A mixture's routed experts are most of its weights (Qwen3-30B-A3B in 4 bits: ~14.5 of ~17 GB) and they are
-frozen: only their LoRA trains. ``keep_experts_on_host`` moves every experts module's packed weights and
+frozen: only their LoRA trains. ``keep_experts_on_host`` copies every experts module's packed weights and
 quantization statistics (whatever tensors model/moe_experts.py gave it, found by walking the module) to
-host memory, pinned on CUDA, and frees their device storage. The tensors stay where they are, with their
-shapes: only their storage is emptied (``untyped_storage().resize_(0)``, the way FSDP frees a gathered
-parameter) and refilled from the host copy when the layer needs it. So every holder of them, the module,
-a QuantState built from them, and the views bitsandbytes' ``MatMul4Bit`` keeps in its ``ctx`` for
-backward, sees the refilled bytes: nothing in the experts' code changes.
+host memory, pinned on CUDA, and swaps each for a tensor of its shape on the device whose storage is
+empty (``untyped_storage().resize_(0)``, the way FSDP frees a gathered parameter), refilled from the host
+copy when the layer needs it. From then on every holder of them, the module, a QuantState built from
+them, and the views bitsandbytes' ``MatMul4Bit`` keeps in its ``ctx`` for backward, sees the refilled
+bytes: nothing in the experts' code changes.
+
+Loading calls it (``loading.load_base_model``'s ``experts_to_host``): the model is loaded and its experts
+packed on the host, the experts are kept there as above, and only then does the rest of the model go to
+the device. So the experts' bytes, 16-bit or packed, never sit on the device at load: its peak there is
+the rest of the model plus one layer's experts while their empty device tensors are made
+(``experts_plan.py`` plans it).
 
 When the bytes are on the device (hooks on the module that calls the experts, its "block"):
 - forward: filled before the block runs, emptied after it; the next layer's copy starts meanwhile;
@@ -45,14 +51,13 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 class LayerExperts:
     """One layer's experts: each storage they use, its host copy, and whether the device's is filled."""
 
-    def __init__(self, index: int, storages: list[torch.UntypedStorage], device: torch.device) -> None:
-        self.index, self.device, self.storages = index, device, storages
-        pinned = device.type == "cuda"
-        self.host = [torch.empty(s.nbytes(), dtype=torch.uint8, pin_memory=pinned) for s in storages]
-        for storage, host in zip(storages, self.host, strict=True):
-            host.copy_(_bytes_of(storage, device))
-        self.nbytes = sum(host.numel() for host in self.host)
-        self.filled, self.arriving = True, None  # arriving: the side stream's event of a copy under way
+    def __init__(
+        self, index: int, storages: list[torch.UntypedStorage], host: list[torch.Tensor], device: torch.device
+    ) -> None:
+        # storages: on the device, emptied; host: their bytes, one uint8 tensor each
+        self.index, self.device, self.storages, self.host = index, device, storages, host
+        self.nbytes = sum(h.numel() for h in host)
+        self.filled, self.arriving = False, None  # arriving: the side stream's event of a copy under way
         self.copies: collections.Counter = collections.Counter()  # pass -> copies made in it
 
     def fetch(self, phase: str) -> None:
@@ -205,10 +210,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return _SIDE_STREAMS[device]
 
 
-def keep_experts_on_host(model: torch.nn.Module, field: str | None = None) -> ExpertsOnHost | None:
-    """Move every experts module's frozen tensors of ``model`` (the 4-bit base, before or after peft wraps
-    it) to host memory and hook their blocks. A model without fused experts: None, or with ``field`` (the
-    recipe's, asking for it) a RecipeError naming it."""
+def keep_experts_on_host(
+    model: torch.nn.Module, field: str | None = None, device: torch.device | None = None
+) -> ExpertsOnHost | None:
+    """Keep every experts module's frozen tensors of ``model`` (the 4-bit base, before peft wraps it) in host
+    memory, each swapped for an empty tensor of its shape on ``device`` (default: where the experts are;
+    loading passes the GPU while they are still on the host), and hook their blocks. A model without fused
+    experts: None, or with ``field`` (the recipe's, asking for it) a RecipeError naming it."""
     found = [(name, m) for name, m in moe_experts.fused_experts(model) if not hasattr(m, "base_layer")]
     if not found:
         if field is not None:
@@ -220,13 +228,11 @@ def keep_experts_on_host(model: torch.nn.Module, field: str | None = None) -> Ex
     elsewhere = _storages_outside(model, [m for _, m in found])
     layers, owners = [], []
     for name, experts in found:
-        storages = _own_storages(experts, elsewhere)
-        device = next(iter(experts.parameters())).device
-        layers.append(LayerExperts(len(layers), storages, device))
+        target = device or next(iter(experts.parameters())).device
+        layers.append(LayerExperts(len(layers), *_swap_to_host(experts, elsewhere, target), target))
         owners.append(model.get_submodule(name.rpartition(".")[0]))
     on_host = ExpertsOnHost(layers)
     for layer, block in zip(layers, owners, strict=True):
-        layer.release()
         on_host.handles.append(
             block.register_forward_pre_hook(
                 lambda _, args, kwargs, layer=layer: on_host.before_block(layer, args, kwargs),
@@ -247,6 +253,39 @@ def keep_experts_on_host(model: torch.nn.Module, field: str | None = None) -> Ex
         on_host.nbytes / len(layers) / 2**20,
     )
     return on_host
+
+
+def _swap_to_host(
+    experts: torch.nn.Module, elsewhere: set[int], device: torch.device
+) -> tuple[list[torch.UntypedStorage], list[torch.Tensor]]:
+    """Copy the bytes of each storage of ``experts``' frozen tensors that nothing else reads to host memory
+    (pinned on CUDA) and swap each tensor for one of its shape, dtype and strides on ``device``, over a new
+    storage emptied once all are made (tensors that shared a storage share the new one). Returns the device
+    storages and their host copies. The old tensors are freed with the module's last reference to them."""
+    pinned = device.type == "cuda"
+    swapped: dict[int, tuple[torch.UntypedStorage, torch.Tensor]] = {}  # old storage -> (device, host)
+    for module in experts.modules():
+        for slots in (module._parameters, module._buffers):  # swapped in place, as torch's own Module._apply
+            for name, tensor in list(slots.items()):
+                if tensor is None or tensor.requires_grad or not tensor.untyped_storage().nbytes():
+                    continue
+                old = tensor.untyped_storage()
+                if old.data_ptr() in elsewhere:
+                    continue
+                if old.data_ptr() not in swapped:
+                    host = torch.empty(old.nbytes(), dtype=torch.uint8, pin_memory=pinned)
+                    host.copy_(_bytes_of(old, tensor.device))
+                    swapped[old.data_ptr()] = (torch.UntypedStorage(old.nbytes(), device=device), host)
+                storage = swapped[old.data_ptr()][0]
+                moved = torch.empty(0, dtype=tensor.dtype, device=device).set_(
+                    storage, tensor.storage_offset(), tensor.shape, tensor.stride()
+                )
+                slots[name] = (
+                    torch.nn.Parameter(moved, False) if isinstance(tensor, torch.nn.Parameter) else moved
+                )
+    for storage, _ in swapped.values():
+        storage.resize_(0)  # made at full size, so that set_ above never grew it
+    return [storage for storage, _ in swapped.values()], [host for _, host in swapped.values()]
 
 
 def layers_on_host(model: torch.nn.Module) -> list[LayerExperts]:
@@ -286,14 +325,3 @@ def _quant_state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
             if state.nested:
                 found += [state.state2.absmax, state.state2.code]
     return [t for t in found if isinstance(t, torch.Tensor)]
-
-
-def _own_storages(experts: torch.nn.Module, elsewhere: set[int]) -> list[torch.UntypedStorage]:
-    """The storages of ``experts``' frozen tensors (packed weights, statistics, biases) that nothing else
-    reads, each once."""
-    storages: dict[int, torch.UntypedStorage] = {}
-    for tensor in _frozen_tensors(experts):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in elsewhere:
-            storages.setdefault(storage.data_ptr(), storage)
-    return list(storages.values())

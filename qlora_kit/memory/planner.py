@@ -35,10 +35,8 @@ Llama-shaped layer, is used instead (and ``plan`` says so):
   (n_trained x hidden x c), their labels (n_trained x 8) and the boolean mask that selected them
   (batch x (seq - 1)), logits never kept; n_trained as above (every position without the data).
 
-With ``memory.experts_on_host`` a mixture's experts live in host memory (``Plan.host_experts``) and the
-device holds two layers' of them (``Plan.experts_in_flight``: the one computing, the one arriving); every
-layer's are copied to the device twice a micro-batch (forward, backward: ``Plan.experts_copied_per_step``).
-Loading still brings the whole 4-bit model to the device first (``load_peak``, unchanged).
+``memory.experts_on_host`` (a mixture's experts in host memory, two layers' on the device, kept on the host
+as they load) and the experts' dequantized working set are planned in ``experts_plan.py``.
 
 With ``memory.offload_activations`` the checkpointed layers' inputs leave the device (the trace counts them
 as host bytes: ``PolicyPlan.host``), and backward holds two of them back on it (the one recomputing, the one
@@ -67,7 +65,8 @@ and gradients and of the optimizer state, plus what FSDP2 gathers whole: the lay
 the one prefetched (two layers' weights), and the root module (embeddings, final norm, head), which
 stays gathered from forward to backward; each process's activations are its own micro-batch's, as
 without FSDP. Loading needs the whole 4-bit model on every GPU first (``load_peak``): transformers
-loads a quantized model on every process before FSDP shards it.
+loads a quantized model on every process before FSDP shards it. (A mixture's experts load in 16 bits and
+are packed after: on the device, with them resident; on the host, with ``memory.experts_on_host``.)
 """
 
 from __future__ import annotations
@@ -77,30 +76,24 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from qlora_kit.memory import checkpointing
+from qlora_kit.memory import experts_plan
 from qlora_kit.memory.formula import (
     Activations,
-    formula_activation_bytes,
     gradient_working_set,
-    kept_layer_bytes,
-    lora_dropout,
     loss_spike,
     rollout_bytes,
-    selected_positions_bytes,
 )
-from qlora_kit.memory.pixels import images_in_a_row, pixel_bytes
+from qlora_kit.memory.kept_activations import activation_bytes, layer_plan  # planner's names too
+from qlora_kit.memory.pixels import pixel_bytes
 from qlora_kit.memory.shapes import (
     DTYPE_BYTES,
     ModelShape,
     Weights,
     every_layers_targets,
     model_shape,
-    stack_bytes,
     weight_bytes,
 )
 from qlora_kit.memory.tiled_mlp import tile_count
-from qlora_kit.memory.tracing import trace_layers
-from qlora_kit.model import expert_matmul
 from qlora_kit.model.precision import Device, resolve_mixed_precision
 from qlora_kit.registries import checkpointing as table
 from qlora_kit.registries import objectives
@@ -112,66 +105,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GIB = 1024**3
-
-
-def layer_plan(policy: str | list[str], every_n: int, layers: int, recipe: Recipe | None = None) -> list[str]:
-    """Each layer's policy (none, selective or full) under a checkpointing policy, or the given list;
-    ``per_layer`` reads the recipe's ``memory.layer_policies``."""
-    if isinstance(policy, list):
-        return policy
-    per_layer = recipe.memory.layer_policies if recipe is not None else None
-    return checkpointing.expand_policy(policy, every_n, layers, per_layer)
-
-
-def activation_bytes(
-    shape: ModelShape,
-    recipe: Recipe,
-    policy: str,
-    every_n: int,
-    batch: int,
-    seq: int,
-    device: str = "cpu",
-    trained_tokens: int | None = None,
-    precision: str = "no",
-    images_per_row: int | None = None,
-    padded: bool = True,
-) -> Activations:
-    """Bytes kept for backward at ``batch`` x ``seq`` under a checkpointing policy and the Trainer's
-    autocast ``precision``: traced from the model's own code where it runs on fake tensors, else from
-    the Llama-shaped formula (which assumes no autocast). A vision-language model's rows hold
-    ``images_per_row`` images (``images_in_a_row``)."""
-    policies = layer_plan(policy, every_n, shape.layers, recipe)
-    recomputing = any(table.recomputes(p) for p in policies)
-    images = images_in_a_row(recipe, images_per_row)
-    traced = (
-        trace_layers(shape.config, recipe, batch, seq, precision, images, device, padded)
-        if shape.config is not None
-        else None
-    )
-    if traced is None:
-        return formula_activation_bytes(shape, recipe, policies, batch, seq, device, trained_tokens)
-    per_layer = traced.per_layer(policies)
-    if device != "cpu" and lora_dropout(shape, recipe) > 0:
-        # The trace ran the CPU's dropout, whose masks keep 4 bytes a value; CUDA's keep 1 (a selective
-        # layer keeps no mask: dropout is recomputed).
-        n = batch * seq
-        tiled = tile_count(recipe.memory.mlp_tiles, seq, shape.hidden) > 1  # its MLP keeps no mask to correct
-        for i, layer_policy in enumerate(policies):
-            if not table.recomputes(layer_policy):
-                grad = recomputing or i > 0
-                on_cpu = kept_layer_bytes(shape, recipe, n, "cpu", grad, tiled)
-                per_layer[i] -= on_cpu - kept_layer_bytes(shape, recipe, n, device, grad, tiled)
-    head = traced.head_checkpointed if recomputing else traced.head
-    head_source = "traced"
-    if traced.chunked_head:  # which positions it keeps depends on the labels' values: closed form
-        head += selected_positions_bytes(shape, recipe, batch, seq, trained_tokens)
-        head_source = "traced, the trained positions closed form"
-        if trained_tokens is not None:
-            head_source += f" (at most {trained_tokens} of {batch * (seq - 1)}, from the data)"
-    cost = traced.recompute_cost(policies)
-    return Activations(
-        per_layer, head, source="traced", head_source=head_source, recompute_cost=cost, kernels=traced.kernels
-    )
 
 
 @dataclass
@@ -211,7 +144,7 @@ class Plan:
     # (rows truncated to data.max_seq_len: no mask, and on CUDA the flash kernel)
     padded: bool = True
     kernels: tuple[str, ...] = ()  # the attention kernels the trace assumed (device_kernels.py)
-    experts_on_host: bool = False  # memory.experts_on_host, resolved (experts_on_host_plan)
+    experts_on_host: bool = False  # memory.experts_on_host, resolved (experts_plan.resolve)
 
     @property
     def trained_positions(self) -> int | None:
@@ -244,8 +177,12 @@ class Plan:
 
     @property
     def load_peak(self) -> int:
-        """What one GPU holds while the model loads: the whole 4-bit model, under FSDP too."""
-        return self.weights.quantized + self.weights.experts + self.weights.unquantized
+        """What one GPU holds while the model loads: the whole 4-bit model, under FSDP too; with
+        memory.experts_on_host all of it but the experts, and one layer's of them (experts_plan.py)."""
+        at_load = experts_plan.experts_at_load(
+            self.shape, self.recipe, self.weights.experts, self.experts_on_host
+        )
+        return self.weights.quantized + at_load + self.weights.unquantized
 
     @property
     def host_experts(self) -> int:
@@ -255,19 +192,12 @@ class Plan:
     @property
     def experts_in_flight(self) -> int:
         """memory.experts_on_host: two layers' experts on the device (the one computing, the one arriving)."""
-        if not self.experts_on_host:
-            return 0
-        per_layer: dict[str, int] = {}
-        for stack in self.shape.expert_stacks:
-            layer = stack.name.rsplit(".", 1)[0]
-            per_layer[layer] = per_layer.get(layer, 0) + stack_bytes(stack, self.recipe)
-        return 2 * max(per_layer.values(), default=0)
+        return experts_plan.in_flight(self.shape, self.recipe, self.experts_on_host)
 
     @property
     def experts_copied_per_step(self) -> int:
-        """memory.experts_on_host: bytes copied host to device per optimizer step: every layer's experts in
-        each micro-batch's forward and again in its backward (a recompute shares the backward's copy)."""
-        return 2 * self.host_experts * self.recipe.train.grad_accum
+        """memory.experts_on_host: bytes copied host to device per optimizer step (experts_plan.py)."""
+        return experts_plan.copied_per_step(self.host_experts, self.recipe.train.grad_accum)
 
     def chosen(self, recipe: Recipe) -> PolicyPlan:
         return next(
@@ -363,17 +293,8 @@ class Plan:
         return tokens * (3 * shape.intermediate * c + (2 * shape.hidden + shape.intermediate) * 4)
 
     def dequantized_expert(self) -> int:
-        """A mixture of experts in 4 bits: the expert weights dequantized at once for their tokens' matmuls
-        (forward and backward alike; 0 for a dense model). The CPU's loop holds one expert's; CUDA's grouped
-        matmuls a run of experts up to expert_matmul.DEQUANTIZED_RUN_BYTES (model/expert_matmul.py)."""
-        if self.recipe.quant.bits == 16 or not self.shape.expert_stacks:
-            return 0
-        c = DTYPE_BYTES[self.recipe.quant.compute_dtype]
-        one = max(s.d_out * s.d_in for s in self.shape.expert_stacks) * c
-        if self.device != "cuda":
-            return one
-        experts = max(s.experts for s in self.shape.expert_stacks)
-        return one * min(experts, max(1, expert_matmul.DEQUANTIZED_RUN_BYTES // one))
+        """A mixture's expert weights dequantized at once for their tokens' matmuls (experts_plan.py)."""
+        return experts_plan.dequantized_expert(self.shape, self.recipe, self.device)
 
     def offloaded(self, recomputed_layers: int) -> int:
         """Host bytes of offloaded checkpoints: each recomputed layer's input (batch x seq x hidden in the
@@ -453,23 +374,4 @@ def plan(
     for policy, every_n in wanted:
         label = policy_name(policy, every_n)
         result.policies.append(result.policy_plan(layer_plan(policy, every_n, shape.layers, recipe), label))
-    return experts_on_host_plan(result, recipe)
-
-
-def experts_on_host_plan(result: Plan, recipe: Recipe) -> Plan:
-    """``memory.experts_on_host`` in the plan: true moves every layer's experts to the host but two
-    layers' in flight; auto does so only where the plan does not fit ``memory.budget_gb`` without it (the
-    recipe's checkpointing policy, or any policy under checkpointing auto). Only the static bytes change,
-    so each row's peak is recomputed from what it keeps."""
-    wanted = recipe.memory.experts_on_host
-    if wanted == "auto":
-        budget = recipe.memory.budget_gb * GIB
-        own = not table.planned(recipe.memory.checkpointing)
-        rows = [result.chosen(recipe)] if own else result.policies
-        wanted = not any(row.peak <= budget for row in rows)
-    if not wanted or not result.shape.expert_stacks or result.shards > 1:
-        return result
-    result.experts_on_host = True
-    for row in result.policies:
-        row.peak = result.peak_of(row.activations, row.spike)
-    return result
+    return experts_plan.resolve(result, recipe)  # memory.experts_on_host, auto decided by the plan

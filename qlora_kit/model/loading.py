@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -209,9 +210,16 @@ def bnb_config(quant: QuantSection, skip: list[str] | None = None):
     )
 
 
-def load_base_model(model: ModelSection, quant: QuantSection, path: str | None = None) -> PreTrainedModel:
+def load_base_model(
+    model: ModelSection, quant: QuantSection, path: str | None = None, experts_to_host: Callable | None = None
+) -> PreTrainedModel:
     """The base model with 4-bit linear layers (or in compute_dtype with quant.bits 16), on this process's
     GPU when there is one, otherwise on the CPU.
+
+    ``experts_to_host(model, device=...)`` (memory.experts_on_host's keep_experts_on_host): the model is
+    loaded and its experts packed on the host, that function keeps the experts there, and only then does
+    the rest of the model go to the device: no expert's bytes, 16-bit or packed, are ever on the device at
+    load (with transformers' device map they would all be, in 16 bits, before packing).
 
     Under FSDP too every process loads and quantizes the whole model onto its own device, and FSDP
     shards it when the Trainer prepares it (freeing the rest): transformers 5.24 loads on rank 0 alone
@@ -235,7 +243,10 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
             path = mxfp4.dequantized_folder(path, model)
         language_model_alone = config if text_only.alone(checkpoint) else None
-        base = _from_pretrained(model, quant, path, kernel, vision.vision_of(config), language_model_alone)
+        placement = {"": "cpu"} if experts_to_host is not None else device_map()
+        base = _from_pretrained(
+            model, quant, path, kernel, vision.vision_of(config), language_model_alone, placement
+        )
     if language_model_alone is not None:
         text_only.mark_loaded_alone(base, checkpoint)
     check_checkpointable(base)
@@ -249,6 +260,8 @@ def load_base_model(model: ModelSection, quant: QuantSection, path: str | None =
             quant.double_quant,
             experts_selfcheck.tolerance(getattr(torch, quant.compute_dtype)),
         )
+    if experts_to_host is not None:
+        _to_device_but_experts(base, experts_to_host)
     if quant.bits == 4:  # bitsandbytes checked on this device before its weights are used (bnb_selftest.py)
         check_quantized(base, vision.vision_of(config))
         bnb_selftest.guard(base)
@@ -290,16 +303,23 @@ def _attention_kernel(name: str, config) -> str | None:
 
 
 def _from_pretrained(
-    model: ModelSection, quant: QuantSection, path: str, kernel: str | None, facet=None, text_config=None
+    model: ModelSection,
+    quant: QuantSection,
+    path: str,
+    kernel: str | None,
+    facet=None,
+    text_config=None,
+    placement: dict[str, int | str] | None = None,
 ) -> PreTrainedModel:
-    """``text_config``: a multimodal checkpoint's language model is built from it and loaded alone."""
+    """``text_config``: a multimodal checkpoint's language model is built from it and loaded alone;
+    ``placement``: transformers' device map (``device_map()`` unless given)."""
     # a vision-language model: its own auto class, the vision side left in 16 bits unless asked (vision.py)
     auto = AutoModelForImageTextToText if facet else AutoModelForCausalLM
     skip = vision.skipped_modules(facet, quant.vision) if facet else None
     settings = dict(
         quantization_config=bnb_config(quant, skip) if quant.bits == 4 else None,
         dtype=getattr(torch, quant.compute_dtype),
-        device_map=device_map(),
+        device_map=placement or device_map(),
         trust_remote_code=model.trust_remote_code,
         revision=model.revision,
         # always the recipe's kernel: a config.json naming one would otherwise choose it silently
@@ -320,6 +340,18 @@ def device_map() -> dict[str, int | str]:
 
         return {"": PartialState().local_process_index}
     return {"": "cpu"}
+
+
+def _to_device_but_experts(base: PreTrainedModel, experts_to_host: Callable) -> None:
+    """The model loaded on the host, its experts packed: the experts kept there by ``experts_to_host`` (their
+    tensors swapped for empty ones on the device), then the rest moved to the device. Not transformers'
+    device map with the experts on "cpu": accelerate would offload them with its own hooks, moving each whole
+    module at every call, and refuse to train a 4-bit model so placed."""
+    placement = device_map()
+    device = torch.device("cuda", placement[""]) if torch.cuda.is_available() else torch.device("cpu")
+    experts_to_host(base, device=device)
+    base.to(device)  # the experts' empty tensors are there already: nothing of theirs moves
+    base.hf_device_map = placement  # where it is now, which accelerate reads before training it
 
 
 def disable_cpu_weight_repacking(model: PreTrainedModel) -> int:

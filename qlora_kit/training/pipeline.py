@@ -10,6 +10,7 @@ subclass itself build one with ``objective_trainer.build_trainer``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,13 +202,18 @@ def _build_checked(
             else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
-    base = model.load_base_model(recipe.model, recipe.quant)
+    # memory.experts_on_host: the experts kept on the host as they load, before peft wraps them (the hooks
+    # sit on the blocks that call them)
+    to_host = (
+        functools.partial(experts_on_host.keep_experts_on_host, field="memory.experts_on_host")
+        if resolved.memory.experts_on_host
+        else None
+    )
+    base = model.load_base_model(recipe.model, recipe.quant, experts_to_host=to_host)
     attention_fit.check_attention_fits(
         base.config, recipe.train.micro_batch_size, recipe.data.max_seq_len, recipe.memory.budget_gb
     )
     checkpointed = checkpointing.enable_checkpointing(base, resolved.memory)
-    if resolved.memory.experts_on_host:  # before peft: the hooks sit on the blocks that call the experts
-        experts_on_host.keep_experts_on_host(base, "memory.experts_on_host")
     if recipe.model.adapter is not None:  # continue a trained adapter (for dpo: the SFT one)
         peft_model = adapters.load_adapter(
             base, Path(recipe.model.adapter).expanduser(), True, "model.adapter"
