@@ -6,6 +6,7 @@ and on time, and the counts prove when they happen."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 
 import pytest
@@ -190,6 +191,7 @@ def test_auto_needs_a_budget():
         Recipe.from_dict({"memory": {"experts_on_host": "auto"}})
 
 
+@functools.cache  # the plans are the tests' cost: each one once for the module
 def planned(budget_gb: float | None = None, on_host: bool | str = False):
     memory = {"checkpointing": "full", "experts_on_host": on_host}
     if budget_gb is not None:
@@ -209,6 +211,8 @@ def test_the_plan_keeps_every_layers_experts_on_the_host_and_two_layers_on_the_d
     assert on_host.experts_copied_per_step == 2 * experts * 4  # forward and backward, 4 micro-batches
     full, full_on_host = resident.chosen(recipe), on_host.chosen(recipe)
     assert full.peak - full_on_host.peak == experts - on_host.experts_in_flight  # loading is below both
+    # loading keeps them on the host: the device holds the rest and one layer's while it is swapped
+    assert resident.load_peak - on_host.load_peak == experts - on_host.experts_in_flight // 2
 
 
 def recipe_layers(recipe) -> int:
