@@ -377,17 +377,18 @@ def test_no_fault_hook_on_the_run_path_only_the_one_seam():
     """The fault injectors live in qlora_kit/testing/ and enter a run only through memory/fault_seam.py,
     which a test installs: no other module imports or names them, reads their environment, or installs
     faults; and the seam's own faults do nothing."""
-    import contextlib
-
-    from qlora_kit.memory import fault_seam
+    from qlora_kit.memory import accounting, fault_seam
 
     outside = [f for f in PACKAGE.rglob("*.py") if "testing" not in f.relative_to(PACKAGE).parts]
     found = [hit for path in outside for hit in fault_references(path)]
     assert found == []
-    inert = fault_seam.Faults()
-    assert not inert.counts_saved and not inert.counts_recompute and inert.figures() == ""
-    for point in (inert.recompute, inert.evaluation, inert.generation, inert.micro_batch):
-        assert isinstance(point(), contextlib.nullcontext)
+    suites = fault_seam.install(None)  # as every run outside the tests
+    try:
+        assert fault_seam.run_built(object()) is None and fault_seam.failure_figures() == ""
+        assert accounting.STEP_OBSERVERS == []  # a training forward pass reports to no one
+    finally:
+        fault_seam.install(suites)
+    assert [suites] == accounting.STEP_OBSERVERS
 
 
 def test_the_fault_check_sees_a_hook_on_the_run_path(tmp_path, monkeypatch):
