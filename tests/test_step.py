@@ -5,11 +5,10 @@ memory monitor and the guard as objects; no qlora_kit mixin sits between it and 
 import ast
 import inspect
 import pickle
-import sys
 import textwrap
 
 import pytest
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer
 from trl import DPOTrainer, KTOTrainer
 
 from qlora_kit.memory.monitor import MemoryMonitor
@@ -116,57 +115,8 @@ def test_dpo_and_kto_are_the_guarded_trainer_on_trls_and_take_the_reference_over
 
 def test_dpo_and_kto_share_one_function_for_what_they_add():
     """What DPO's and KTO's trainers add to GuardedTrainer is written once
-    (reference_adapter.reference_trainer): their methods are the same code, and DPO's only own method skips TRL's tokenizing."""
+    (reference_adapter.reference_trainer): their methods are the same code, and DPO's only own method
+    skips TRL's tokenizing."""
     for name in ("__init__", "_send_telemetry", "reference_description"):
         assert vars(GuardedDPOTrainer)[name].__code__ is vars(GuardedKTOTrainer)[name].__code__, name
     assert set(vars(GuardedDPOTrainer)) - set(vars(GuardedKTOTrainer)) == {"_prepare_dataset"}
-
-
-class CallsPerStep(TrainerCallback):
-    """Every Python function of qlora_kit a training step calls, with its caller (``sys.setprofile`` from
-    each ``on_step_begin`` to its ``on_step_end``): ``(module path, function, caller's function)``."""
-
-    def __init__(self) -> None:
-        self.calls: set[tuple[str, str, str]] = set()
-
-    def _profile(self, frame, event, arg):
-        if event != "call" or PACKAGE not in frame.f_code.co_filename:
-            return
-        where = frame.f_code.co_filename.split(PACKAGE, 1)[1]
-        self.calls.add((where, frame.f_code.co_name, frame.f_back.f_code.co_name if frame.f_back else ""))
-
-    def on_step_begin(self, args, state, control, **kwargs):
-        sys.setprofile(self._profile)
-
-    def on_step_end(self, args, state, control, **kwargs):
-        sys.setprofile(None)
-
-
-PACKAGE = "/qlora_kit/"
-
-
-@pytest.mark.slow  # trains 1 step
-def test_a_step_without_faults_calls_nothing_of_the_seam_and_its_loss_nothing_of_the_recovery(tmp_path):
-    """What the production step calls, counted: with no faults installed (every run outside the tests) it
-    calls nothing of memory/fault_seam.py or of qlora_kit/testing/, and the trainer's ``compute_loss``
-    calls nothing of the out-of-memory recovery (the processes agree through a hook on the model, set
-    only under several processes)."""
-    from qlora_kit import train
-    from qlora_kit.memory import fault_seam
-    from tests.conftest import quick_recipe
-
-    counted = CallsPerStep()
-    suites = fault_seam.install(None)
-    try:
-        train(
-            quick_recipe(tmp_path / "out", **{"train.max_steps": 1, "train.micro_batch_size": 2}),
-            callbacks=[counted],
-        )
-    finally:
-        fault_seam.install(suites)
-    called = {(where, name) for where, name, _ in counted.calls}
-    assert ("training/step/oom_recovery.py", "train") in called  # the profile saw the step
-    seam = [c for c in called if c[0] in ("memory/fault_seam.py",) or c[0].startswith("testing/")]
-    assert seam == []
-    from_loss = [c for c in counted.calls if c[0].startswith("training/step/oom") and c[2] == "compute_loss"]
-    assert from_loss == []
