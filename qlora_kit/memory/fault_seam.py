@@ -10,8 +10,8 @@ The run reads the seam when it is built, never in a step: ``run_built`` as check
 recompute's count joins torch checkpoint's ``context_fn`` there), ``trainer_built`` once the trainer
 exists, where the faults attach what they count to the trainer's objects themselves. A step then runs
 the same code with faults or without; with none installed (every run outside the tests) it calls
-nothing of this module (tests/test_step.py counts what it calls). ``failure_figures`` is read once an
-attempt has failed, off the step's path.
+nothing of this module (tests/test_host_syncs.py counts what it calls). ``failure_figures`` is read once
+an attempt has failed, off the step's path.
 """
 
 from __future__ import annotations
