@@ -7,20 +7,16 @@ naming the field, which the recipe turns into one line.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from qlora_kit.recipe.grpo import check_grpo
 from qlora_kit.recipe.preference import PreferenceSection
 from qlora_kit.registries import objectives
 from qlora_kit.registries.formats import FORMATS
 from qlora_kit.registries.objectives import OBJECTIVES
 
-if TYPE_CHECKING:
-    from qlora_kit.recipe.recipe import Recipe
 
-
-def check_objective(recipe: Recipe) -> None:
-    """The combinations train.objective, the data formats, the preference section and model.adapter allow."""
+def check_objective(recipe) -> None:
+    """The combinations train.objective, the data formats, the preference section and model.adapter allow
+    (``recipe``: the whole Recipe, untyped here as in grpo.py: recipe.py imports this module)."""
     spec = objectives.of(recipe)
     own = {objectives.PAIRS, objectives.UNPAIRED}  # rows only their formats hold (FormatSpec.rows)
     # each source's own format (a mixture's sources name theirs; data.format is then only their default)
@@ -52,7 +48,7 @@ def check_objective(recipe: Recipe) -> None:
 ROW_NOUNS = {objectives.PAIRS: "preference pairs", objectives.UNPAIRED: "answers labelled desirable or not"}
 
 
-def _check_preference(recipe: Recipe, name: str, trainer: str) -> None:
+def _check_preference(recipe, name: str, trainer: str) -> None:
     """What TRL's preference trainers (DPO's pairs, KTO's labelled answers) refuse or do not do."""
     if recipe.data.packing is True:
         raise ValueError(f"data.packing: not with train.objective {name} (TRL pads its rows; it packs none)")
