@@ -127,6 +127,6 @@ def test_a_step_without_faults_calls_nothing_of_the_seam_and_its_loss_nothing_of
     called = {(where, name) for where, name, _ in calls}
     assert ("training/step/oom_recovery.py", "train") in called  # the profile saw the step
     seam = [c for c in called if c[0] == "memory/fault_seam.py" or c[0].startswith("testing/")]
-    assert seam == []
+    assert seam == [], seam
     from_loss = [c for c in calls if c[0].startswith("training/step/oom") and c[2] == "compute_loss"]
     assert from_loss == []
