@@ -377,17 +377,18 @@ def test_no_fault_hook_on_the_run_path_only_the_one_seam():
     """The fault injectors live in qlora_kit/testing/ and enter a run only through memory/fault_seam.py,
     which a test installs: no other module imports or names them, reads their environment, or installs
     faults; and the seam's own faults do nothing."""
-    import contextlib
-
-    from qlora_kit.memory import fault_seam
+    from qlora_kit.memory import accounting, fault_seam
 
     outside = [f for f in PACKAGE.rglob("*.py") if "testing" not in f.relative_to(PACKAGE).parts]
     found = [hit for path in outside for hit in fault_references(path)]
     assert found == []
-    inert = fault_seam.Faults()
-    assert not inert.counts_saved and not inert.counts_recompute and inert.figures() == ""
-    for point in (inert.recompute, inert.evaluation, inert.generation, inert.micro_batch):
-        assert isinstance(point(), contextlib.nullcontext)
+    suites = fault_seam.install(None)  # as every run outside the tests
+    try:
+        assert fault_seam.run_built(object()) is None and fault_seam.failure_figures() == ""
+        assert accounting.STEP_OBSERVERS == []  # a training forward pass reports to no one
+    finally:
+        fault_seam.install(suites)
+    assert [suites] == accounting.STEP_OBSERVERS
 
 
 def test_the_fault_check_sees_a_hook_on_the_run_path(tmp_path, monkeypatch):
@@ -407,3 +408,32 @@ def test_the_fault_check_sees_a_hook_on_the_run_path(tmp_path, monkeypatch):
         "training/step.py:3 QLORA_KIT_OOM",
         "training/step.py:5 fault_seam.install",
     ]
+
+
+# STYLE's size: modules up to ~400 lines. The families table is the one module allowed past it (one
+# entry per family); the others are being split by their owners (issue 81) and leave this list then.
+MODULE_LINES_MAX = 400
+OVER_THE_SIZE = {
+    "registries/families.py": "the table itself",
+    "memory/planner.py": "issue 81, memory's owner",
+    "model/moe_experts.py": "issue 81, the mixtures' owner",
+    "after/parity.py": "issue 81, after/'s owner",
+}
+
+
+def modules_over(root: Path, most: int) -> dict[str, int]:
+    """Each module of ``root`` longer than ``most`` lines, with its length."""
+    lengths = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    return {name: lines for name, lines in lengths.items() if lines > most}
+
+
+def test_no_module_is_over_400_lines_but_the_families_table():
+    over = modules_over(PACKAGE, MODULE_LINES_MAX)
+    assert set(over) - set(OVER_THE_SIZE) == set(), over
+
+
+def test_the_size_check_sees_a_long_module(tmp_path):
+    (tmp_path / "step").mkdir()
+    (tmp_path / "step" / "long.py").write_text("x = 1\n" * 401)
+    (tmp_path / "short.py").write_text("x = 1\n" * 400)
+    assert modules_over(tmp_path, MODULE_LINES_MAX) == {"step/long.py": 401}

@@ -47,7 +47,7 @@ def test_the_fault_injector_raises_a_real_out_of_memory_error_past_its_cap(monke
     x = torch.randn(32, 16)
     monkeypatch.setenv(oom_faults.ENV, str(10**12))
     oom_faults.reload_cap()
-    counter = SavedTensors(model, inject_faults=True)
+    counter = SavedTensors(model, step=True)
     with counter.counting():
         model(x).sum()
     saved = counter.result().total
@@ -55,7 +55,7 @@ def test_the_fault_injector_raises_a_real_out_of_memory_error_past_its_cap(monke
     oom_faults.reload_cap()
     with (
         pytest.raises(torch.OutOfMemoryError, match="forward"),
-        SavedTensors(model, inject_faults=True).counting(),
+        SavedTensors(model, step=True).counting(),
     ):
         model(x).sum()
     with SavedTensors(model).counting():  # the planner's and measurements' counts never raise

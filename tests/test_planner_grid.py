@@ -15,7 +15,7 @@ import json
 import pytest
 
 from qlora_kit import Recipe
-from qlora_kit.cli import views
+from qlora_kit.cli import plan_views
 from qlora_kit.memory.planner import plan
 from qlora_kit.training.pipeline import build
 
@@ -200,7 +200,7 @@ def test_plan_says_which_head_figures_are_closed_form(family, chunked, head_from
     recipe = Recipe.from_dict({"model": {"path": f"builtin:{family}"}, "memory": {"chunked_loss": chunked}})
     the_plan = plan(recipe, device="cpu")
     assert the_plan.head_source == head_from
-    assert views.plan_tables_as_dict(the_plan, recipe, None)["loss_head_from"] == head_from
+    assert plan_views.plan_tables_as_dict(the_plan, recipe, None)["loss_head_from"] == head_from
 
 
 def test_plan_with_data_counts_only_the_trained_share_of_the_head(monkeypatch, capsys):

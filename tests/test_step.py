@@ -4,6 +4,7 @@ memory monitor and the guard as objects; no qlora_kit mixin sits between it and 
 
 import ast
 import inspect
+import pickle
 import textwrap
 
 import pytest
@@ -109,3 +110,13 @@ def test_dpo_and_kto_are_the_guarded_trainer_on_trls_and_take_the_reference_over
     reference_adapter.take_over_reference."""
     assert trainer.__bases__ == (GuardedTrainer, library)
     assert "take_over_reference(self.model)" in inspect.getsource(trainer.__init__)
+    assert pickle.loads(pickle.dumps(trainer)) is trainer  # found by its name in its module
+
+
+def test_dpo_and_kto_share_one_function_for_what_they_add():
+    """What DPO's and KTO's trainers add to GuardedTrainer is written once
+    (reference_adapter.reference_trainer): their methods are the same code, and DPO's only own method
+    skips TRL's tokenizing."""
+    for name in ("__init__", "_send_telemetry", "reference_description"):
+        assert vars(GuardedDPOTrainer)[name].__code__ is vars(GuardedKTOTrainer)[name].__code__, name
+    assert set(vars(GuardedDPOTrainer)) - set(vars(GuardedKTOTrainer)) == {"_prepare_dataset"}

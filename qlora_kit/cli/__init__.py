@@ -5,7 +5,8 @@
 - ``recipes``: ``qlora-kit recipes`` lists, shows and copies out the shipped recipes;
 - ``talking``: ``qlora-kit generate`` and ``qlora-kit chat`` (the trained adapter answering, streamed);
 - ``exporting``: ``qlora-kit merge`` and ``qlora-kit export`` (a model to serve, with its parity report);
-- ``views``: rich tables and lines (a run, a run folder, the data view, a plan, an evaluation);
+- ``views``: rich tables and lines (a run, a run folder, the data view, an evaluation, an export);
+- ``plan_views``: ``qlora-kit plan``'s tables, and its figures as a dict (``--json``);
 - ``doctor``: prove a machine and plan a recipe on it;
 - ``logging_setup``: qlora_kit's log lines on stderr, rich on a terminal and plain elsewhere.
 

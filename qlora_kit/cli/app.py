@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape  # a message's own brackets (data.sources[0], qlora-kit[wandb]) are text
 
-from qlora_kit.cli import exporting, recipes, talking, views
+from qlora_kit.cli import exporting, plan_views, recipes, talking, views
 from qlora_kit.cli.exits import USER_ERROR, errors, user_errors
 from qlora_kit.cli.logging_setup import configure_logging
 from qlora_kit.errors import RecipeError
@@ -214,15 +214,15 @@ def plan(
                 f"plan --max-seq-len: not even {STEP} tokens fit {room:g} GiB with any checkpointing policy "
                 f"(the smallest plan needs {least:.2f} GiB): raise --budget-gb (or memory.budget_gb)"
             )
-        views.show_longest_fits(console, fits, resolved, room)
+        plan_views.show_longest_fits(console, fits, resolved, room)
         return
     from qlora_kit.training.recipe_plan import plan_recipe
 
     planned = plan_recipe(resolved, device, budget_gb, batch, seq, processes, with_data, padded)
     if as_json:
-        print(json.dumps(views.plan_as_dict(planned, budget_gb), indent=2))
+        print(json.dumps(plan_views.plan_as_dict(planned, budget_gb), indent=2))
         return
-    views.show_plan(console, planned, budget_gb)
+    plan_views.show_plan(console, planned, budget_gb)
 
 
 @app.command("eval")

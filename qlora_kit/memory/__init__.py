@@ -32,12 +32,12 @@
 - ``cut_model``: a few of the run's decoder layers built at random and loaded as the run loads them, and
   the clock that times them (for ``layer_costs`` and ``layout_costs``);
 - ``saved_facts``: writing and reading those measured figures beside a checkpoint;
-- ``fault_seam``: the one point where a test's fault injector (qlora_kit/testing/) enters a run; inert
-  unless a test installs one;
+- ``fault_seam``: the one point where a test's fault injector (qlora_kit/testing/) enters a run, read as
+  the run is built; none unless a test installs one;
 - ``device_kernels``: the attention kernel the target device runs, for the planner's trace;
 - ``loss_choice``: ``memory.chunked_loss: auto``, full logits where the plan with them fits.
 
 Arrows: auto -> planner; auto -> layer_choice; auto -> layer_costs -> cut_model -> tracing, checkpointing; layout_costs -> cut_model; layer_costs, layout_costs -> saved_facts; planner -> formula; planner -> pixels; planner -> experts_plan; planner -> kept_activations -> tracing -> fake_forward -> checkpointing; saved_by_op -> fake_forward -> selective -> accounting;
-checkpointing -> offload, tiled_mlp, fault_seam; max_length -> planner; monitor -> accounting -> fault_seam. Modules are imported by
+checkpointing -> offload, tiled_mlp, fault_seam; max_length -> planner; monitor -> accounting; fault_seam -> accounting. Modules are imported by
 path (``from qlora_kit.memory import planner``); this file imports nothing.
 """

@@ -28,12 +28,16 @@ from typing import Any
 import torch
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from qlora_kit.memory import fault_seam
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.model import vision
 from qlora_kit.registries import metric_keys as keys
 
 OUTSIDE = "outside layers"
+
+# Told of a training step's forward pass (``forward_started``) and of its running count after each new
+# storage (``saved``): empty but where a test installed faults (fault_seam.install), so a run's step calls
+# nothing here
+STEP_OBSERVERS: list = []
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -59,7 +63,7 @@ class SavedTensors:
     what the forward holds for backward when the ``counting`` block ends (keep the forward's output
     alive until then: its graph holds what was saved); ``result`` gives it from then on."""
 
-    def __init__(self, model: torch.nn.Module, inject_faults: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, step: bool = False) -> None:
         self.model = model
         self.excluded = {_storage_key(t) for t in [*model.parameters(), *model.buffers()]}
         self.seen: dict[int, tuple[int, str]] = {}
@@ -68,10 +72,9 @@ class SavedTensors:
         self.host_seen: dict[int, int] = {}
         self.where = OUTSIDE
         self.read: SavedBytes | None = None
-        # ``inject_faults``: a training forward pass tells the faults a test installed (fault_seam.py)
-        # after each new storage; the planner's traces never do
-        faults = fault_seam.installed()
-        self.injector = faults if inject_faults and faults.counts_saved else None
+        # ``step``: a training step's forward pass, which ``STEP_OBSERVERS`` are told of; the planner's
+        # traces and the measurements are not
+        self.observers = tuple(STEP_OBSERVERS) if step else ()
 
     @contextlib.contextmanager
     def counting(self):
@@ -81,8 +84,8 @@ class SavedTensors:
             handles.append(layer.register_forward_pre_hook(self._enter(f"layer {index}")))
             handles.append(layer.register_forward_hook(self._leave))
         try:
-            if self.injector is not None:
-                self.injector.forward_started()
+            for observer in self.observers:
+                observer.forward_started()
             with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
                 yield self
         finally:
@@ -131,8 +134,8 @@ class SavedTensors:
             nbytes = tensor.untyped_storage().nbytes()
             self.seen[key] = (nbytes, self.where)
             self.total += nbytes
-            if self.injector is not None:
-                self.injector.saved(self.total)
+            for observer in self.observers:
+                observer.saved(self.total)
         return key
 
     def _release(self, key: int) -> None:

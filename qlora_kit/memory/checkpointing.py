@@ -77,8 +77,7 @@ def expand_policy(policy: str, every_n: int, layers: int, per_layer: list[str] |
 def enable_checkpointing(model: PreTrainedModel, memory: MemorySection) -> list[int]:
     """Apply the memory section's policy to the decoder layers (checkpointing, offloaded checkpoints, MLP
     tiles); returns the indices of the layers that recompute in backward (selective or full)."""
-    faults = fault_seam.installed()  # inert unless a test installed its injector
-    faults.run_built(model)
+    faults = fault_seam.run_built(model)  # None unless a test installed its injector
     tiled_mlp.enable_mlp_tiles(model, memory.mlp_tiles)
     spec = table.policy(memory.checkpointing)
     if spec.layer and not spec.recomputes:
@@ -129,12 +128,12 @@ def _vision_side_without_input_grads(model: PreTrainedModel) -> None:
             hook.remove()
 
 
-def _context_fn(policy: str | None, faults: fault_seam.Faults):
+def _context_fn(policy: str | None, faults: fault_seam.Faults | None):
     """torch checkpoint's ``context_fn`` for layer policy ``policy``'s layers: the table's (selective's op
     policy), and under the test fault injector its recompute count too (out-of-memory in backward's
     recompute); None when neither applies."""
     context = CONTEXT_FNS[policy] if policy is not None and table.policy(policy).context_fn else None
-    if not faults.counts_recompute:
+    if faults is None or not faults.counts_recompute:
         return context
 
     def contexts():

@@ -44,7 +44,7 @@ from qlora_kit.memory.fake_forward import Shape
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.model import layer_sizes
 from qlora_kit.registries import checkpointing as table
-from qlora_kit.registries import families
+from qlora_kit.registries import family_traits
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -198,7 +198,7 @@ def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedL
         spaced = recipe.model_copy(update={"memory": recipe.memory.model_copy(update={"every_n": 2})})
         after, _ = fake_forward.trace(short, spaced, table.every_n(), shape, precision, kernels)
         shared = after["layer 1"] - plain["layer 1"]
-    if any(getattr(config.get_text_config(), key, None) for key in families.MODEL_TENSORS_PER_LAYER):
+    if any(getattr(config.get_text_config(), key, None) for key in family_traits.MODEL_TENSORS_PER_LAYER):
         # tensors as wide as the model is deep (Gemma 4's per-layer embeddings, saved where a layer first
         # keeps a view of them): trace the cut once more with its last layer twice, and add what each figure
         # grew by once for each layer the cut leaves out

@@ -43,7 +43,7 @@ from qlora_kit.model import (
 )
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_model_folder, first_line
-from qlora_kit.registries import attention, families
+from qlora_kit.registries import attention, family_traits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -96,9 +96,9 @@ def load_config(model: ModelSection):
 
 def check_loadable_in_4_bits(config, quant: QuantSection) -> None:
     """RecipeError in one line for an architecture that writes into a linear layer's weight in its forward
-    pass (``families.WEIGHTS_WRITTEN_IN_FORWARD``): at 4 bits that weight is packed uint8."""
+    pass (``family_traits.WEIGHTS_WRITTEN_IN_FORWARD``): at 4 bits that weight is packed uint8."""
     model_type = config.get_text_config().model_type
-    why = families.WEIGHTS_WRITTEN_IN_FORWARD.get(model_type)
+    why = family_traits.WEIGHTS_WRITTEN_IN_FORWARD.get(model_type)
     if why is not None and quant.bits == 4:
         raise RecipeError(
             f"model.path: {model_type} cannot load in 4 bits: {why}, which a 4-bit weight cannot take "

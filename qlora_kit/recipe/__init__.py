@@ -7,6 +7,7 @@
 - ``grpo``: the grpo section (how ``train.objective: grpo`` samples, scores and learns) and its rules;
 - ``paths``: the recipe's input paths, listed in one place (``Recipe.input_paths``);
 - ``recipe``: the other sections, the cross-section rules and YAML loading;
+- ``objective_rules``: the rules ``train.objective`` sets across sections (formats, preference, GRPO);
 - ``overrides``: ``--set`` at any depth, each value typed as its field takes it;
 - ``options``: a command line's numeric option checked as the recipe checks the field it stands for;
 - ``shipped``: the recipes shipped inside the package, found by name (``qlora-kit train demo``).

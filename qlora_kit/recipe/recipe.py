@@ -23,15 +23,15 @@ from qlora_kit.errors import RecipeError
 from qlora_kit.recipe import overrides as overrides_
 from qlora_kit.recipe.base import Section, describe_validation_error, one_line
 from qlora_kit.recipe.data import DataSection
-from qlora_kit.recipe.grpo import GrpoSection, check_grpo
+from qlora_kit.recipe.grpo import GrpoSection
 from qlora_kit.recipe.memory import MemorySection
+from qlora_kit.recipe.objective_rules import check_objective
 from qlora_kit.recipe.paths import data_paths, is_local_path, path_fields, resolve_paths
 from qlora_kit.recipe.preference import PreferenceSection
 
 # The two extension points are registries the recipe reads its choices from (both import nothing of
 # ours and nothing heavy): adding an optimizer or a data format is one entry there.
-from qlora_kit.registries import attention, objectives
-from qlora_kit.registries.formats import FORMATS
+from qlora_kit.registries import attention
 from qlora_kit.registries.objectives import OBJECTIVES
 from qlora_kit.registries.optimizers import OPTIMIZERS
 
@@ -248,7 +248,7 @@ class Recipe(Section):
         if self.lora.dora and self.lora.init in ("pissa", "olora"):
             raise ValueError(f"lora.init: {self.lora.init} cannot be combined with lora.dora")
         self._check_attention_kernel()
-        check_objective(self)
+        check_objective(self)  # objective_rules.py
         return self
 
     def _check_best_and_stopping(self) -> None:
@@ -347,58 +347,3 @@ class Recipe(Section):
 def apply_overrides(values: dict[str, Any], overrides: list[str] | dict[str, Any]) -> dict[str, Any]:
     """Apply dotted overrides to a recipe's values (overrides.py: any depth, text fields get text)."""
     return overrides_.apply_overrides(values, overrides, Recipe)
-
-
-def check_objective(recipe: Recipe) -> None:
-    """The combinations train.objective, the data formats, the preference section and model.adapter allow."""
-    spec = objectives.of(recipe)
-    own = {objectives.PAIRS, objectives.UNPAIRED}  # rows only their formats hold (FormatSpec.rows)
-    # each source's own format (a mixture's sources name theirs; data.format is then only their default)
-    by_field = recipe.data.formats_by_field()
-    wrong = [(field, f) for field, f in by_field if FORMATS[f].rows != spec.rows]
-    if spec.rows in own and wrong:
-        fitting = " or ".join(n for n, fmt in FORMATS.items() if fmt.rows == spec.rows)
-        field, fmt = wrong[0]
-        raise ValueError(
-            f"{field}: train.objective {spec.name} trains on {ROW_NOUNS[spec.rows]}: use {fitting} (got {fmt})"
-        )
-    held = [(field, f) for field, f in wrong if FORMATS[f].rows in own]
-    if held:
-        field, fmt = held[0]
-        rows = FORMATS[fmt].rows
-        by = " or ".join(n for n, s in OBJECTIVES.items() if s.rows == rows)
-        raise ValueError(
-            f"train.objective: format {fmt} holds {ROW_NOUNS[rows]}; set train.objective: {by} (set by {field})"
-        )
-    # from values: a saved recipe holds defaults
-    if spec.section != "preference" and recipe.preference != PreferenceSection():
-        applies = " or ".join(objectives.with_section("preference"))
-        raise ValueError(f"preference: only applies to train.objective: {applies}")
-    if spec.section == "preference":
-        _check_preference(recipe, spec.name, spec.trainer)
-    check_grpo(recipe)  # recipe/grpo.py
-
-
-ROW_NOUNS = {objectives.PAIRS: "preference pairs", objectives.UNPAIRED: "answers labelled desirable or not"}
-
-
-def _check_preference(recipe: Recipe, name: str, trainer: str) -> None:
-    """What TRL's preference trainers (DPO's pairs, KTO's labelled answers) refuse or do not do."""
-    if recipe.data.packing is True:
-        raise ValueError(f"data.packing: not with train.objective {name} (TRL pads its rows; it packs none)")
-    if recipe.data.group_by_length:
-        raise ValueError(
-            f"data.group_by_length: not with train.objective {name} (TRL orders its rows itself)"
-        )
-    if recipe.lora.bias != "none":
-        raise ValueError(
-            f"lora.bias: {recipe.lora.bias} not with train.objective {name} (TRL's reference is a second adapter, "
-            "and peft allows trained biases in one adapter only)"
-        )
-    if recipe.data.train_on_inputs:
-        raise ValueError(f"data.train_on_inputs: not with train.objective {name} (it scores answers only)")
-    if recipe.train.fsdp:
-        raise ValueError(f"train.fsdp: not with train.objective {name} yet (untested under FSDP)")
-    targets = recipe.lora.target_modules
-    if isinstance(targets, list) and "lm_head" in targets:
-        raise ValueError(f"lora.target_modules: TRL's {trainer} refuses LoRA on lm_head")

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from transformers import EarlyStoppingCallback
 
-from qlora_kit.memory import optimizers
+from qlora_kit.memory import fault_seam, optimizers
 from qlora_kit.memory.loss_head import uses_chunked_loss
 from qlora_kit.memory.monitor import MemoryMonitor
 from qlora_kit.registries import objectives
@@ -140,6 +140,7 @@ def build_trainer(
         oom_policy=oom_policy(recipe),
         probe=probes_worst_batch(recipe),
     )
+    fault_seam.trainer_built(trainer)  # nothing happens unless a test installed faults
     trainer.layer_costs = run.layer_costs  # into every checkpoint, for --resume
     trainer.layout_costs = run.layout_costs
     return trainer

@@ -21,11 +21,9 @@ from typing import TYPE_CHECKING
 from trl import DPOConfig, DPOTrainer
 
 from qlora_kit.data import prepare as data
-from qlora_kit.training.objectives.reference_adapter import describe_reference, take_over_reference
-from qlora_kit.training.step import private_hooks
+from qlora_kit.training.objectives.reference_adapter import reference_trainer
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -58,19 +56,5 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     return GuardedDPOTrainer, args, TrainingGuard, {"data_collator": None}
 
 
-@private_hooks.checked
-class GuardedDPOTrainer(GuardedTrainer, DPOTrainer):
-    """DPOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)  # TRL makes the "ref" adapter, then casts the policy to bf16
-        self.policy_restored = take_over_reference(self.model)  # reference_adapter.py
-
-    def _send_telemetry(self) -> None:
-        pass  # TRL's usage ping at construction (private_hooks.py)
-
-    def reference_description(self, adapter: str | None) -> str:
-        return describe_reference(adapter)
-
-    def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
-        return dataset  # prompt_ids / chosen_ids / rejected_ids from data/preference.py
+# GuardedTrainer on TRL's DPOTrainer, the reference taken over in __init__ (reference_adapter.py)
+GuardedDPOTrainer = reference_trainer(DPOTrainer, __name__, tokenized=True)

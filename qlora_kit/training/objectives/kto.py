@@ -31,11 +31,9 @@ from qlora_kit.data import feedback
 from qlora_kit.data.mixture import PreparedData
 from qlora_kit.errors import RecipeError
 from qlora_kit.recipe.preference import PreferenceSection
-from qlora_kit.training.objectives.reference_adapter import describe_reference, take_over_reference
-from qlora_kit.training.step import private_hooks
+from qlora_kit.training.objectives.reference_adapter import reference_trainer
 from qlora_kit.training.step.arguments import training_settings
 from qlora_kit.training.step.guards import TrainingGuard
-from qlora_kit.training.step.trainer import GuardedTrainer
 
 if TYPE_CHECKING:
     from qlora_kit.recipe.recipe import Recipe
@@ -74,16 +72,5 @@ def trainer_parts(recipe: Recipe, tokenizer, output_dir: Path, has_eval: bool, p
     return GuardedKTOTrainer, kto_arguments(recipe, output_dir, has_eval, precision), TrainingGuard, {}
 
 
-@private_hooks.checked
-class GuardedKTOTrainer(GuardedTrainer, KTOTrainer):
-    """KTOTrainer with qlora_kit's guards, accounting and checkpoint layout (see the module docstring)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)  # TRL makes the "ref" adapter, then casts the policy to bf16
-        self.policy_restored = take_over_reference(self.model)  # reference_adapter.py
-
-    def _send_telemetry(self) -> None:
-        pass  # TRL's usage ping at construction (private_hooks.py)
-
-    def reference_description(self, adapter: str | None) -> str:
-        return describe_reference(adapter)
+# GuardedTrainer on TRL's KTOTrainer, the reference taken over in __init__ (reference_adapter.py)
+GuardedKTOTrainer = reference_trainer(KTOTrainer, __name__)

@@ -7,9 +7,10 @@ starting adapter, without it the freshly initialised adapter (B = 0), i.e. the b
 reference is made the same way; its trainer, grpo/grpo.py, restores the policy its own way and says
 what the reference is with ``describe_reference`` too.)
 
-DPO's and KTO's trainers (dpo.py, kto.py: ``GuardedTrainer`` on top of TRL's trainer, in that order and
-nothing else) take the reference over once TRL built it, ``take_over_reference(self.model)`` at the end
-of their ``__init__``, and change TRL's behaviour in the same ways for both:
+DPO's and KTO's trainers are one class each, made by ``reference_trainer`` here: ``GuardedTrainer`` on top
+of TRL's trainer, in that order and nothing else, which takes the reference over once TRL built it
+(``take_over_reference(self.model)`` at the end of its ``__init__``) and changes TRL's behaviour in the
+same ways for both:
 
 - TRL casts a quantized model's trainable parameters to bf16 after making the "ref" copy; the policy
   gets its fp32 values back from "ref" (bit-exact), as QLoRA keeps LoRA weights and the optimizer in
@@ -24,7 +25,41 @@ from __future__ import annotations
 
 import torch
 
+from qlora_kit.training.step import private_hooks
+from qlora_kit.training.step.trainer import GuardedTrainer
+
 POLICY, REFERENCE = "default", "ref"  # TRL's adapter names (DPOTrainer.__init__, KTOTrainer.__init__)
+
+
+def reference_trainer(library: type, module: str, tokenized: bool = False) -> type:
+    """``GuardedTrainer`` on top of TRL's ``library`` trainer (``DPOTrainer``, ``KTOTrainer``), taking the
+    reference over in ``__init__`` and sending no telemetry: the class ``Guarded<library>`` of ``module``
+    (where the caller assigns it, so a pickled trainer is found there). ``tokenized``: the rows arrive tokenized by
+    qlora_kit (DPO's pairs, data/preference.py), so TRL does not tokenize them again."""
+
+    class Trainer(GuardedTrainer, library):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)  # TRL makes the "ref" adapter, then casts the policy to bf16
+            self.policy_restored = take_over_reference(self.model)
+
+        def _send_telemetry(self) -> None:
+            pass  # TRL's usage ping at construction (private_hooks.py)
+
+        def reference_description(self, adapter: str | None) -> str:
+            return describe_reference(adapter)
+
+    if tokenized:
+        Trainer._prepare_dataset = _as_tokenized
+    Trainer.__name__ = Trainer.__qualname__ = f"Guarded{library.__name__}"
+    Trainer.__module__ = module
+    Trainer.__doc__ = (
+        f"{library.__name__} with qlora_kit's guards, accounting and checkpoint layout ({module})."
+    )
+    return private_hooks.checked(Trainer)
+
+
+def _as_tokenized(self, dataset, processing_class, args, dataset_name):
+    return dataset  # prompt_ids / chosen_ids / rejected_ids from data/preference.py
 
 
 def take_over_reference(model) -> int:

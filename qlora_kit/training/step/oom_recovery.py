@@ -21,9 +21,11 @@ recipe's levers, and the checkpoint kept.
 
 Several processes (DDP): an out-of-memory error on one must not leave the others in a collective. Every
 process passes the same points of each part in the same order — the end of the model's forward pass
-(a hook inside DDP's forward, before DDP's own end of forward), the end of the loss, the end of the
-backward pass — and all-reduces a one-byte flag at each; a process that fails joins the flag of the
-point it failed at. So all of them drop the attempt at the same point and split together. No backward
+(a hook inside DDP's forward, before DDP's own end of forward) and the end of the backward pass — and
+all-reduces a one-byte flag at each; a process that fails joins the flag of the point it failed at
+(between the two no collective runs: the loss of SFT reduces nothing, and no backward pass all-reduces,
+below). So all of them drop the attempt at the same point and split together. The trainer's loss calls
+none of this: the forward's flag is a hook set on the model only under several processes. No backward
 pass all-reduces: every part runs under DDP's ``no_sync``, also the step's last (where DDP's hooks
 would start the gradient all-reduce inside the backward pass, and a process that failed there would
 leave its peers in it), and once every process has passed the flag after the step's last backward
@@ -51,7 +53,6 @@ import torch
 import torch.distributed as dist
 
 from qlora_kit.errors import TrainingGuardError
-from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.distributed import over_ranks
 from qlora_kit.training.step.oom.autocast_state import autocast_kept
@@ -84,11 +85,12 @@ class PeerOutOfMemory(RuntimeError):
 class OomRecovery:
     """Out-of-memory recovery for one trainer, an object its step calls (training/step/trainer.py):
     ``step_started`` keeps the step's micro-batches and random state, ``train`` runs a micro-batch in
-    ``parts`` and recovers, ``forward_done`` is the point after a part's loss where processes agree,
-    ``evaluate`` splits evaluation's batch, ``probe_running`` surrounds the worst-batch probe the trainer
-    runs. The step calls it, in one direction: it runs the work it is handed (``forward_backward``,
-    ``predict``), reads the trainer's arguments, accelerator and state, and calls none of the trainer's
-    methods (tests/test_step.py) and writes none of its attributes."""
+    ``parts`` and recovers (under DDP the processes agree after each part's model forward pass, through
+    a hook it sets on the model, and after its backward), ``evaluate`` splits evaluation's batch,
+    ``probe_running`` surrounds the worst-batch probe the trainer runs. The step calls it, in one
+    direction: it runs the work it is handed (``forward_backward``, ``predict``), reads the trainer's
+    arguments, accelerator and state, and calls none of the trainer's methods (tests/test_step.py) and
+    writes none of its attributes."""
 
     def __init__(self, trainer: Trainer, policy: OomPolicy, probe: bool) -> None:
         self.trainer = trainer
@@ -114,10 +116,6 @@ class OomRecovery:
         """The micro-batch's forward and backward passes, in ``parts`` chunks, each through
         ``forward_backward``; on an out-of-memory error the step's micro-batches so far again, in twice
         the parts."""
-        with fault_seam.installed().micro_batch():  # a no-op unless a test installed faults
-            return self._train(model, inputs, num_items_in_batch, forward_backward)
-
-    def _train(self, model, inputs, num_items_in_batch, forward_backward):
         started = time.perf_counter()
         loss, failure = self._attempt(model, [inputs], num_items_in_batch, forward_backward)
         if failure is None:
@@ -141,7 +139,6 @@ class OomRecovery:
 
     def _attempt(self, model, batches, num_items_in_batch, forward_backward):
         """(the summed loss, None), or (None, the failure) with every reference to the attempt dropped."""
-        fault_seam.installed().attempt_started()
         try:
             total = None
             with (
@@ -218,13 +215,6 @@ class OomRecovery:
         if self._phase == "forward" and torch.is_grad_enabled():
             self._check_peers()
             self._phase = "loss"
-
-    def forward_done(self) -> None:
-        """Called by the step after a training forward pass and loss: every process finished them,
-        before any starts a backward pass (whose last one all-reduces the gradients under DDP)."""
-        if self._phase in ("forward", "loss"):
-            self._check_peers()
-            self._phase = "backward"
 
     def _check_peers(self) -> None:
         if self.agree(failed=False):

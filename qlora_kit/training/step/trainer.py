@@ -27,8 +27,9 @@ One optimizer step:
 
       - the forward and loss, ``compute_loss``: the memory monitor's phase opened; the forward under
         ``SavedTensors.counting`` (memory/accounting.py: the bytes saved for backward); the loss, the
-        model's own or ``chunked_lm_loss`` (memory/loss_head.py); the monitor's ``forward_done``; and
-        ``OomRecovery.forward_done``, where several processes agree no one ran out of memory;
+        model's own or ``chunked_lm_loss`` (memory/loss_head.py); the monitor's ``forward_done``
+        (several processes agree no one ran out of memory at the end of the model's forward pass and of
+        each part's backward, in ``OomRecovery``: a hook it sets on the model under DDP, nothing here);
       - the backward: accelerate's ``backward`` (under DDP inside ``no_sync``, so that no process is
         left in an all-reduce when another runs out of memory);
 
@@ -69,7 +70,7 @@ import torch
 from transformers import Trainer
 from transformers.trainer_pt_utils import LengthGroupedSampler
 
-from qlora_kit.memory import fault_seam, layer_costs, layout_costs, optimizers
+from qlora_kit.memory import layer_costs, layout_costs, optimizers
 from qlora_kit.memory.accounting import SavedTensors
 from qlora_kit.memory.loss_head import chunked_lm_loss
 from qlora_kit.training.run_folder.checkpoints import StagedCheckpoints, save_final
@@ -152,17 +153,15 @@ class GuardedTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The forward pass and loss of one part (b above), with the bytes it saves for backward counted;
-        an evaluation batch's under the evaluation's fault cap only."""
+        an evaluation batch's as the library computes it."""
         if not model.training:
-            with fault_seam.installed().evaluation():  # a no-op unless a test installed faults
-                return self._loss(model, inputs, return_outputs, num_items_in_batch)
-        counter = SavedTensors(model, inject_faults=True)
+            return self._loss(model, inputs, return_outputs, num_items_in_batch)
+        counter = SavedTensors(model, step=True)
         self.memory_monitor.phase_started()
         self.memory_monitor.forward_started()
         with counter.counting():
             result = self._loss(model, inputs, return_outputs, num_items_in_batch)
         self.memory_monitor.forward_done(counter.result())
-        self.oom.forward_done()  # out-of-memory in another process stops this one here too
         return result
 
     def _loss(self, model, inputs, return_outputs, num_items_in_batch):

@@ -41,7 +41,6 @@ from typing import Any
 import torch
 
 from qlora_kit.errors import TrainingGuardError
-from qlora_kit.memory import fault_seam
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.training.step.oom.autocast_state import autocast_kept
 from qlora_kit.training.step.oom.failure import Failure, memory_figures, release_memory
@@ -90,8 +89,9 @@ class GrpoOomRecovery(OomRecovery):
     def policy_logps_done(self) -> None:
         """After the policy's forward and log-probabilities of a training part, before TRL's loss (whose
         metrics all-reduce): every process got there, or all drop the attempt (training/step/oom_recovery.py)."""
-        if self.trainer.model.training and torch.is_grad_enabled():
-            self.forward_done()
+        if self.trainer.model.training and torch.is_grad_enabled() and self._phase in ("forward", "loss"):
+            self._check_peers()
+            self._phase = "backward"
 
     # ---- generation -------------------------------------------------------------------------------
     def generate_in_parts(self, prompt_ids: list[list[int]], generate_rows) -> tuple[list, list | None]:
@@ -106,8 +106,7 @@ class GrpoOomRecovery(OomRecovery):
             failure = None
             try:
                 for first in range(0, len(prompt_ids), size):
-                    # a no-op unless a test caps generation; autocast as it was if the call fails
-                    with fault_seam.installed().generation(), autocast_kept():
+                    with autocast_kept():  # autocast as it was if the call fails
                         one, one_logprobs = generate_rows(prompt_ids[first : first + size], first)
                     completions += one
                     logprobs += one_logprobs or []

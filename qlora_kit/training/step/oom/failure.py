@@ -67,7 +67,7 @@ def held_after_release() -> str:
     allocation cap in tests): the next attempt starts from it."""
     if torch.cuda.is_available():
         return f"allocated {torch.cuda.memory_allocated() / 1024**3:.2f} GiB"
-    return fault_seam.installed().figures() or "no CUDA device"
+    return fault_seam.failure_figures() or "no CUDA device"
 
 
 def split_record(step: int, phase: str, rows: int, parts: int, failure: Failure) -> dict[str, Any]:
