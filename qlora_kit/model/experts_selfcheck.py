@@ -6,7 +6,9 @@ the model's own ``eager`` forward (the undecorated method, which hard-codes the 
 ``check`` runs one layer's packed experts on a small random batch through ``experts_forward`` and through
 that eager forward on a copy holding the same weights dequantized, in the compute dtype, and refuses the
 load in one line naming the layer and, where flipping one declared attribute makes the two agree, that
-attribute: a layout read wrong is never trained. ``check_lora`` does the same with LoRA on the experts
+attribute: a layout read wrong is never trained. DBRX's flat stacks, which transformers does not declare
+(model/moe_flat.py), are checked the same way against its block's own forward (``check_flat_experts``),
+naming the families table's entry. ``check_lora`` does the same with LoRA on the experts
 (B made non-zero on a copy of the factors) against peft's own ``ParamWrapper`` forward on that copy.
 
 Tolerance: ``TOLERANCE_EPS`` machine epsilons of the compute dtype, relative to the reference's largest
@@ -23,7 +25,7 @@ import logging
 import torch
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import moe_experts
+from qlora_kit.model import moe_experts, moe_flat
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,38 @@ def agrees(ours: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype) -> b
 def check(model) -> None:
     """Refuse, in one line, a load whose first packed experts do not compute what transformers computes."""
     packed = [(name, m) for name, m in moe_experts.fused_experts(model) if moe_experts.compute_dtype(m)]
-    if not packed:
+    if packed:
+        check_experts(*packed[0])
         return
-    check_experts(*packed[0])
+    flat = [found for found in moe_flat.flat_experts(model) if moe_flat.is_packed(*found[1:])]
+    if flat:
+        check_flat_experts(*flat[0])
+
+
+def check_flat_experts(name: str, block, layout) -> None:
+    """``check`` on one block of flat stacks (moe_flat.py): its packed forward against the block's own class
+    forward on a copy holding the same weights dequantized; a mismatch names the families table's entry."""
+    holder = moe_flat.holder_of(block, layout)
+    stats = getattr(holder, f"{layout.gate}_4bit")
+    replica, unpacked = copy.copy(block), copy.copy(holder)  # the stacks dequantized on the copies only
+    replica.__dict__.pop("forward", None)  # the class's own forward
+    replica._modules, unpacked._parameters = dict(block._modules), dict(holder._parameters)
+    unpacked._modules = dict(holder._modules)
+    replica._modules[layout.holder] = unpacked
+    for stack in moe_flat.stack_names(layout):
+        moe_flat.unpack_stack(unpacked, stack)
+    states, picks, weights = random_batch(block, stats.shape[2], stats.dtype)
+    with torch.no_grad():
+        ours = block(states, picks, weights)
+        reference = replica(states[None], picks, weights).view(states.shape)
+    found = difference(ours, reference)
+    if found > tolerance(stats.dtype):
+        raise RecipeError(
+            f"model.path: {name}'s 4-bit experts do not compute what its own forward computes on the same "
+            f"weights ({found:.2g} of its largest value; tolerance {tolerance(stats.dtype):.2g}): qlora_kit's "
+            f"families table reads {layout.holder}.{layout.gate}/{layout.up}/{layout.down} as gate/up/down, "
+            "which this model does not (quant.bits 16 loads it with the experts in 16 bits)"
+        )
 
 
 def check_experts(name: str, experts) -> None:

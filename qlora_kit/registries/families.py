@@ -138,6 +138,25 @@ class Family:
     attention_sinks: bool = False
 
 
+@dataclass(frozen=True)
+class FlatExperts:
+    """A mixture whose experts transformers keeps undeclared, as 2-D stacks (experts x rows, columns) on one
+    module, run by the block's own loop (model/moe_flat.py packs them and runs them in 4 bits). What each
+    stack is cannot be read from the module: which is the gate and which the up projection, and that the
+    down stack is stored (in, out) per expert."""
+
+    holder: str  # the block's child holding the stacks
+    gate: str  # (experts x intermediate, hidden): x @ W_e.T, through the activation
+    up: str  # (experts x intermediate, hidden): x @ W_e.T
+    down: str  # (experts x intermediate, hidden): h @ W_e, stored (in, out) per expert
+    activation: str  # the holder's activation module
+
+
+# mixtures whose experts are flat 2-D stacks transformers does not declare, by model_type (moe_flat.py)
+FLAT_EXPERTS = {
+    # DbrxExperts.forward: DbrxExpertGLU(x, w1, v1, w2) = act(x @ w1_e.T) * (x @ v1_e.T) @ w2_e
+    "dbrx": FlatExperts(holder="mlp", gate="w1", up="v1", down="w2", activation="activation_fn"),
+}
 # config keys that say a model routes tokens to experts (a family with one needs an Experts facet)
 EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 # Architectures whose code writes into a linear layer's weight during the forward pass, which a 4-bit
