@@ -145,6 +145,55 @@ def check_experts(name: str, experts) -> None:
     )
 
 
+def check_lora(peft_model) -> None:
+    """Refuse, in one line, LoRA on packed experts whose low-rank forward (moe_experts.LoraExperts) does not
+    compute what peft's ParamWrapper computes: on the first wrapped experts module, with a copy of its factors
+    whose B is drawn non-zero, ``experts_forward`` against the eager forward on the dequantized weights plus
+    peft's own ``get_delta_weight`` (what ParamWrapper's forward adds to the parameter before the base
+    forward). Nothing of the model changes."""
+    found = next(
+        ((n, m) for n, m in peft_model.named_modules() if isinstance(m, moe_experts.LoraExperts)), None
+    )  # modules come parents first: the outermost wrapper of the first nest
+    experts = found[1].get_base_layer() if found else None
+    dtype = moe_experts.compute_dtype(experts) if found else None
+    if dtype is None:  # no LoRA on experts, or experts not packed (quant.bits 16 runs peft's own)
+        return
+    name, layer = found
+    replica, factors = dequantized_copy(experts), {}
+    generator = torch.Generator().manual_seed(0)
+    while isinstance(layer, moe_experts.LoraExperts):
+        adapter = next(a for a in layer.active_adapters if a in layer.lora_A)
+        drawn = copy.copy(layer)  # the wrapper's own code and sizes, with a B of its own
+        drawn._modules = dict(layer._modules)
+        weight = layer.lora_B[adapter].weight
+        b = torch.nn.Linear(
+            weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype
+        )
+        b.weight.data = (torch.randn(weight.shape, generator=generator) * 0.1).to(weight)
+        drawn.lora_B = torch.nn.ModuleDict({adapter: b})
+        factors[layer.parameter_name] = [drawn.low_rank_factors(adapter)]
+        with torch.no_grad():  # W + delta in the stack's storage layout, as ParamWrapper's parametrization
+            stack = getattr(replica, layer.parameter_name)
+            delta = drawn.get_delta_weight(adapter).to(stack.device, stack.dtype)
+            setattr(replica, layer.parameter_name, torch.nn.Parameter(stack + delta, requires_grad=False))
+        layer = layer.base_layer
+    states, picks, weights, reference = eager_reference(experts, replica, dtype)
+    with torch.no_grad():
+        found = difference(
+            moe_experts.experts_forward(experts, states, picks, weights, lora=factors), reference
+        )
+    if found > tolerance(dtype):
+        raise RecipeError(
+            f"lora.experts: LoRA on {name}'s 4-bit experts does not compute what peft's ParamWrapper computes on "
+            f"the same weights and factors ({found:.2g} of its largest value; tolerance {tolerance(dtype):.2g} for "
+            f"{str(dtype).removeprefix('torch.')}): qlora_kit reads its factors wrong here (lora.experts false "
+            "trains without them)"
+        )
+    log.info(
+        "experts LoRA self-check: %s matches peft's ParamWrapper to %.2g of its largest value", name, found
+    )
+
+
 def eager_reference(experts, replica, dtype: torch.dtype):
     """A random batch and the eager forward's output on it. The width of the experts' input is whichever of
     the down projection's two stored widths the eager forward runs with (it knows its layout; the declared
