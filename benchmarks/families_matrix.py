@@ -155,7 +155,7 @@ def four_bit_share(model) -> float:
     import bitsandbytes as bnb
     import torch
 
-    from qlora_kit.model import moe_experts, vision
+    from qlora_kit.model import expert_stacks, vision
 
     facet, head = vision.vision_of(model.config), model.get_output_embeddings()
     four_bit = sixteen_bit = 0
@@ -163,7 +163,7 @@ def four_bit_share(model) -> float:
     for name, module in model.named_modules():
         if isinstance(module, bnb.nn.Linear4bit):
             four_bit += module.in_features * module.out_features
-        elif isinstance(module, moe_experts.ExpertStats):  # a packed stack's (experts, out, in)
+        elif isinstance(module, expert_stacks.ExpertStats):  # a packed stack's (experts, out, in)
             four_bit += module.shape[0] * module.shape[1] * module.shape[2]
         elif not (
             module is head or isinstance(module, torch.nn.Embedding) or vision.on_vision_side(name, facet)

@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 import transformers
+from peft import LoraConfig, get_peft_model
 from transformers.models.aria.configuration_aria import AriaTextConfig
 from transformers.models.aria.modeling_aria import AriaExperts
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
@@ -150,3 +151,49 @@ def test_experts_transformers_does_not_declare_are_refused_at_load_and_plan_nami
         model.load_base_model(recipe.model, recipe.quant)
     with pytest.raises(RecipeError, match=expected):
         model_shape(recipe)
+
+
+def wrapped_with_lora(layout: str, compute_dtype: str):
+    """The layout's packed experts inside a module, LoRA (r 4) on each of its stacks as qlora_kit puts it."""
+    _, packed = packed_experts(layout, compute_dtype)
+    holder = torch.nn.Module()
+    holder.experts = packed
+    config = LoraConfig(
+        r=4,
+        target_modules=[],
+        target_parameters=[f"experts.{name}" for name in moe_experts.stacks_of(packed)],
+    )
+    config._register_custom_module({type(packed): moe_experts.LoraExperts})
+    return get_peft_model(holder, config)
+
+
+@pytest.mark.slow  # ten peft wraps and checks, ~1.5 s each
+@pytest.mark.parametrize("compute_dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_lora_on_every_declared_layout_computes_what_peft_param_wrapper_computes(layout, compute_dtype):
+    """The self-check's LoRA half passes on every declared layout (transposed stacks included) in each
+    compute dtype: our low-rank forward against the eager forward on W + peft's get_delta_weight, B drawn
+    non-zero. Red when each expert's update is left unscaled in expert_matmul (0.2-0.3 of the largest
+    output)."""
+    experts_selfcheck.check_lora(wrapped_with_lora(layout, compute_dtype))  # no refusal
+
+
+@pytest.mark.slow  # a peft wrap and a check, ~1.5 s
+def test_lora_factors_read_wrong_are_refused_naming_the_experts(monkeypatch):
+    """A LoRA forward that takes B's expert axis for its rank axis (a reshape of the same numbers) is refused
+    in one line naming the experts module, before it trains. Red when check_lora returns without comparing."""
+    model = wrapped_with_lora("qwen3_moe", "float32")
+    right = moe_experts.LoraExperts.low_rank_factors
+
+    def expert_axis_misread(self, adapter):
+        a, b, scaling = right(self, adapter)
+        return a, b.reshape(b.shape[0], self.num_experts, -1).transpose(1, 2), scaling
+
+    monkeypatch.setattr(moe_experts.LoraExperts, "low_rank_factors", expert_axis_misread)
+    with pytest.raises(RecipeError) as refused:
+        experts_selfcheck.check_lora(model)
+    line = str(refused.value)
+    assert line.startswith(
+        "lora.experts: LoRA on base_model.model.experts's 4-bit experts does not compute"
+    ), line
+    assert "\n" not in line

@@ -97,7 +97,7 @@ def test_recipes_copy_writes_it_out_and_never_overwrites(tmp_path, monkeypatch, 
     ).read_text()
     code, _, err = run_cli(["recipes", "copy", "nosuch"], monkeypatch, capsys)
     assert code == 2
-    assert "nosuch: no shipped recipe of that name (there are: demo, demo-dpo," in err
+    assert "nosuch: no shipped recipe of that name (there are: " in err and " demo, demo-dpo," in err
 
 
 @pytest.mark.parametrize("existing", ["notes.txt", "mine.yaml", "folder-file/sub.yaml"])

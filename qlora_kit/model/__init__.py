@@ -13,7 +13,9 @@
   targets on a mixture; ``peft_3711``: peft 0.21's
   conversion kept off the shared experts' and dense layers' LoRA targets (until peft ships its fix);
 - ``mxfp4``: a checkpoint stored in MXFP4 (the released gpt-oss) dequantized once into a cached 16-bit folder;
-- ``expert_matmul``: the routed experts' matmuls, looped on the CPU, grouped on CUDA;
+- ``expert_matmul``: the routed experts' matmuls, looped on the CPU, grouped on CUDA; ``expert_stacks``:
+  one stack of expert weights packed in 4 bits an expert at a time, and unpacked; ``moe_flat``: DBRX's
+  undeclared flat 2-D expert stacks packed and run in 4 bits, LoRA on them in peft's 2-D form;
 - ``recurrent``: layers that carry a state along the sequence (Gated DeltaNet, Mamba): why they refuse packing;
 - ``vision``: vision-language models (the vision side kept in 16 bits and out of LoRA, the processor);
 - ``precision``: which autocast the Trainer runs under on this machine;

@@ -20,8 +20,8 @@ from peft.utils.error import NoMatchingPeftModuleError
 from torch.distributed.tensor import DTensor
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import experts_selfcheck, moe_targets, peft_3711, text_only, vision
 from qlora_kit.model import loading as base_model
-from qlora_kit.model import moe_targets, peft_3711, text_only, vision
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_adapter_folder
 from qlora_kit.recipe.recipe import Recipe
@@ -79,7 +79,9 @@ def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
     """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
     try:
         with peft_3711.targets_kept(model):  # LoRA on shared experts' linears (peft#3711)
-            return get_peft_model(model, lora_config(lora, model))
+            peft_model = get_peft_model(model, lora_config(lora, model))
+        experts_selfcheck.check_lora(peft_model)  # LoRA on packed experts against peft's own, once a load
+        return peft_model
     except NoMatchingPeftModuleError:
         names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if is_linear(m)})
         raise RecipeError(

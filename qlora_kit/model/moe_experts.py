@@ -27,13 +27,13 @@ from __future__ import annotations
 
 import logging
 
-import bitsandbytes.functional as bnbf
 import torch
 from peft.tuners.lora.layer import ParamWrapper
 from transformers.integrations.moe import ExpertsInterface
 
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import expert_matmul
+from qlora_kit.model import expert_matmul, moe_flat
+from qlora_kit.model.expert_stacks import pack_stack, unpack_stack
 from qlora_kit.registries import families
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,6 @@ log = logging.getLogger(__name__)
 EXPERT_PARAMETERS = ("gate_up_proj", "up_proj", "down_proj")
 # what transformers' use_experts_implementation sets on an experts module (integrations/moe.py)
 DECLARED_LAYOUT = ("has_gate", "has_bias", "is_transposed", "is_concatenated", "has_post_expert_norm")
-BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as for Linear4bit
 IMPLEMENTATION = "qlora_kit_4bit"  # our entry in transformers' ExpertsInterface
 
 
@@ -93,8 +92,8 @@ def quantize_experts(model, quant) -> int:
     returns how many experts modules were packed. A family whose layout is not handled is refused in one
     line: its experts would otherwise stay in 16 bits, silently."""
     modules = fused_experts(model)
-    if not modules:
-        return 0
+    if not modules:  # DBRX's undeclared flat stacks, by the families table's entry (moe_flat.py)
+        return moe_flat.pack_flat_experts(model, quant)
     check_packable(model)
     for _, experts in modules:
         pack_experts(experts, quant)
@@ -126,74 +125,9 @@ def use_routed_loop(model) -> None:
 
 def pack_experts(experts, quant) -> None:
     """Pack each fused stack of one experts module in 4 bits with the recipe's quant settings."""
-    for name in stacks_of(experts):
-        _pack(experts, name, quant, getattr(torch, quant.compute_dtype))
-
-
-def _pack(experts, name: str, quant, dtype: torch.dtype) -> None:
-    """Replace the 3-D parameter ``name`` with its packed 4-bit form (experts x values/2, uint8) and the
-    per-expert quantization statistics beside it (``<name>_4bit``)."""
-    weight = getattr(experts, name).data  # (E, O, I), or (E, I, O) for a transposed stack
     transposed = getattr(experts, "is_transposed", False)
-    if weight.shape[1] * weight.shape[2] % BLOCKSIZE:
-        raise RecipeError(
-            f"model.path: an expert's {name} has {weight.shape[1]}x{weight.shape[2]} values, not a multiple "
-            f"of the 4-bit block ({BLOCKSIZE})"
-        )
-    packed, states = [], []
-    for e in range(weight.shape[0]):  # one expert at a time: the 16-bit copy never doubles
-        data, state = bnbf.quantize_4bit(
-            (weight[e].t() if transposed else weight[e]).to(dtype).contiguous(),  # (O, I), as matmul_4bit
-            blocksize=BLOCKSIZE,
-            compress_statistics=quant.double_quant,
-            quant_type=quant.quant_type,
-            quant_storage=torch.uint8,
-        )
-        packed.append(data.view(-1))
-        states.append(state)
-    shape = (weight.shape[0], *states[0].shape)  # (E, O, I) whichever way the stack was stored
-    del weight
-    setattr(experts, name, torch.nn.Parameter(torch.stack(packed), requires_grad=False))
-    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, dtype, transposed))
-
-
-class ExpertStats(torch.nn.Module):
-    """The 4-bit statistics of one packed expert stack: per-expert absmax (8-bit with double
-    quantization, then with their own absmax and offset), the code books, the logical shape (experts, out, in),
-    and whether transformers stores the stack transposed (experts, in, out)."""
-
-    def __init__(
-        self, states: list, shape: tuple[int, int, int], dtype: torch.dtype, transposed: bool = False
-    ) -> None:
-        super().__init__()
-        first = states[0]
-        self.shape, self.dtype, self.transposed = shape, dtype, transposed
-        self.quant_type, self.blocksize, self.nested = first.quant_type, first.blocksize, first.nested
-        self.register_buffer("absmax", torch.stack([s.absmax for s in states]))
-        self.register_buffer("code", first.code)
-        if self.nested:
-            self.register_buffer("absmax2", torch.stack([s.state2.absmax for s in states]))
-            self.register_buffer("offset", torch.stack([s.offset.reshape(()) for s in states]))
-            self.register_buffer("code2", first.state2.code)
-            self.blocksize2 = first.state2.blocksize
-
-    def state(self, expert: int) -> bnbf.QuantState:
-        """bitsandbytes' QuantState of one expert: views of the stacked statistics, nothing copied."""
-        nested = None
-        if self.nested:
-            nested = bnbf.QuantState(
-                absmax=self.absmax2[expert], code=self.code2, blocksize=self.blocksize2, dtype=torch.float32
-            )
-        return bnbf.QuantState(
-            absmax=self.absmax[expert],
-            shape=self.shape[1:],
-            code=self.code,
-            blocksize=self.blocksize,
-            quant_type=self.quant_type,
-            dtype=self.dtype,
-            offset=self.offset[expert] if self.nested else None,
-            state2=nested,
-        )
+    for name in stacks_of(experts):
+        pack_stack(experts, name, getattr(experts, name).data, transposed, quant)
 
 
 def dequantize_experts(model) -> int:
@@ -202,26 +136,15 @@ def dequantize_experts(model) -> int:
     counterpart of transformers' ``dequantize()``, which knows only ``Linear4bit``). Returns the stacks
     unpacked."""
     unpacked = sum(dequantize_experts_of(experts) for _, experts in fused_experts(model))
-    if unpacked:
+    unpacked += moe_flat.unpack_flat_experts(model)
+    if unpacked and fused_experts(model):
         model.set_experts_implementation(None)  # transformers' default for the model's own code
     return unpacked
 
 
 def dequantize_experts_of(experts) -> int:
     """One experts module's packed stacks back into 3-D parameters in transformers' storage layout."""
-    unpacked = 0
-    for name in stacks_of(experts):
-        stats = getattr(experts, f"{name}_4bit", None)
-        if stats is None:
-            continue
-        packed = getattr(experts, name)
-        weight = torch.stack([bnbf.dequantize_4bit(packed[e], stats.state(e)) for e in range(stats.shape[0])])
-        if stats.transposed:
-            weight = weight.transpose(1, 2)  # back to transformers' (experts, in, out)
-        setattr(experts, name, torch.nn.Parameter(weight.to(stats.dtype), requires_grad=False))
-        delattr(experts, f"{name}_4bit")
-        unpacked += 1
-    return unpacked
+    return sum(unpack_stack(experts, name) for name in stacks_of(experts))
 
 
 def compute_dtype(experts) -> torch.dtype | None:

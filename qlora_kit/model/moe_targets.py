@@ -13,6 +13,7 @@ from peft import LoraConfig
 from peft.tuners.tuners_utils import _check_lora_target_modules_mamba
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import moe_flat
 from qlora_kit.model.layers import features, is_linear
 from qlora_kit.model.moe_experts import LoraExperts, experts_of, fused_experts, stacks_of
 
@@ -27,7 +28,7 @@ def lora_targets(model, target_modules, experts: bool, router: bool = False) -> 
     ``router`` each layer's router trains whole (peft's modules_to_save)."""
     modules = fused_experts(model)
     if not modules:
-        return {}
+        return flat_lora_targets(model, target_modules, experts, router)
     model_type, facet = experts_of(model)
     if target_modules == "all-linear":
         target_modules = all_linear_names(model)
@@ -42,6 +43,30 @@ def lora_targets(model, target_modules, experts: bool, router: bool = False) -> 
         if facet is None or facet.router is None:
             raise RecipeError(f"lora.router: {model_type}'s router is not in qlora_kit's families table")
         arguments["modules_to_save"] = [facet.router]
+    return arguments
+
+
+def flat_lora_targets(model, target_modules, experts: bool, router: bool) -> dict:
+    """lora_targets for a mixture whose experts are flat 2-D stacks (moe_flat.py; {} for a dense model):
+    the stacks as peft's target_parameters, in peft's own 2-D form (plain peft reloads them)."""
+    blocks = moe_flat.flat_experts(model)
+    if not blocks:
+        return {}
+    if router:
+        raise RecipeError(
+            f"lora.router: {model.config.model_type}'s router is not in qlora_kit's families table"
+        )
+    arguments = {"target_modules": target_modules}
+    if experts:
+        arguments["target_parameters"] = sorted(
+            {
+                f"{LAYER_PREFIX.sub('', where)}.{layout.holder}.{stack}"
+                for where, _, layout in blocks
+                for stack in moe_flat.stack_names(layout)
+            }
+        )
+        holders = {type(moe_flat.holder_of(block, layout)) for _, block, layout in blocks}
+        arguments["custom"] = dict.fromkeys(holders, moe_flat.LoraFlatExperts)
     return arguments
 
 

@@ -39,11 +39,17 @@ from qlora_kit.registries.family_traits import (
     PLAIN,
     Experts,
     Family,
+    FlatExperts,
     Gguf,
     NoExport,
     Vision,
 )
 
+# mixtures whose experts are flat 2-D stacks transformers does not declare, by model_type (moe_flat.py)
+FLAT_EXPERTS = {
+    # DbrxExperts.forward: DbrxExpertGLU(x, w1, v1, w2) = act(x @ w1_e.T) * (x @ v1_e.T) @ w2_e
+    "dbrx": FlatExperts(holder="mlp", gate="w1", up="v1", down="w2", activation="activation_fn"),
+}
 # Qwen2.5-VL's vision side: 14-pixel patches merged 2 x 2, M-RoPE, the processor's video half optional
 QWEN2_5_VL_VISION = Vision(
     processor_class="Qwen2_5_VLProcessor",

@@ -105,6 +105,20 @@ class Vision:
 
 
 @dataclass(frozen=True)
+class FlatExperts:
+    """A mixture whose experts transformers keeps undeclared, as 2-D stacks (experts x rows, columns) on one
+    module, run by the block's own loop (model/moe_flat.py packs them and runs them in 4 bits). What each
+    stack is cannot be read from the module: which is the gate and which the up projection, and that the
+    down stack is stored (in, out) per expert."""
+
+    holder: str  # the block's child holding the stacks
+    gate: str  # (experts x intermediate, hidden): x @ W_e.T, through the activation
+    up: str  # (experts x intermediate, hidden): x @ W_e.T
+    down: str  # (experts x intermediate, hidden): h @ W_e, stored (in, out) per expert
+    activation: str  # the holder's activation module
+
+
+@dataclass(frozen=True)
 class Family:
     model_type: str
     config_class: str  # transformers' config class
