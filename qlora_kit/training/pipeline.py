@@ -202,13 +202,9 @@ def _build_checked(
             else prepare.build_collator(tokenizer, recipe.data.packs, recipe.model.attn_implementation)
         )
         preflight.enforce(preflight.run_checks(prepared, recipe.data, tokenizer, collator))
-    # memory.experts_on_host: the experts kept on the host as they load, before peft wraps them (the hooks
-    # sit on the blocks that call them)
-    to_host = (
-        functools.partial(experts_on_host.keep_experts_on_host, field="memory.experts_on_host")
-        if resolved.memory.experts_on_host
-        else None
-    )
+    # memory.experts_on_host: the experts kept on the host as they load, before peft wraps them
+    keep_on_host = functools.partial(experts_on_host.keep_experts_on_host, field="memory.experts_on_host")
+    to_host = keep_on_host if resolved.memory.experts_on_host else None
     base = model.load_base_model(recipe.model, recipe.quant, experts_to_host=to_host)
     attention_fit.check_attention_fits(
         base.config, recipe.train.micro_batch_size, recipe.data.max_seq_len, recipe.memory.budget_gb
