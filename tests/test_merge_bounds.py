@@ -73,6 +73,7 @@ def test_a_mixture_merges_at_its_defaults_and_a_planted_wrong_expert_is_refused(
 
     drift = merge.measure_drift(recipe_of(adapter), adapter, wrong)
     assert not drift.within(drift.max_kl, merge.MIN_TOP1, drift.max_all_kl), drift
+    an_export_passes_and_its_update_halved_is_refused(adapter, tmp_path)
 
 
 @pytest.mark.slow  # trains 2 steps and merges (~1 min each on 2 cores)
@@ -88,3 +89,31 @@ def test_a_hybrid_and_a_vision_builtin_merge_at_their_defaults(tmp_path, recipe_
     except MergeDriftError as refused:
         pytest.fail(str(refused))
     assert result.drift.positions > 0
+    an_export_passes_and_its_update_halved_is_refused(adapter, tmp_path)
+
+
+def an_export_passes_and_its_update_halved_is_refused(adapter: Path, tmp_path: Path) -> None:
+    """Export's bounds on the same run (after/parity_judgement.py, derived from this module's error
+    model): its merged float16 export passes the parity report, and that folder with the update halved
+    (base + 0.5 x update, computed from the fp32 merge) is refused against the trained model and against
+    its floor. The report's reference and floor are computed once, for both."""
+    from qlora_kit import export
+    from qlora_kit.after.export import check_export
+    from qlora_kit.model.adapters import recipe_of
+
+    small = {"prompt_count": 2, "tokens": 1}
+    result = export(adapter, "merged", out=tmp_path / "export", **small)
+    assert result.report["failures"] == []
+    wrong = shutil.copytree(tmp_path / "export", tmp_path / "halved")
+    recipe = recipe_of(adapter)
+    merge.write_merged(recipe, adapter, tmp_path / "full", "dequantized", "float32")
+    merge.write_merged(recipe, None, tmp_path / "base", "dequantized", "float32")
+    for file in wrong.glob("*.safetensors"):
+        full, base, saved = (
+            load_file(folder / file.name) for folder in (tmp_path / "full", tmp_path / "base", wrong)
+        )
+        halved = {key: (base[key] + 0.5 * (full[key] - base[key])).to(saved[key].dtype) for key in saved}
+        save_file(halved, file, metadata={"format": "pt"})
+    failures = check_export(adapter, wrong, **small)["failures"]
+    for against in ("trained", "floor"):
+        assert any(f"against the {against} model: mean KL" in line for line in failures), failures
