@@ -52,29 +52,43 @@ def untrained_bounds(args, model: str, work: Path, data: tuple[Path, Path]) -> t
         lm = floor.round_into(floor.merged_model(recipe, None, "dequantized"), kind)
         peaks = drift_bounds.BlockPeaks(lm)
         reader = parity.TransformersModel(lm, tokenizer)
-        logits = []
-        for prompt, answer in pairs:
-            ids = parity.training_ids(tokenizer, prompt)
-            logits.append(reader.answer_logits(ids, tokenizer(answer, add_special_tokens=False)["input_ids"]))
+        asked = [
+            (parity.training_ids(tokenizer, prompt), tokenizer(answer, add_special_tokens=False)["input_ids"])
+            for prompt, answer in pairs
+        ]
+        logits = [reader.answer_logits(ids, answer) for ids, answer in asked]
         peaks.remove()
+        rounding = drift_bounds.RoundedInputs(lm)  # llama.cpp's q8_0 input rounding, in memory
+        rounded = [reader.answer_logits(ids, answer) for ids, answer in asked]
+        rounding.remove()
+        measured = float(
+            torch.cat([parity.kl_per_position(f, r) for f, r in zip(logits, rounded, strict=True)]).mean()
+        )
         passes = drift_bounds.rounding_passes(lm.config)
         log_probs = torch.cat(logits).double().log_softmax(-1)
         # Var_p(log p), the spread the KL's second-order term scales (at a relative variance of 2: x 1)
         spread = float(drift_bounds.kl_of_relative_error(log_probs, 2.0).mean())
-        bounds = FloorBounds(kind, passes, logits, peaks.ratio())
+        modelled = FloorBounds(kind, passes, logits, peaks.ratio())
+        bounds = FloorBounds(kind, passes, logits, peaks.ratio(), rounded if kind == "q8_0" else None)
         for name in (r for r, k in READERS if k == kind):
             variance = reader_variance(kind, name, peaks.ratio())
             rows.append([name, kind, passes, f"{peaks.ratio():.2f}", f"{variance:.3g}", f"{spread:.3g}"])
-            rows[-1] += [len(log_probs), f"{bounds.max_kl(name):.3g}"]
+            rows[-1] += [len(log_probs), f"{modelled.max_kl(name) / drift_bounds.SAFETY:.3g}"]
+            rows[-1] += [f"{measured:.3g}" if name == "llama.cpp" and kind == "q8_0" else "-"]
+            rows[-1].append(f"{bounds.max_kl(name):.3g}")
             print(" | ".join(map(str, rows[-1])), flush=True)
         del lm, reader
         parity.free_memory()
     columns = ["reader", "type", "products", "q8_0 peak ratio", "variance a product"]
-    columns += ["mean Var(log p)", "answer positions", "bound against the floor"]
+    columns += ["mean Var(log p)", "answer positions", "modelled KL", "measured q8_0 inputs' KL"]
+    columns.append("bound against the floor")
     notes = (
         f"{model.removeprefix('builtin:')} untrained: its weights rounded into each type stand for the floor, "
         f"on export_calibration.py's {PROMPTS} held-out rows; the bound is drift_bounds.SAFETY x the mean "
-        "expected KL(floor || file) at the answers (after/parity_judgement.py)."
+        "expected KL(floor || file) at the answers (after/parity_judgement.py). Modelled KL: the per-product "
+        "model's expectation (each product's relative error reaching the logits whole); measured: the floor "
+        "with its linear layers' inputs rounded as llama.cpp's q8_0 products round them (drift_bounds."
+        "RoundedInputs), which the bound for llama.cpp reading q8_0 counts in place of the modelled share."
     )
     return [markdown_table(columns, rows)], notes
 
@@ -117,6 +131,7 @@ def main() -> None:
     args = PARSER.parse_args()
     model = f"builtin:{REAL_MODEL}" if args.real_model else "builtin:tiny-llama"
     work = args.work or Path(tempfile.mkdtemp(prefix="export-floor-bounds-"))
+    work.mkdir(parents=True, exist_ok=True)
     data = chat_files(work)
     measure = untrained_bounds if args.untrained else exported_bounds
     tables, notes = measure(args, model, work, data)

@@ -45,3 +45,23 @@ def test_each_readers_bound_follows_its_arithmetic():
     assert reader_variance("q8_0", "transformers", 5.0) == reader_variance("float16", "transformers", 5.0)
     assert bound("q8_0", "transformers") < bound("f16", "llama.cpp") < bound("q8_0", "llama.cpp")
     assert bound("q8_0", "llama.cpp", passes=121) > bound("q8_0", "llama.cpp")
+
+
+def test_the_floors_inputs_are_rounded_as_q8_0_rounds_them():
+    """RoundedInputs, the in-memory reading of llama.cpp's q8_0 products whose KL the llama.cpp bound
+    counts, gives a linear layer the input gguf's own q8_0 round trip gives, bit for bit (the steps at the
+    float32 scale, read back at the float16 one the block stores)."""
+    generator = torch.Generator().manual_seed(2)
+    inputs = torch.randn(16, 256, generator=generator)
+    inputs[:, 3] *= 9
+    qtype = gguf.GGMLQuantizationType.Q8_0
+    expected = torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(inputs.numpy(), qtype), qtype))
+    layer = torch.nn.Linear(256, 1, bias=False)
+    with torch.no_grad():
+        layer.weight.zero_()
+        layer.weight[0, 3] = 1.0  # reads the outlier feature of each row as the layer received it
+        rounding = drift_bounds.RoundedInputs(layer)
+        got = layer(inputs)[:, 0]
+        rounding.remove()
+        plain = layer(inputs)[:, 0]
+    assert torch.equal(got, expected[:, 3]) and not torch.equal(plain, got)

@@ -147,3 +147,32 @@ class BlockPeaks:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+class RoundedInputs:
+    """llama.cpp's q8_0 products read in memory: registered on every linear layer whose input tiles
+    Q8_BLOCK values, each input is rounded as quantize_row_q8_0 rounds it (a block's scale its absmax /
+    Q8_LEVELS, stored in float16; each value to the nearest step) before the layer reads it. What this
+    rounding moves a model's distributions by is measured on the floor itself, where the propagation the
+    per-product model counts (every product's relative error reaching the logits whole) overstates it:
+    each layer's output joins a residual stream larger than itself."""
+
+    def __init__(self, lm: torch.nn.Module) -> None:
+        self.handles = [
+            module.register_forward_pre_hook(_round_input)
+            for module in lm.modules()
+            if isinstance(module, torch.nn.Linear) and module.in_features % Q8_BLOCK == 0
+        ]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _round_input(_module, args):
+    inputs = args[0]
+    blocks = inputs.reshape(-1, Q8_BLOCK).float()
+    scale = blocks.abs().amax(-1, keepdim=True) / Q8_LEVELS  # the steps are counted at float32's scale...
+    steps = torch.where(scale > 0, blocks / scale.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    stored = scale.half().float()  # ...and read back at the float16 one the block stores
+    return (steps.round().mul(stored).reshape(inputs.shape).to(inputs.dtype), *args[1:])

@@ -171,12 +171,12 @@ def verify(
     if not readers:  # a LoRA GGUF without llama.cpp: nothing independent can read it
         return {"prompts": 0, "tokens": tokens, "comparisons": [], "failures": []}
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
-    floor_reference, peak_ratio = _floor_reference(recipe, adapter_dir, report, reference)
+    floor_reference, peak_ratio, rounded_inputs = _floor_reference(recipe, adapter_dir, report, reference)
     floor = parity.compare(
         reference, replay.ReplayReader(floor_reference, "in memory"), _floor_name(report), "trained"
     )
     passes = drift_bounds.rounding_passes(_base_config(recipe))
-    bounds = FloorBounds(report["type"], passes, floor_reference.logits, peak_ratio)
+    bounds = FloorBounds(report["type"], passes, floor_reference.logits, peak_ratio, rounded_inputs)
     comparisons, failures = [floor.as_dict()], []
     # onto=original is asked for knowing it is not what the adapter trained against: its distance
     # from the trained model is reported, not judged (its floor comparison still is)
@@ -217,15 +217,16 @@ def _floor_name(report: dict) -> str:
 
 # The last floor computed, with the reference it was computed for (parity keeps one reference per adapter
 # state): an export and its --check in one process (a notebook, the suite) merge and round the model once.
-_LAST_FLOOR: dict[tuple, tuple[parity.Reference, tuple[parity.Reference, float]]] = {}
+_LAST_FLOOR: dict[tuple, tuple[parity.Reference, tuple]] = {}
 
 
 def _floor_reference(
     recipe, adapter_dir: Path, report: dict, reference: parity.Reference
-) -> tuple[parity.Reference, float]:
+) -> tuple[parity.Reference, float, list[torch.Tensor] | None]:
     """The reference's figures read from the trained model's effective weights rounded as the export
     stores them (a LoRA GGUF: the base rounded into its type, the update applied in fp32 as llama.cpp
-    applies it), and its activations' q8_0 block peaks (drift_bounds.BlockPeaks)."""
+    applies it), its activations' q8_0 block peaks (drift_bounds.BlockPeaks) and, for q8_0, its answer
+    logits with its inputs rounded as llama.cpp's q8_0 products round them (drift_bounds.RoundedInputs)."""
     key = (report["type"], report["onto"], report["lora_only"])
     hit = _LAST_FLOOR.get(key)
     if hit is not None and hit[0] is reference:
@@ -238,7 +239,7 @@ def _floor_reference(
 
 def _compute_floor(
     recipe, adapter_dir: Path, report: dict, reference: parity.Reference
-) -> tuple[parity.Reference, float]:
+) -> tuple[parity.Reference, float, list[torch.Tensor] | None]:
     merged = floor.merged_model(recipe, adapter_dir, report["onto"])
     if report["lora_only"]:
         base = floor.merged_model(recipe, None, report["onto"])
@@ -257,9 +258,19 @@ def _compute_floor(
         figures = parity.reference_from_reader(reference, reader)
     finally:
         peaks.remove()
+    rounded_inputs = None
+    if report["type"] == "q8_0" and parity.llama_cpp_installed():
+        rounding = drift_bounds.RoundedInputs(merged)
+        try:
+            rounded_inputs = [
+                reader.answer_logits(p, a, **reference.images_of(i))
+                for i, (p, a) in enumerate(zip(reference.prompts, reference.answers, strict=True))
+            ]
+        finally:
+            rounding.remove()
     del merged
     parity.free_memory()
-    return figures, peaks.ratio()
+    return figures, peaks.ratio(), rounded_inputs
 
 
 def check_export(adapter_dir: str | Path, export_dir: str | Path, **kwargs) -> dict:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from qlora_kit.after import drift_bounds
-from qlora_kit.after.parity import Comparison
+from qlora_kit.after.parity import Comparison, kl_per_position
 
 # The type llama.cpp's CPU dot products round their input into, per weight type: ggml's vec_dot_type
 # (q8_0 rounds in blocks: drift_bounds.block_rounding_variance; float32 weights, such as a LoRA GGUF's
@@ -71,14 +71,37 @@ class FloorBounds:
     passes: int
     floor_logits: list[torch.Tensor]
     peak_ratio: float
+    # the floor's answer logits with its inputs rounded as llama.cpp's q8_0 products round them
+    # (drift_bounds.RoundedInputs): where given, that rounding's share is measured, not modelled
+    rounded_inputs: list[torch.Tensor] | None = None
 
     def max_kl(self, reader: str) -> float:
-        variance = reader_variance(self.kind, reader, self.peak_ratio)
         log_probs = torch.cat([torch.log_softmax(logits.double(), dim=-1) for logits in self.floor_logits])
+        if reader == "llama.cpp" and self.kind == "q8_0" and self.rounded_inputs is not None:
+            # the model's share for what is left (K and V in float16, float32's order) and the measured
+            # KL of q8_0's input rounding: the per-product model counts each product's relative error
+            # as reaching the logits whole, 5 times what the rounding moves on the real model (0.032
+            # against 0.0063: benchmarks/results/export-floor-bounds-untrained-real-cpu.md), and 30
+            # times that (0.97) would let a halved update through
+            rest = reader_variance("f32", reader, self.peak_ratio)
+            measured = torch.cat(
+                [
+                    kl_per_position(f, r).double()
+                    for f, r in zip(self.floor_logits, self.rounded_inputs, strict=True)
+                ]
+            )
+            expected = drift_bounds.expected_kl_of_variance(log_probs, rest, self.passes) + measured
+            return drift_bounds.bound(expected)
+        variance = reader_variance(self.kind, reader, self.peak_ratio)
         return drift_bounds.bound(drift_bounds.expected_kl_of_variance(log_probs, variance, self.passes))
 
     def as_dict(self) -> dict:
-        return {"passes": self.passes, "q8_0_peak_ratio": self.peak_ratio, "safety": drift_bounds.SAFETY}
+        return {
+            "passes": self.passes,
+            "q8_0_peak_ratio": self.peak_ratio,
+            "q8_0_inputs_measured": self.rounded_inputs is not None,
+            "safety": drift_bounds.SAFETY,
+        }
 
 
 def judge(comparison: Comparison, floor: Comparison | None, max_floor_kl: float) -> list[str]:
