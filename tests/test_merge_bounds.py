@@ -1,7 +1,8 @@
 """merge's drift bounds (after/drift_bounds.py), derived per merge from its weights' dtype, the layers
 the rounding passes through and the trained model's distributions: the model of the error against a
 sampled one, the dtype read from the saved files, and builtins of every kind merged at their defaults
-while a planted wrong expert is refused."""
+while a planted wrong expert is refused; on the same runs, export's bounds (after/parity_judgement.py,
+derived from the same model) pass a merged export and refuse it with the update halved."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def two_steps(tmp_path: Path, recipe_file: str, model: str | None) -> Path:
     return train(Recipe.from_yaml(ROOT / "recipes" / recipe_file, overrides=sets)).output_dir
 
 
-@pytest.mark.slow  # trains 2 steps and merges, twice with the planted expert (~1-2 min on 2 cores)
+@pytest.mark.slow  # trains 2 steps, merges (twice with the planted expert) and exports (~2-3 min on 2 cores)
 def test_a_mixture_merges_at_its_defaults_and_a_planted_wrong_expert_is_refused(tmp_path):
     """builtin:tiny-qwen3.5-moe from recipes/demo.yaml (red at the bounds calibrated on dense models: mean
     KL 0.0005911 at the answers, max 0.0005, from this CPU's float16 experts, its weights' own drift
@@ -76,7 +77,7 @@ def test_a_mixture_merges_at_its_defaults_and_a_planted_wrong_expert_is_refused(
     an_export_passes_and_its_update_halved_is_refused(adapter, tmp_path)
 
 
-@pytest.mark.slow  # trains 2 steps and merges (~1 min each on 2 cores)
+@pytest.mark.slow  # trains 2 steps, merges and exports (~2 min each on 2 cores)
 @pytest.mark.parametrize(
     ("recipe_file", "model"),
     [("demo.yaml", "builtin:tiny-qwen3.5"), ("demo-vlm.yaml", None)],
