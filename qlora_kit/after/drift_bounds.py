@@ -155,7 +155,9 @@ class RoundedInputs:
     Q8_LEVELS, stored in float16; each value to the nearest step) before the layer reads it. What this
     rounding moves a model's distributions by is measured on the floor itself, where the propagation the
     per-product model counts (every product's relative error reaching the logits whole) overstates it:
-    each layer's output joins a residual stream larger than itself."""
+    each layer's output joins a residual stream larger than itself. A mixture's packed experts are no
+    linear layers: their inputs stay unrounded here, so a mixture's q8_0 bound counts the rest's rounding
+    only (not yet checked against llama.cpp reading a mixture's q8_0 file)."""
 
     def __init__(self, lm: torch.nn.Module) -> None:
         self.handles = [
