@@ -97,10 +97,16 @@ def chat_files(folder: Path) -> tuple[Path, Path]:
 
 def train_adapter(adapter: Adapter, folder: Path, data: tuple[Path, Path], model: str) -> Path:
     """The adapter's run in ``folder``: trained there, or the one a run with the same --work left."""
-    from qlora_kit import Recipe, train
+    from qlora_kit import train
 
     if (folder / "adapter_model.safetensors").is_file():
         return folder
+    return train(adapter_recipe(adapter, folder, data, model)).output_dir
+
+
+def adapter_recipe(adapter: Adapter, folder: Path, data: tuple[Path, Path], model: str):
+    """The recipe the sweep trains ``adapter`` by: the defaults but for the grid's choices and the data."""
+    from qlora_kit import Recipe
 
     values = {
         "model": {"path": model},
@@ -116,7 +122,7 @@ def train_adapter(adapter: Adapter, folder: Path, data: tuple[Path, Path], model
             "sample_prompts": 0,
         },
     }
-    return train(Recipe.from_dict(values, LAYOUT_FIELDS[adapter.layout])).output_dir
+    return Recipe.from_dict(values, LAYOUT_FIELDS[adapter.layout])
 
 
 def logits_of(lm, sequences: list[list[int]]) -> list[torch.Tensor]:
@@ -191,30 +197,43 @@ def candidates(recipe, adapter_dir: Path):
         yield label, correct, merged.to(getattr(torch, kind)) if kind in ("float16", "bfloat16") else merged
 
 
-def llama_cpp_rows(adapter_dir: Path, work: Path) -> list[tuple[str, bool, dict]]:
-    """The q8_0 GGUF's llama.cpp comparisons from its own report, and a q8_0 GGUF of the 0.9 update's."""
+# The q8_0 GGUFs each adapter's report reads: the right one and wrong merges of it (scale of the update)
+GGUF_CANDIDATES = (("q8_0 GGUF", True, 1.0), ("q8_0 GGUF, update x 0.9", False, 0.9))
+
+
+def gguf_rows(
+    adapter_dir: Path, work: Path, readers: tuple[str, ...], scales
+) -> list[tuple[str, bool, dict]]:
+    """The q8_0 GGUF's comparisons by ``readers`` from its own report, and those of q8_0 GGUFs of wrong
+    merges (the update scaled), each with the bound the report derived for it (its ``floor``)."""
     from qlora_kit import export
     from qlora_kit.after import parity
     from qlora_kit.after.export import check_export
     from tests.test_export import write_scaled_gguf
 
-    if not parity.llama_cpp_installed():
-        return []
+    if "llama.cpp" in readers and not parity.llama_cpp_installed():
+        readers = tuple(r for r in readers if r != "llama.cpp")
     settings = {"prompt_count": PROMPTS, "tokens": 1}
-    right, wrong = work / "q8", work / "q8-wrong"
-    if not (wrong / "model.gguf").is_file():  # written once per --work folder, read with this code
-        done = export(adapter_dir, "gguf", out=right, qtype="q8_0", force=True, **settings)
-        wrong.mkdir()
-        for name in ("export_report.json", *done.report["files"].values()):
-            source = right / name
-            if source.is_file() and name != "model.gguf":
-                (wrong / name).write_bytes(source.read_bytes())
-        write_scaled_gguf(adapter_dir, wrong / "model.gguf", "q8_0", 0.9)
+    right = work / "q8"
+    if not (right / "model.gguf").is_file():
+        export(adapter_dir, "gguf", out=right, qtype="q8_0", force=True, **settings)
     rows = []
-    for label, folder, correct in (("q8_0 GGUF", right, True), ("q8_0 GGUF, update x 0.9", wrong, False)):
+    for label, correct, scale in scales:
+        folder = right if scale == 1.0 else work / f"q8-x{scale:g}"
+        if not (folder / "model.gguf").is_file():  # written once per --work folder, read with this code
+            folder.mkdir()
+            for source in right.iterdir():
+                if source.name != "model.gguf":
+                    (folder / source.name).write_bytes(source.read_bytes())
+            write_scaled_gguf(adapter_dir, folder / "model.gguf", "q8_0", scale)
         report = check_export(adapter_dir, folder, **settings)
-        rows += [(label, correct, c) for c in report["comparisons"] if c["reader"] == "llama.cpp"]
+        rows += [(label, correct, c) for c in report["comparisons"] if c["reader"] in readers]
     return rows
+
+
+def llama_cpp_rows(adapter_dir: Path, work: Path) -> list[tuple[str, bool, dict]]:
+    """The q8_0 GGUF's llama.cpp comparisons from its own report, and a q8_0 GGUF of the 0.9 update's."""
+    return gguf_rows(adapter_dir, work, ("llama.cpp",), GGUF_CANDIDATES)
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """merge's drift bounds (after/drift_bounds.py), derived per merge from its weights' dtype, the layers
 the rounding passes through and the trained model's distributions: the model of the error against a
 sampled one, the dtype read from the saved files, and builtins of every kind merged at their defaults
-while a planted wrong expert is refused."""
+while a planted wrong expert is refused; on the same runs, export's bounds (after/parity_judgement.py,
+derived from the same model) pass a merged export and refuse it with the update halved."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def two_steps(tmp_path: Path, recipe_file: str, model: str | None) -> Path:
     return train(Recipe.from_yaml(ROOT / "recipes" / recipe_file, overrides=sets)).output_dir
 
 
-@pytest.mark.slow  # trains 2 steps and merges, twice with the planted expert (~1-2 min on 2 cores)
+@pytest.mark.slow  # trains 2 steps, merges (twice with the planted expert) and exports (~2-3 min on 2 cores)
 def test_a_mixture_merges_at_its_defaults_and_a_planted_wrong_expert_is_refused(tmp_path):
     """builtin:tiny-qwen3.5-moe from recipes/demo.yaml (red at the bounds calibrated on dense models: mean
     KL 0.0005911 at the answers, max 0.0005, from this CPU's float16 experts, its weights' own drift
@@ -73,9 +74,10 @@ def test_a_mixture_merges_at_its_defaults_and_a_planted_wrong_expert_is_refused(
 
     drift = merge.measure_drift(recipe_of(adapter), adapter, wrong)
     assert not drift.within(drift.max_kl, merge.MIN_TOP1, drift.max_all_kl), drift
+    an_export_passes_and_its_update_halved_is_refused(adapter, tmp_path)
 
 
-@pytest.mark.slow  # trains 2 steps and merges (~1 min each on 2 cores)
+@pytest.mark.slow  # trains 2 steps, merges and exports (~2 min each on 2 cores)
 @pytest.mark.parametrize(
     ("recipe_file", "model"),
     [("demo.yaml", "builtin:tiny-qwen3.5"), ("demo-vlm.yaml", None)],
@@ -88,3 +90,31 @@ def test_a_hybrid_and_a_vision_builtin_merge_at_their_defaults(tmp_path, recipe_
     except MergeDriftError as refused:
         pytest.fail(str(refused))
     assert result.drift.positions > 0
+    an_export_passes_and_its_update_halved_is_refused(adapter, tmp_path)
+
+
+def an_export_passes_and_its_update_halved_is_refused(adapter: Path, tmp_path: Path) -> None:
+    """Export's bounds on the same run (after/parity_judgement.py, derived from this module's error
+    model): its merged float16 export passes the parity report, and that folder with the update halved
+    (base + 0.5 x update, computed from the fp32 merge) is refused against the trained model and against
+    its floor. The report's reference and floor are computed once, for both."""
+    from qlora_kit import export
+    from qlora_kit.after.export import check_export
+    from qlora_kit.model.adapters import recipe_of
+
+    small = {"prompt_count": 2, "tokens": 1}
+    result = export(adapter, "merged", out=tmp_path / "export", **small)
+    assert result.report["failures"] == []
+    wrong = shutil.copytree(tmp_path / "export", tmp_path / "halved")
+    recipe = recipe_of(adapter)
+    merge.write_merged(recipe, adapter, tmp_path / "full", "dequantized", "float32")
+    merge.write_merged(recipe, None, tmp_path / "base", "dequantized", "float32")
+    for file in wrong.glob("*.safetensors"):
+        full, base, saved = (
+            load_file(folder / file.name) for folder in (tmp_path / "full", tmp_path / "base", wrong)
+        )
+        halved = {key: (base[key] + 0.5 * (full[key] - base[key])).to(saved[key].dtype) for key in saved}
+        save_file(halved, file, metadata={"format": "pt"})
+    failures = check_export(adapter, wrong, **small)["failures"]
+    for against in ("trained", "floor"):
+        assert any(f"against the {against} model: mean KL" in line for line in failures), failures

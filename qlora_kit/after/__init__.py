@@ -9,7 +9,7 @@
   mixture's experts in ``gguf_experts``, ``modelfile``), checked by ``parity`` against the floor its type sets (``floor``: the trained weights merged
   in fp32 and rounded as the export stores them; ``image_parity``: a vision-language run's image rows as
   its prompts; ``replay``: figures already computed, as readers) and, where installed, by llama.cpp
-  (``llama_cpp_reader``).
+  (``llama_cpp_reader``); ``parity_judgement`` holds each reader to the bound derived for it.
 
 A sub-package, not top-level modules: a module ``qlora_kit/evaluate.py`` would replace the package's
 ``qlora_kit.evaluate()`` function as an attribute the moment it is imported (the same holds for generate

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from qlora_kit.after import floor, gguf_writer, modelfile, parity, replay
+from qlora_kit.after import drift_bounds, floor, gguf_writer, modelfile, parity, replay
 from qlora_kit.after.floor import MERGED_DTYPES
 from qlora_kit.after.image_parity import ImageInputs
 from qlora_kit.after.merge import MERGED_DTYPE, write_merged
+from qlora_kit.after.parity_judgement import FloorBounds, greedy_causes, judge
 from qlora_kit.data import images
 from qlora_kit.errors import ExportError, ExportParityError, OutputDirError
 from qlora_kit.model import adapters
@@ -42,36 +43,10 @@ REPORT = "export_report.json"
 
 # Every export is judged against the floor its own type sets: the trained model's effective weights (fp32)
 # rounded into that type in memory (after/floor.py), read under teacher forcing on the same answer tokens,
-# and against the trained model itself (computed in float32: floor.load_trained_exactly). Calibrated on the
-# real model's adapters of every layout, ranks 8-64, 8-60 steps, against wrong exports of each (the update
-# x 0.9 and x 0.5, one layer's update dropped): benchmarks/results/export-calibration-real-cpu.md.
-# Against the floor itself (the same weights, read from the file): the writer's own errors and the
-# reader's arithmetic. transformers reads a file's weights into fp32 as the floor holds them (a correct
-# file: KL ~0), so FLOOR_KL_OTHERS stands between that and a writer's error (the update x 0.9 at the
-# answers: 0.0044-0.06, below the bound only on an adapter trained 60 steps whose answers barely move;
-# merge's drift check also judges every position, where that one moved 0.03). llama.cpp's q8_0 dot products also round the activations to 8 bits, which the floor does
-# not: a correct q8_0 file read by llama.cpp was up to 0.0076 from its floor over 16 prompts, 0.019
-# over 4 (fewer positions, more noise) and 0.0115 on issue 58's grouped adapter; the update x 0.9 from
-# 0.0047 (an adapter trained 60 steps) to 0.049. No bound parts those two without refusing correct
-# files, so llama.cpp's q8_0 bound keeps correct files in and catches coarse errors (the update halved:
-# 0.1 and more); the 10% error is transformers' reader's to catch, on the same file.
-FLOOR_KL = {("q8_0", "llama.cpp"): 0.03}  # per (export type, reader); the rest
-FLOOR_KL_OTHERS = 0.005
-FLOOR_TOP1 = 0.95
-# ...and top-1 counts positions: on a report with few answer positions (the real model's sweep: 24, short
-# answers; 7 over 4 prompts) two near-ties flipped by llama.cpp's 8-bit activations are 8 points or more
-# (91.7%, KL inside its bound), against the floor and against the trained model alike
-FLOOR_FLIPS = 2
-# Against the trained model: what the type's rounding costs (the floor's own distance from the trained
-# model) plus what the file may differ from its floor (FLOOR_KL). Top-1 over ~24-80 answer positions moves
-# in steps of over a point, and flips at near-ties under any rounding: it is given room, KL parts a wrong
-# export from a right one.
-TOP1_SLACK = 0.05  # top-1 agreement with the trained model at most this far below the floor's
-
-
-def floor_kl(kind: str, reader: str) -> float:
-    """How far (mean KL) an export of type ``kind`` read back by ``reader`` may be from its floor."""
-    return FLOOR_KL.get((kind, reader), FLOOR_KL_OTHERS)
+# and against the trained model itself (computed in float32: floor.load_trained_exactly). How far a file
+# may read from its floor is derived per export from its reader's arithmetic, the layers and the floor's
+# own distributions (after/parity_judgement.py); against the trained model, the floor's own distance plus
+# that.
 
 
 @dataclass
@@ -196,10 +171,12 @@ def verify(
     if not readers:  # a LoRA GGUF without llama.cpp: nothing independent can read it
         return {"prompts": 0, "tokens": tokens, "comparisons": [], "failures": []}
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
-    floor_reference = _floor_reference(recipe, adapter_dir, report, reference)
+    floor_reference, peak_ratio, rounded_inputs = _floor_reference(recipe, adapter_dir, report, reference)
     floor = parity.compare(
         reference, replay.ReplayReader(floor_reference, "in memory"), _floor_name(report), "trained"
     )
+    passes = drift_bounds.rounding_passes(_base_config(recipe))
+    bounds = FloorBounds(report["type"], passes, floor_reference.logits, peak_ratio, rounded_inputs)
     comparisons, failures = [floor.as_dict()], []
     # onto=original is asked for knowing it is not what the adapter trained against: its distance
     # from the trained model is reported, not judged (its floor comparison still is)
@@ -215,7 +192,7 @@ def verify(
                     reference if against == "trained" else floor_reference, reader, label, against
                 )
                 judged_by = floor if judged or against == "floor" else None
-                failures += _judge(comparison, judged_by, report["type"])
+                failures += judge(comparison, judged_by, bounds.max_kl(comparison.reader))
                 comparisons.append(comparison.as_dict())
         except Exception as exc:  # a file no reader can load is the report's finding, not a crash
             failures.append(f"{label} cannot be read: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
@@ -228,7 +205,8 @@ def verify(
         "prompts_from": reference.source,
         "tokens": tokens,
         "comparisons": comparisons,
-        "greedy_causes": parity.greedy_causes(comparisons, len(reference.prompts)),
+        "floor_bounds": bounds.as_dict(),
+        "greedy_causes": greedy_causes(comparisons, len(reference.prompts)),
         "failures": failures,
     }
 
@@ -239,26 +217,29 @@ def _floor_name(report: dict) -> str:
 
 # The last floor computed, with the reference it was computed for (parity keeps one reference per adapter
 # state): an export and its --check in one process (a notebook, the suite) merge and round the model once.
-_LAST_FLOOR: dict[tuple, tuple[parity.Reference, parity.Reference]] = {}
+_LAST_FLOOR: dict[tuple, tuple[parity.Reference, tuple]] = {}
 
 
 def _floor_reference(
     recipe, adapter_dir: Path, report: dict, reference: parity.Reference
-) -> parity.Reference:
+) -> tuple[parity.Reference, float, list[torch.Tensor] | None]:
     """The reference's figures read from the trained model's effective weights rounded as the export
     stores them (a LoRA GGUF: the base rounded into its type, the update applied in fp32 as llama.cpp
-    applies it)."""
+    applies it), its activations' q8_0 block peaks (drift_bounds.BlockPeaks) and, for q8_0, its answer
+    logits with its inputs rounded as llama.cpp's q8_0 products round them (drift_bounds.RoundedInputs)."""
     key = (report["type"], report["onto"], report["lora_only"])
     hit = _LAST_FLOOR.get(key)
     if hit is not None and hit[0] is reference:
         return hit[1]
-    figures = _compute_floor(recipe, adapter_dir, report, reference)
+    computed = _compute_floor(recipe, adapter_dir, report, reference)
     _LAST_FLOOR.clear()
-    _LAST_FLOOR[key] = (reference, figures)
-    return figures
+    _LAST_FLOOR[key] = (reference, computed)
+    return computed
 
 
-def _compute_floor(recipe, adapter_dir: Path, report: dict, reference: parity.Reference) -> parity.Reference:
+def _compute_floor(
+    recipe, adapter_dir: Path, report: dict, reference: parity.Reference
+) -> tuple[parity.Reference, float, list[torch.Tensor] | None]:
     merged = floor.merged_model(recipe, adapter_dir, report["onto"])
     if report["lora_only"]:
         base = floor.merged_model(recipe, None, report["onto"])
@@ -272,10 +253,24 @@ def _compute_floor(recipe, adapter_dir: Path, report: dict, reference: parity.Re
         floor.round_into(merged, report["type"])
     runs = images.image_runs(recipe.model) if reference.images else None  # its image rows' pixels
     reader = parity.TransformersModel(merged, None, ImageInputs(runs) if runs else None)
-    figures = parity.reference_from_reader(reference, reader)
+    peaks = drift_bounds.BlockPeaks(merged)  # the inputs llama.cpp's q8_0 products round
+    try:
+        figures = parity.reference_from_reader(reference, reader)
+    finally:
+        peaks.remove()
+    rounded_inputs = None
+    if report["type"] == "q8_0" and parity.llama_cpp_installed():
+        rounding = drift_bounds.RoundedInputs(merged)
+        try:
+            rounded_inputs = [
+                reader.answer_logits(p, a, **reference.images_of(i))
+                for i, (p, a) in enumerate(zip(reference.prompts, reference.answers, strict=True))
+            ]
+        finally:
+            rounding.remove()
     del merged
     parity.free_memory()
-    return figures
+    return figures, peaks.ratio(), rounded_inputs
 
 
 def check_export(adapter_dir: str | Path, export_dir: str | Path, **kwargs) -> dict:
@@ -320,42 +315,6 @@ def _readers(folder: Path, report: dict, recipe):
         yield files["gguf"], lambda _: parity.transformers_reader(folder, files["gguf"]), ("trained", "floor")
     if llama_cpp:
         yield files["gguf"], lambda ref: parity.llama_cpp_reader(gguf, ref), ("trained", "floor")
-
-
-def _judge(comparison: parity.Comparison, floor: parity.Comparison | None, kind: str) -> list[str]:
-    """One line per figure beyond what the export's floor allows (and per prompt or template that
-    differs); against the floor itself, the FLOOR_* limits of its type ``kind``."""
-    where = f"{comparison.export} read by {comparison.reader} against the {comparison.against} model"
-    failures = []
-    if comparison.prompt_ids_match is False:
-        failures.append(f"{where}: the prompt's token ids differ from training's (BOS or tokenizer)")
-    if comparison.template_match is False:
-        failures.append(f"{where}: the chat template renders a different prompt than the tokenizer's")
-    if floor is None:
-        return failures
-    flips = FLOOR_FLIPS / max(comparison.decided, 1)  # two positions' share of this report's counted
-    if comparison.against == "floor":
-        min_top1 = min(FLOOR_TOP1, 1 - flips)
-        max_kl = floor_kl(kind, comparison.reader)
-    else:
-        min_top1 = floor.top1_agreement - max(TOP1_SLACK, flips)
-        max_kl = floor.mean_kl + floor_kl(kind, comparison.reader)
-    comparison.floor = {
-        "top1_agreement": floor.top1_agreement,
-        "mean_kl": floor.mean_kl,
-        "min_top1": min_top1,
-        "max_kl": max_kl,
-    }
-    if comparison.top1_agreement < min_top1 - 1e-9:  # a count's share against the same count's
-        failures.append(
-            f"{where}: top-1 agreement {comparison.top1_agreement:.1%} < {min_top1:.1%} (its type's floor {floor.top1_agreement:.1%})"
-        )
-    if comparison.mean_kl > max_kl:
-        failures.append(
-            f"{where}: mean KL {comparison.mean_kl:.3g} > {max_kl:.3g} (its type's floor {floor.mean_kl:.3g})"
-        )
-    comparison.failures = failures
-    return failures
 
 
 def base_difference(recipe) -> dict | None:

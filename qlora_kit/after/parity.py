@@ -220,39 +220,6 @@ def compare(reference: Reference, reader, export: str, against: str) -> Comparis
     return result
 
 
-def greedy_causes(comparisons: list[dict], prompts: int) -> list[str]:
-    """Per reader of the export, whose rounding parts its free-running continuation from the trained
-    model's: the export's type (the file continues as its floor does, and the floor, the trained weights
-    rounded into that type, is what parts from the trained model) or the file and its reader (it parts
-    from its own floor: the writer, or the reader's arithmetic such as llama.cpp's 8-bit activations)."""
-    floor = next((c for c in comparisons if c["export"].startswith("floor:")), None)
-    lines = []
-    for trained in (c for c in comparisons if c["against"] == "trained" and c is not floor):
-        own = next(
-            (
-                c
-                for c in comparisons
-                if c["against"] == "floor"
-                and (c["export"], c["reader"]) == (trained["export"], trained["reader"])
-            ),
-            None,
-        )
-        if own is None or floor is None or not trained["tokens"]:
-            continue
-        where = f"{trained['export']} read by {trained['reader']}"
-        line = (
-            f"greedy: {where} continues {trained['greedy_prompts']} of {prompts} prompts as the trained model "
-            f"does, {own['greedy_prompts']} of {prompts} as its floor does, and the floor "
-            f"{floor['greedy_prompts']} of {prompts} as the trained model does: "
-        )
-        if own["greedy_prompts"] == prompts:
-            line += "the type's rounding moves them, not the export"
-        else:
-            line += f"on {prompts - own['greedy_prompts']} the file parts from its own floor (its writer or its reader's arithmetic)"
-        lines.append(line)
-    return lines
-
-
 # Top-1 agreement counts only the positions where the reference's choice leads its runner-up by DECIDED
 # nats: an export's rounding (q8_0's weights, llama.cpp's 8-bit activations, f16's) moves logits by
 # hundredths of a nat, so a flip there is an error, while a near-tie flips under any rounding (the real
