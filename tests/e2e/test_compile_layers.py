@@ -42,11 +42,7 @@ POLICIES = {
     "offload": {"memory.offload_activations": True},
 }
 # The layers each policy leaves eager, and why (compiled.py's docstring)
-EAGER = {
-    "per_layer": {2: compiled.SELECTIVE_REASON},
-    "selective": dict.fromkeys(range(4), compiled.SELECTIVE_REASON),
-    "offload": dict.fromkeys(range(4), compiled.OFFLOAD_REASON),
-}
+EAGER = {"offload": dict.fromkeys(range(4), compiled.OFFLOAD_REASON)}
 
 
 def _trainer(tmp_path, compile_layers: bool | str, overrides: dict):
