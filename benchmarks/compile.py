@@ -6,14 +6,14 @@ with ``train.compile: true`` (its decoder layers compiled with inductor), steppe
 turn (forward, backward, paged AdamW 8-bit step) so they see the same machine load. Compared: the
 loss of every step (the compiled run must follow the eager one) and the median step time after the
 compile steps. Graph breaks are counted with ``torch._dynamo.utils.counters``. Then two fresh runs of
-each setting go through ``trainer.train()`` itself, TRAIN_STEPS steps of recipes/demo.yaml (its rows,
+each setting go through ``trainer.train()`` itself, TRAIN_STEPS (--smoke: 2) steps of recipes/demo.yaml (its rows,
 packed, its micro-batch and learning rate): the Trainer's loop, on collated batches, with the model
 compiled as the pipeline compiles it; their logged losses (in the summary) must agree too.
 
 Whether ``train.compile`` pays is in benchmarks/results/compile-cpu.md.
 
     python benchmarks/compile.py [--steps 12] [--mixed-precision bf16]
-    python benchmarks/compile.py --smoke --out /tmp/x   # 3 steps of 2 x 32 tokens, the first setting
+    python benchmarks/compile.py --smoke --out /tmp/x   # 2 steps of 2 x 32 tokens, the first setting
     python benchmarks/compile.py --smoke --out /tmp/x --mixed-precision bf16   # tests/e2e/test_compile.py
 """
 
@@ -29,6 +29,9 @@ from common import markdown_table, parser, timed_step, write_result
 BATCH, SEQ = 8, 128
 SMOKE_BATCH, SMOKE_SEQ = 2, 32
 TRAIN_STEPS = 3  # through trainer.train(): whether the Trainer's loop trains the compiled model alike
+# --smoke (tests/e2e/test_compile.py): step 1 compiles, step 2 runs the compiled graph after an optimizer
+# step; the demo's 16 x 64 bfloat16 rows (emulated on CPUs without AVX512-BF16) cost seconds a step
+SMOKE_STEPS = 2
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"  # the trainer.train() runs' recipe
 
 
@@ -68,7 +71,7 @@ def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precisi
     return trainer
 
 
-def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[float]]:
+def through_train(memory: dict, out: Path, precision: str, steps: int) -> dict[str, list[float]]:
     """Each run's logged losses when ``trainer.train()`` runs it (its loop, its accelerate prepare, which
     compiles): the demo recipe with the setting, its rows packed (what data.packing auto picks there), in
     the compared runs' compute dtype. Run after ``compare``, whose step 1 times the compile from cold."""
@@ -82,7 +85,7 @@ def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[flo
             "train.compile": compiled,
             "train.mixed_precision": precision,
             "train.output_dir": str(out / name),
-            "train.max_steps": TRAIN_STEPS,
+            "train.max_steps": steps,
             "train.logging_steps": 1,
             "train.eval_steps": None,
             "train.sample_prompts": 0,
@@ -97,12 +100,12 @@ def through_train(memory: dict, out: Path, precision: str) -> dict[str, list[flo
         )
         trainer.train()
         losses[name] = [row["loss"] for row in trainer.metrics_log.rows if "loss" in row]
-    assert len(losses["eager"]) == len(losses["compiled"]) == TRAIN_STEPS, losses
+    assert len(losses["eager"]) == len(losses["compiled"]) == steps, losses
     return losses
 
 
 def compare(
-    memory: dict, steps: int, out: Path, batch: int, seq: int, precision: str
+    memory: dict, steps: int, out: Path, batch: int, seq: int, precision: str, train_steps: int
 ) -> tuple[list[list[str]], str]:
     from torch._dynamo.utils import counters
 
@@ -123,7 +126,7 @@ def compare(
     breaks = sum(counters["graph_break"].values())
     graphs = counters["stats"]["unique_graphs"]  # compiled graphs (forward and backward of one layer class)
     reasons = sorted(counters["graph_break"], key=lambda r: -counters["graph_break"][r])[:5]
-    warm = 2  # the compiled run's first steps compile
+    warm = min(2, steps - 1)  # the compiled run's first steps compile
     rows = []
     for i, ((eager_loss, eager_s), (comp_loss, comp_s)) in enumerate(zip(*results.values(), strict=True)):
         rows.append([str(i + 1), f"{eager_loss:.5f}", f"{comp_loss:.5f}", f"{eager_s:.3f}", f"{comp_s:.3f}"])
@@ -137,10 +140,10 @@ def compare(
     )
     if reasons:
         summary += "\n\nMost frequent graph-break reasons:\n\n" + "\n".join(f"- {r}" for r in reasons)
-    trained = through_train(memory, out / "train", precision)
+    trained = through_train(memory, out / "train", precision, train_steps)
     worst = max(abs(a - b) for a, b in zip(trained["eager"], trained["compiled"], strict=True))
     summary += (
-        f"\n\nThrough trainer.train(), {TRAIN_STEPS} steps of recipes/demo.yaml, packed: eager losses "
+        f"\n\nThrough trainer.train(), {train_steps} steps of recipes/demo.yaml, packed: eager losses "
         + " ".join(f"{v:.5f}" for v in trained["eager"])
         + ", compiled losses "
         + " ".join(f"{v:.5f}" for v in trained["compiled"])
@@ -162,11 +165,14 @@ def main() -> None:
     # --smoke: the first setting only, one step after the warm-up (compiling is most of the time, and
     # checkpointing with the chunked head takes several times longer to compile)
     settings = dict(list(SETTINGS.items())[:1]) if args.smoke else SETTINGS
-    steps, batch, seq = (3, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (args.steps, BATCH, SEQ)
+    steps, batch, seq = (SMOKE_STEPS, SMOKE_BATCH, SMOKE_SEQ) if args.smoke else (args.steps, BATCH, SEQ)
+    train_steps = SMOKE_STEPS if args.smoke else TRAIN_STEPS
     sections = []
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, memory) in enumerate(settings.items()):
-            rows, summary = compare(memory, steps, Path(tmp) / str(index), batch, seq, args.mixed_precision)
+            rows, summary = compare(
+                memory, steps, Path(tmp) / str(index), batch, seq, args.mixed_precision, train_steps
+            )
             table = markdown_table(["step", "eager loss", "compiled loss", "eager s", "compiled s"], rows)
             sections.append(f"## {name}\n\n{table}\n\n{summary}")
             print(sections[-1], flush=True)

@@ -12,7 +12,11 @@ its span over the seeds.
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
    default; it does not change the loss), TRL without its default bf16 autocast (qlora_kit keeps LoRA
    in fp32 on CPUs), so both compute in the same precision;
-2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast).
+2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast);
+3. with --compiled, instead (its own table, vs-trl-compiled-*.md): equal settings with both compiled,
+   qlora_kit's ``train.compile: true`` (its decoder layers) against TRL's ``torch_compile=True`` (the
+   Trainer compiles the whole model); each run's first step, which compiles, is left out as every warm-up
+   step is, and a recompile later (another padded length) counts in its step's time.
 
 Counting and timing go through public seams only: a TrainerCallback times each step on both sides;
 qlora_kit's trained tokens per step come from the ``trained_tokens`` totals the run writes to its
@@ -20,6 +24,7 @@ metrics.jsonl (logged every step), TRL's are counted by wrapping the script's ow
 
     python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
     python benchmarks/vs_trl.py --real-model [--rounds 1] [--steps 5]   # SmolLM2-135M-Instruct, 4 x 96
+    python benchmarks/vs_trl.py --compiled [--rounds 1] [--steps 12]   # equal settings, both compiled
     python benchmarks/vs_trl.py --smoke --out /tmp/x   # one round of 3 steps on a smaller model, one
                                                        # process per system for both comparisons
     python benchmarks/vs_trl.py --gpu --out $OUT   # CUDA: a 1B Llama (gpu_check.FULL_SHAPE, Llama-3's
@@ -114,6 +119,8 @@ def run_qlora_kit(job: dict, out: str) -> dict:
                 "micro_batch_size": job["batch"],
                 "logging_steps": 1,
                 "seed": job["seed"],
+                # unset, train.compile auto: runs under its 50 steps stay eager, unmeasured
+                **({"compile": True} if job["compile"] else {}),
             },
         }
     )
@@ -162,6 +169,7 @@ def run_trl(job: dict, out: str) -> dict:
         save_strategy="no",
         seed=job["seed"],
         use_cpu=not torch.cuda.is_available(),
+        torch_compile=job["compile"],
         # TRL turns bf16 autocast on by default; qlora_kit computes the 4-bit layers in bf16 and the LoRA
         # matrices in fp32 without autocast on CPUs, under bf16 autocast on a GPU (as TRL). Equal settings
         # means the same precision: TRL's bf16 off on a CPU only.
@@ -202,9 +210,14 @@ def child(jobs: list[dict]) -> None:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def spawn(system: str, setup: dict, steps: int, packings: list[bool], seed: int = SEED) -> list[dict]:
-    """One process of ``system`` training once per packing, in order: the runs' results."""
-    jobs = [{**setup, "system": system, "steps": steps, "packing": p, "seed": seed} for p in packings]
+def spawn(
+    system: str, setup: dict, steps: int, settings: list[tuple[bool, bool]], seed: int = SEED
+) -> list[dict]:
+    """One process of ``system`` training once per (packing, compile) setting, in order: the runs' results."""
+    jobs = [
+        {**setup, "system": system, "steps": steps, "packing": p, "compile": c, "seed": seed}
+        for p, c in settings
+    ]
     done = subprocess.run(
         [sys.executable, __file__, "--child", json.dumps(jobs)], capture_output=True, text=True, timeout=3600
     )
@@ -235,6 +248,9 @@ def main() -> None:
     options.add_argument("--rounds", type=int, default=None, help="default: 3, or 1 with --real-model")
     options.add_argument("--steps", type=int, default=None, help="default: 24, or 5 with --real-model")
     options.add_argument("--child", help=argparse.SUPPRESS)
+    options.add_argument(
+        "--compiled", action="store_true", help="equal settings with both compiled, in a table of its own"
+    )
     options.add_argument(
         "--gpu", action="store_true", help="CUDA: a 1B Llama, rows up to 1,024 tokens, bf16 on both sides"
     )
@@ -272,22 +288,28 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     data = str(make_dataset(folder, examples, scale))
     setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
-    comparisons = {"equal settings (padded batches)": False, "defaults (qlora_kit packs)": True}
+    # each comparison's (packing, compile) on both sides
+    comparisons = {
+        "equal settings (padded batches)": (False, False),
+        "defaults (qlora_kit packs)": (True, False),
+    }
+    if args.compiled:
+        comparisons = {"equal settings, both compiled (padded batches)": (False, True)}
     # Every run its own process, but at --smoke: there one process per system and round trains both
     # comparisons (process starts were most of its time), so the second run's peak RSS is its process's.
     groups = [list(comparisons)] if args.smoke else [[name] for name in comparisons]
-    warm_up = not (
-        args.smoke or args.real_model or args.gpu
-    )  # the real model's rows: each run's first step only
+    # the real model's rows: each run's first step only; compiled runs: each compiles in its first step,
+    # which the summary leaves out
+    warm_up = not (args.smoke or args.real_model or args.gpu or args.compiled)
     runs = {name: {"qlora_kit": [], "trl": []} for name in comparisons}
     for names in groups:
-        packings = [comparisons[name] for name in names]
+        settings = [comparisons[name] for name in names]
         if warm_up:
-            spawn("qlora_kit", setup, 4, packings)  # warm-up pair: caches, page cache
-            spawn("trl", setup, 4, packings)
+            spawn("qlora_kit", setup, 4, settings)  # warm-up pair: caches, page cache
+            spawn("trl", setup, 4, settings)
         for seed in range(rounds):
             for system in ("qlora_kit", "trl"):
-                for name, result in zip(names, spawn(system, setup, steps, packings, seed), strict=True):
+                for name, result in zip(names, spawn(system, setup, steps, settings, seed), strict=True):
                     runs[name][system].append(result)
     rows, verdicts = [], []
     for name in comparisons:
@@ -341,8 +363,12 @@ def main() -> None:
         )
     )
     device, real = device_name(), "-real" if args.real_model else ""
-    title = f"qlora_kit vs a TRL + PEFT script{' on a real model' if real else ''} ({device.upper()})"
-    write_result(f"vs-trl{real}-{device}", title, table, notes, args.out)
+    both = "-compiled" if args.compiled else ""
+    title = (
+        f"qlora_kit vs a TRL + PEFT script{' on a real model' if real else ''}"
+        f"{', both compiled' if both else ''} ({device.upper()})"
+    )
+    write_result(f"vs-trl{real}{both}-{device}", title, table, notes, args.out)
 
 
 if __name__ == "__main__":

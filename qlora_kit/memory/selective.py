@@ -124,6 +124,19 @@ class _KeptOutputs(TorchDispatchMode):
     def ignore_compile_internals(cls) -> bool:
         return True  # as torch's own caching mode: torch.compile traces through it
 
+    # Under torch.compile (a compiled decoder layer, training/compiled.py) the checkpoint becomes a
+    # higher-order op that numbers its region by setting ``ac_graph_id`` on the forward context it gets
+    # from context_fn (torch/_higher_order_ops/wrap.py), and torch's caching mode tags every traced node
+    # with its own ``ac_graph_id``: handed down to it, or the partitioner compares None with None
+    # (cleanup_recompute_tags: "'>' not supported between instances of 'NoneType' and 'NoneType'").
+    @property
+    def ac_graph_id(self):
+        return self.caching.ac_graph_id
+
+    @ac_graph_id.setter
+    def ac_graph_id(self, value) -> None:
+        self.caching.ac_graph_id = value
+
     def __enter__(self):
         self.caching.__enter__()  # first, so below this one: ours runs first and hands each op down
         return super().__enter__()

@@ -8,10 +8,10 @@
    steps would be eager steps, and a mixture's experts kept on the host would be copied for each) stays
    eager unmeasured;
 2. the device's compiler must work (``compiled.compiler_works``);
-3. an eager forward and backward of a micro-batch of the run's own rows is timed: if even the largest
-   saving measured (``SAVING_BOUND`` of a step) over every planned step cannot repay the compiles the run
-   makes (``EXPECTED_COMPILES``) at ``COMPILE_FLOOR_S`` each, the least a
-   layer's compile took, it stays eager;
+3. an eager forward and backward of a micro-batch of the run's own rows is timed, and a small graph's
+   compile (``compiled.least_compile_seconds``, the least any compile costs here): as no compiled step
+   takes less than no time, the planned steps can save at most their eager time; if that cannot repay the
+   compiles the run makes (``EXPECTED_COMPILES``) at that least cost each, it stays eager;
 4. otherwise the layers are compiled and the same micro-batch timed twice: the first call is the compile,
    the second the compiled step. Compiled when the saving over the planned steps exceeds the compile
    times the compiles the run makes; the compiled graphs are kept for the run, and removed again when it
@@ -40,17 +40,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Fewer steps than this are never measured: at the least compile measured (COMPILE_FLOOR_S) and the largest
-# saving (SAVING_BOUND), repaying it in 50 steps needs eager steps of over 0.5 s, and the measurement
-# itself costs three steps. (The suite's short runs stay unmeasured: none trains 50 steps.)
+# Fewer steps than this are never measured: the measurement costs three eager steps and a compile (0.4 s
+# from inductor's disk cache, 12 s without it, on 2 loaded cores), after the compiler's first start in the
+# process (12-15 s here); the suite's short runs and the quick recipes stay unmeasured (none trains 50).
 MIN_STEPS = 50
-# The largest share of a step compiling saved in our measurements: 0.35 under the defaults and 0.30
-# without checkpointing (whole-model compile, benchmarks/results/compile-cpu.md, tiny Llama on 2 cores).
-SAVING_BOUND = 0.4
-# The least time one compile of a decoder layer's forward and backward took: 8.4 s for the tiny Llama's
-# layer (full checkpointing) on 2 CPU cores (recipes/demo.yaml's auto decision, 2026-12-06; the
-# whole-model compile took 18-82 s: benchmarks/results/compile-cpu.md).
-COMPILE_FLOOR_S = 8.0
 # A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation runs eager.
 EXPECTED_COMPILES = 2
 
@@ -102,26 +95,39 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(False, f"auto: the compiler does not work here ({detail})")
     batch = _micro_batch(recipe, trainer)
     eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
-    bound = steps * SAVING_BOUND * eager_s
-    compiles = EXPECTED_COMPILES
-    if bound < COMPILE_FLOOR_S * compiles:
-        return CompileChoice(
-            False,
-            f"auto: {steps} steps of {eager_s:.3f} s save at most {bound:.1f} s, under the "
-            f"{compiles} compiles of at least {COMPILE_FLOOR_S:.1f} s the run would make",
-        )
+    refused = unrepaid(steps, eager_s, compiled.least_compile_seconds())
+    if refused:
+        return CompileChoice(False, refused)
     compiled.compile_decoder_layers(model)
     first_s, compiled_s = _timed_steps(trainer, model, batch, 2)
-    cost = max(first_s - compiled_s, 0.0) * compiles
+    choice = timed_choice(steps, eager_s, first_s - compiled_s, compiled_s)
+    if not choice.enabled:
+        compiled.uncompile_decoder_layers(model)
+    return choice
+
+
+def timed_choice(steps: int, eager_s: float, compile_s: float, compiled_s: float) -> CompileChoice:
+    """On when ``steps`` steps save more (eager step ``eager_s`` less compiled step ``compiled_s``) than the
+    run's compiles cost at ``compile_s`` each (the first compiled call less a compiled step); measured."""
+    cost = max(compile_s, 0.0) * EXPECTED_COMPILES
     saving = (eager_s - compiled_s) * steps
     figures = (
         f"{steps} steps x ({eager_s:.3f} s eager - {compiled_s:.3f} s compiled) = {saving:.1f} s saved "
-        f"against {compiles} compiles of {first_s - compiled_s:.1f} s"
+        f"against {EXPECTED_COMPILES} compiles of {compile_s:.1f} s"
     )
-    if saving > cost:
-        return CompileChoice(True, f"auto: {figures}")
-    compiled.uncompile_decoder_layers(model)
-    return CompileChoice(False, f"auto: {figures}")
+    return CompileChoice(saving > cost, f"auto: {figures}")
+
+
+def unrepaid(steps: int, eager_s: float, least_compile_s: float) -> str | None:
+    """Why ``steps`` eager steps of ``eager_s`` cannot repay the run's compiles at ``least_compile_s`` each,
+    both measured on this run (None: they might, so a compile is timed)."""
+    bound = steps * eager_s  # a compiled step takes more than no time
+    if bound >= least_compile_s * EXPECTED_COMPILES:
+        return None
+    return (
+        f"auto: {steps} steps of {eager_s:.3f} s save at most {bound:.2f} s, under the "
+        f"{EXPECTED_COMPILES} compiles of at least {least_compile_s:.2f} s the run would make"
+    )
 
 
 def _micro_batch(recipe: Recipe, trainer: Trainer) -> dict[str, torch.Tensor]:

@@ -9,14 +9,13 @@ the compile time), and the embedding's ``requires_grad_()`` hook, the loss head 
 machinery stay outside it, which is where the whole-model compile broke its graph (7 breaks under the
 defaults: benchmarks/results/compile-cpu.md).
 
-Checkpointing stays outside the compiled region too: transformers' ``GradientCheckpointingLayer.__call__``
-checkpoints around ``Module.__call__``, which runs the compiled layer, so full and every_n layers recompute
-the compiled forward in backward. Two kinds of layer are left eager, each with its reason in the log:
-- a selective layer: its forward runs under torch's selective-checkpoint dispatch mode, and inductor's
-  partitioner fails on a graph traced there (torch 2.13: ``cleanup_recompute_tags`` compares the
-  ``ac_graph_id`` of None with None);
-- a layer whose checkpoint keeps its input in host memory (``memory.offload_activations``): dynamo cannot
-  trace the ``saved_tensors_hooks`` active around it (two graph breaks a step, then an eager layer).
+Checkpointing is compiled with the layer: transformers' ``GradientCheckpointingLayer`` checkpoints inside
+the layer's ``forward``, which the compiled call runs, so dynamo traces torch's checkpoint as its
+higher-order op and the partitioner recomputes what it lets go (full and every_n: everything; selective:
+what its op policy does not keep, memory/selective.py, whose forward context hands the region's
+``ac_graph_id`` down to torch's caching mode for that). One kind of layer is left eager, with its reason in
+the log: a layer whose checkpoint keeps its input in host memory (``memory.offload_activations``): dynamo
+cannot trace the ``saved_tensors_hooks`` active around it (two graph breaks a step, then an eager layer).
 
 Mixture, hybrid (recurrent) and vision-language families keep every layer eager for now, with the reason
 logged: their compiled losses are not yet measured against eager.
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -37,11 +37,9 @@ import torch
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.model import moe_experts, recurrent, vision
-from qlora_kit.registries import checkpointing as table
 
 log = logging.getLogger(__name__)
 
-SELECTIVE_REASON = "selective checkpointing's dispatch mode breaks inductor's partitioner (torch 2.13, cleanup_recompute_tags)"
 OFFLOAD_REASON = (
     "dynamo cannot trace the host-offload saved_tensors_hooks around it (memory.offload_activations)"
 )
@@ -74,10 +72,9 @@ def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
         log.info("train.compile: %s", result.describe())
         return result
     offloaded = set(checkpointing.offloaded_layers(model))
-    for index, (layer, policy) in enumerate(zip(layers, checkpointing.applied_policies(model), strict=True)):
-        reason = _eager_reason(policy, index in offloaded)
-        if reason:
-            result.eager[index] = reason
+    for index, layer in enumerate(layers):
+        if index in offloaded:
+            result.eager[index] = OFFLOAD_REASON
             continue
         _compile_training_forward(layer)
         result.compiled.append(index)
@@ -122,14 +119,6 @@ def family_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
-def _eager_reason(policy: str, offloaded: bool) -> str | None:
-    if table.policy(policy).context_fn:
-        return SELECTIVE_REASON
-    if offloaded:
-        return OFFLOAD_REASON
-    return None
-
-
 @functools.cache
 def compiler_works() -> tuple[bool, str]:
     """Whether inductor compiles and runs a small function on this device (a C++ compiler on a CPU,
@@ -149,3 +138,23 @@ def compiler_works() -> tuple[bool, str]:
 
 def _probe(x: torch.Tensor) -> torch.Tensor:
     return torch.relu(x * 2 - 3).sum(-1, keepdim=True) + x
+
+
+@functools.cache
+def least_compile_seconds() -> float:
+    """Seconds inductor takes here to compile a graph of two fused kernels, the least any compile costs on
+    this machine in this process (a decoder layer's forward and backward are many more): timed after
+    ``compiler_works``, whose first compile also pays the one-off start of the toolchain (12-15 s on 2
+    loaded cores, against 0.4 s for this one from inductor's disk cache and 12 s without it)."""
+    compiler_works()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.arange(8, dtype=torch.float32, device=device)
+    start = time.perf_counter()
+    torch.compile(_timed_probe, backend="inductor", fullgraph=True)(x)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def _timed_probe(x: torch.Tensor) -> torch.Tensor:  # another code object than _probe: compiled afresh
+    return torch.tanh(x * 3 + 1).sum(-1, keepdim=True) * x

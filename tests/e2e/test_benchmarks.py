@@ -51,7 +51,7 @@ TABLES = {
          ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("vs sdpa unpacked", rf"{N}x")], 4,
     )]),
     "compile.py": ("compile-cpu.md", [(
-        [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 3,
+        [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 2,
     )]),
     "step_overhead.py": ("step-overhead-cpu.md", [(
         [("component", r"[a-z' :()-]+"), ("ms / step", N), ("share of the step", rf"{N}%")], 8,

@@ -27,11 +27,11 @@ def test_compiled_run_trains_to_the_losses_of_the_eager_run(tmp_path):
     )
     assert found, text
     eager, compiled = ([float(v) for v in group.split()] for group in found.groups())
-    assert len(eager) == len(compiled) == 3
+    assert len(eager) == len(compiled) == 2  # the compile's step, then a compiled step after an update
     assert compiled == pytest.approx(eager, rel=1e-3)
 
     # Stepped by hand: 2 x 32 random tokens a step, so bf16's rounding shows more than on the demo's
     # batches (a few 1e-4); a compiled forward or backward that computes something else shows far more.
     ((_, rows),) = tables
     eager, compiled = [float(row[1]) for row in rows], [float(row[2]) for row in rows]
-    assert len(eager) == 3 and compiled == pytest.approx(eager, rel=1e-2)
+    assert len(eager) == 2 and compiled == pytest.approx(eager, rel=1e-2)
