@@ -411,11 +411,10 @@ def test_the_fault_check_sees_a_hook_on_the_run_path(tmp_path, monkeypatch):
 
 
 # STYLE's size: modules up to ~400 lines. The families table is the one module allowed past it (one
-# entry per family); the others are being split by their owners (issue 81) and leave this list then.
+# entry per family); a module split leaves the list.
 MODULE_LINES_MAX = 400
 OVER_THE_SIZE = {
     "registries/families.py": "the table itself",
-    "after/parity.py": "issue 81, after/'s owner",
 }
 
 
