@@ -43,7 +43,7 @@ from qlora_kit.model import (
 )
 from qlora_kit.model.layers import is_linear
 from qlora_kit.model.paths import check_model_folder, first_line
-from qlora_kit.registries import attention, family_traits
+from qlora_kit.registries import attention, families, family_traits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -219,7 +219,8 @@ def load_base_model(
     ``experts_to_host(model, device=...)`` (memory.experts_on_host's keep_experts_on_host): the model is
     loaded and its experts packed on the host, that function keeps the experts there, and only then does
     the rest of the model go to the device: no expert's bytes, 16-bit or packed, are ever on the device at
-    load (with transformers' device map they would all be, in 16 bits, before packing).
+    load. Any other mixture at 4 bits on a GPU is loaded and packed on the host too, then moved whole
+    (``packs_on_host_first``): transformers' device map would put its experts on the GPU in 16 bits first.
 
     Under FSDP too every process loads and quantizes the whole model onto its own device, and FSDP
     shards it when the Trainer prepares it (freeing the rest): transformers 5.24 loads on rank 0 alone
@@ -243,7 +244,10 @@ def load_base_model(
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
             path = mxfp4.dequantized_folder(path, model)
         language_model_alone = config if text_only.alone(checkpoint) else None
-        placement = {"": "cpu"} if experts_to_host is not None else device_map()
+        host_first = experts_to_host is not None or packs_on_host_first(
+            config, quant, torch.cuda.is_available()
+        )
+        placement = {"": "cpu"} if host_first else device_map()
         base = _from_pretrained(
             model, quant, path, kernel, vision.vision_of(config), language_model_alone, placement
         )
@@ -260,7 +264,7 @@ def load_base_model(
             quant.double_quant,
             experts_selfcheck.tolerance(getattr(torch, quant.compute_dtype)),
         )
-    if experts_to_host is not None:
+    if host_first:
         _to_device_but_experts(base, experts_to_host)
     if quant.bits == 4:  # bitsandbytes checked on this device before its weights are used (bnb_selftest.py)
         check_quantized(base, vision.vision_of(config))
@@ -342,14 +346,24 @@ def device_map() -> dict[str, int | str]:
     return {"": "cpu"}
 
 
-def _to_device_but_experts(base: PreTrainedModel, experts_to_host: Callable) -> None:
+def packs_on_host_first(config, quant: QuantSection, cuda: bool) -> bool:
+    """Whether the model is loaded on the host and its experts packed there before it goes to the GPU: a
+    mixture at 4 bits. Its fused experts are parameters bitsandbytes does not quantize, so transformers'
+    device map would put every expert on the GPU in 16 bits before ``quantize_experts`` packs them (a
+    30B-A3B: ~57 GB, where the packed model is ~17): the host holds them in 16 bits instead, for the load."""
+    mixture = families.experts_facet(config) is not None or config.model_type in families.FLAT_EXPERTS
+    return cuda and quant.bits == 4 and mixture
+
+
+def _to_device_but_experts(base: PreTrainedModel, experts_to_host: Callable | None) -> None:
     """The model loaded on the host, its experts packed: the experts kept there by ``experts_to_host`` (their
-    tensors swapped for empty ones on the device), then the rest moved to the device. Not transformers'
-    device map with the experts on "cpu": accelerate would offload them with its own hooks, moving each whole
-    module at every call, and refuse to train a 4-bit model so placed."""
+    tensors swapped for empty ones on the device) where given, then the rest moved to the device. Not
+    transformers' device map with the experts on "cpu": accelerate would offload them with its own hooks,
+    moving each whole module at every call, and refuse to train a 4-bit model so placed."""
     placement = device_map()
     device = torch.device("cuda", placement[""]) if torch.cuda.is_available() else torch.device("cpu")
-    experts_to_host(base, device=device)
+    if experts_to_host is not None:
+        experts_to_host(base, device=device)
     base.to(device)  # the experts' empty tensors are there already: nothing of theirs moves
     base.hf_device_map = placement  # where it is now, which accelerate reads before training it
 
