@@ -52,7 +52,13 @@ def build(kernel: str, packing: bool, out: Path, size: Size):
             "model": {"path": str(folder), "attn_implementation": kernel},
             "memory": {"checkpointing": "none", "chunked_loss": False},
             "data": {"packing": packing, "max_seq_len": size.seq},
-            "train": {"output_dir": str(out), "micro_batch_size": size.batch, "max_steps": 1000},
+            # eager kernels compared: compile.py measures train.compile (auto would time a compile here)
+            "train": {
+                "output_dir": str(out),
+                "micro_batch_size": size.batch,
+                "max_steps": 1000,
+                "compile": False,
+            },
         }
     )
     trainer = build_run(recipe).trainer

@@ -65,3 +65,14 @@ def test_the_floors_inputs_are_rounded_as_q8_0_rounds_them():
         rounding.remove()
         plain = layer(inputs)[:, 0]
     assert torch.equal(got, expected[:, 3]) and not torch.equal(plain, got)
+
+
+@pytest.mark.slow  # a process of its own, ~10 s
+def test_the_bounds_benchmark_writes_its_table_of_the_bounds_derived(tmp_path):
+    """benchmarks/export_floor_bounds.py --untrained at smoke size: the table of the bounds for each reader,
+    finite, each at SAFETY times its expectation, llama.cpp's q8_0 one over transformers' reading."""
+    from tests.e2e.test_benchmarks import smoke_run
+
+    _, tables = smoke_run("export_floor_bounds.py", tmp_path, "--untrained")
+    bounds = {(row[0], row[1]): float(row[-1]) for row in tables[0][1]}
+    assert bounds[("llama.cpp", "q8_0")] > bounds[("llama.cpp", "f16")] > bounds[("transformers", "q8_0")]

@@ -418,7 +418,7 @@ def test_a_mixture_at_4_bits_is_packed_on_the_host_before_it_goes_to_the_gpu(mod
     packed (a 30B-A3B: ~57 GB against ~17 packed): on a GPU every 4-bit mixture, listed in the families
     table or not, loads on the host first; a dense model, a 16-bit load and a CPU-only run do not."""
     config = transformers.AutoConfig.for_model(model_type)
-    four_bit, sixteen_bit = Recipe().quant, Recipe.from_dict({"quant": {"bits": 16}}).quant
+    four_bit, sixteen_bit = 4, 16
     assert model.packs_on_host_first(config, four_bit, cuda=True)
     assert not model.packs_on_host_first(config, sixteen_bit, cuda=True)
     assert not model.packs_on_host_first(config, four_bit, cuda=False)

@@ -35,6 +35,7 @@ and counted (``LayerExperts.copies``), so the tests prove the losses, the gradie
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 
 import torch
@@ -64,6 +65,24 @@ class LayerExperts:
         """Start filling the device storages from the host (asynchronous on CUDA); nothing when filled."""
         if self.filled:
             return
+        self._fill()
+        self.copies[phase] += 1
+
+    @contextlib.contextmanager
+    def lent(self):
+        """The bytes on the device for a check outside training (experts_selfcheck.check_lora, once a
+        load), then released: no pass of a step, so not among the counted copies."""
+        if self.filled:
+            yield
+            return
+        self._fill()
+        try:
+            self.ready("lent")
+            yield
+        finally:
+            self.release()
+
+    def _fill(self) -> None:
         for storage, host in zip(self.storages, self.host, strict=True):
             storage.resize_(host.numel())  # allocated on the compute stream, which frees it again
         if self.device.type == "cuda":
@@ -77,7 +96,6 @@ class LayerExperts:
             for storage, host in zip(self.storages, self.host, strict=True):
                 _bytes_of(storage, self.device).copy_(host)
         self.filled = True
-        self.copies[phase] += 1
 
     def ready(self, phase: str) -> None:
         """The bytes on the device before the compute stream reads them."""

@@ -19,6 +19,7 @@ one epsilon of the values it rounds. A wrong layout moves outputs by their own s
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 
@@ -159,6 +160,12 @@ def check_lora(peft_model) -> None:
     if dtype is None:  # no LoRA on experts, or experts not packed (quant.bits 16 runs peft's own)
         return
     name, layer = found
+    on_host = getattr(experts, "experts_on_host", None)  # memory.experts_on_host: the bytes wait on the host
+    with on_host.lent() if on_host is not None else contextlib.nullcontext():
+        _check_lora_of(name, layer, experts, dtype)
+
+
+def _check_lora_of(name: str, layer, experts, dtype: torch.dtype) -> None:
     replica, factors = dequantized_copy(experts), {}
     generator = torch.Generator().manual_seed(0)
     while isinstance(layer, moe_experts.LoraExperts):

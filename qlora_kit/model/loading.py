@@ -244,9 +244,8 @@ def load_base_model(
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
             path = mxfp4.dequantized_folder(path, model)
         language_model_alone = config if text_only.alone(checkpoint) else None
-        host_first = experts_to_host is not None or packs_on_host_first(
-            config, quant, torch.cuda.is_available()
-        )
+        cuda = torch.cuda.is_available()
+        host_first = experts_to_host is not None or packs_on_host_first(config, quant.bits, cuda)
         placement = {"": "cpu"} if host_first else device_map()
         base = _from_pretrained(
             model, quant, path, kernel, vision.vision_of(config), language_model_alone, placement
@@ -346,13 +345,13 @@ def device_map() -> dict[str, int | str]:
     return {"": "cpu"}
 
 
-def packs_on_host_first(config, quant: QuantSection, cuda: bool) -> bool:
+def packs_on_host_first(config, bits: int, cuda: bool) -> bool:
     """Whether the model is loaded on the host and its experts packed there before it goes to the GPU: a
     mixture at 4 bits. Its fused experts are parameters bitsandbytes does not quantize, so transformers'
     device map would put every expert on the GPU in 16 bits before ``quantize_experts`` packs them (a
     30B-A3B: ~57 GB, where the packed model is ~17): the host holds them in 16 bits instead, for the load."""
     mixture = families.experts_facet(config) is not None or config.model_type in families.FLAT_EXPERTS
-    return cuda and quant.bits == 4 and mixture
+    return cuda and bits == 4 and mixture
 
 
 def _to_device_but_experts(base: PreTrainedModel, experts_to_host: Callable | None) -> None:

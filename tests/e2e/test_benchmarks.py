@@ -50,6 +50,11 @@ TABLES = {
         [("kernel", "sdpa|eager"), ("packing", "on|off"), ("saved for backward (MiB)", N),
          ("planner (MiB)", WITH_ERROR), ("median step (s)", SECONDS), ("vs sdpa unpacked", rf"{N}x")], 4,
     )]),
+    "export_floor_bounds.py": ("export-floor-bounds-untrained-cpu.md", [(
+        [("reader", "transformers|llama.cpp"), ("type", "q8_0|f16"), ("products", r"\d+"), ("q8_0 peak ratio", N),
+         ("variance a product", N), ("mean Var(log p)", N), ("answer positions", r"\d+"), ("modelled KL", N),
+         ("measured q8_0 inputs' KL", rf"{N}|-"), ("bound against the floor", N)], 3,
+    )]),
     "compile.py": ("compile-cpu.md", [(
         [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 2,
     )]),
@@ -165,6 +170,7 @@ ELSEWHERE = {
     "packing_check.py": "test_gpu_check.py",
     "experts_on_host.py": "test_gpu_check.py",  # GPU only: gpu_check's case, skipped at --tiny
     "compile.py": "test_compile.py",
+    "export_floor_bounds.py": "../test_export_bounds.py",  # its --untrained table (the default trains)
     "fsdp_check.py": "test_fsdp.py",
 }
 
