@@ -50,6 +50,13 @@ MIN_STEPS = 50
 # small graph's cached compile (0.4 s) send every run of 50 steps into a timed compile of its layers
 # (seconds to minutes), which most then refused: 64 s of benchmarks/attention.py's 102 s at smoke size.
 LARGEST_SAVING = 0.4
+# The least a decoder layer's compile (forward and backward) has taken in our measurements: 8.4 s for the
+# tiny Llama's layer under full checkpointing, and 10.8 s in the README's demo on a clean clone, 2 cores
+# (2026-12-06). The small graph compiled and timed on the run (compiled.least_compile_seconds) is the floor
+# of any compile here, but a layer's graph is many times larger: with that floor alone the demo timed a
+# compile of its layers before step 1 and ran 19 s longer end to end (88 s -> 107 s), to stay eager. A GPU
+# compiles a layer more slowly still, so this floor only keeps the decision conservative.
+LAYER_COMPILE_FLOOR_S = 8.0
 # A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation runs eager.
 EXPECTED_COMPILES = 2
 
@@ -101,7 +108,7 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(False, f"auto: the compiler does not work here ({detail})")
     batch = _micro_batch(recipe, trainer)
     eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
-    refused = unrepaid(steps, eager_s, compiled.least_compile_seconds())
+    refused = unrepaid(steps, eager_s, max(compiled.least_compile_seconds(), LAYER_COMPILE_FLOOR_S))
     if refused:
         return CompileChoice(False, refused)
     compiled.compile_decoder_layers(model)
