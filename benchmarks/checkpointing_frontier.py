@@ -90,7 +90,8 @@ def recipe_for(folder: Path, memory_fields: dict, out: Path, batch: int, seq: in
             "model": {"path": str(folder)},
             "memory": memory_fields,
             "data": {"packing": False, "max_seq_len": seq},
-            "train": {"output_dir": str(out), "micro_batch_size": batch, "max_steps": 1000},
+            # eager policies compared: a compile in this process also made the planner's later traces symbolic
+            "train": {"output_dir": str(out), "micro_batch_size": batch, "max_steps": 1000, "compile": False},
         }
     )
 

@@ -63,6 +63,7 @@ def setup_for(
         "train.micro_batch_size": batch,
         "train.output_dir": str(out / name),
         "train.max_steps": 10_000,
+        "train.compile": False,
         "quant.compute_dtype": compute_dtype,
         **fields,
     }

@@ -84,7 +84,12 @@ def build(name: str, vocab: int, memory_fields: dict, out: Path, size: Size):
             "memory": memory_fields,
             "data": {"packing": False, "max_seq_len": size.seq},
             "quant": {"compute_dtype": size.compute_dtype},
-            "train": {"output_dir": str(out / name), "micro_batch_size": size.batch, "max_steps": 1000},
+            "train": {
+                "output_dir": str(out / name),
+                "micro_batch_size": size.batch,
+                "max_steps": 1000,
+                "compile": False,
+            },
         }
     )
     trainer = build_run(recipe).trainer
