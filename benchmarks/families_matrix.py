@@ -237,7 +237,10 @@ def row_in_own_process(model_type: str, logs: Path, limit_s: float = TIME_LIMIT_
         process = context.Process(target=_child, args=(model_type, folder, str(log), send))
         process.start()
         send.close()
-        row = receive.recv() if receive.poll(limit_s) else None
+        try:
+            row = receive.recv() if receive.poll(limit_s) else None
+        except EOFError:  # the child died without a row (a crash): its log says how
+            row = None
         process.join(5 if row is not None else 0)
         if process.is_alive():
             process.kill()

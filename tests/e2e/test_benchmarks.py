@@ -234,7 +234,9 @@ def check_smoke_table(script: str, out: Path, before: bytes | None, options=()):
     return text, found
 
 
-SMOKED_HERE = sorted(set(TABLES) - set(ELSEWHERE))
+# families_matrix.py forks a process per row: first, before the other scripts start torch's thread pools in
+# this process (forked after them, its children died of SIGSEGV, exit -11, on every row)
+SMOKED_HERE = ["families_matrix.py", *sorted(set(TABLES) - set(ELSEWHERE) - {"families_matrix.py"})]
 
 
 @pytest.mark.slow
