@@ -120,13 +120,7 @@ def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(b
 def storage_bytes(model) -> int:
     """Bytes the model's tensors hold where they live (each storage once; an emptied one holds none): its
     parameters, buffers and Linear4bit quantization states."""
-    tensors = [*model.parameters(), *model.buffers()]
-    for parameter in model.parameters():
-        state = getattr(parameter, "quant_state", None)
-        if state is not None:
-            tensors += [state.absmax, state.code]
-            if state.nested:
-                tensors += [state.state2.absmax, state.state2.code]
+    tensors = [*model.parameters(), *model.buffers(), *experts_on_host._quant_state_tensors(model)]
     held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     return sum(nbytes for ptr, nbytes in held.items() if nbytes)
 
