@@ -259,6 +259,7 @@ def run_cli_output(argv: list[str], monkeypatch, capsys) -> tuple[int, str, str]
 
     monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
     rebind_closed_log_streams()
+    capsys.readouterr()  # what ran before the command (a fixture's training run, say) is not its output
     with pytest.raises(SystemExit) as exit_info:
         cli.main()
     captured = capsys.readouterr()
