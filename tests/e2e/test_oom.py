@@ -357,6 +357,14 @@ def two_processes(recipe_file: Path, out: Path, env: dict[str, str]) -> subproce
     )
 
 
+def why_failed(stderr: str) -> str:
+    """A failed launch's cause first: the lines where a process died (a C++ abort's ``terminate called`` and
+    ``what():``, a traceback's last line), which torchrun's closing summary pushes out of the tail."""
+    marks = ("terminate called", "what():", "Error:", "error:", "Exception")
+    causes = [line for line in stderr.splitlines() if any(mark in line for mark in marks)]
+    return "\n".join([*causes[:20], "...", stderr[-2000:]])
+
+
 def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
     """A launcher and its processes in a session of their own: past the timeout (a process left waiting
     in a collective) all of them are killed and the test fails."""
@@ -384,7 +392,7 @@ def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tm
     cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
     out = tmp_path / "out"
     result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap)})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, why_failed(result.stderr)
     [event] = [row[keys.OOM_SPLIT] for row in splits(out)]
     assert event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
     assert "another process" in result.stderr or "fault injector" in result.stderr
@@ -418,7 +426,7 @@ def test_two_processes_where_one_runs_out_of_memory_in_the_all_reducing_backward
     recipe_file.write_text(Recipe.from_dict(values).to_yaml())
     out = tmp_path / "out"
     result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap), oom_faults.RANK_ENV: "1"})
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode == 0, why_failed(result.stderr)
     [row] = splits(out)
     event = row[keys.OOM_SPLIT]
     assert row["step"] == 1 and event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
