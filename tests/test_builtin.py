@@ -2,12 +2,14 @@
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from safetensors.torch import load_file
 
 from qlora_kit.data import demo
 from qlora_kit.model import builtin
+from qlora_kit.registries import families
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,8 +34,10 @@ def test_a_builtin_whose_families_entry_changed_is_built_again(tmp_path, monkeyp
     entry was written kept transformers' default sizes)."""
     monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
     before = builtin.ensure_tiny_model("tiny-llama")
-    config_class, extra = builtin.TINY_ARCHITECTURES["tiny-llama"]
-    monkeypatch.setitem(builtin.TINY_ARCHITECTURES, "tiny-llama", (config_class, {**extra, "head_dim": 64}))
+    llama = families.FAMILIES["llama"]
+    monkeypatch.setitem(
+        families.FAMILIES, "llama", replace(llama, tiny_config={**llama.tiny_config, "head_dim": 64})
+    )
     after = builtin.ensure_tiny_model("tiny-llama")
     assert after != before
     assert json.loads((after / "config.json").read_text())["head_dim"] == 64

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.registries import families
 from qlora_kit.registries.families import FAMILIES
 from qlora_kit.registries.formats import ALPACA_FRAMING
 
@@ -49,12 +50,12 @@ CHAT_TEMPLATE = (
 # every linear is a multiple of 64 wide, so 4-bit blocks (64 values) tile it exactly.
 # One builtin per family of the families table (registries/families.py): name -> (config class, extras).
 # The dense families, and apart from them the mixtures of experts (their LoRA takes no dropout, and the
-# export tests write GGUF of the dense ones).
+# export tests write GGUF of the dense ones). These list the shipped builtins for tests and benchmarks; a
+# build reads its family's entry from the table when it runs (``_entry``), so an entry is its builtin.
 TINY_ARCHITECTURES = {
     f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values() if not f.experts and not f.vision
 }
 TINY_MOE_ARCHITECTURES = {f.tiny: (f.config_class, f.tiny_config) for f in FAMILIES.values() if f.experts}
-TINY_VISION_NAMES = tuple(f.tiny for f in FAMILIES.values() if f.vision)  # vision-language builtins
 TINY_SHAPE = {
     "hidden_size": 128,
     "intermediate_size": 256,
@@ -81,21 +82,28 @@ def cache_root() -> Path:
 
 def ensure_tiny_model(name: str, **shape_overrides) -> Path:
     """Return the folder of builtin model ``name``, building it first if the cache has none."""
-    if name not in TINY_ARCHITECTURES and name not in TINY_MOE_ARCHITECTURES:
-        known = [*TINY_ARCHITECTURES, *TINY_MOE_ARCHITECTURES, *TINY_VISION_NAMES, "smollm2-135m-instruct"]
-        # (the vision-language builtins are built by builtin_vision.py; loading.resolve_model_path asks it)
-        raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
+    entry = _entry(name)
     # a family's own value of a shared key (DeepSeek-V3's key/value heads, one per query head) over the
     # default shape; the caller's over both
-    own = {
-        k: v for k, v in {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name][1].items() if k in TINY_SHAPE
-    }
+    own = {k: v for k, v in entry.tiny_config.items() if k in TINY_SHAPE}
     shape = {**TINY_SHAPE, **own, **shape_overrides}
-    key = _cache_key(name, shape)
+    key = _cache_key(entry, shape)
     folder = cache_root() / "models" / f"{name}-{key}"
     if (folder / "config.json").exists():
         return folder
-    return build_into(folder, lambda staging: _build(name, shape, staging))
+    return build_into(folder, lambda staging: _build(entry, shape, staging))
+
+
+def _entry(name: str) -> families.Family:
+    """The families entry whose builtin is ``name``, read from the table now (an entry added after import is
+    a builtin too); the vision-language ones are built by builtin_vision.py, which
+    loading.resolve_model_path asks first."""
+    entry = families.by_tiny_name(name)
+    if entry is None or (entry.vision is not None and entry.experts is None):
+        text = [f.tiny for f in FAMILIES.values() if f.vision is None or f.experts is not None]
+        known = [*text, *(f.tiny for f in FAMILIES.values() if f.vision), "smollm2-135m-instruct"]
+        raise RecipeError(f"model.path: unknown builtin model {name!r} (known: {', '.join(known)})")
+    return entry
 
 
 def build_into(folder: Path, build, marker: str = "config.json") -> Path:
@@ -115,13 +123,13 @@ def build_into(folder: Path, build, marker: str = "config.json") -> Path:
     return folder
 
 
-def _cache_key(name: str, shape: dict) -> str:
+def _cache_key(entry: families.Family, shape: dict) -> str:
     # the family's config class and values too: a builtin whose families entry changed is built again
-    architecture = {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name]
+    architecture = (entry.config_class, entry.tiny_config)
     digest = hashlib.sha256()
     digest.update(
         json.dumps(
-            [BUILD_VERSION, name, architecture, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]
+            [BUILD_VERSION, entry.tiny, architecture, shape, TOKENIZER_VOCAB, LM_HEAD_SCALE, CHAT_TEMPLATE]
         ).encode()
     )
     for path in CORPUS:
@@ -129,16 +137,20 @@ def _cache_key(name: str, shape: dict) -> str:
     return digest.hexdigest()[:12]
 
 
-def _build(name: str, shape: dict, folder: Path) -> None:
+def _build(entry: families.Family, shape: dict, folder: Path) -> None:
     tokenizer = build_tokenizer()
-    config_class, extra = {**TINY_ARCHITECTURES, **TINY_MOE_ARCHITECTURES}[name]
     shape = dict(shape)
-    config = getattr(transformers, config_class)(
-        vocab_size=shape.pop("vocab_size", _tokens_as_loaded(tokenizer, config_class)),  # benchmarks widen it
+    # the config class transformers registers for the family's model_type (the entry's config_class for
+    # every shipped family; a family registered with AutoConfig outside transformers too)
+    config = transformers.AutoConfig.for_model(
+        entry.model_type,
+        vocab_size=shape.pop(
+            "vocab_size", _tokens_as_loaded(tokenizer, entry.model_type)
+        ),  # benchmarks widen it
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **{**extra, **shape},  # a shape the caller asks for over the family's values
+        **{**entry.tiny_config, **shape},  # a shape the caller asks for over the family's values
     )
     with torch.random.fork_rng():  # a fixed seed without disturbing the caller's random stream
         torch.manual_seed(0)
@@ -157,13 +169,13 @@ def _build(name: str, shape: dict, folder: Path) -> None:
     tokenizer.save_pretrained(folder)
 
 
-def _tokens_as_loaded(tokenizer, config_class: str) -> int:
+def _tokens_as_loaded(tokenizer, model_type: str) -> int:
     """How many tokens the saved tokenizer has once AutoTokenizer loads it for this architecture: Qwen2's
     tokenizer class adds its own <|endoftext|>, which must have an embedding row too (the loader refuses
     a tokenizer larger than the embeddings, model/loading.check_vocab_fits)."""
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)
-        config = getattr(transformers, config_class)()
+        config = transformers.AutoConfig.for_model(model_type)
         config.save_pretrained(folder)
         return max(len(tokenizer), len(transformers.AutoTokenizer.from_pretrained(folder)))
 
