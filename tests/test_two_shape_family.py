@@ -13,6 +13,7 @@ two attention sizes and two MLP sizes. Per-layer embeddings (64 wide) beside the
 
 from __future__ import annotations
 
+import bitsandbytes as bnb
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
@@ -102,14 +103,15 @@ def test_a_family_of_two_layer_sizes_and_kinds_loads_trains_plans_and_merges(two
     from qlora_kit.registries import metric_keys as keys
     from qlora_kit.training.pipeline import run
 
-    rows = tmp_path / "rows.jsonl"
+    rows, held_out = tmp_path / "rows.jsonl", tmp_path / "held_out.jsonl"
     write_rows(rows, "chat", 40)
+    held_out.write_text("".join(rows.read_text().splitlines(keepends=True)[:2]))  # merge's drift rows
     recipe = quick_recipe(
         tmp_path / "run",
         **{
             "model.path": f"builtin:{two_shape_family.tiny}",
             "data.path": str(rows),
-            "data.val_path": str(rows),  # merge judges its drift on held-out rows
+            "data.val_path": str(held_out),
             "data.format": "chat",
             "data.max_seq_len": 128,
             "memory.checkpointing": "none",  # every layer keeps its activations: each kind's figure counts
@@ -133,7 +135,12 @@ def test_a_family_of_two_layer_sizes_and_kinds_loads_trains_plans_and_merges(two
 
     # planned: the plan of the batch it trained on against the bytes the run counted as saved, the grid's bound
     batch, seq = max(shapes.shapes)
-    planned = plan(recipe, batch=batch, seq=seq, device="cpu").chosen(recipe).activations
+    the_plan = plan(recipe, batch=batch, seq=seq, device="cpu")
+    assert the_plan.activation_source == "traced"  # each kind of layer traced, not the formula's one layer
+    # its weights: every linear the run loaded in 4 bits, at each layer's own width
+    loaded = [m for m in result.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert the_plan.shape.quantized_values == sum(m.weight.quant_state.shape.numel() for m in loaded)
+    planned = the_plan.chosen(recipe).activations
     measured = result.memory[keys.SAVED_MIB] * MIB
     print(f"planned {planned}, measured {measured:.0f}: {planned / measured - 1:+.2%} at {batch} x {seq}")
     assert -0.02 <= planned / measured - 1 <= 0.05, (planned, measured)
