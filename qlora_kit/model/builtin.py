@@ -140,13 +140,14 @@ def _cache_key(entry: families.Family, shape: dict) -> str:
 def _build(entry: families.Family, shape: dict, folder: Path) -> None:
     tokenizer = build_tokenizer()
     shape = dict(shape)
+    vocab_size = shape.pop(
+        "vocab_size", _tokens_as_loaded(tokenizer, entry.model_type)
+    )  # benchmarks widen it
     # the config class transformers registers for the family's model_type (the entry's config_class for
     # every shipped family; a family registered with AutoConfig outside transformers too)
     config = transformers.AutoConfig.for_model(
         entry.model_type,
-        vocab_size=shape.pop(
-            "vocab_size", _tokens_as_loaded(tokenizer, entry.model_type)
-        ),  # benchmarks widen it
+        vocab_size=vocab_size,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
