@@ -140,9 +140,8 @@ def _cache_key(entry: families.Family, shape: dict) -> str:
 def _build(entry: families.Family, shape: dict, folder: Path) -> None:
     tokenizer = build_tokenizer()
     shape = dict(shape)
-    vocab_size = shape.pop(
-        "vocab_size", _tokens_as_loaded(tokenizer, entry.model_type)
-    )  # benchmarks widen it
+    # the tokenizer's size as the family's tokenizer class loads it (benchmarks widen it)
+    vocab_size = shape.pop("vocab_size", _tokens_as_loaded(tokenizer, entry.model_type))
     # the config class transformers registers for the family's model_type (the entry's config_class for
     # every shipped family; a family registered with AutoConfig outside transformers too)
     config = transformers.AutoConfig.for_model(
