@@ -146,3 +146,27 @@ def test_the_planner_traces_the_recipes_attention_kernel(kernel, packing):
     predicted = activation_bytes(model_shape(recipe), recipe, "none", 1, BATCH, SEQ, "cpu")
     assert predicted.source == "traced"
     assert predicted.total == pytest.approx(saved.total, rel=0.05)
+
+
+@pytest.mark.parametrize("arch", ["tiny-qwen3-moe", "tiny-deepseek-v3"])  # the second: a dense layer first
+def test_a_mixture_traced_with_a_few_experts_has_the_figures_of_every_expert(arch):
+    """fake_forward traces a mixture with FEW_EXPERTS experts routed and one more, and extrapolates to all
+    of them: the saved bytes of each layer equal, to the byte, a trace of every expert (a counter of its
+    own makes trace run them all), and so do the recompute costs at rows of the flops-bound size; 16 experts
+    top-2, LoRA on every expert, under bf16 autocast (where each expert's LoRA factors are copied)."""
+    from qlora_kit.memory.accounting import SavedTensors
+
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{arch}"}, "memory": {"chunked_loss": False}})
+    assert recipe.lora.experts
+    config = model_shape(recipe).config
+    key = "num_experts" if hasattr(config, "num_experts") else "n_routed_experts"
+    setattr(config, key, 16)
+    shape = fake_forward.Shape(BATCH, SEQ)
+    for kind in ("none", "full", "selective"):
+        few = fake_forward.trace(config, recipe, kind, shape, "bf16", set())
+        every = fake_forward.trace(
+            config, recipe, kind, shape, "bf16", set(), counter=lambda m: SavedTensors(m)
+        )
+        assert few[0] == every[0], kind
+        for layer, costs in every[1].items():
+            assert few[1][layer] == pytest.approx(costs, rel=1e-9), (kind, layer)

@@ -90,7 +90,56 @@ def trace(
     # stream of its own, or the run that plans before it loads would start from other weights than one
     # that does not (and a resumed run from others than its first part, whose plan built the builtin)
     with torch.random.fork_rng(devices=[]):
-        return _trace(config, recipe, policy, shape, precision, kernels, counter)
+        if counter is not SavedTensors:  # saved_by_op labels the ops of one trace: every expert is traced
+            return _trace(config, recipe, policy, shape, precision, kernels, counter)[:2]
+        return _trace_few_experts(config, recipe, policy, shape, precision, kernels)
+
+
+# A mixture's experts run one at a time in the trace (the CPU's loop, expert_matmul.py), so a trace of every
+# expert costs time in proportion to the experts: 30 s for Qwen3-Next's 512, and a plan traces four times.
+# Its figures are linear in the experts routed (expert_matmul.route): two traces, of FEW_EXPERTS and one
+# more, give every expert's figures exactly (the saved bytes to the byte: tests/test_tracing.py).
+FEW_EXPERTS = 2
+
+
+def _trace_few_experts(config, recipe, policy, shape, precision, kernels):
+    from qlora_kit.model import expert_matmul
+
+    def traced(routed: int):
+        few = expert_matmul.FewExperts(routed)
+        token = expert_matmul.FEW_EXPERTS.set(few)
+        try:
+            return (*_trace(config, recipe, policy, shape, precision, kernels, SavedTensors), few.capped)
+        finally:
+            expert_matmul.FEW_EXPERTS.reset(token)
+
+    saved, costs, experts, capped = traced(FEW_EXPERTS)
+    if not capped:  # a dense model, or experts as few as the picks: that trace was every expert's
+        return saved, costs
+    more_saved, more_costs, _, _ = traced(FEW_EXPERTS + 1)
+
+    def at_every(name: str, few: float, more: float):
+        return few + (experts.get(name, FEW_EXPERTS) - FEW_EXPERTS) * (more - few)
+
+    every_saved = {name: at_every(name, saved[name], more_saved[name]) for name in saved}
+    every_cost = {
+        name: tuple(at_every(name, *pair) for pair in zip(costs[name], more_costs[name], strict=True))
+        for name in costs
+    }
+    return every_saved, every_cost
+
+
+def _routed_experts(model) -> dict[str, int]:
+    """Each decoder layer's routed experts (by the trace's layer names), of the layers that have any."""
+    from qlora_kit.model import moe_experts
+
+    stacks = {id(module) for _, module in moe_experts.fused_experts(model)}
+    counts = {}
+    for index, layer in enumerate(decoder_layers(model)):
+        found = [getattr(m, "num_experts", 0) for m in layer.modules() if id(m) in stacks]
+        if found:
+            counts[f"layer {index}"] = max(found)
+    return counts
 
 
 def _trace(config, recipe, policy, shape, precision, kernels, counter):
@@ -119,7 +168,8 @@ def _trace(config, recipe, policy, shape, precision, kernels, counter):
     if facet is not None:
         _placeholders_without_count_check(model)
     model.requires_grad_(False)
-    if recipe.quant.bits == 4 and moe_experts.fused_experts(model):
+    experts = _routed_experts(model)
+    if recipe.quant.bits == 4 and experts:
         moe_experts.use_routed_loop(model)  # the experts' loop a 4-bit load runs (its matmuls keep the same)
     # The tiled MLP keeps views of one storage however many tiles there are: two tiles trace what any
     # number keeps, and tracing hundreds of tiles costs minutes (one tile's own transient: planner.py)
@@ -157,7 +207,7 @@ def _trace(config, recipe, policy, shape, precision, kernels, counter):
     per_layer = counter.result().per_layer
     names = [f"layer {i}" for i in range(len(decoder_layers(model)))]
     saved = {name: per_layer.get(name, 0) for name in [OUTSIDE, *names]}
-    return saved, {name: costs.of(name) for name in names}
+    return saved, {name: costs.of(name) for name in names}, experts
 
 
 class RecomputeCost:

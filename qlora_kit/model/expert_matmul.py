@@ -29,6 +29,7 @@ core); on a GPU dequantizing is a pass over memory, and the grouped path removes
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import bitsandbytes as bnb
@@ -40,6 +41,19 @@ from transformers.integrations.moe import _grouped_mm  # torch's grouped GEMM wh
 # The most bytes of dense expert weights the grouped path dequantizes at once (a run of experts): the loop
 # holds one expert's; a run of 256 MiB is ~40 of Qwen3-30B-A3B's gate/up experts, one of Mixtral's.
 DEQUANTIZED_RUN_BYTES = 256 * 2**20
+
+
+@dataclass
+class FewExperts:
+    """The planner's trace routes the picks to the first ``routed`` experts only, each with the rows it has
+    in the even spread (``route``); ``capped``: some layer had more experts than that."""
+
+    routed: int
+    capped: bool = False
+
+
+# Set by the planner's fake trace (memory/fake_forward.py, which extrapolates to every expert); None: all
+FEW_EXPERTS: ContextVar[FewExperts | None] = ContextVar("few_experts", default=None)
 
 
 @dataclass(frozen=True)
@@ -69,12 +83,18 @@ def route(top_k_index: torch.Tensor, num_experts: int) -> Routing:
     """Sort the (T, K) picks by expert, stably (a token's slots keep their order).
 
     The planner traces the experts on fake tensors, which hold no routing: there the picks are spread
-    evenly. What the experts keep for backward grows linearly with an expert's tokens and costs nothing
-    for an expert with none, so its total is the same for any routing of the same picks."""
+    evenly, as a long batch spreads them. What an expert keeps for backward grows linearly with its rows,
+    plus a constant of its own (autocast's copies of its LoRA factors), and nothing for an expert with
+    none. Under ``FEW_EXPERTS`` only the first few experts get their rows of that spread (the first also
+    the remainder's), the other picks none: the trace's figures are then linear in the experts routed."""
     flat, k = top_k_index.reshape(-1), top_k_index.shape[-1]
     if isinstance(flat, FakeTensor):
         share, extra = divmod(flat.numel(), num_experts)
         counts = [share + (e < extra) for e in range(num_experts)]
+        few = FEW_EXPERTS.get()
+        if few is not None and share and few.routed < num_experts:
+            few.capped = True
+            counts = [share + extra] + [share] * (few.routed - 1) + [0] * (num_experts - few.routed)
         return Routing(torch.arange(flat.numel()), counts, k, torch.tensor(counts))
     sizes = torch.bincount(flat, minlength=num_experts)[:num_experts]
     # the layer's one host synchronisation: row slices (a run's, the loop's experts) need the counts in Python
