@@ -161,8 +161,11 @@ def trace_layers(
                 "lora": True,
                 "data": True,
                 # not memory.checkpointing: every trace sets its own policy (_trace_both traces all three),
-                # so plans that differ only there (plan --max-seq-len's ways) share their traces
-                "memory": set(type(recipe.memory).model_fields) - {"checkpointing"},
+                # so plans that differ only there (plan --max-seq-len's ways) share their traces; nor what
+                # no trace reads: the chunked head's chunk (it traces the head-less forward, formula.py sizes
+                # a chunk) and the budget (memory.chunked_loss auto plans up to 7 chunks against it)
+                "memory": set(type(recipe.memory).model_fields)
+                - {"checkpointing", "loss_chunk_tokens", "budget_gb"},
                 "train": {"objective"},
             }
         ),
