@@ -15,6 +15,7 @@ import json
 import os
 import runpy
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -45,9 +46,11 @@ def main() -> None:
     for script in scripts:
         folder = out / script
         folder.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         status = run_script(script, folder)
+        status["seconds"] = round(time.monotonic() - started, 1)  # what each script costs the suite
         (folder / "status.json").write_text(json.dumps(status))
-        print(f"{script}: exit {status['exit']}", flush=True)
+        print(f"{script}: exit {status['exit']} ({status['seconds']} s)", flush=True)
 
 
 if __name__ == "__main__":
