@@ -21,14 +21,16 @@ This module times the batches it is given and imports nothing from ``data/``.
 
 A resumed run must lay its data out as the run it continues did, so the figures are written into every
 checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
-not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): several processes
-(each could time a different winner), a vision-language model's image rows, a model whose layers cannot be
+not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): a run that plans
+fewer micro-batches than the timing runs (``timed_micro_batches``: the timing would cost more than the
+whole run, however much the fastest layout saved), several processes (each could time a different winner), a vision-language model's image rows, a model whose layers cannot be
 built here. The run's random state is left as it was (``cut_model`` draws from a stream of its own).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import statistics
 from dataclasses import dataclass
@@ -48,6 +50,16 @@ log = logging.getLogger(__name__)
 LAYOUT_FILE = "layout_costs.json"  # in each checkpoint: the figures a resumed run chooses its layout by
 BATCHES = 3  # timed batches of each layout, spread over its epoch
 ROUNDS = 3  # timed rounds (their median) after one warm-up round
+
+
+def timed_micro_batches(recipe: Recipe, layouts: int) -> int:
+    """What timing ``layouts`` layouts costs, in the run's own micro-batches: each round's batches go
+    forward and backward (the warm-up round too) through the cut model's layers, a share of the model's."""
+    from qlora_kit.memory.cut_model import LAYERS
+    from qlora_kit.memory.shapes import load_config
+
+    layers = load_config(recipe).get_text_config().num_hidden_layers
+    return math.ceil((ROUNDS + 1) * layouts * BATCHES * min(LAYERS, layers) / layers)
 
 
 @dataclass(frozen=True)

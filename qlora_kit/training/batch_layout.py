@@ -8,6 +8,7 @@ its timing with the memory measurements, and neither imports the other.
 from __future__ import annotations
 
 import logging
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,6 +37,15 @@ def resolve(
             costs = layout_costs.read(checkpoint)
         elif images.IMAGES_COLUMN in prepared.train.column_names:
             log.info("data.packing auto: image rows are not timed; choosing by padding")
+        elif (planned := planned_micro_batches(recipe, len(prepared.train))) < (
+            timed := layout_costs.timed_micro_batches(recipe, len(allowed))
+        ):
+            log.info(
+                "data.packing auto: %d planned micro-batches, fewer than the %d timing the layouts runs; "
+                "choosing by padding",
+                planned,
+                timed,
+            )
         else:
             laid_out = layout.lay_out(recipe, prepared, tokenizer, allowed)
             batches = {name: lay.collated(layout_costs.BATCHES) for name, lay in laid_out.items()}
@@ -48,3 +58,12 @@ def resolve(
         prepared, recipe.data, train.micro_batch_size, train.seed, allowed, speeds, measured
     )
     return recipe.model_copy(update={"data": data}), prepared, costs
+
+
+def planned_micro_batches(recipe: Recipe, rows: int) -> int:
+    """The micro-batches the run trains: ``train.max_steps``'s, else its epochs over ``rows`` unpacked
+    rows (packing makes fewer: an upper bound, so a run that might repay the timing is timed)."""
+    train = recipe.train
+    if train.max_steps:
+        return train.max_steps * train.grad_accum
+    return math.ceil(rows / train.micro_batch_size) * math.ceil(train.epochs)
