@@ -96,6 +96,10 @@ def test_explicit_settings_are_left_as_they_are(tokenizer):
         assert data is recipe.data
 
 
+# the demo set's 11 micro-batches of 16 over 4 epochs: more than the 36 timing its 3 layouts runs
+EPOCHS_TIMED = 4
+
+
 @pytest.mark.slow
 def test_a_run_builds_with_the_layout_auto_chose(tmp_path):
     """pipeline.build resolves auto before the preflight and the Trainer: the Trainer samples as chosen,
@@ -103,7 +107,10 @@ def test_a_run_builds_with_the_layout_auto_chose(tmp_path):
     from qlora_kit.training.pipeline import build
 
     recipe = Recipe.from_dict(
-        {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "output_dir": str(tmp_path)}}
+        {
+            "data": {"max_seq_len": 64},
+            "train": {"micro_batch_size": 16, "epochs": EPOCHS_TIMED, "output_dir": str(tmp_path)},
+        }
     )
     setup = build(recipe)
     picked = setup.run.layout_costs.fastest(layout.AUTO)  # timed on the demo set
@@ -156,7 +163,10 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
     from qlora_kit.training.batch_layout import resolve as _resolve_layout
 
     recipe = Recipe.from_dict(
-        {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "output_dir": str(tmp_path)}}
+        {
+            "data": {"max_seq_len": 64},
+            "train": {"micro_batch_size": 16, "epochs": EPOCHS_TIMED, "output_dir": str(tmp_path)},
+        }
     )
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
     state = torch.get_rng_state()
@@ -182,3 +192,29 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
     (checkpoint / layout_costs.LAYOUT_FILE).unlink()
     resumed, _, figures = _resolve_layout(recipe, prepared, tokenizer, checkpoint, "no")
     assert figures is None and chosen(resumed.data) == min(layout.AUTO, key=shares.get)
+
+
+def test_a_run_too_short_to_repay_the_timing_chooses_by_padding(tmp_path, tokenizer, monkeypatch, caplog):
+    """Timing runs (ROUNDS + 1) x layouts x BATCHES micro-batches through the cut model: a run that trains
+    fewer (here 35 against 36) cannot repay it whatever the fastest layout saves, and chooses by padding,
+    untimed; one more planned micro-batch and it times (red with the comparison turned around)."""
+    from qlora_kit.training.batch_layout import resolve as _resolve_layout
+
+    recipe = Recipe.from_dict(
+        {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "max_steps": 35}}
+    )
+    prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
+    assert layout_costs.timed_micro_batches(recipe, len(layout.AUTO)) == 36  # 4 rounds x 3 layouts x 3
+    monkeypatch.setattr(
+        layout_costs, "_time_layouts", lambda *a: pytest.fail("timed a run too short to repay it")
+    )
+    with caplog.at_level(logging.INFO, logger="qlora_kit.training.batch_layout"):
+        resolved, _, figures = _resolve_layout(recipe, prepared, tokenizer, None, "no")
+    shares = prepare.pad_shares(prepared, recipe.data, 16, recipe.train.seed)
+    assert figures is None and chosen(resolved.data) == min(layout.AUTO, key=shares.get)
+    assert "35 planned micro-batches, fewer than the 36 timing the layouts runs" in caplog.text
+    timed = []
+    monkeypatch.setattr(layout_costs, "_time_layouts", lambda *a: timed.append(a) or None)
+    longer = recipe.model_copy(update={"train": recipe.train.model_copy(update={"max_steps": 36})})
+    _resolve_layout(longer, prepared, tokenizer, None, "no")
+    assert len(timed) == 1

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from qlora_kit import Recipe
-from qlora_kit.data import layout
 from qlora_kit.memory import layout_costs
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
@@ -210,10 +209,13 @@ def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path, qlora_k
     assert steps == [1, 2, 3, 4]
     assert json.loads((out / "manifest.json").read_text())["steps"] == 4
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
-    # data.packing auto timed the layouts before step 1; the resume lays its data out by those figures
-    figures = layout_costs.read(out / "checkpoint-2")
-    assert figures is not None and layout_costs.read(out / "checkpoint-4") == figures
-    assert f"data.packing auto: {figures.fastest(layout.AUTO)}, the most real tokens/s" in resumed.stderr
+    # 4 steps are too few to repay timing the layouts: the run chose by padding, and so does its resume
+    # (a resume by the figures a timed run wrote: tests/test_layout.py)
+    assert layout_costs.read(out / "checkpoint-2") is None and layout_costs.read(out / "checkpoint-4") is None
+    assert (
+        "data.packing auto: 4 planned micro-batches, fewer than" not in resumed.stderr
+    )  # resumed: not asked
+    assert "the least padding on this data" in resumed.stderr
 
 
 def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path):
