@@ -197,7 +197,7 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
 def test_a_run_too_short_to_repay_the_timing_chooses_by_padding(tmp_path, tokenizer, monkeypatch, caplog):
     """Timing runs (ROUNDS + 1) x layouts x BATCHES micro-batches through the cut model: a run that trains
     fewer (here 35 against 36) cannot repay it whatever the fastest layout saves, and chooses by padding,
-    untimed; one more planned micro-batch and it times (red with the comparison turned around)."""
+    untimed; one more planned micro-batch and it times (red with the bound made inclusive)."""
     from qlora_kit.training.batch_layout import resolve as _resolve_layout
 
     recipe = Recipe.from_dict(
