@@ -52,13 +52,12 @@ BATCHES = 3  # timed batches of each layout, spread over its epoch
 ROUNDS = 3  # timed rounds (their median) after one warm-up round
 
 
-def timed_micro_batches(recipe: Recipe, layouts: int) -> int:
+def timed_micro_batches(layouts: int, layers: int) -> int:
     """What timing ``layouts`` layouts costs, in the run's own micro-batches: each round's batches go
-    forward and backward (the warm-up round too) through the cut model's layers, a share of the model's."""
+    forward and backward (the warm-up round too) through the cut model's layers, a share of the model's
+    ``layers``."""
     from qlora_kit.memory.cut_model import LAYERS
-    from qlora_kit.memory.shapes import load_config
 
-    layers = load_config(recipe).get_text_config().num_hidden_layers
     return math.ceil((ROUNDS + 1) * layouts * BATCHES * min(LAYERS, layers) / layers)
 
 

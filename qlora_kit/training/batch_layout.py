@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from qlora_kit.data import images, layout
 from qlora_kit.memory import layout_costs
+from qlora_kit.memory.shapes import load_config
 
 if TYPE_CHECKING:
     from qlora_kit.data.mixture import PreparedData
@@ -31,14 +32,21 @@ def resolve(
     run reads the resolved recipe. Returns the figures too, for every checkpoint."""
     allowed = layout.allowed_layouts(recipe, prepared)
     costs = None
+    train = recipe.train
+    # unpacked rows: packing makes fewer, so the count is an upper bound and a run that might repay is timed
+    steps_an_epoch, epochs = math.ceil(len(prepared.train) / train.micro_batch_size), math.ceil(train.epochs)
     if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
         # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
         if checkpoint is not None:
             costs = layout_costs.read(checkpoint)
         elif images.IMAGES_COLUMN in prepared.train.column_names:
             log.info("data.packing auto: image rows are not timed; choosing by padding")
-        elif (planned := planned_micro_batches(recipe, len(prepared.train))) < (
-            timed := layout_costs.timed_micro_batches(recipe, len(allowed))
+        elif (
+            planned := _planned_micro_batches(train.max_steps, train.grad_accum, steps_an_epoch, epochs)
+        ) < (
+            timed := layout_costs.timed_micro_batches(
+                len(allowed), load_config(recipe).get_text_config().num_hidden_layers
+            )
         ):
             log.info(
                 "data.packing auto: %d planned micro-batches, fewer than the %d timing the layouts runs; "
@@ -51,7 +59,6 @@ def resolve(
             batches = {name: lay.collated(layout_costs.BATCHES) for name, lay in laid_out.items()}
             shares = {name: lay.pad_share for name, lay in laid_out.items()}
             costs = layout_costs.measure(recipe, batches, shares, precision)
-    train = recipe.train
     speeds = costs.tokens_per_s() if costs else None
     measured = costs.source if costs else ""
     data, prepared = layout.resolve_layout(
@@ -60,10 +67,6 @@ def resolve(
     return recipe.model_copy(update={"data": data}), prepared, costs
 
 
-def planned_micro_batches(recipe: Recipe, rows: int) -> int:
-    """The micro-batches the run trains: ``train.max_steps``'s, else its epochs over ``rows`` unpacked
-    rows (packing makes fewer: an upper bound, so a run that might repay the timing is timed)."""
-    train = recipe.train
-    if train.max_steps:
-        return train.max_steps * train.grad_accum
-    return math.ceil(rows / train.micro_batch_size) * math.ceil(train.epochs)
+def _planned_micro_batches(max_steps: int | None, grad_accum: int, steps_an_epoch: int, epochs: int) -> int:
+    """The micro-batches the run trains: ``max_steps``' when set, else its epochs'."""
+    return max_steps * grad_accum if max_steps else steps_an_epoch * epochs
