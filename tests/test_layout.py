@@ -195,7 +195,7 @@ def test_a_run_times_the_layouts_and_a_resume_chooses_by_its_checkpoints_figures
 
 
 def test_a_run_too_short_to_repay_the_timing_chooses_by_padding(tmp_path, tokenizer, monkeypatch, caplog):
-    """Timing runs (ROUNDS + 1) x layouts x BATCHES micro-batches through the cut model (the tiny Llama: 2
+    """Timing runs (ROUNDS + 1) x layouts x BATCHES micro-batches through the cut model (the tiny Llama: 4
     layers, all of them): a run that trains
     fewer (here 35 against 36) cannot repay it whatever the fastest layout saves, and chooses by padding,
     untimed; one more planned micro-batch and it times (red with the bound made inclusive)."""
@@ -205,7 +205,7 @@ def test_a_run_too_short_to_repay_the_timing_chooses_by_padding(tmp_path, tokeni
         {"data": {"max_seq_len": 64}, "train": {"micro_batch_size": 16, "max_steps": 35}}
     )
     prepared = prepare.prepare_datasets(recipe.data, tokenizer, recipe.train.seed)
-    assert layout_costs.timed_micro_batches(len(layout.AUTO), 2) == 36  # 4 rounds x 3 layouts x 3
+    assert layout_costs.timed_micro_batches(len(layout.AUTO), 4) == 36  # 4 rounds x 3 layouts x 3
     monkeypatch.setattr(
         layout_costs, "_time_layouts", lambda *a: pytest.fail("timed a run too short to repay it")
     )
