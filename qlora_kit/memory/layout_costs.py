@@ -23,8 +23,8 @@ A resumed run must lay its data out as the run it continues did, so the figures 
 checkpoint (``LAYOUT_FILE``) and a ``--resume`` chooses by them; a checkpoint without them (the layouts were
 not timed) chooses by padding, as its run did. Not timed, and chosen by padding (logged): a run that plans
 fewer micro-batches than the timing runs (``timed_micro_batches``: the timing would cost more than the
-whole run, however much the fastest layout saved), several processes (each could time a different winner), a vision-language model's image rows, a model whose layers cannot be
-built here. The run's random state is left as it was (``cut_model`` draws from a stream of its own).
+whole run, however much the fastest layout saved), several processes (each could time a different
+winner), a vision-language model's image rows, a model whose layers cannot be built here. The run's random state is left as it was (``cut_model`` draws from a stream of its own).
 """
 
 from __future__ import annotations
