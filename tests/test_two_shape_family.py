@@ -59,18 +59,8 @@ TWO_SHAPE = Family(
         "hidden_size_per_layer_input": 64,
         "vocab_size_per_layer_input": 640,  # the builtin tokenizer's
     },
-    linears=(
-        "self_attn.q_proj",
-        "self_attn.k_proj",
-        "self_attn.v_proj",
-        "self_attn.o_proj",
-        "mlp.gate_proj",
-        "mlp.up_proj",
-        "mlp.down_proj",
-        "per_layer_input_gate",
-        "per_layer_projection",
-    ),
-    attention_inputs=("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    linears=(*families.LLAMA_LINEARS, "per_layer_input_gate", "per_layer_projection"),  # Gemma 4's
+    attention_inputs=families.QKV,
     mlp=GATED,
     export=NoExport("a made-up family (tests/test_two_shape_family.py)"),
 )
