@@ -8,13 +8,13 @@ its timing with the memory measurements, and neither imports the other.
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from qlora_kit.data import images, layout
 from qlora_kit.memory import layout_costs
 from qlora_kit.memory.shapes import load_config
+from qlora_kit.training.compile_choice import steps_of
 
 if TYPE_CHECKING:
     from qlora_kit.data.mixture import PreparedData
@@ -33,17 +33,17 @@ def resolve(
     allowed = layout.allowed_layouts(recipe, prepared)
     costs = None
     train = recipe.train
-    # unpacked rows: packing makes fewer, so the count is an upper bound and a run that might repay is timed
-    steps_an_epoch, epochs = math.ceil(len(prepared.train) / train.micro_batch_size), math.ceil(train.epochs)
+    # the micro-batches it trains, over unpacked rows: packing makes fewer, so the count is an upper bound
+    # and a run that might repay the timing is timed
+    per_step = train.micro_batch_size * train.grad_accum
+    planned = steps_of(train.max_steps, len(prepared.train), per_step, train.epochs) * train.grad_accum
     if recipe.data.packing == "auto" and not recipe.data.group_by_length and len(allowed) > 1:
         # a resumed run lays its data out as its first part did: by its figures, or (none) by padding
         if checkpoint is not None:
             costs = layout_costs.read(checkpoint)
         elif images.IMAGES_COLUMN in prepared.train.column_names:
             log.info("data.packing auto: image rows are not timed; choosing by padding")
-        elif (
-            planned := _planned_micro_batches(train.max_steps, train.grad_accum, steps_an_epoch, epochs)
-        ) < (
+        elif planned < (
             timed := layout_costs.timed_micro_batches(
                 len(allowed), load_config(recipe).get_text_config().num_hidden_layers
             )
@@ -65,8 +65,3 @@ def resolve(
         prepared, recipe.data, train.micro_batch_size, train.seed, allowed, speeds, measured
     )
     return recipe.model_copy(update={"data": data}), prepared, costs
-
-
-def _planned_micro_batches(max_steps: int | None, grad_accum: int, steps_an_epoch: int, epochs: int) -> int:
-    """The micro-batches the run trains: ``max_steps``' when set, else its epochs'."""
-    return max_steps * grad_accum if max_steps else steps_an_epoch * epochs

@@ -84,10 +84,16 @@ def resolve_compile(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) ->
 
 def planned_steps(recipe: Recipe, trainer: Trainer) -> int:
     """The optimizer steps the run will take: ``train.max_steps``, else epochs of the training rows."""
-    if recipe.train.max_steps:
-        return recipe.train.max_steps
-    per_step = recipe.train.micro_batch_size * recipe.train.grad_accum
-    return math.ceil(len(trainer.train_dataset) / per_step) * math.ceil(recipe.train.epochs)
+    train = recipe.train
+    return steps_of(
+        train.max_steps, len(trainer.train_dataset), train.micro_batch_size * train.grad_accum, train.epochs
+    )
+
+
+def steps_of(max_steps: int | None, rows: int, rows_per_step: int, epochs: float) -> int:
+    """Optimizer steps: ``max_steps`` when set, else ``epochs`` over ``rows`` (each epoch's last step partial);
+    packing auto counts its planned micro-batches with it too (batch_layout.py)."""
+    return max_steps or math.ceil(rows / rows_per_step) * math.ceil(epochs)
 
 
 def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileChoice:
