@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 import yaml
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
@@ -72,6 +73,20 @@ def test_validate_checks_a_recipe_against_an_accelerate_config(tmp_path, monkeyp
     assert len(err.strip().splitlines()) == 1
     code, err = validate(str(ROOT / "recipes" / "demo.yaml"), "--accelerate-config", str(SHIPPED))
     assert code == 2 and "train.fsdp: this run is launched with an FSDP config" in err
+
+
+def test_the_command_leaves_its_process_group_before_the_interpreter_exits(tmp_path, monkeypatch, capsys):
+    """A rank that exits still in its gloo process group can die of SIGABRT after saving, and torchrun
+    then calls the run failed (CI, stop 85: GRPO under DDP). The command itself must leave the group,
+    on an error as on success; a one-process gloo group stands in for a launched run's."""
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    for argv in (["recipes"], ["validate", str(tmp_path / "missing.yaml")]):
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        monkeypatch.setattr(sys, "argv", ["qlora-kit", *argv])
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main()
+        assert exit_info.value.code == (0 if argv == ["recipes"] else 2), capsys.readouterr().err
+        assert not dist.is_initialized(), f"qlora-kit {argv[0]} exited still in its process group"
 
 
 def test_a_recipe_with_fsdp_is_refused_without_an_fsdp_launch(tmp_path, monkeypatch):

@@ -313,6 +313,18 @@ def doctor(
 
 
 def main() -> None:
+    try:
+        run_command()
+    finally:
+        # On every exit, error or not: the ranks of a launched run joined a process group. A command
+        # that never imported torch joined none, and --help stays quick.
+        if "torch.distributed" in sys.modules:
+            from qlora_kit.training.distributed import leave_process_group
+
+            leave_process_group()
+
+
+def run_command() -> None:
     # Typer's own usage errors (an unknown flag, a missing argument, a value of the wrong type) become
     # one line and exit code 2, like every other mistake a user can make.
     command = typer.main.get_command(app)

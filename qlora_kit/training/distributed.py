@@ -69,6 +69,17 @@ def over_ranks(values: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return reduced
 
 
+def leave_process_group() -> None:
+    """Destroy this process's process group, if it joined one, before the interpreter shuts down.
+
+    Left to exit, gloo's worker threads can still hold work whose tensors reach into Python while the
+    interpreter is torn down, and the process dies of SIGABRT ("terminate called without an active
+    exception") after the run has finished and saved: torchrun then calls the whole run failed
+    (pytorch/pytorch#179291 describes it; torch does not do this for us)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def launched_with_fsdp() -> bool:
     """accelerate sets this for a run launched with an FSDP config."""
     return os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
