@@ -12,6 +12,7 @@ from qlora_kit.memory.planner import GIB, activation_bytes, plan
 from qlora_kit.memory.shapes import model_shape, weight_bytes
 from qlora_kit.model import adapters
 from qlora_kit.model import loading as model
+from qlora_kit.registries.optimizers import OPTIMIZERS
 
 POLICIES = [("none", 2), ("every_n", 2), ("every_n", 3), ("full", 1)]
 SHAPES = [(1, 64), (2, 32), (4, 96)]
@@ -125,8 +126,19 @@ def test_expert_figures_match_the_loaded_mixture_by_hand(arch, double_quant):
     assert packed and weights.experts == packed
     assert 8 * weights.experts / shape.expert_values < 4.6  # not 16 bits: what a plain bnb load keeps
     peft_model = adapters.attach_lora(base, recipe.lora)
-    assert weights.lora_values == sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    trained = [p for p in peft_model.parameters() if p.requires_grad]
+    assert weights.lora_values == sum(p.numel() for p in trained)
     assert shape.active_expert_values * 4 == shape.expert_values  # 2 of 8 experts per token
+    if not double_quant:
+        return  # the optimizer's state below does not depend on how the base is quantized
+    # The optimizer's state, as bitsandbytes allocates it at the first step (8-bit for the experts'
+    # stacked LoRA, 32-bit for tensors under its min_8bit_size): the plan counted the linears' alone.
+    optimizer = OPTIMIZERS[recipe.optimizer.name].load_class()(trained, lr=1e-3)
+    for param in trained:
+        param.grad = torch.ones_like(param)
+    optimizer.step()
+    state = sum(t.nbytes for kept in optimizer.state.values() for t in kept.values() if torch.is_tensor(t))
+    assert plan(recipe, batch=1, seq=8, device="cpu").optimizer_state == state
 
 
 @pytest.mark.slow  # traces and measures two models

@@ -89,7 +89,7 @@ from qlora_kit.memory.shapes import (
     DTYPE_BYTES,
     ModelShape,
     Weights,
-    every_layers_targets,
+    lora_tensor_values,
     model_shape,
     weight_bytes,
 )
@@ -349,9 +349,7 @@ def plan(
     batch = batch or recipe.train.micro_batch_size * objectives.of(recipe).sequences_per_row
     seq = seq or recipe.data.max_seq_len
     weights = weight_bytes(shape, recipe)
-    per_tensor = [
-        recipe.lora.rank * d for li in every_layers_targets(shape, recipe) for d in (li.d_in, li.d_out)
-    ]
+    per_tensor = lora_tensor_values(shape, recipe)  # the experts' stacked LoRA too: state is per tensor
     optimizer = OPTIMIZERS[recipe.optimizer.name]
     state = sum(optimizer.state_bytes(v) for v in per_tensor)
     pageable = sum(optimizer.state_bytes(v) for v in per_tensor if optimizer.pageable(v))

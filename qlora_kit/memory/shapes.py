@@ -222,6 +222,17 @@ class Weights:
         return self.quantized + self.unquantized + self.lora + self.experts
 
 
+def lora_tensor_values(shape: ModelShape, recipe: Recipe) -> list[int]:
+    """Each LoRA tensor's values, one entry a tensor (the optimizer keeps state per tensor): A (r x in) and
+    B (out x r) of every targeted linear, and with ``lora.experts`` each expert stack's stacked pair
+    (peft's target_parameters: A is experts * r x in, B out x experts * r)."""
+    r = recipe.lora.rank
+    values = [r * d for li in every_layers_targets(shape, recipe) for d in (li.d_in, li.d_out)]
+    if recipe.lora.experts:
+        values += [stack.experts * r * d for stack in shape.expert_stacks for d in (stack.d_in, stack.d_out)]
+    return values
+
+
 def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
     c = DTYPE_BYTES[recipe.quant.compute_dtype]
     blocks = math.ceil(shape.quantized_values / BLOCK)
@@ -236,9 +247,7 @@ def weight_bytes(shape: ModelShape, recipe: Recipe) -> Weights:
     quantized = math.ceil(shape.quantized_values / 2) + constants
     if recipe.quant.bits == 16:
         quantized = shape.quantized_values * c
-    lora_values = sum(recipe.lora.rank * (li.d_in + li.d_out) for li in every_layers_targets(shape, recipe))
-    if recipe.lora.experts:
-        lora_values += sum(s.experts * recipe.lora.rank * (s.d_in + s.d_out) for s in shape.expert_stacks)
+    lora_values = sum(lora_tensor_values(shape, recipe))
     experts = sum(stack_bytes(s, recipe) for s in shape.expert_stacks)
     return Weights(quantized, shape.unquantized_values * c, lora_values * 4, lora_values, experts)
 
