@@ -242,7 +242,7 @@ def load_base_model(
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
-            path = mxfp4.dequantized_folder(path, model)
+            path = mxfp4.dequantized_folder(path, model.revision, model.trust_remote_code)
         language_model_alone = config if text_only.alone(checkpoint) else None
         cuda = torch.cuda.is_available()
         host_first = experts_to_host is not None or packs_on_host_first(config, quant.bits, cuda)
