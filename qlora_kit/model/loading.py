@@ -254,14 +254,17 @@ def load_base_model(
         text_only.mark_loaded_alone(base, checkpoint)
     check_checkpointable(base)
     disable_cpu_weight_repacking(base)
-    if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
+    compute_dtype = getattr(torch, quant.compute_dtype)
+    if quant.bits == 4 and moe_experts.quantize_experts(
+        base, compute_dtype, quant.quant_type, quant.double_quant
+    ):
         experts_selfcheck.check(base)  # the layout read from the module, against the model's own forward
         log.info(
             "experts: every expert in 4 bits (%s, double quant %s), checked against transformers' eager "
             "forward within %.2g",
             quant.quant_type,
             quant.double_quant,
-            experts_selfcheck.tolerance(getattr(torch, quant.compute_dtype)),
+            experts_selfcheck.tolerance(compute_dtype),
         )
     if host_first:
         _to_device_but_experts(base, experts_to_host)
