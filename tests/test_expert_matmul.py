@@ -6,7 +6,6 @@ in float64), on 4-bit and 16-bit experts with LoRA on them, with an idle expert 
 from __future__ import annotations
 
 import collections
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -47,8 +46,7 @@ def tiny_experts(bits: int, family: str = "qwen3_moe", width: int = WIDTH):
             if hasattr(experts, name):
                 getattr(experts, name).normal_(0, 0.5)
     if bits == 4:
-        quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
-        assert moe_experts.quantize_experts(model, quant) == 1
+        assert moe_experts.quantize_experts(model, torch.float32, "nf4", double_quant=True) == 1
         assert bnb_selftest.guard(model).ok  # as loading.load_base_model does after packing
     return model.model.layers[0].mlp.experts
 
@@ -242,8 +240,7 @@ def mixture_block(experts: int, top_k: int, bits: int, family: str = "qwen3_moe"
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if bits == 4:
-        quant = SimpleNamespace(compute_dtype="float32", double_quant=True, quant_type="nf4")
-        moe_experts.quantize_experts(model, quant)
+        moe_experts.quantize_experts(model, torch.float32, "nf4", double_quant=True)
     lora = Recipe.from_dict({"lora": {"dropout": 0.0, "rank": 8}}).lora
     peft_model = adapters.attach_lora(model, lora).train()  # shared experts' LoRA kept (peft#3711)
     return peft_model.base_model.model.model.layers[0].mlp

@@ -64,7 +64,7 @@ def packed_experts(layout: str, compute_dtype: str = "float32"):
             param.normal_(0.0, 0.1) if "norm" not in name else param.uniform_(0.5, 1.5)
     quant = Recipe.from_dict({"quant": {"compute_dtype": compute_dtype}}).quant
     packed = copy.deepcopy(experts)
-    moe_experts.pack_experts(packed, quant)
+    moe_experts.pack_experts(packed, getattr(torch, compute_dtype), quant.quant_type, quant.double_quant)
     return experts, packed
 
 
@@ -111,7 +111,8 @@ def test_a_declared_layout_that_lies_is_refused_naming_the_layer_and_the_attribu
     declared = getattr(experts, attribute)
     setattr(experts, attribute, not declared)
     quant = Recipe.from_dict({"quant": {"compute_dtype": "float32"}}).quant
-    moe_experts.pack_experts(experts, quant)  # the stacks it finds (has_gate is read in the forward)
+    # the stacks it finds (has_gate is read in the forward)
+    moe_experts.pack_experts(experts, torch.float32, quant.quant_type, quant.double_quant)
     with pytest.raises(RecipeError) as refused:
         experts_selfcheck.check_experts("model.layers.3.mlp.experts", experts)
     line = str(refused.value)

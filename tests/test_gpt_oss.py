@@ -189,7 +189,7 @@ def test_an_mxfp4_checkpoint_is_dequantized_once_and_its_experts_packed_in_4_bit
     with caplog.at_level("INFO", logger="qlora_kit"):
         base = model.load_base_model(recipe.model, recipe.quant)
     assert "dequantized once" in caplog.text and "MiB in MXFP4" in caplog.text
-    folder = mxfp4.dequantized_folder(str(tmp_path / "mxfp4"), recipe.model)
+    folder = mxfp4.dequantized_folder(str(tmp_path / "mxfp4"), recipe.model.revision, trust_remote_code=False)
     dequantized = load_file(f"{folder}/model.safetensors")
     name = "model.layers.1.mlp.experts.gate_up_proj"
     expected = convert_moe_packed_tensors(stored[f"{name}_blocks"], stored[f"{name}_scales"])

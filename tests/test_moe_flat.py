@@ -58,8 +58,9 @@ def packed_with_lora(compute_dtype: str):
             "lora": {"rank": 4, "dropout": 0.0, "target_modules": ["Wqkv"]},
         }
     )
-    model = tiny_dbrx(getattr(torch, compute_dtype))
-    assert moe_experts.quantize_experts(model, recipe.quant) == 1
+    dtype, quant = getattr(torch, compute_dtype), recipe.quant
+    model = tiny_dbrx(dtype)
+    assert moe_experts.quantize_experts(model, dtype, quant.quant_type, quant.double_quant) == 1
     peft_model = get_peft_model(model, adapters.lora_config(recipe.lora, model))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
@@ -143,12 +144,12 @@ def test_the_load_time_check_passes_dbrx_and_refuses_a_families_entry_that_lies(
     layer and the entry. Red when check() leaves flat stacks unchecked (the lie loads)."""
     quant = Recipe.from_dict({"quant": {"compute_dtype": "float32"}}).quant
     model = tiny_dbrx()
-    moe_experts.quantize_experts(model, quant)
+    moe_experts.quantize_experts(model, torch.float32, quant.quant_type, quant.double_quant)
     experts_selfcheck.check(model)  # no refusal
     lie = dataclasses.replace(families.FLAT_EXPERTS["dbrx"], gate="v1", up="w1")
     monkeypatch.setitem(families.FLAT_EXPERTS, "dbrx", lie)
     model = tiny_dbrx()
-    moe_experts.quantize_experts(model, quant)
+    moe_experts.quantize_experts(model, torch.float32, quant.quant_type, quant.double_quant)
     with pytest.raises(RecipeError) as refused:
         experts_selfcheck.check(model)
     line = str(refused.value)

@@ -354,7 +354,7 @@ def test_packed_image_rows_give_every_example_its_own_loss(vlm, tmp_path, monkey
         text_only = {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, -100, 8], "position_ids": [0, 1, 0, 1]}
         positions = images.ImageCollator(build_collator(tokenizer, packing=True), runs)([text_only])
         assert positions["position_ids"][:, 0].tolist() == [[0, 1, 0, 1]] * 4
-    refusal = images.packing_refusal(recipe.model)
+    refusal = images.packing_refusal(runs.vision, recipe.model.attn_implementation)
     assert (together == pytest.approx(alone, rel=1e-5)) == (refusal is None), (together, alone)
 
     offered = []

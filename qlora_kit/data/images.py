@@ -253,14 +253,13 @@ def one_example_a_row(data):
     return data.model_copy(update={"packing": False})
 
 
-def packing_refusal(model_section) -> str | None:
-    """Why rows with images cannot be packed for ``model_section`` (None: they can). Rows kept apart by a
-    mask (sdpa, eager, flex_attention) pack images as they pack text: each example its own attention,
-    positions and images (tests/test_vision.py: equal per-example losses on LLaVA)."""
-    from qlora_kit.model import loading
+def packing_refusal(facet: Vision | None, attn_implementation: str) -> str | None:
+    """Why rows with images cannot be packed for a model of the vision ``facet`` (the families table's) under
+    the attention kernel ``attn_implementation`` (None: they can). Rows kept apart by a mask (sdpa, eager,
+    flex_attention) pack images as they pack text: each example its own attention, positions and images
+    (tests/test_vision.py: equal per-example losses on LLaVA)."""
     from qlora_kit.registries import attention
 
-    facet = loading.vision_facet(model_section)
     if facet is not None and facet.token_type_ids:
         # transformers (5.24) ORs an image's both-ways block into the sliding-window layers' mask before
         # remapping positions to packed examples, so the blocks of a row's first example stand for every
@@ -269,7 +268,7 @@ def packing_refusal(model_section) -> str | None:
             f"{facet.processor_class.removesuffix('Processor')}'s image blocks are not kept apart in packed rows "
             "by transformers' sliding-window mask; its image rows are padded"
         )
-    if attention.kernel(model_section.attn_implementation).packing != "rows":
+    if attention.kernel(attn_implementation).packing != "rows":
         # a varlen (flash) kernel takes each example causally and no mask, which a family whose image
         # tokens attend both ways would need
         return "rows with images pack for a mask kernel (sdpa, eager, flex_attention), not a varlen one"

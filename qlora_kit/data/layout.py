@@ -47,7 +47,9 @@ def allowed_layouts(recipe: Recipe, prepared: prepare.PreparedData) -> tuple[str
         if recipe.data.packing == "auto":
             log.info("data.packing auto: not packing: %s", why)
         return ("padding", "group_by_length")
-    if images.IMAGES_COLUMN in prepared.train.column_names and (why := images.packing_refusal(recipe.model)):
+    if images.IMAGES_COLUMN in prepared.train.column_names and (
+        why := images.packing_refusal(loading.vision_facet(recipe.model), recipe.model.attn_implementation)
+    ):
         if recipe.data.packing == "auto":
             log.info("data.packing auto: not packing: %s", why)
         return ("padding", "group_by_length")

@@ -28,11 +28,12 @@ def reward_functions(rewards: list[RewardSection]) -> list[Reward]:
     return [_reward(entry, f"grpo.rewards[{i}]") for i, entry in enumerate(rewards)]
 
 
-def check_importable(rewards: list[RewardSection]) -> None:
-    """Import every ``module:function`` reward now: a missing one is a one-line RecipeError before any work."""
-    for index, entry in enumerate(rewards):
-        if is_python_reward(entry.name):
-            import_reward(entry.name, f"grpo.rewards[{index}].name")
+def check_importable(names: list[str]) -> None:
+    """Import every ``module:function`` among the rewards' ``names`` (``grpo.rewards``' in order) now: a
+    missing one is a one-line RecipeError before any work."""
+    for index, name in enumerate(names):
+        if is_python_reward(name):
+            import_reward(name, f"grpo.rewards[{index}].name")
 
 
 def import_reward(name: str, where: str) -> Reward:

@@ -16,11 +16,20 @@ from qlora_kit.errors import RecipeError
 BLOCKSIZE = 64  # bitsandbytes' 4-bit block, as for Linear4bit
 
 
-def pack_stack(experts, name: str, weight: torch.Tensor, transposed: bool, quant, flat: bool = False) -> None:
+def pack_stack(
+    experts,
+    name: str,
+    weight: torch.Tensor,
+    transposed: bool,
+    compute_dtype: torch.dtype,
+    quant_type: str,
+    double_quant: bool,
+    flat: bool = False,
+) -> None:
     """Replace the parameter ``name`` of ``experts`` with ``weight`` (E, O, I), or (E, I, O) when
-    ``transposed``, packed in 4 bits with the recipe's quant settings, and its statistics beside it (``flat``:
-    the parameter was stored as (E*rows, columns), which unpacking gives back)."""
-    dtype = getattr(torch, quant.compute_dtype)
+    ``transposed``, packed in 4 bits (``quant_type``, its statistics quantized again with ``double_quant``)
+    from ``compute_dtype``, and its statistics beside it (``flat``: the parameter was stored as
+    (E*rows, columns), which unpacking gives back)."""
     if weight.shape[1] * weight.shape[2] % BLOCKSIZE:
         raise RecipeError(
             f"model.path: an expert's {name} has {weight.shape[1]}x{weight.shape[2]} values, not a multiple "
@@ -28,11 +37,11 @@ def pack_stack(experts, name: str, weight: torch.Tensor, transposed: bool, quant
         )
     packed, states = [], []
     for e in range(weight.shape[0]):  # one expert at a time: the 16-bit copy never doubles
-        data, state = bnbf.quantize_4bit(
-            (weight[e].t() if transposed else weight[e]).to(dtype).contiguous(),  # (O, I), as matmul_4bit
+        data, state = bnbf.quantize_4bit(  # each expert (O, I), as matmul_4bit reads it
+            (weight[e].t() if transposed else weight[e]).to(compute_dtype).contiguous(),
             blocksize=BLOCKSIZE,
-            compress_statistics=quant.double_quant,
-            quant_type=quant.quant_type,
+            compress_statistics=double_quant,
+            quant_type=quant_type,
             quant_storage=torch.uint8,
         )
         packed.append(data.view(-1))
@@ -40,7 +49,7 @@ def pack_stack(experts, name: str, weight: torch.Tensor, transposed: bool, quant
     shape = (weight.shape[0], *states[0].shape)  # (E, O, I) whichever way the stack was stored
     del weight
     setattr(experts, name, torch.nn.Parameter(torch.stack(packed), requires_grad=False))
-    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, dtype, transposed, flat))
+    experts.add_module(f"{name}_4bit", ExpertStats(states, shape, compute_dtype, transposed, flat))
 
 
 def unpack_stack(experts, name: str) -> bool:

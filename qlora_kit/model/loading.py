@@ -242,7 +242,7 @@ def load_base_model(
     kernel = _attention_kernel(model.attn_implementation, config)
     with _model_path_errors(path, revision=model.revision):
         if mxfp4.is_mxfp4(config):  # the released gpt-oss: dequantized once, then loaded as 16-bit weights
-            path = mxfp4.dequantized_folder(path, model)
+            path = mxfp4.dequantized_folder(path, model.revision, model.trust_remote_code)
         language_model_alone = config if text_only.alone(checkpoint) else None
         cuda = torch.cuda.is_available()
         host_first = experts_to_host is not None or packs_on_host_first(config, quant.bits, cuda)
@@ -254,14 +254,17 @@ def load_base_model(
         text_only.mark_loaded_alone(base, checkpoint)
     check_checkpointable(base)
     disable_cpu_weight_repacking(base)
-    if quant.bits == 4 and moe_experts.quantize_experts(base, quant):
+    compute_dtype = getattr(torch, quant.compute_dtype)
+    if quant.bits == 4 and moe_experts.quantize_experts(
+        base, compute_dtype, quant.quant_type, quant.double_quant
+    ):
         experts_selfcheck.check(base)  # the layout read from the module, against the model's own forward
         log.info(
             "experts: every expert in 4 bits (%s, double quant %s), checked against transformers' eager "
             "forward within %.2g",
             quant.quant_type,
             quant.double_quant,
-            experts_selfcheck.tolerance(getattr(torch, quant.compute_dtype)),
+            experts_selfcheck.tolerance(compute_dtype),
         )
     if host_first:
         _to_device_but_experts(base, experts_to_host)

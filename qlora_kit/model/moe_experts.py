@@ -87,16 +87,17 @@ def experts_of(model) -> tuple[str, families.Experts | None]:
     return model_type, families.experts_facet(model.config)
 
 
-def quantize_experts(model, quant) -> int:
-    """Pack every fused expert weight of ``model`` into 4 bits (quant: the recipe's quant section);
-    returns how many experts modules were packed. A family whose layout is not handled is refused in one
-    line: its experts would otherwise stay in 16 bits, silently."""
+def quantize_experts(model, compute_dtype: torch.dtype, quant_type: str, double_quant: bool) -> int:
+    """Pack every fused expert weight of ``model`` into 4 bits (``quant_type``, ``double_quant``: bitsandbytes'
+    settings, as the linear layers got them) from ``compute_dtype``; returns how many experts modules were
+    packed. A family whose layout is not handled is refused in one line: its experts would otherwise stay in
+    16 bits, silently."""
     modules = fused_experts(model)
     if not modules:  # DBRX's undeclared flat stacks, by the families table's entry (moe_flat.py)
-        return moe_flat.pack_flat_experts(model, quant)
+        return moe_flat.pack_flat_experts(model, compute_dtype, quant_type, double_quant)
     check_packable(model)
     for _, experts in modules:
-        pack_experts(experts, quant)
+        pack_experts(experts, compute_dtype, quant_type, double_quant)
     use_routed_loop(model)
     check_no_16bit_experts(model)
     return len(modules)
@@ -123,11 +124,12 @@ def use_routed_loop(model) -> None:
     model.set_experts_implementation(IMPLEMENTATION)
 
 
-def pack_experts(experts, quant) -> None:
-    """Pack each fused stack of one experts module in 4 bits with the recipe's quant settings."""
+def pack_experts(experts, compute_dtype: torch.dtype, quant_type: str, double_quant: bool) -> None:
+    """Pack each fused stack of one experts module in 4 bits (expert_stacks.pack_stack's settings)."""
     transposed = getattr(experts, "is_transposed", False)
     for name in stacks_of(experts):
-        pack_stack(experts, name, getattr(experts, name).data, transposed, quant)
+        weight = getattr(experts, name).data
+        pack_stack(experts, name, weight, transposed, compute_dtype, quant_type, double_quant)
 
 
 def dequantize_experts(model) -> int:

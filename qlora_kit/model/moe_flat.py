@@ -57,9 +57,9 @@ def stack_names(layout: families.FlatExperts) -> tuple[str, str, str]:
     return (layout.gate, layout.up, layout.down)
 
 
-def pack_flat_experts(model, quant) -> int:
-    """Pack every flat expert stack of ``model`` in 4 bits and run its blocks by ``flat_experts_forward``;
-    returns how many blocks were packed."""
+def pack_flat_experts(model, compute_dtype: torch.dtype, quant_type: str, double_quant: bool) -> int:
+    """Pack every flat expert stack of ``model`` in 4 bits (expert_stacks.pack_stack's settings) and run its
+    blocks by ``flat_experts_forward``; returns how many blocks were packed."""
     found = flat_experts(model)
     for name, block, layout in found:
         holder = holder_of(block, layout)
@@ -72,8 +72,10 @@ def pack_flat_experts(model, quant) -> int:
                     f"({block.num_experts} experts x rows, columns) as qlora_kit's families table reads it"
                 )
             # (E, rows, columns): the gate's and up's rows are outputs, the down stack's inputs
+            by_expert = weight.view(block.num_experts, rows, -1)
+            transposed = stack == layout.down
             pack_stack(
-                holder, stack, weight.view(block.num_experts, rows, -1), stack == layout.down, quant, True
+                holder, stack, by_expert, transposed, compute_dtype, quant_type, double_quant, flat=True
             )
         block.forward = functools.partial(flat_experts_forward, block, layout)
     return len(found)

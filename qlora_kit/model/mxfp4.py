@@ -34,25 +34,31 @@ def is_mxfp4(config) -> bool:
     return str(method).lower() == "mxfp4"
 
 
-def dequantized_folder(path: str, model) -> str:
-    """The 16-bit copy of the MXFP4 checkpoint at ``path`` (model: the recipe's model section), made on the
-    first call and found in the cache afterwards."""
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, path, model.revision]).encode()).hexdigest()[:12]
+def dequantized_folder(path: str, revision: str | None, trust_remote_code: bool) -> str:
+    """The 16-bit copy of the MXFP4 checkpoint at ``path`` (at the hub's ``revision``), made on the first call
+    and found in the cache afterwards."""
+    key = hashlib.sha256(json.dumps([BUILD_VERSION, path, revision]).encode()).hexdigest()[:12]
     folder = builtin.cache_root() / "dequantized" / f"{Path(path).name}-{key}"
     if (folder / "config.json").exists():
         log.info("MXFP4 checkpoint %s: its dequantized copy %s", path, folder)
         return str(folder)
-    return str(builtin.build_into(folder, lambda staging: _dequantize(path, model, staging, folder)))
+    return str(
+        builtin.build_into(
+            folder, lambda staging: _dequantize(path, revision, trust_remote_code, staging, folder)
+        )
+    )
 
 
-def _dequantize(path: str, model, staging: Path, folder: Path) -> None:
+def _dequantize(
+    path: str, revision: str | None, trust_remote_code: bool, staging: Path, folder: Path
+) -> None:
     lm = AutoModelForCausalLM.from_pretrained(
         path,
         quantization_config=Mxfp4Config(dequantize=True),
         dtype=torch.bfloat16,
         device_map={"": "cpu"},  # the whole 16-bit model passes through host memory once
-        trust_remote_code=model.trust_remote_code,
-        revision=model.revision,
+        trust_remote_code=trust_remote_code,
+        revision=revision,
     )
     experts = sum(
         p.numel()
@@ -65,7 +71,7 @@ def _dequantize(path: str, model, staging: Path, folder: Path) -> None:
     lm.hf_quantizer = None
     lm.save_pretrained(staging)
     AutoTokenizer.from_pretrained(
-        path, trust_remote_code=model.trust_remote_code, revision=model.revision
+        path, trust_remote_code=trust_remote_code, revision=revision
     ).save_pretrained(staging)
     log.info(
         "MXFP4 checkpoint %s dequantized once (transformers' Mxfp4Config(dequantize=True)): experts %s MiB in "

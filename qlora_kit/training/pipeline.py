@@ -128,7 +128,7 @@ def check_runnable(recipe: Recipe) -> tuple[dict[str, str] | None, str]:
                 f"model.adapter: {folder} trains biases (bias: {bias}); {recipe.train.objective}'s reference is a second adapter, "
                 "and peft allows trained biases in one adapter only"
             )
-    check_importable(recipe.grpo.rewards)  # a grpo reward module:function that cannot be imported
+    check_importable([entry.name for entry in recipe.grpo.rewards])  # a module:function reward not importable
     launch = launched_fsdp_settings()
     if recipe.train.fsdp and launch is None:
         raise RecipeError(

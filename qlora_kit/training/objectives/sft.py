@@ -28,7 +28,8 @@ def prepare(recipe: Recipe, tokenizer) -> data.PreparedData:
     refusal = None
     if recipe.data.packs:  # a model whose layers carry a state along the row, or image rows it cannot pack
         refusal = recurrent.packing_refusal(loading.load_config(recipe.model))
-        refusal = refusal or (images.packing_refusal(recipe.model) if runs is not None else None)
+        if runs is not None:
+            refusal = refusal or images.packing_refusal(runs.vision, recipe.model.attn_implementation)
     if refusal:
         raise RecipeError(f"data.packing: {refusal}; set data.packing to false or auto")
     return data.prepare_datasets(recipe.data, tokenizer, recipe.train.seed, runs=runs)
