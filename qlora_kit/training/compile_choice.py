@@ -7,11 +7,12 @@
    stay eager (``compiled.family_reason``: a mixture, a hybrid, a vision-language model; their timed
    steps would be eager steps, and a mixture's experts kept on the host would be copied for each) stays
    eager unmeasured;
-2. the device's compiler must work (``compiled.compiler_works``);
-3. an eager forward and backward of a micro-batch of the run's own rows is timed, and a small graph's
-   compile (``compiled.least_compile_seconds``, the least any compile costs here): if the planned steps,
+2. an eager forward and backward of a micro-batch of the run's own rows is timed: if the planned steps,
    saving at most ``LARGEST_SAVING`` of their eager time, cannot repay the compiles the run makes
-   (``EXPECTED_COMPILES``) at that least cost each, it stays eager;
+   (``EXPECTED_COMPILES``) at a decoder layer's least compile (``LAYER_COMPILE_FLOOR_S``) each, it stays
+   eager, and the compiler is never started (its first start is 12-15 s of a short run);
+3. the device's compiler must work (``compiled.compiler_works``), and the same bound must hold with a
+   small graph's compile timed here (``compiled.least_compile_seconds``) when that is the larger;
 4. otherwise the layers are compiled and the same micro-batch timed twice: the first call is the compile,
    the second the compiled step. Compiled when the saving over the planned steps exceeds the compile
    times the compiles the run makes; the compiled graphs are kept for the run, and removed again when it
@@ -109,11 +110,15 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
     family = compiled.family_reason(model)
     if family:  # compile_decoder_layers would leave every layer eager: nothing to time
         return CompileChoice(False, f"auto: every decoder layer stays eager ({family})")
+    batch = _micro_batch(recipe, trainer)
+    eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
+    # the floor first: a run that cannot repay a layer's compile never pays the compiler's start either
+    refused = unrepaid(steps, eager_s, LAYER_COMPILE_FLOOR_S)
+    if refused:
+        return CompileChoice(False, refused)
     works, detail = compiled.compiler_works()
     if not works:
         return CompileChoice(False, f"auto: the compiler does not work here ({detail})")
-    batch = _micro_batch(recipe, trainer)
-    eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
     refused = unrepaid(steps, eager_s, max(compiled.least_compile_seconds(), LAYER_COMPILE_FLOOR_S))
     if refused:
         return CompileChoice(False, refused)
