@@ -4,9 +4,8 @@
 
 1. a run of fewer than ``MIN_STEPS`` optimizer steps, of several processes (each would time its own
    step), of an objective whose batches are not token rows with labels, or of a family whose layers all
-   stay eager (``compiled.family_reason``: a mixture, a hybrid, a vision-language model; their timed
-   steps would be eager steps, and a mixture's experts kept on the host would be copied for each) stays
-   eager unmeasured;
+   stay eager (``compiled.family_reason``: a mixture, a hybrid; their timed steps would be eager steps,
+   and a mixture's experts kept on the host would be copied for each) stays eager unmeasured;
 2. an eager forward and backward of a micro-batch of the run's own rows is timed: if the planned steps,
    saving at most ``LARGEST_SAVING`` of their eager time, cannot repay the compiles the run makes
    (``EXPECTED_COMPILES``) at a decoder layer's least compile (``LAYER_COMPILE_FLOOR_S``) each, it stays

@@ -17,8 +17,11 @@ what its op policy does not keep, memory/selective.py, whose forward context han
 the log: a layer whose checkpoint keeps its input in host memory (``memory.offload_activations``): dynamo
 cannot trace the ``saved_tensors_hooks`` active around it (two graph breaks a step, then an eager layer).
 
-Mixture, hybrid (recurrent) and vision-language families keep every layer eager for now, with the reason
-logged: their compiled losses are not yet measured against eager.
+Mixture and hybrid (recurrent) families keep every layer eager for now, with the reason logged: their
+compiled losses are not yet measured against eager. A vision-language model's decoder layers compile as a
+text model's: the image runs are merged into the hidden states before the first layer, so a layer sees
+only another sequence length (tests/e2e/test_compile_layers.py: image batches of Qwen2.5-VL, no graph
+break, two graphs, eager's losses; LLaVA, Gemma 3 and Qwen3-VL gave the same by hand).
 
 Shapes: the first call compiles for its shapes; a call with another sequence length (packing, the last
 batch, images) recompiles once with the changed sizes marked dynamic (torch's automatic dynamic shapes),
@@ -36,7 +39,7 @@ import torch
 
 from qlora_kit.memory import checkpointing
 from qlora_kit.memory.accounting import decoder_layers
-from qlora_kit.model import moe_experts, recurrent, vision
+from qlora_kit.model import moe_experts, recurrent
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +49,6 @@ OFFLOAD_REASON = (
 # Families whose layers are not yet proven compiled (losses against eager, graph breaks): left eager
 MIXTURE_REASON = "a mixture's routed experts are not yet proven compiled (data-dependent tokens per expert)"
 RECURRENT_REASON = "recurrent (hybrid) layers are not yet proven compiled"
-VISION_REASON = "a vision-language decoder is not yet proven compiled (image runs change the shapes)"
 
 
 @dataclass
@@ -114,8 +116,6 @@ def family_reason(model: torch.nn.Module) -> str | None:
         return MIXTURE_REASON
     if config is not None and recurrent.recurrent_layer_types(config):
         return RECURRENT_REASON
-    if vision.vision_of(config) is not None:
-        return VISION_REASON
     return None
 
 
