@@ -44,15 +44,20 @@ def train(tmp_path: Path, tracker: str, env: dict[str, str]) -> Path:
 TRACKED_TOGETHER = ["tensorboard", "wandb", "mlflow"]
 
 
-@pytest.fixture(scope="module")
-def tracked_run(tmp_path_factory) -> tuple[Path, Path]:
+@pytest.fixture(scope="session")
+def tracked_run(tmp_path_factory, worker_id) -> tuple[Path, Path]:
     """(the run's folder, its output folder): one run reporting to every tracker of TRACKED_TOGETHER,
-    each in its offline/local mode under the folder."""
-    folder = tmp_path_factory.mktemp("tracked")
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder / "cache")}
-    env |= {"WANDB_CONFIG_DIR": str(folder / "config"), "WANDB_DATA_DIR": str(folder / "data")}
-    env |= {"MLFLOW_DISABLE_TELEMETRY": "true"}
-    return folder, train(folder, ", ".join(TRACKED_TOGETHER), env)
+    each in its offline/local mode under the folder, once per session whichever worker asks first."""
+    from tests.conftest import once_per_session
+
+    def make(folder: Path) -> dict:
+        env = {"WANDB_MODE": "offline", "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder / "cache")}
+        env |= {"WANDB_CONFIG_DIR": str(folder / "config"), "WANDB_DATA_DIR": str(folder / "data")}
+        env |= {"MLFLOW_DISABLE_TELEMETRY": "true"}
+        return {"out": str(train(folder, ", ".join(TRACKED_TOGETHER), env))}
+
+    folder, made = once_per_session(tmp_path_factory, worker_id, "tracked-run", make)
+    return folder, Path(made["out"])
 
 
 def test_tensorboard_gets_the_metrics_and_the_recipe(tracked_run):
