@@ -16,8 +16,8 @@ rows of exactly ``seq`` tokens (``--tiny``: a tiny model, on the CPU where there
   paged memory ends the process), then resumed;
 - ``oom``: a real CUDA out-of-memory error (``train.on_oom: split``) under a per-process memory cap
   half-way between micro-batch 4's and micro-batch 2's peaks, with what the allocator held after each
-  failed attempt was dropped (the split's log line); skipped on the CPU (tests/e2e/test_oom.py raises
-  it from the allocation path there).
+  failed attempt was dropped (the split's log line); skipped on the CPU and at ``--tiny`` (tests/e2e/test_oom.py
+  raises it from the allocation path there).
 """
 
 from __future__ import annotations
@@ -224,16 +224,14 @@ def optimizer_rows(folder: Path, data: Path, batch: int, seq: int, steps: int) -
     return rows
 
 
-def oom_row(folder: Path, data: Path, batch: int, seq: int, steps: int, peak_gib: float, tiny: bool) -> dict:
+def oom_row(folder: Path, data: Path, batch: int, seq: int, steps: int, peak_gib: float) -> dict:
     """A real out-of-memory error at micro-batch ``batch`` (its peak ``peak_gib`` under checkpointing
-    none) and the run finishing with the split, against micro-batch ``batch // 2`` with accumulation 2."""
-    if not torch.cuda.is_available() or tiny:
-        why = (
-            "no CUDA device"
-            if not torch.cuda.is_available()
-            else "--tiny: activations below the allocator's blocks"
-        )
-        return {"skipped": f"{why} (benchmarks/oom_recovery.py: the fault injector's case on the CPU)"}
+    none) and the run finishing with the split, against micro-batch ``batch // 2`` with accumulation 2.
+    (--tiny never runs it: gpu_check.TINY_SKIPS.)"""
+    if not torch.cuda.is_available():
+        return {
+            "skipped": "no CUDA device (benchmarks/oom_recovery.py: the fault injector's case on the CPU)"
+        }
     from qlora_kit.registries import metric_keys as keys
 
     memory = {"checkpointing": "none"}  # activations dominate: half the micro-batch, about half the peak
@@ -352,13 +350,11 @@ def optimizers_case(setup: Setup) -> dict:
 
 def oom_case(setup: Setup) -> dict:
     """The micro-batch's peak under checkpointing none first (the cap sits below it), then the split."""
-    if not torch.cuda.is_available() or setup.tiny:
-        return {
-            "oom": oom_row(setup.folder, setup.data, setup.batch, setup.seq, setup.steps, 0.0, setup.tiny)
-        }
+    if not torch.cuda.is_available():
+        return {"oom": oom_row(setup.folder, setup.data, setup.batch, setup.seq, setup.steps, 0.0)}
     (none,) = setup.policies([(None, {"checkpointing": "none"})])
     peak = none["measured_peak_gib"]
-    return {"oom": oom_row(setup.folder, setup.data, setup.batch, setup.seq, setup.steps, peak, setup.tiny)}
+    return {"oom": oom_row(setup.folder, setup.data, setup.batch, setup.seq, setup.steps, peak)}
 
 
 # Each case's rows, in the order gpu_check.py runs them (the fixes a GPU must confirm first)

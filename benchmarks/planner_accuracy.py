@@ -21,7 +21,7 @@ tiny models' tokenizer, so packed rows hold two and unpacked batches are padded 
 
     python benchmarks/planner_accuracy.py
     python benchmarks/planner_accuracy.py --real-model   # SmolLM2-135M-Instruct, every policy x shape
-    python benchmarks/planner_accuracy.py --smoke --out /tmp/x   # every family, every_n=2, 2 x 64 tokens
+    python benchmarks/planner_accuracy.py --smoke --out /tmp/x   # SMOKE_FAMILIES, every_n=2, 2 x 64 tokens
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ from common import REAL_MODEL, device_name, markdown_table, parser, write_result
 POLICIES = [("none", 1), ("every_n", 2), ("selective", 1), ("full", 1)]
 SHAPES = [(2, 512), (4, 256)]  # micro-batch x max_seq_len
 SMOKE = ([("every_n", 2)], [(2, 64)])  # policies, shapes: does it still run?
+# --smoke's families: a dense model and a hybrid one (linear attention, never packed), whose two rows take
+# both packings, dropouts, autocasts and two heads. Every family's plan against its run is
+# tests/test_planner_grid.py's and tests/test_tracing.py's; the smoke proves the script runs and writes
+# its table of finite figures
+SMOKE_FAMILIES = ["tiny-llama", "tiny-qwen3.5"]
 FORMATS = ["alpaca", "chat", "completion", "text"]
 HEADS = ["off", "on", "on, 64-token chunks"]  # memory.chunked_loss and memory.loss_chunk_tokens
 MIB = 2**20
@@ -219,7 +224,10 @@ def main() -> None:
 
     args = parser(__doc__).parse_args()
     policies, shapes = SMOKE if args.smoke else (POLICIES, SHAPES)
-    families = [REAL_MODEL] if args.real_model else sorted(builtin.TINY_ARCHITECTURES)
+    if args.real_model:
+        families = [REAL_MODEL]
+    else:
+        families = SMOKE_FAMILIES if args.smoke else sorted(builtin.TINY_ARCHITECTURES)
     rows, errors, exact = [], [], []
     # planning time first: a mistake there must not cost the grid's quarter of an hour
     seconds = None if args.real_model else plan_seconds()

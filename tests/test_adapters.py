@@ -67,7 +67,10 @@ def adapter_of(arch: str, folder):
 
 
 def continuing(adapter, tmp_path, **sets) -> Recipe:
-    values = {"model.adapter": str(adapter), "train.output_dir": str(tmp_path / "out"), **sets}
+    """The demo recipe continuing ``adapter``, its rows packed (what data.packing auto picks on the demo
+    set, tests/test_layout.py's): a build times no layouts, which these tests do not read."""
+    values = {"model.adapter": str(adapter), "train.output_dir": str(tmp_path / "out"), "data.packing": True}
+    values |= sets
     return Recipe.from_yaml("recipes/demo.yaml", overrides=values)
 
 

@@ -5,7 +5,6 @@ them, and auto's per-layer choice applied layer by layer."""
 import itertools
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -176,10 +175,12 @@ def test_cheapest_fit_is_the_optimum_of_a_small_case():
 
 
 @pytest.mark.slow
-def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path):
+def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path, qlora_kit_here):
     """auto at a budget between selective's and every_n's peaks resolves to a per-layer mix; six steps
     straight and three steps then a resume from checkpoint-3 end with the same adapter, bit for bit
-    (LoRA dropout on: the recompute replays the RNG the checkpoint restored)."""
+    (LoRA dropout on: the recompute replays the RNG the checkpoint restored). Both runs are the CLI in
+    this process (a process start was most of a tiny run's time; a killed run's resume from the shell is
+    tests/e2e/test_faults.py's)."""
     fields = {
         "data": {"max_seq_len": 64, "packing": False},
         "lora": {"dropout": 0.1},
@@ -199,11 +200,9 @@ def test_a_mixed_plan_from_auto_trains_and_resumes_bit_identically(tmp_path):
     }
     recipe = tmp_path / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(fields))
-    root = Path(__file__).resolve().parents[1]
 
     def train(out: Path, *extra: str) -> subprocess.CompletedProcess:
-        command = [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(out), *extra]
-        return subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600)
+        return qlora_kit_here("train", str(recipe), "--output-dir", str(out), *extra)
 
     straight = train(tmp_path / "straight")
     assert straight.returncode == 0, straight.stderr[-2000:]

@@ -170,3 +170,41 @@ def test_a_mixture_traced_with_a_few_experts_has_the_figures_of_every_expert(arc
         assert few[0] == every[0], kind
         for layer, costs in every[1].items():
             assert few[1][layer] == pytest.approx(costs, rel=1e-9), (kind, layer)
+
+
+@pytest.mark.parametrize("arch", ["tiny-llama", "tiny-gemma4"])  # Gemma 4: per-layer embeddings outside
+def test_one_trace_of_full_logits_gives_the_chunked_heads_figures(arch, monkeypatch):
+    """trace_layers' cache leaves memory.chunked_loss out: the full-logits trace's figure outside the layers
+    when the head was called (fake_forward.BEFORE_HEAD) is, to the byte, a trace of the forward the chunked
+    head runs (final_hidden_states, no labels), its layers' figures and costs the same, under bf16
+    autocast with and without checkpointing; and both heads' plans come from one trace (red with the
+    figure read at the forward's end, or the head in the cache's key again)."""
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{arch}"}, "memory": {"chunked_loss": True}})
+    full_logits = recipe.model_copy(
+        update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})}
+    )
+    config = model_shape(recipe).config
+    shape = fake_forward.Shape(BATCH, SEQ)
+    for kind in ("none", "full"):
+        chunked, chunked_costs = fake_forward.trace(config, recipe, kind, shape, "bf16", set())
+        full, full_costs = fake_forward.trace(config, full_logits, kind, shape, "bf16", set())
+        assert full[fake_forward.BEFORE_HEAD] == chunked[OUTSIDE] < full[OUTSIDE], kind
+        layers = [name for name in full if name.startswith("layer ")]
+        assert [full[name] for name in layers] == [chunked[name] for name in layers], kind
+        assert full_costs == chunked_costs, kind
+    traced, real_trace_both = [], tracing._trace_both
+
+    def counting(*args):
+        traced.append(args)
+        return real_trace_both(*args)
+
+    monkeypatch.setattr(tracing, "_TRACED", {})  # no figures cached by an earlier test
+    monkeypatch.setattr(tracing, "_trace_both", counting)
+    both = [trace_layers(config, r, BATCH, SEQ, "bf16") for r in (full_logits, recipe)]
+    assert len(traced) == 1
+    assert not both[0].chunked_head and both[1].chunked_head
+    assert (
+        (both[1].head, both[1].head_checkpointed)
+        == both[0].chunked_heads
+        != (both[0].head, both[0].head_checkpointed)
+    )

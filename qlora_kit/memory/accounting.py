@@ -227,3 +227,25 @@ class PhasePeaks:
             keys.PEAK_OPTIMIZER: self.optimizer / gib,
             keys.DEVICE_USED: self.device_used / gib,
         }
+
+
+class HeldBeforeHead(contextlib.AbstractContextManager):
+    """In its block, ``held`` becomes what ``counter`` held outside the layers when the model's head was
+    first called (None: no head was called)."""
+
+    def __init__(self, model: torch.nn.Module, counter: SavedTensors) -> None:
+        self.model, self.counter, self.held, self.handle = model, counter, None, None
+
+    def __enter__(self):
+        head = self.model.get_output_embeddings()
+        if head is not None:
+            self.handle = head.register_forward_pre_hook(self._snapshot)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+
+    def _snapshot(self, module, args) -> None:
+        if self.held is None:
+            self.held = self.counter.result().per_layer.get(OUTSIDE, 0)

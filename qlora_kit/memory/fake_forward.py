@@ -24,7 +24,7 @@ from torch.utils.flop_counter import flop_registry
 from transformers import masking_utils
 
 from qlora_kit.memory import device_kernels, selective
-from qlora_kit.memory.accounting import OUTSIDE, SavedTensors, decoder_layers
+from qlora_kit.memory.accounting import OUTSIDE, HeldBeforeHead, SavedTensors, decoder_layers
 from qlora_kit.memory.loss_head import final_hidden_states, uses_chunked_loss
 from qlora_kit.memory.tiled_mlp import tile_count
 from qlora_kit.model import layer_sizes, vision
@@ -38,6 +38,10 @@ if TYPE_CHECKING:
 # selective and a full recompute depends on it; 64 ranks them as the CPU measurements here do
 # (benchmarks/memory.py's frontier).
 BALANCE = 64
+# A key of trace's figures beside the layers' and OUTSIDE: what was held outside the layers when the head
+# was called, which is all a run with the chunked head holds there (it runs the forward without the head:
+# final_hidden_states), to the byte on every builtin and shipped recipe. One forward gives both heads' figures.
+BEFORE_HEAD = "outside, before the head"
 
 AUTOCAST = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -195,6 +199,7 @@ def _trace(config, recipe, policy, shape, precision, kernels, counter):
         counter = counter(peft_model)
         costs = RecomputeCost(counter)
         kernel_choice = _attention_kernels(shape.device, kernels)
+        before_head = HeldBeforeHead(model, counter)
         with counter.counting(), costs.observing(), autocast, _no_packed_mask(not masked_rows), kernel_choice:
             # the output is kept to the block's end, where the count is fixed: its graph holds what was saved
             if uses_chunked_loss(recipe, config):  # the forward pass the chunked head runs, without labels
@@ -202,11 +207,13 @@ def _trace(config, recipe, policy, shape, precision, kernels, counter):
                     peft_model, {k: v for k, v in inputs.items() if k != "labels"}, model
                 )
             else:
-                outputs = peft_model(**inputs)
+                with before_head:
+                    outputs = peft_model(**inputs)
         del outputs
     per_layer = counter.result().per_layer
     names = [f"layer {i}" for i in range(len(decoder_layers(model)))]
     saved = {name: per_layer.get(name, 0) for name in [OUTSIDE, *names]}
+    saved[BEFORE_HEAD] = before_head.held if before_head.held is not None else saved[OUTSIDE]
     return saved, {name: costs.of(name) for name in names}, experts
 
 

@@ -26,16 +26,18 @@ traffic, a matmul by arithmetic), and a 4-bit linear's op also writes its dequan
 layer's recompute costs all of its ops, a selective layer's the ops the policy does not keep. What tracing cannot
 see stays closed-form in the planner: 4-bit weight bytes, optimizer state, CUDA transients, and on CUDA
 the dropout masks, which are 1 byte per value there against 4 on the CPU. With the chunked loss head
-(``loss_head.py``) the trace runs the forward pass the run runs, through ``final_hidden_states``, so
-the final norm and whatever the embeddings keep are traced; which positions the head then keeps
-depends on the labels' values, which fake tensors do not have, so that selection is closed form (it
-is a tensor of known shape per trained position: the hidden state and its label).
+(``loss_head.py``) the run's forward pass stops before the head (``final_hidden_states``): its figure
+outside the layers is what the full-logits trace held there when the head was called
+(``fake_forward.BEFORE_HEAD``, equal to the byte to a trace of that forward on every builtin and
+shipped recipe), so one trace serves both heads; which positions the head then keeps depends on the
+labels' values, which fake tensors do not have, so that selection is closed form (it is a tensor of
+known shape per trained position: the hidden state and its label).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from qlora_kit.memory import fake_forward
@@ -74,6 +76,9 @@ class TracedLayers:
     cost: dict[str, tuple[float, float]] = field(default_factory=dict)
     chunked_head: bool = False  # the run uses the chunked loss head: ``head`` is its forward pass without
     # the selection of trained positions (the planner adds that)
+    # head and head_checkpointed under the chunked head (fake_forward.BEFORE_HEAD): the trace of full
+    # logits gives both heads' figures, so one trace serves memory.chunked_loss true, false and auto
+    chunked_heads: tuple[int, int] = (0, 0)
     kernels: tuple[str, ...] = ()  # the attention kernels the traces ran (device_kernels.py)
     # What the first layer that keeps its ops holds beyond a later kept layer when layer 0 is checkpointed
     # (every_n): the tensors every layer shares (the rotary tables), which a kept layer 0 holds in
@@ -100,6 +105,11 @@ class TracedLayers:
                 figures[-1] += self.shared_after_checkpointed
                 shared_held = True
         return figures
+
+    def with_chunked_head(self) -> TracedLayers:
+        """These figures with the chunked loss head's ``head`` and ``head_checkpointed``."""
+        head, head_checkpointed = self.chunked_heads
+        return replace(self, head=head, head_checkpointed=head_checkpointed, chunked_head=True)
 
     def recompute_cost(self, policies: list[str]) -> list[float]:
         """What each layer's backward recomputes, in FLOP-equivalents (0 for a layer that keeps its ops)."""
@@ -152,6 +162,10 @@ def trace_layers(
     when this architecture's code cannot run on fake tensors. A vision-language row holds ``images``;
     attention runs the kernel ``device`` picks (``device_kernels``); unpacked rows are ``padded`` (a batch
     with an attention mask) or of one length (none)."""
+    # traced with full logits, whose forward also gives the chunked head's figures (BEFORE_HEAD)
+    full_logits = recipe.model_copy(
+        update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})}
+    )
     key = (
         config.to_json_string(),
         recipe.model_dump_json(
@@ -161,11 +175,12 @@ def trace_layers(
                 "lora": True,
                 "data": True,
                 # not memory.checkpointing: every trace sets its own policy (_trace_both traces all three),
-                # so plans that differ only there (plan --max-seq-len's ways) share their traces; nor what
-                # no trace reads: the chunked head's chunk (it traces the head-less forward, formula.py sizes
-                # a chunk) and the budget (memory.chunked_loss auto plans up to 7 chunks against it)
+                # so plans that differ only there (plan --max-seq-len's ways) share their traces; nor the
+                # head (one trace gives both), nor what no trace reads: the chunked head's chunk (formula.py
+                # sizes a chunk), the budget (memory.chunked_loss auto plans up to 7 chunks against it) and
+                # where the experts wait (experts_plan.resolve moves the plan's static bytes, after the trace)
                 "memory": set(type(recipe.memory).model_fields)
-                - {"checkpointing", "loss_chunk_tokens", "budget_gb"},
+                - {"checkpointing", "chunked_loss", "loss_chunk_tokens", "budget_gb", "experts_on_host"},
                 "train": {"objective"},
             }
         ),
@@ -173,11 +188,13 @@ def trace_layers(
     key += (batch, seq, precision, images, device, padded)
     if key not in _TRACED:
         try:
-            _TRACED[key] = _trace_both(config, recipe, Shape(batch, seq, images, device, padded), precision)
+            shape = Shape(batch, seq, images, device, padded)
+            _TRACED[key] = _trace_both(config, full_logits, shape, precision)
         except Exception as exc:  # a foreign model's code that fake tensors cannot run: the formula instead
             log.info("planner: tracing %s failed (%s); using the formula", config.model_type, exc)
             _TRACED[key] = None
-    return _TRACED[key]
+    traced = _TRACED[key]
+    return traced.with_chunked_head() if traced is not None and uses_chunked_loss(recipe, config) else traced
 
 
 _TRACED: dict[tuple, TracedLayers | None] = {}  # a plan asks for every policy: three traces serve them all
@@ -226,7 +243,7 @@ def _trace_both(config, recipe: Recipe, shape: Shape, precision: str) -> TracedL
         selective={short_types[i]: chosen[f"layer {i}"] for i in later},
         first_cost=costs["layer 0"],
         cost={short_types[i]: costs[f"layer {i}"] for i in later},
-        chunked_head=uses_chunked_loss(recipe, config),
+        chunked_heads=(plain[fake_forward.BEFORE_HEAD], full[fake_forward.BEFORE_HEAD]),
         kernels=tuple(sorted(kernels)),
         shared_after_checkpointed=shared,
     )

@@ -1,6 +1,7 @@
 """The real CLI as a user runs it: trains, chat, kills and one-line errors each in a process of its own
-(what a user sees on stderr includes anything printed at import); eval, generate, merge, validate, data
-and a resume in the test's process (qlora_kit_here), where a process start was most of their time."""
+(what a user sees on stderr includes anything printed at import); eval, generate, merge, validate, data,
+a resume and the refusal of a folder in use in the test's process (qlora_kit_here), where a process
+start was most of their time."""
 
 import json
 import os
@@ -95,11 +96,11 @@ def test_user_mistakes_are_one_line_and_exit_2(tmp_path):
         assert "Traceback" not in result.stderr
 
 
-def test_train_refuses_an_output_dir_in_use(tmp_path):
+def test_train_refuses_an_output_dir_in_use(tmp_path, qlora_kit_here):
     out = tmp_path / "busy"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
-    result = qlora_kit("train", str(DEMO), "--output-dir", str(out), "--set", "train.max_steps=1")
+    result = qlora_kit_here("train", str(DEMO), "--output-dir", str(out), "--set", "train.max_steps=1")
     assert result.returncode == 2
     assert "already holds files" in result.stderr and "--overwrite" in result.stderr
     assert (out / "notes.txt").read_text() == "mine"

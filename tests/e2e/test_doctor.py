@@ -69,9 +69,13 @@ def test_doctor_verbose_shows_the_tiny_run_through_the_run_console():
     assert "all checks passed" in result.stdout
 
 
-def test_doctor_with_a_broken_recipe_is_one_line_and_exit_2(tmp_path):
+def test_doctor_with_a_broken_recipe_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """In this process (conftest.run_cli): the recipe is refused before any check runs, so a process of its
+    own would add only its start (the one-line errors from a process: tests/e2e/test_cli.py)."""
+    from tests.conftest import run_cli
+
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  rank: 0\n")
-    result = doctor(str(bad))
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == ["error: lora.rank: must be > 0 (got 0)"]
+    code, err = run_cli(["doctor", str(bad)], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == ["error: lora.rank: must be > 0 (got 0)"]

@@ -20,7 +20,7 @@ from qlora_kit.data import prepare
 from qlora_kit.model import loading as model
 from qlora_kit.training.pipeline import build, check_runnable
 
-from ..conftest import gpu_compute_under_bf16
+from ..conftest import gpu_compute_under_bf16, run_cli_output
 from ..probes import EXPECTED_AUTOCAST, AutocastProbe
 from ..test_after_training import interrupted_then_resumed
 
@@ -157,8 +157,10 @@ def test_resumed_dpo_run_ends_with_the_same_adapter_bit_for_bit(tmp_path):
     assert not (checkpoint / "ref").exists()  # only the trained adapter is saved, never TRL's copy
 
 
-def test_the_demo_reaches_its_bar_and_bad_pairs_are_one_line(tmp_path):
-    """The README's DPO demo, from the shell: held-out preference accuracy from the base's to >= 0.9."""
+def test_the_demo_reaches_its_bar_and_bad_pairs_are_one_line(tmp_path, monkeypatch, capsys):
+    """The README's DPO demo, from the shell: held-out preference accuracy from the base's to >= 0.9. The
+    bad pairs' refusal in this process (conftest.run_cli_output: it stops at the data, before any work)."""
+
     out = tmp_path / "demo-dpo"
     command = [sys.executable, "-m", "qlora_kit", "train", str(DEMO_DPO), "--output-dir", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
@@ -173,12 +175,12 @@ def test_the_demo_reaches_its_bar_and_bad_pairs_are_one_line(tmp_path):
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"instruction": "Q?", "chosen": "yes", "rejected": "yes"}) + "\n")
-    command = [*command[:5], "--output-dir", str(tmp_path / "never"), "--set", f"data.path={bad}"]
-    command += ["--set", "train.eval_steps=null", "--set", "train.sample_prompts=0"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    argv = ["train", str(DEMO_DPO), "--output-dir", str(tmp_path / "never"), "--set", f"data.path={bad}"]
+    argv += ["--set", "train.eval_steps=null", "--set", "train.sample_prompts=0"]
+    code, _, err = run_cli_output(argv, monkeypatch, capsys)
+    assert code == 2, err[-2000:]
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
     assert lines == [
         f"error: {bad}: row 1: chosen and rejected are the same answer; the pair teaches nothing"
     ]
-    assert "Traceback" not in result.stderr and not (tmp_path / "never" / "manifest.json").exists()
+    assert "Traceback" not in err and not (tmp_path / "never" / "manifest.json").exists()

@@ -39,10 +39,31 @@ def train(tmp_path: Path, tracker: str, env: dict[str, str]) -> Path:
     return out
 
 
-def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path):
+# The installed trackers of the tests below, all in one run (a run each cost a process start and a
+# training run; a tracker placed before qlora_kit's callbacks misses their metrics however many report)
+TRACKED_TOGETHER = ["tensorboard", "wandb", "mlflow"]
+
+
+@pytest.fixture(scope="session")
+def tracked_run(tmp_path_factory, worker_id) -> tuple[Path, Path]:
+    """(the run's folder, its output folder): one run reporting to every tracker of TRACKED_TOGETHER,
+    each in its offline/local mode under the folder, once per session whichever worker asks first."""
+    from tests.conftest import once_per_session
+
+    def make(folder: Path) -> dict:
+        env = {"WANDB_MODE": "offline", "WANDB_DIR": str(folder), "WANDB_CACHE_DIR": str(folder / "cache")}
+        env |= {"WANDB_CONFIG_DIR": str(folder / "config"), "WANDB_DATA_DIR": str(folder / "data")}
+        env |= {"MLFLOW_DISABLE_TELEMETRY": "true"}
+        return {"out": str(train(folder, ", ".join(TRACKED_TOGETHER), env))}
+
+    folder, made = once_per_session(tmp_path_factory, worker_id, "tracked-run", make)
+    return folder, Path(made["out"])
+
+
+def test_tensorboard_gets_the_metrics_and_the_recipe(tracked_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    out = train(tmp_path, "tensorboard", {})
+    _, out = tracked_run
     (events,) = (out / "tensorboard").glob("events.out.tfevents.*")
     accumulator = EventAccumulator(str(events), size_guidance={"tensors": 0, "scalars": 0})
     accumulator.Reload()
@@ -50,14 +71,13 @@ def test_tensorboard_gets_the_metrics_and_the_recipe(tmp_path):
     assert "train/loss" in scalars and "train/throughput/tokens_per_s" in scalars, scalars
     assert "train/memory/saved_mib" in scalars
     recipe = accumulator.Tensors("recipe/text_summary")[0].tensor_proto.string_val[0].decode()
-    assert f"output_dir: {out}" in recipe and "report_to:\n  - tensorboard" in recipe
+    assert f"output_dir: {out}" in recipe
+    assert "report_to:\n" + "".join(f"  - {tracker}\n" for tracker in TRACKED_TOGETHER) in recipe
 
 
-def test_wandb_offline_run_holds_the_name_recipe_and_metrics(tmp_path):
-    env = {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "WANDB_CACHE_DIR": str(tmp_path / "cache")}
-    env |= {"WANDB_CONFIG_DIR": str(tmp_path / "config"), "WANDB_DATA_DIR": str(tmp_path / "data")}
-    out = train(tmp_path, "wandb", env)
-    (record,) = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+def test_wandb_offline_run_holds_the_name_recipe_and_metrics(tracked_run):
+    folder, out = tracked_run
+    (record,) = (folder / "wandb").glob("offline-run-*/run-*.wandb")
     # the offline run's record log holds every value as UTF-8 JSON inside its protobuf records
     data = record.read_bytes()
     assert RUN_NAME.encode() in data
@@ -66,10 +86,10 @@ def test_wandb_offline_run_holds_the_name_recipe_and_metrics(tmp_path):
     assert b"throughput/tokens_per_s" in data and b"memory/saved_mib" in data and b"loss" in data
 
 
-def test_mlflow_local_store_in_the_output_folder_holds_the_run(tmp_path):
+def test_mlflow_local_store_in_the_output_folder_holds_the_run(tracked_run, tmp_path):
     from mlflow.tracking import MlflowClient
 
-    out = train(tmp_path, "mlflow", {"MLFLOW_DISABLE_TELEMETRY": "true"})
+    _, out = tracked_run
     store = (out / "mlruns").as_uri()  # the default qlora_kit gives a recipe that names no tracking URI
     os.environ["MLFLOW_ALLOW_FILE_STORE"] = "true"
     client = MlflowClient(tracking_uri=store)
