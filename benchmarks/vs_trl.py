@@ -10,8 +10,9 @@ trained (label) tokens per second (the median of per-step rates), peak RSS and t
 its span over the seeds.
 
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
-   default; it does not change the loss), TRL without its default bf16 autocast (qlora_kit keeps LoRA
-   in fp32 on CPUs), so both compute in the same precision;
+   default; it does not change the loss), TRL without its default bf16 autocast and with its LoRA weights
+   back in fp32 after SFTTrainer cast them to bf16 (qlora_kit keeps LoRA in fp32 on CPUs), so both compute
+   in the same precision;
 2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast);
 3. with --compiled, instead (its own table, vs-trl-compiled-*.md): equal settings with both compiled,
    qlora_kit's ``train.compile: true`` (its decoder layers) against TRL's ``torch_compile=True`` (the
@@ -25,6 +26,7 @@ metrics.jsonl (logged every step), TRL's are counted by wrapping the script's ow
     python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
     python benchmarks/vs_trl.py --real-model [--rounds 1] [--steps 5]   # SmolLM2-135M-Instruct, 4 x 96
     python benchmarks/vs_trl.py --compiled [--rounds 1] [--steps 12]   # equal settings, both compiled
+    python benchmarks/vs_trl.py --profile   # --compiled's runs profiled per component (vs_trl_profile.py)
     python benchmarks/vs_trl.py --smoke --out /tmp/x   # one round of 3 steps on a smaller model, one
                                                        # process per system for both comparisons
     python benchmarks/vs_trl.py --gpu --out $OUT   # CUDA: a 1B Llama (gpu_check.FULL_SHAPE, Llama-3's
@@ -100,7 +102,7 @@ def step_timer():
     return StepTimer()
 
 
-def run_qlora_kit(job: dict, out: str) -> dict:
+def run_qlora_kit(job: dict, out: str, callbacks=()) -> dict:
     from qlora_kit import Recipe, train
 
     recipe = Recipe.from_dict(
@@ -125,14 +127,14 @@ def run_qlora_kit(job: dict, out: str) -> dict:
         }
     )
     timer = step_timer()
-    result = train(recipe, callbacks=[timer])
+    result = train(recipe, callbacks=[timer, *callbacks])
     # The run's own count (metrics.jsonl): trained_tokens is the running total of label tokens at each log.
     totals = [row["trained_tokens"] for row in result.metrics if "trained_tokens" in row]
     tokens = [now - before for before, now in zip([0, *totals], totals, strict=False)]
     return {"times": timer.times, "losses": result.train_losses, "tokens": tokens}
 
 
-def run_trl(job: dict, out: str) -> dict:
+def run_trl(job: dict, out: str, callbacks=()) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -178,9 +180,17 @@ def run_trl(job: dict, out: str) -> dict:
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
     )
+    if not job["packing"] and not torch.cuda.is_available():
+        # Equal settings, equal precision: SFTTrainer casts a quantized model's LoRA weights to bf16 (the
+        # QLoRA paper's choice; trl/trainer/sft_trainer.py, "_is_quantized_model"), where qlora_kit keeps
+        # peft's fp32 adapters and runs them in fp32 on a CPU. Before train() builds the optimizer.
+        for parameter in trainer.model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()
     trainer.data_collator = counter = Counter(trainer.data_collator)
     timer = step_timer()
-    trainer.add_callback(timer)
+    for callback in [timer, *callbacks]:
+        trainer.add_callback(callback)
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     # accelerate's loader builds one batch ahead (to know the last one): keep the batches trained on
@@ -192,6 +202,11 @@ def child(jobs: list[dict]) -> None:
     import torch
 
     for job in jobs:
+        if job.get("profile"):
+            from vs_trl_profile import profile_child
+
+            profile_child(job)
+            continue
         if torch.cuda.is_available():  # each run's own peak
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -252,6 +267,11 @@ def main() -> None:
         "--compiled", action="store_true", help="equal settings with both compiled, in a table of its own"
     )
     options.add_argument(
+        "--profile",
+        action="store_true",
+        help="--compiled's runs under torch.profiler: each side's step per component (its own table)",
+    )
+    options.add_argument(
         "--gpu", action="store_true", help="CUDA: a 1B Llama, rows up to 1,024 tokens, bf16 on both sides"
     )
     args = options.parse_args()
@@ -288,6 +308,11 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     data = str(make_dataset(folder, examples, scale))
     setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
+    if args.profile:  # --compiled's job, profiled per component (vs_trl_profile.py)
+        from vs_trl_profile import write_profile
+
+        write_profile(setup, f"{model_text}, micro-batch {batch}, max length {max_len}", args.out)
+        return
     # each comparison's (packing, compile) on both sides
     comparisons = {
         "equal settings (padded batches)": (False, False),

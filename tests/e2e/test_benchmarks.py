@@ -277,7 +277,8 @@ def test_committed_table_has_the_form_its_script_writes_now(script):
 
 
 def test_every_benchmark_script_is_run_by_the_suite():
-    helpers = {"common.py", "gpu_rows.py", "tiny_configs.py"}  # modules the scripts import
+    # modules the scripts import (vs_trl_profile.py: vs_trl.py --profile's)
+    helpers = {"common.py", "gpu_rows.py", "tiny_configs.py", "vs_trl_profile.py"}
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == set(TABLES) | set(ELSEWHERE)
     for script, test_file in ELSEWHERE.items():
