@@ -6,8 +6,9 @@ tokens, micro-batch 8, paged 8-bit AdamW, gradient checkpointing, lr 2e-4 consta
 steps. Each run is its own process (peak resident memory is per process; --smoke runs both comparisons
 in one process per system), run interleaved — A B A B
 ... over several rounds, after a warm-up pair, round r with seed r — and reports the median step time,
-trained (label) tokens per second (the median of per-step rates), peak RSS and the mean final loss with
-its span over the seeds.
+trained (label) tokens per second (the median of per-step rates), on a CPU the same per second of the
+process's CPU time (the work, where other jobs keep a process waiting for a core), peak RSS and the mean
+final loss with its span over the seeds.
 
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
    default; it does not change the loss), TRL without its default bf16 autocast and with its LoRA weights
@@ -90,14 +91,18 @@ def step_timer():
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
+        """Each step's wall time and its process CPU time: on a CPU shared with other jobs a step's wall
+        time counts the time the process waited for a core; its CPU time counts the work."""
+
         def __init__(self) -> None:
-            self.times, self.start = [], 0.0
+            self.times, self.cpu_times, self.start, self.cpu_start = [], [], 0.0, 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.start)
+            self.cpu_times.append(time.process_time() - self.cpu_start)
 
     return StepTimer()
 
@@ -131,7 +136,12 @@ def run_qlora_kit(job: dict, out: str, callbacks=()) -> dict:
     # The run's own count (metrics.jsonl): trained_tokens is the running total of label tokens at each log.
     totals = [row["trained_tokens"] for row in result.metrics if "trained_tokens" in row]
     tokens = [now - before for before, now in zip([0, *totals], totals, strict=False)]
-    return {"times": timer.times, "losses": result.train_losses, "tokens": tokens}
+    return {
+        "times": timer.times,
+        "cpu_times": timer.cpu_times,
+        "losses": result.train_losses,
+        "tokens": tokens,
+    }
 
 
 def run_trl(job: dict, out: str, callbacks=()) -> dict:
@@ -194,7 +204,8 @@ def run_trl(job: dict, out: str, callbacks=()) -> dict:
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     # accelerate's loader builds one batch ahead (to know the last one): keep the batches trained on
-    return {"times": timer.times, "losses": losses, "tokens": counter.tokens[: len(timer.times)]}
+    tokens = counter.tokens[: len(timer.times)]
+    return {"times": timer.times, "cpu_times": timer.cpu_times, "losses": losses, "tokens": tokens}
 
 
 def child(jobs: list[dict]) -> None:
@@ -246,9 +257,12 @@ def summarise(runs: list[dict]) -> dict:
     # Each run's first step warms up. Throughput is the median of per-step rates, so one stalled step
     # (a page-cache miss, the other process of the machine) does not decide the comparison.
     steps = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["times"][1:], strict=True)]
+    cpu = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["cpu_times"][1:], strict=True)]
     return {
         "step": statistics.median(t for _, t in steps),
         "tokens_per_s": statistics.median(n / t for n, t in steps),
+        "cpu_step": statistics.median(t for _, t in cpu),
+        "tokens_per_cpu_s": statistics.median(n / t for n, t in cpu),
         "rss": max(run["peak_rss_mib"] for run in runs),
         "allocated": max(run.get("peak_allocated_gib", 0.0) for run in runs),
         "loss": statistics.mean(run["losses"][-1] for run in runs),
@@ -346,13 +360,16 @@ def main() -> None:
                     system,
                     f"{r['step']:.3f}",
                     f"{r['tokens_per_s']:,.0f}",
+                    *([] if args.gpu else [f"{r['cpu_step']:.3f}", f"{r['tokens_per_cpu_s']:,.0f}"]),
                     f"{r['rss']:,.0f}",
                     *([f"{r['allocated']:.2f}"] if args.gpu else []),
                     f"{r['loss']:.3f} (seeds span {r['loss_spread']:.3f})",
                 ]
             )
         verdicts.append(
-            f"{name}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x TRL's, peak RSS {a['rss'] / b['rss']:.2f}x"
+            f"{name}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x TRL's"
+            + ("" if args.gpu else f" ({a['tokens_per_cpu_s'] / b['tokens_per_cpu_s']:.2f}x per CPU second)")
+            + f", peak RSS {a['rss'] / b['rss']:.2f}x"
             + (f", peak allocated {a['allocated'] / b['allocated']:.2f}x" if args.gpu else "")
         )
     table = markdown_table(
@@ -361,6 +378,7 @@ def main() -> None:
             "system",
             "median step (s)",
             "trained tokens/s",
+            *([] if args.gpu else ["median step CPU (s)", "trained tokens per CPU s"]),
             "peak RSS (MiB)",
             *(["peak allocated (GiB)"] if args.gpu else []),
             "final loss",

@@ -22,6 +22,7 @@ is the window's wall time less its root events' time.
 from __future__ import annotations
 
 import json
+import re
 import tempfile
 import time
 from collections import Counter, defaultdict
@@ -31,6 +32,7 @@ FIRST, STEPS = 4, 3  # profiled steps 4 to 6: after step 1's compile and step 2'
 MATMULS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::_weight_int4pack_mm"}
 LOSS_OPS = ("log_softmax", "nll_loss", "cross_entropy", "logsumexp", "_softmax", "entropy")
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "_efficient_attention")
+OTHER = "other ops (norms, rotary, activations, casts, fused elementwise)"
 
 
 def profile_callback(vocab_size: int, rank: int):
@@ -94,7 +96,7 @@ def settings_of(model, args) -> dict:
 def components(events, wall: float, vocab_size: int, rank: int) -> dict:
     """Self CPU seconds per component, calls of the ops that show recompute, and the positions per forward
     (rows x padded length: the forward's base matmuls' first dimension)."""
-    seconds, calls, positions = defaultdict(float), Counter(), set()
+    seconds, calls, positions, others = defaultdict(float), Counter(), set(), defaultdict(float)
     roots = 0.0
     for event in events:
         chain = _chain(event)
@@ -104,13 +106,32 @@ def components(events, wall: float, vocab_size: int, rank: int) -> dict:
         if component == "forward: base matmuls (dequantized weights)" and event.name in MATMULS:
             positions.add(event.input_shapes[0][0])
         seconds[component] += event.self_cpu_time_total / 1e6
+        if component.endswith(OTHER):
+            others[f"{component.split(':')[0]}: {_op_kind(event.name)}"] += event.self_cpu_time_total / 1e6
         if event.name.startswith("bitsandbytes::") or event.name in MATMULS:
-            phase = "backward" if _under(chain, "evaluate_function") else "forward"
+            phase = (
+                component.split(":")[0].split(" (")[0].split(" and ")[0]
+            )  # forward, backward, optimizer step
             calls[f"{event.name} ({phase})"] += 1
     seconds["Python outside any operator (Trainer loop, callbacks, module calls, guards)"] = max(
         wall - roots, 0.0
     )
-    return {"seconds": dict(seconds), "calls": dict(calls), "wall": wall, "positions": sorted(positions)}
+    largest = dict(sorted(others.items(), key=lambda item: -item[1])[:8])
+    return {
+        "seconds": seconds,
+        "calls": calls,
+        "wall": wall,
+        "positions": sorted(positions),
+        "others": largest,
+    }
+
+
+def _op_kind(name: str) -> str:
+    """An op's or C++ kernel's name without what differs between the two sides' graphs: the graph's number,
+    the kernel's index, a compiled graph's hash (its code outside the profiled kernels)."""
+    if name.startswith("## Call CompiledFxGraph"):
+        return "a compiled graph's own code, outside its kernels"
+    return re.sub(r"_\d+$", "", re.sub(r"^graph_\d+_", "", name))[:80]
 
 
 def _chain(event) -> list:
@@ -153,7 +174,7 @@ def _kind(chain, vocab_size: int, rank: int) -> str:
             return "loss head: softmax, cross-entropy"
         if name.startswith("autograd::engine::evaluate_function") or name.startswith("Optimizer"):
             break
-    return "other ops (norms, rotary, activations, casts, fused elementwise)"
+    return OTHER
 
 
 def profile_child(job: dict) -> None:
@@ -204,28 +225,34 @@ def profile_both(setup: dict, seed: int = 0) -> dict:
 
 
 def tables(profiles: dict) -> tuple[str, str]:
-    """The component table (s/step each side, the difference) and the settings-and-calls table."""
+    """The component table (CPU s/step each side, the difference), the settings-and-calls table and the
+    largest ops of the 'other ops' rows. A component's seconds are its share of the profiled window's wall
+    time times the process's CPU time over the window: a process the machine's other jobs kept waiting
+    has longer ops by the wall clock, not more work."""
     from common import markdown_table
 
     ours, theirs = profiles["qlora_kit"], profiles["trl"]
-    names = sorted(set(ours["seconds"]) | set(theirs["seconds"]))
-    rows = []
-    for name in sorted(names, key=lambda n: -max(ours["seconds"].get(n, 0), theirs["seconds"].get(n, 0))):
-        a, b = ours["seconds"].get(name, 0.0) / STEPS, theirs["seconds"].get(name, 0.0) / STEPS
-        if max(a, b) >= 0.0005:
-            rows.append([name, f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}"])
+
+    def per_step(profile: dict, seconds: float) -> float:
+        return seconds * profile["cpu"] / profile["wall"] / STEPS
+
+    def rows_of(key: str, least: float) -> list[list[str]]:
+        names = set(ours[key]) | set(theirs[key])
+        found = {
+            n: (per_step(ours, ours[key].get(n, 0.0)), per_step(theirs, theirs[key].get(n, 0.0)))
+            for n in names
+        }
+        ordered = sorted(found.items(), key=lambda item: -max(item[1]))
+        return [[n, f"{a:.3f}", f"{b:.3f}", f"{a - b:+.3f}"] for n, (a, b) in ordered if max(a, b) >= least]
+
+    rows = rows_of("seconds", 0.0005)
     wall_a, wall_b = ours["wall"] / STEPS, theirs["wall"] / STEPS
-    rows.append(["**the step (profiled wall)**", f"{wall_a:.3f}", f"{wall_b:.3f}", f"{wall_a - wall_b:+.3f}"])
     cpu_a, cpu_b = ours["cpu"] / STEPS, theirs["cpu"] / STEPS
-    rows.append(
-        [
-            "the step's process CPU time (load-independent)",
-            f"{cpu_a:.3f}",
-            f"{cpu_b:.3f}",
-            f"{cpu_a - cpu_b:+.3f}",
-        ]
-    )
-    seconds = markdown_table(["component", "qlora_kit s/step", "TRL s/step", "difference"], rows)
+    rows.append(["**the step: process CPU time**", f"{cpu_a:.3f}", f"{cpu_b:.3f}", f"{cpu_a - cpu_b:+.3f}"])
+    rows.append(["the step: wall time (load)", f"{wall_a:.3f}", f"{wall_b:.3f}", f"{wall_a - wall_b:+.3f}"])
+    header = ["component", "qlora_kit CPU s/step", "TRL CPU s/step", "difference"]
+    largest = ["the largest of the other ops (phase: op or C++ kernel)", *header[1:]]
+    seconds = markdown_table(header, rows) + "\n\n" + markdown_table(largest, rows_of("others", 0.002))
     facts = [
         [name, str(ours["settings"].get(name)), str(theirs["settings"].get(name))]
         for name in ours["settings"]
@@ -264,8 +291,9 @@ def write_profile(setup: dict, model_text: str, out: Path) -> None:
     notes = (
         f"{model_text}; both compiled at equal settings (vs_trl.py --compiled's job: padded batches, seed 0), "
         f"each in its own process; steps {FIRST} to {FIRST + STEPS - 1} profiled (torch.profiler, CPU, "
-        "record_shapes, inductor's C++ kernels as events), seconds are per step (self CPU time summed per "
-        f"component over the window / {STEPS}). Load average (1 min) {load_before:.1f} before, "
+        "record_shapes, inductor's C++ kernels as events). A component's seconds a step: its self CPU time "
+        "over the window's wall time (its share of the window) times the process's CPU time a step (its "
+        f"work, whatever the machine's load kept it waiting). Load average (1 min) {load_before:.1f} before, "
         f"{load_after:.1f} after. The profiler's own cost is in both sides' figures; shares within one "
         "process move less with the machine's load than wall times do."
     )

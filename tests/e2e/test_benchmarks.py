@@ -150,7 +150,7 @@ TABLES = {
     "vs_trl.py": ("vs-trl-cpu.md", [(
         [("comparison", r"equal settings \(padded batches\)|defaults \(qlora_kit packs\)"),
          ("system", "qlora_kit|TRL SFTTrainer"), ("median step (s)", SECONDS), ("trained tokens/s", N),
-         ("peak RSS (MiB)", N), ("final loss", rf"{N} \(seeds span {N}\)")], 4,
+         ("median step CPU (s)", SECONDS), ("trained tokens per CPU s", N), ("peak RSS (MiB)", N), ("final loss", rf"{N} \(seeds span {N}\)")], 4,
     )]),
 }  # fmt: skip
 
