@@ -6,12 +6,14 @@ tokens, micro-batch 8, paged 8-bit AdamW, gradient checkpointing, lr 2e-4 consta
 steps. Each run is its own process (peak resident memory is per process; --smoke runs both comparisons
 in one process per system), run interleaved — A B A B
 ... over several rounds, after a warm-up pair, round r with seed r — and reports the median step time,
-trained (label) tokens per second (the median of per-step rates), peak RSS and the mean final loss with
-its span over the seeds.
+trained (label) tokens per second (the median of per-step rates), on a CPU the same per second of the
+process's CPU time (the work, where other jobs keep a process waiting for a core), peak RSS and the mean
+final loss with its span over the seeds.
 
 1. equal settings: qlora_kit with padded batches like TRL's default (its chunked loss head on, as by
-   default; it does not change the loss), TRL without its default bf16 autocast (qlora_kit keeps LoRA
-   in fp32 on CPUs), so both compute in the same precision;
+   default; it does not change the loss), TRL without its default bf16 autocast and with its LoRA weights
+   back in fp32 after SFTTrainer cast them to bf16 (qlora_kit keeps LoRA in fp32 on CPUs), so both compute
+   in the same precision;
 2. defaults: qlora_kit's defaults (packing into rows, chunked loss) against TRL's defaults (bf16 autocast);
 3. with --compiled, instead (its own table, vs-trl-compiled-*.md): equal settings with both compiled,
    qlora_kit's ``train.compile: true`` (its decoder layers) against TRL's ``torch_compile=True`` (the
@@ -25,6 +27,7 @@ metrics.jsonl (logged every step), TRL's are counted by wrapping the script's ow
     python benchmarks/vs_trl.py [--rounds 3] [--steps 24]
     python benchmarks/vs_trl.py --real-model [--rounds 1] [--steps 5]   # SmolLM2-135M-Instruct, 4 x 96
     python benchmarks/vs_trl.py --compiled [--rounds 1] [--steps 12]   # equal settings, both compiled
+    python benchmarks/vs_trl.py --profile   # --compiled's runs profiled per component (vs_trl_profile.py)
     python benchmarks/vs_trl.py --smoke --out /tmp/x   # one round of 3 steps on a smaller model, one
                                                        # process per system for both comparisons
     python benchmarks/vs_trl.py --gpu --out $OUT   # CUDA: a 1B Llama (gpu_check.FULL_SHAPE, Llama-3's
@@ -88,19 +91,23 @@ def step_timer():
     from transformers import TrainerCallback
 
     class StepTimer(TrainerCallback):
+        """Each step's wall time and its process CPU time: on a CPU shared with other jobs a step's wall
+        time counts the time the process waited for a core; its CPU time counts the work."""
+
         def __init__(self) -> None:
-            self.times, self.start = [], 0.0
+            self.times, self.cpu_times, self.start, self.cpu_start = [], [], 0.0, 0.0
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.start = time.perf_counter()
+            self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kwargs):
             self.times.append(time.perf_counter() - self.start)
+            self.cpu_times.append(time.process_time() - self.cpu_start)
 
     return StepTimer()
 
 
-def run_qlora_kit(job: dict, out: str) -> dict:
+def run_qlora_kit(job: dict, out: str, callbacks=()) -> dict:
     from qlora_kit import Recipe, train
 
     recipe = Recipe.from_dict(
@@ -125,14 +132,19 @@ def run_qlora_kit(job: dict, out: str) -> dict:
         }
     )
     timer = step_timer()
-    result = train(recipe, callbacks=[timer])
+    result = train(recipe, callbacks=[timer, *callbacks])
     # The run's own count (metrics.jsonl): trained_tokens is the running total of label tokens at each log.
     totals = [row["trained_tokens"] for row in result.metrics if "trained_tokens" in row]
     tokens = [now - before for before, now in zip([0, *totals], totals, strict=False)]
-    return {"times": timer.times, "losses": result.train_losses, "tokens": tokens}
+    return {
+        "times": timer.times,
+        "cpu_times": timer.cpu_times,
+        "losses": result.train_losses,
+        "tokens": tokens,
+    }
 
 
-def run_trl(job: dict, out: str) -> dict:
+def run_trl(job: dict, out: str, callbacks=()) -> dict:
     import torch
     from datasets import load_dataset
     from peft import LoraConfig
@@ -178,13 +190,22 @@ def run_trl(job: dict, out: str) -> dict:
     trainer = SFTTrainer(
         model=model, args=args, train_dataset=dataset, peft_config=peft_config, processing_class=tokenizer
     )
+    if not job["packing"] and not torch.cuda.is_available():
+        # Equal settings, equal precision: SFTTrainer casts a quantized model's LoRA weights to bf16 (the
+        # QLoRA paper's choice; trl/trainer/sft_trainer.py, "_is_quantized_model"), where qlora_kit keeps
+        # peft's fp32 adapters and runs them in fp32 on a CPU. Before train() builds the optimizer.
+        for parameter in trainer.model.parameters():
+            if parameter.requires_grad:
+                parameter.data = parameter.data.float()
     trainer.data_collator = counter = Counter(trainer.data_collator)
     timer = step_timer()
-    trainer.add_callback(timer)
+    for callback in [timer, *callbacks]:
+        trainer.add_callback(callback)
     trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     # accelerate's loader builds one batch ahead (to know the last one): keep the batches trained on
-    return {"times": timer.times, "losses": losses, "tokens": counter.tokens[: len(timer.times)]}
+    tokens = counter.tokens[: len(timer.times)]
+    return {"times": timer.times, "cpu_times": timer.cpu_times, "losses": losses, "tokens": tokens}
 
 
 def child(jobs: list[dict]) -> None:
@@ -192,6 +213,11 @@ def child(jobs: list[dict]) -> None:
     import torch
 
     for job in jobs:
+        if job.get("profile"):
+            from vs_trl_profile import profile_child
+
+            profile_child(job)
+            continue
         if torch.cuda.is_available():  # each run's own peak
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -231,9 +257,12 @@ def summarise(runs: list[dict]) -> dict:
     # Each run's first step warms up. Throughput is the median of per-step rates, so one stalled step
     # (a page-cache miss, the other process of the machine) does not decide the comparison.
     steps = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["times"][1:], strict=True)]
+    cpu = [(n, t) for run in runs for n, t in zip(run["tokens"][1:], run["cpu_times"][1:], strict=True)]
     return {
         "step": statistics.median(t for _, t in steps),
         "tokens_per_s": statistics.median(n / t for n, t in steps),
+        "cpu_step": statistics.median(t for _, t in cpu),
+        "tokens_per_cpu_s": statistics.median(n / t for n, t in cpu),
         "rss": max(run["peak_rss_mib"] for run in runs),
         "allocated": max(run.get("peak_allocated_gib", 0.0) for run in runs),
         "loss": statistics.mean(run["losses"][-1] for run in runs),
@@ -250,6 +279,11 @@ def main() -> None:
     options.add_argument("--child", help=argparse.SUPPRESS)
     options.add_argument(
         "--compiled", action="store_true", help="equal settings with both compiled, in a table of its own"
+    )
+    options.add_argument(
+        "--profile",
+        action="store_true",
+        help="--compiled's runs under torch.profiler: each side's step per component (its own table)",
     )
     options.add_argument(
         "--gpu", action="store_true", help="CUDA: a 1B Llama, rows up to 1,024 tokens, bf16 on both sides"
@@ -288,6 +322,11 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp())
     data = str(make_dataset(folder, examples, scale))
     setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
+    if args.profile:  # --compiled's job, profiled per component (vs_trl_profile.py)
+        from vs_trl_profile import write_profile
+
+        write_profile(setup, f"{model_text}, micro-batch {batch}, max length {max_len}", args.out)
+        return
     # each comparison's (packing, compile) on both sides
     comparisons = {
         "equal settings (padded batches)": (False, False),
@@ -321,13 +360,16 @@ def main() -> None:
                     system,
                     f"{r['step']:.3f}",
                     f"{r['tokens_per_s']:,.0f}",
+                    *([] if args.gpu else [f"{r['cpu_step']:.3f}", f"{r['tokens_per_cpu_s']:,.0f}"]),
                     f"{r['rss']:,.0f}",
                     *([f"{r['allocated']:.2f}"] if args.gpu else []),
                     f"{r['loss']:.3f} (seeds span {r['loss_spread']:.3f})",
                 ]
             )
         verdicts.append(
-            f"{name}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x TRL's, peak RSS {a['rss'] / b['rss']:.2f}x"
+            f"{name}: throughput {a['tokens_per_s'] / b['tokens_per_s']:.2f}x TRL's"
+            + ("" if args.gpu else f" ({a['tokens_per_cpu_s'] / b['tokens_per_cpu_s']:.2f}x per CPU second)")
+            + f", peak RSS {a['rss'] / b['rss']:.2f}x"
             + (f", peak allocated {a['allocated'] / b['allocated']:.2f}x" if args.gpu else "")
         )
     table = markdown_table(
@@ -336,6 +378,7 @@ def main() -> None:
             "system",
             "median step (s)",
             "trained tokens/s",
+            *([] if args.gpu else ["median step CPU (s)", "trained tokens per CPU s"]),
             "peak RSS (MiB)",
             *(["peak allocated (GiB)"] if args.gpu else []),
             "final loss",

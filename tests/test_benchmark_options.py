@@ -11,7 +11,7 @@ import pytest
 from benchmarks import common
 
 ROOT = Path(__file__).resolve().parents[1]
-HELPERS = ("common.py", "gpu_rows.py", "tiny_configs.py")  # modules the scripts import, no scripts themselves
+HELPERS = ("common.py", "gpu_rows.py", "tiny_configs.py", "vs_trl_profile.py")  # modules the scripts import
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if p.name not in HELPERS)
 
 

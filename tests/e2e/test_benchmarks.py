@@ -148,7 +148,7 @@ TABLES = {
     "vs_trl.py": ("vs-trl-cpu.md", [(
         [("comparison", r"equal settings \(padded batches\)|defaults \(qlora_kit packs\)"),
          ("system", "qlora_kit|TRL SFTTrainer"), ("median step (s)", SECONDS), ("trained tokens/s", N),
-         ("peak RSS (MiB)", N), ("final loss", rf"{N} \(seeds span {N}\)")], 4,
+         ("median step CPU (s)", SECONDS), ("trained tokens per CPU s", N), ("peak RSS (MiB)", N), ("final loss", rf"{N} \(seeds span {N}\)")], 4,
     )]),
 }  # fmt: skip
 
@@ -275,7 +275,8 @@ def test_committed_table_has_the_form_its_script_writes_now(script):
 
 
 def test_every_benchmark_script_is_run_by_the_suite():
-    helpers = {"common.py", "gpu_rows.py", "tiny_configs.py"}  # modules the scripts import
+    # modules the scripts import (vs_trl_profile.py: vs_trl.py --profile's)
+    helpers = {"common.py", "gpu_rows.py", "tiny_configs.py", "vs_trl_profile.py"}
     scripts = {path.name for path in BENCHMARKS.glob("*.py")} - helpers
     assert scripts == set(TABLES) | set(ELSEWHERE)
     for script, test_file in ELSEWHERE.items():
