@@ -162,10 +162,6 @@ def trace_layers(
     when this architecture's code cannot run on fake tensors. A vision-language row holds ``images``;
     attention runs the kernel ``device`` picks (``device_kernels``); unpacked rows are ``padded`` (a batch
     with an attention mask) or of one length (none)."""
-    # traced with full logits, whose forward also gives the chunked head's figures (BEFORE_HEAD)
-    full_logits = recipe.model_copy(
-        update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})}
-    )
     key = (
         config.to_json_string(),
         recipe.model_dump_json(
@@ -187,6 +183,10 @@ def trace_layers(
     )
     key += (batch, seq, precision, images, device, padded)
     if key not in _TRACED:
+        # traced with full logits, whose forward also gives the chunked head's figures (BEFORE_HEAD)
+        full_logits = recipe.model_copy(
+            update={"memory": recipe.memory.model_copy(update={"chunked_loss": False})}
+        )
         try:
             shape = Shape(batch, seq, images, device, padded)
             _TRACED[key] = _trace_both(config, full_logits, shape, precision)
