@@ -12,7 +12,7 @@ compiled as the pipeline compiles it; their logged losses (in the summary) must 
 
 Whether ``train.compile`` pays is in benchmarks/results/compile-cpu.md.
 
-    python benchmarks/compile.py [--steps 12] [--mixed-precision bf16]
+    python benchmarks/compile.py [--steps 12] [--mixed-precision bf16] [--model builtin:tiny-qwen3-moe]
     python benchmarks/compile.py --smoke --out /tmp/x   # 2 steps of 2 x 32 tokens, the first setting
     python benchmarks/compile.py --smoke --out /tmp/x --mixed-precision bf16   # tests/e2e/test_compile.py
 """
@@ -32,6 +32,7 @@ TRAIN_STEPS = 3  # through trainer.train(): whether the Trainer's loop trains th
 # --smoke (tests/e2e/test_compile.py): step 1 compiles, step 2 runs the compiled graph after an optimizer
 # step; the demo's 16 x 64 bfloat16 rows (emulated on CPUs without AVX512-BF16) cost seconds a step
 SMOKE_STEPS = 2
+DEFAULT_MODEL = "builtin:tiny-llama"
 DEMO = Path(__file__).resolve().parents[1] / "recipes" / "demo.yaml"  # the trainer.train() runs' recipe
 
 
@@ -41,13 +42,14 @@ SETTINGS = {
 }
 
 
-def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precision: str):
+def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precision: str, model: str):
     from qlora_kit import Recipe
     from qlora_kit.training.compiled import decoder_layers_compiled
     from qlora_kit.training.pipeline import build as build_run
 
     recipe = Recipe.from_dict(
         {
+            "model": {"path": model},
             "memory": memory,
             "data": {"packing": False, "max_seq_len": seq},
             "lora": {"dropout": 0.0},
@@ -71,7 +73,7 @@ def build(compiled: bool, memory: dict, out: Path, batch: int, seq: int, precisi
     return trainer
 
 
-def through_train(memory: dict, out: Path, precision: str, steps: int) -> dict[str, list[float]]:
+def through_train(memory: dict, out: Path, precision: str, steps: int, model: str) -> dict[str, list[float]]:
     """Each run's logged losses when ``trainer.train()`` runs it (its loop, its accelerate prepare, which
     compiles): the demo recipe with the setting, its rows packed (what data.packing auto picks there), in
     the compared runs' compute dtype. Run after ``compare``, whose step 1 times the compile from cold."""
@@ -82,6 +84,7 @@ def through_train(memory: dict, out: Path, precision: str, steps: int) -> dict[s
     losses = {}
     for name, compiled in (("eager", False), ("compiled", True)):
         overrides = {f"memory.{key}": value for key, value in memory.items()} | {
+            "model.path": model,
             "train.compile": compiled,
             "train.mixed_precision": precision,
             "train.output_dir": str(out / name),
@@ -105,7 +108,7 @@ def through_train(memory: dict, out: Path, precision: str, steps: int) -> dict[s
 
 
 def compare(
-    memory: dict, steps: int, out: Path, batch: int, seq: int, precision: str, train_steps: int
+    memory: dict, steps: int, out: Path, batch: int, seq: int, precision: str, train_steps: int, model: str
 ) -> tuple[list[list[str]], str]:
     from torch._dynamo.utils import counters
 
@@ -113,9 +116,9 @@ def compare(
     generator = torch.Generator().manual_seed(0)
     batches = [torch.randint(5, 600, (batch, seq), generator=generator) for _ in range(steps)]
     torch.manual_seed(0)
-    eager = build(False, memory, out / "eager", batch, seq, precision)
+    eager = build(False, memory, out / "eager", batch, seq, precision, model)
     torch.manual_seed(0)
-    compiled = build(True, memory, out / "compiled", batch, seq, precision)
+    compiled = build(True, memory, out / "compiled", batch, seq, precision, model)
     results = {"eager": [], "compiled": []}
     for ids in batches:
         for name, trainer in (("eager", eager), ("compiled", compiled)):
@@ -140,7 +143,7 @@ def compare(
     )
     if reasons:
         summary += "\n\nMost frequent graph-break reasons:\n\n" + "\n".join(f"- {r}" for r in reasons)
-    trained = through_train(memory, out / "train", precision, train_steps)
+    trained = through_train(memory, out / "train", precision, train_steps, model)
     worst = max(abs(a - b) for a, b in zip(trained["eager"], trained["compiled"], strict=True))
     summary += (
         f"\n\nThrough trainer.train(), {train_steps} steps of recipes/demo.yaml, packed: eager losses "
@@ -161,6 +164,11 @@ def main() -> None:
         choices=["auto", "no", "bf16"],
         help="train.mixed_precision of every run (bf16: accelerate's autocast around the compiled forward)",
     )
+    options.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="model.path of every run (a mixture: its layers compile but for their routed experts)",
+    )
     args = options.parse_args()
     # --smoke: the first setting only, one step after the warm-up (compiling is most of the time, and
     # checkpointing with the chunked head takes several times longer to compile)
@@ -171,16 +179,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for index, (name, memory) in enumerate(settings.items()):
             rows, summary = compare(
-                memory, steps, Path(tmp) / str(index), batch, seq, args.mixed_precision, train_steps
+                memory,
+                steps,
+                Path(tmp) / str(index),
+                batch,
+                seq,
+                args.mixed_precision,
+                train_steps,
+                args.model,
             )
             table = markdown_table(["step", "eager loss", "compiled loss", "eager s", "compiled s"], rows)
             sections.append(f"## {name}\n\n{table}\n\n{summary}")
             print(sections[-1], flush=True)
+    name = args.model.removeprefix("builtin:").replace("/", "-")
     write_result(
-        "compile-cpu",
+        "compile-cpu" if args.model == DEFAULT_MODEL else f"compile-{name}-cpu",
         "torch.compile with 4-bit layers and LoRA (CPU)",
         "\n\n".join(sections),
-        f"Tiny Llama (builtin), batch {batch} x {seq}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, "
+        f"{args.model}, batch {batch} x {seq}, NF4 + double quant, LoRA r=16 all-linear, paged AdamW 8-bit, "
         f"mixed precision {args.mixed_precision}; the two runs of each setting stepped in turn on the same batches.",
         args.out,
     )

@@ -29,6 +29,16 @@ def recurrent_layer_types(config) -> tuple[str, ...]:
     return tuple(dict.fromkeys(k for k in kinds if k not in ATTENTION_LAYER_TYPES))
 
 
+def recurrent_layers(config, count: int) -> frozenset[int]:
+    """The indices of ``config``'s ``count`` decoder layers that carry a state along the sequence: the layers
+    of a recurrent kind in ``layer_types``, or every layer of a model made only of recurrent layers."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) in RECURRENT_MODEL_TYPES:
+        return frozenset(range(count))
+    kinds = getattr(text, "layer_types", None) or ()
+    return frozenset(i for i, kind in enumerate(kinds[:count]) if kind not in ATTENTION_LAYER_TYPES)
+
+
 def packing_refusal(config) -> str | None:
     """Why rows of this model cannot be packed (None: they can)."""
     kinds = recurrent_layer_types(config)

@@ -3,9 +3,11 @@
 ``auto`` compiles the decoder layers (compiled.py) where the run repays the compile, decided by measuring:
 
 1. a run of fewer than ``MIN_STEPS`` optimizer steps, of several processes (each would time its own
-   step), of an objective whose batches are not token rows with labels, or of a family whose layers all
-   stay eager (``compiled.family_reason``: a mixture, a hybrid; their timed steps would be eager steps,
-   and a mixture's experts kept on the host would be copied for each) stays eager unmeasured;
+   step), of an objective whose batches are not token rows with labels, of a model whose layers all stay
+   eager (``compiled.all_eager_reason``: recurrent layers only; its timed steps would be eager steps), or
+   of a mixture whose experts are kept on the host (their copies to the device, which each timed step
+   would make too, are the step's time: the compiled part of its layers saves little of it) stays eager
+   unmeasured;
 2. an eager forward and backward of a micro-batch of the run's own rows is timed: if the planned steps,
    saving at most ``LARGEST_SAVING`` of their eager time, cannot repay the compiles the run makes
    (``EXPECTED_COMPILES``) at a decoder layer's least compile (``LAYER_COMPILE_FLOOR_S``) each, it stays
@@ -30,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qlora_kit.memory import experts_on_host
 from qlora_kit.registries import objectives
 from qlora_kit.training import compiled
 
@@ -57,6 +60,10 @@ LARGEST_SAVING = 0.4
 # compile of its layers before step 1 and ran 19 s longer end to end (88 s -> 107 s), to stay eager. A GPU
 # compiles a layer more slowly still, so this floor only keeps the decision conservative.
 LAYER_COMPILE_FLOOR_S = 8.0
+HOST_EXPERTS_REASON = (
+    "auto: the experts' copies from the host are the step's time, which compiling the rest of a layer "
+    "does not shorten; train.compile: true compiles"
+)
 # A graph for the first shapes, a recompile with the sequence dynamic (compiled.py); evaluation runs eager.
 EXPECTED_COMPILES = 2
 
@@ -106,9 +113,11 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
         return CompileChoice(False, "auto: decided in one process only; train.compile: true compiles")
     if objectives.of(recipe).rows != objectives.SEQUENCES:
         return CompileChoice(False, "auto: measured on token rows only; train.compile: true compiles")
-    family = compiled.family_reason(model)
+    family = compiled.all_eager_reason(model)
     if family:  # compile_decoder_layers would leave every layer eager: nothing to time
         return CompileChoice(False, f"auto: every decoder layer stays eager ({family})")
+    if experts_on_host.layers_on_host(model):
+        return CompileChoice(False, HOST_EXPERTS_REASON)
     batch = _micro_batch(recipe, trainer)
     eager_s = min(_timed_steps(trainer, model, batch, 3)[1:])  # the first call warms up
     # the floor first: a run that cannot repay a layer's compile never pays the compiler's start either

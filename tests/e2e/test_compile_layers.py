@@ -18,6 +18,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from qlora_kit import Recipe
+from qlora_kit.memory.accounting import decoder_layers
 from qlora_kit.training import compiled
 from qlora_kit.training.pipeline import build
 from tests.test_compile_choice import assert_decided_by_its_figures
@@ -120,16 +121,54 @@ def test_auto_on_a_long_run_times_a_compile_and_decides_by_it(tmp_path, caplog):
     assert_decided_by_its_figures(line, trainer.model, steps=100_000, compiler_started=True)
 
 
-def test_a_mixture_stays_eager_and_says_why(caplog):
+def test_a_mixture_compiles_all_but_its_routed_experts_and_follows_the_eager_losses(tmp_path):
+    """The tiny Qwen3-MoE under the defaults (full checkpointing, the chunked head), five lengths: its
+    attention and norms run compiled, its router (whose forward hook counts the experts' load) and routed
+    experts eager, with no graph break, two graphs per compiled class, and the eager run's losses."""
+    torch._dynamo.reset()
+    counters.clear()
+    batches = _batches()
+    mixture = {"model.path": "builtin:tiny-qwen3-moe"}
+    eager = _losses(_trainer(tmp_path, False, mixture), batches)
+    run = _trainer(tmp_path, True, mixture)
+    result = compiled.compile_decoder_layers(run.model)  # again: what it compiles, reported
+    losses = _losses(run, batches)
+
+    layers = decoder_layers(run.model)
+    assert result.compiled == list(range(len(layers))) and not result.eager
+    assert result.partly == dict.fromkeys(range(len(layers)), compiled.ROUTED_REASON)
+    for layer in layers:
+        regions = compiled.regions_around(layer, compiled.routed_paths(run.model))
+        assert layer.self_attn in regions and all(_compiled(region) for region in regions)
+        assert not _compiled(layer.mlp.experts) and not _compiled(layer.mlp.gate)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+    classes = {
+        type(region) for region in compiled.regions_around(layers[0], compiled.routed_paths(run.model))
+    }
+    assert counters["stats"]["unique_graphs"] == 2 * len(classes), dict(counters["stats"])
+    assert losses == pytest.approx(eager, rel=TOLERANCE)
+
+
+def _compiled(module) -> bool:
+    return module._compiled_call_impl is not None or "forward" in module.__dict__
+
+
+def test_a_hybrid_compiles_its_attention_layers_and_says_why_its_recurrent_ones_stay_eager(caplog):
     from qlora_kit.model.loading import load_base_model
 
-    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-qwen3-moe"}})
+    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-qwen3.5"}})
     model = load_base_model(recipe.model, recipe.quant)
+    kinds = model.config.get_text_config().layer_types
     with caplog.at_level(logging.INFO, logger="qlora_kit.training.compiled"):
         result = compiled.compile_decoder_layers(model)
-    assert result.compiled == [] and set(result.eager.values()) == {compiled.MIXTURE_REASON}
+    assert result.compiled == [i for i, kind in enumerate(kinds) if kind == "full_attention"]
+    assert result.eager == {
+        i: compiled.RECURRENT_REASON for i, k in enumerate(kinds) if k != "full_attention"
+    }
+    assert result.compiled and result.eager
+    assert f"eager: {compiled.RECURRENT_REASON}" in caplog.text
+    compiled.uncompile_decoder_layers(model)
     assert not compiled.decoder_layers_compiled(model)
-    assert f"eager: {compiled.MIXTURE_REASON}" in caplog.text
 
 
 def test_a_vision_language_model_compiles_its_decoder_layers_on_image_batches(tmp_path):
