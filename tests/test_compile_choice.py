@@ -110,3 +110,19 @@ def test_the_compiler_check_passes_here_and_fails_without_a_cpp_compiler():
         ok, detail = compiled.compiler_works.__wrapped__()
     torch._dynamo.reset()
     assert not ok and "failed" in detail, detail
+
+
+def test_auto_runs_eager_when_the_compiler_fails_on_the_layers(tmp_path, caplog):
+    # the compiler check passed earlier in the process (cached), then inductor's C++ compiler goes missing:
+    # the timed compile of the layers fails, and the run goes on eager with the error's first line
+    compiled.compiler_works()
+    compiled.least_compile_seconds()
+    torch._dynamo.reset()
+    broken = {"cpp.cxx": (None, "/nonexistent/g++"), "fx_graph_cache": False}
+    overrides = {"train.max_steps": 100_000, "train.micro_batch_size": 1, "data.max_seq_len": 32}
+    with torch._inductor.config.patch(broken):
+        setup, line = _built(tmp_path, caplog, **overrides)
+    torch._dynamo.reset()
+    assert line.startswith("train.compile: off (auto: compiling the layers failed: "), line
+    assert not compiled.decoder_layers_compiled(setup.model)
+    assert all(p.grad is None for p in setup.model.parameters())

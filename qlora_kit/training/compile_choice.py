@@ -17,7 +17,7 @@
 4. otherwise the layers are compiled and the same micro-batch timed twice: the first call is the compile,
    the second the compiled step. Compiled when the saving over the planned steps exceeds the compile
    times the compiles the run makes; the compiled graphs are kept for the run, and removed again when it
-   does not pay.
+   does not pay, or when the compile fails on this model's layers (the error's first line is the reason).
 
 The decision and its figures are logged as ``memory.chunked_loss: auto``'s are.
 """
@@ -131,11 +131,21 @@ def _auto(recipe: Recipe, trainer: Trainer, model: torch.nn.Module) -> CompileCh
     if refused:
         return CompileChoice(False, refused)
     compiled.compile_decoder_layers(model)
-    first_s, compiled_s = _timed_steps(trainer, model, batch, 2)
+    try:
+        first_s, compiled_s = _timed_steps(trainer, model, batch, 2)
+    except torch._dynamo.exc.TorchDynamoException as exc:  # this model's layers break the compiler: run eager
+        compiled.uncompile_decoder_layers(model)
+        model.zero_grad(set_to_none=True)
+        return CompileChoice(False, f"auto: compiling the layers failed: {first_line(exc)}")
     choice = timed_choice(steps, eager_s, first_s - compiled_s, compiled_s)
     if not choice.enabled:
         compiled.uncompile_decoder_layers(model)
     return choice
+
+
+def first_line(exc: Exception) -> str:
+    lines = str(exc).strip().splitlines()
+    return f"{exc.__class__.__name__}: {lines[0][:200] if lines else ''}"
 
 
 def timed_choice(steps: int, eager_s: float, compile_s: float, compiled_s: float) -> CompileChoice:
