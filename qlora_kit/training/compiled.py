@@ -110,7 +110,11 @@ def uncompile_decoder_layers(model: torch.nn.Module) -> None:
     for layer in decoder_layers(model):
         for module in layer.modules():
             module._compiled_call_impl = None  # nn.Module.compile's attribute
-            module.__dict__.pop("forward", None)  # _compile_region's
+            region = _region_forward(module)
+            if region is not None:  # the forward it had: its class's, or one set on it (accelerate's hooks)
+                del module.forward
+                if region.own_forward is not None:
+                    module.forward = region.own_forward
 
 
 def routed_paths(model: torch.nn.Module) -> tuple[str, ...]:
@@ -175,13 +179,20 @@ def _compile_region(region: torch.nn.Module) -> None:
             return compiled_forward(*args, **kwargs)
         return eager_forward(*args, **kwargs)
 
+    forward.own_forward = region.__dict__.get("forward")  # what uncompile_decoder_layers puts back
     region.forward = forward
+
+
+def _region_forward(module: torch.nn.Module):
+    """``_compile_region``'s forward on ``module`` (None: it has none)."""
+    forward = module.__dict__.get("forward")
+    return forward if hasattr(forward, "own_forward") else None
 
 
 def decoder_layers_compiled(model: torch.nn.Module) -> bool:
     """Whether any decoder layer of ``model``, or a region of one, runs compiled."""
     return any(
-        module._compiled_call_impl is not None or "forward" in module.__dict__
+        module._compiled_call_impl is not None or _region_forward(module) is not None
         for layer in decoder_layers(model)
         for module in layer.modules()
     )

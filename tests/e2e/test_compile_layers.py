@@ -150,7 +150,27 @@ def test_a_mixture_compiles_all_but_its_routed_experts_and_follows_the_eager_los
 
 
 def _compiled(module) -> bool:
-    return module._compiled_call_impl is not None or "forward" in module.__dict__
+    return module._compiled_call_impl is not None or hasattr(module.__dict__.get("forward"), "own_forward")
+
+
+def test_uncompiling_a_mixture_gives_each_region_back_the_forward_it_had():
+    """accelerate's hooks (a device map's) set a module's ``forward`` on the instance: a region compiled over
+    one gets it back when the layers are uncompiled (auto uncompiles when the compile does not pay)."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    from qlora_kit.model.loading import load_base_model
+
+    recipe = Recipe.from_dict({"model": {"path": "builtin:tiny-qwen3-moe"}})
+    model = load_base_model(recipe.model, recipe.quant)
+    hooked = decoder_layers(model)[0].self_attn
+    add_hook_to_module(hooked, ModelHook())
+    accelerate_forward = hooked.forward
+    compiled.compile_decoder_layers(model)
+    assert compiled.decoder_layers_compiled(model) and hooked.forward is not accelerate_forward
+    compiled.uncompile_decoder_layers(model)
+    assert not compiled.decoder_layers_compiled(model)
+    assert hooked.forward is accelerate_forward
+    assert all("forward" not in layer.self_attn.__dict__ for layer in decoder_layers(model)[1:])
 
 
 def test_a_hybrid_compiles_its_attention_layers_and_says_why_its_recurrent_ones_stay_eager(caplog):
