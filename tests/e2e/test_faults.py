@@ -175,14 +175,16 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(
     assert_same_adapter(out, reference)
 
 
-def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path):
-    """While one process holds the folder (here: this test, through the same lock a run takes), another
-    run refuses at once. That a killed run leaves no stuck lock, every resume above shows."""
+def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path, qlora_kit_here):
+    """While one run holds the folder (here: this test, through the same lock a run takes), another run
+    refuses at once: the CLI in this process, whose lock is a file lock of its own on the same file, as
+    another process's would be (it is refused before any work). That a killed run leaves no stuck lock,
+    every resume above shows."""
     from qlora_kit.training.run_folder.outputs import exclusive
 
     out = tmp_path / "out"
     with exclusive(out):
-        second = cli("train", str(recipe), "--output-dir", str(out))
+        second = qlora_kit_here("train", str(recipe), "--output-dir", str(out))
     assert second.returncode == 2
     assert second.stderr.strip() == (
         f"error: train.output_dir: {out} is in use by another run; wait for it to end or choose another --output-dir"
