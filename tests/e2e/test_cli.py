@@ -125,7 +125,9 @@ def test_data_command_shows_marked_examples_lengths_and_padding(qlora_kit_here):
     assert all(any(c in line and "pass" in line for line in lines) for c in checks), result.stdout[-2500:]
 
 
-def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
+def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path, qlora_kit_here):
+    """In this process: the row is refused before any training (the one-line errors from a process are
+    test_user_mistakes_are_one_line_and_exit_2's)."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "adapter_config.json").write_text("{}")
@@ -140,7 +142,7 @@ def test_bad_data_is_one_line_and_leaves_the_output_dir_alone(tmp_path):
         str(out),
         "--overwrite",
     )
-    result = qlora_kit("train", str(DEMO), *args)
+    result = qlora_kit_here("train", str(DEMO), *args)
     assert result.returncode == 2
     assert (
         result.stderr.strip()

@@ -1,7 +1,10 @@
 """Faults: SIGKILL at any moment, SIGTERM, two runs into one folder, an unwritable folder, a full disk.
 
 Every killed run is resumed with the CLI's --resume and must end with the same adapter, bit for bit,
-as a run that was never interrupted.
+as a run that was never interrupted. The killed runs and the shared reference are processes of their
+own; each resume (and the mixture's uninterrupted run) is the CLI in this process (conftest.qlora_kit_here,
+as test_keep_best's): all it knows of the killed run is what that process left on disk, and a process
+start (~8 s on 2 cores) was most of a resume's cost.
 """
 
 import json
@@ -115,7 +118,7 @@ def assert_only_complete_checkpoints(out: Path) -> list[int]:
     ],
 )
 def test_sigkill_anywhere_then_resume_gives_the_same_adapter(
-    where, checkpoints_left, recipe, reference, tmp_path
+    where, checkpoints_left, recipe, reference, tmp_path, qlora_kit_here
 ):
     out = tmp_path / "out"
     killed = subprocess.run(
@@ -128,7 +131,7 @@ def test_sigkill_anywhere_then_resume_gives_the_same_adapter(
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not (out / "adapter_config.json").exists(), "a killed run never looks finished"
     assert assert_only_complete_checkpoints(out) == checkpoints_left
-    resumed = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+    resumed = qlora_kit_here("train", str(recipe), "--output-dir", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_adapter(out, reference)
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -148,7 +151,9 @@ def wait_for_step(out: Path, step: int, process, seconds: float = 300) -> None:
     raise AssertionError(f"the run did not reach step {step}")
 
 
-def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(recipe, reference, tmp_path):
+def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(
+    recipe, reference, tmp_path, qlora_kit_here
+):
     out = tmp_path / "out"
     process = subprocess.Popen(
         [sys.executable, "-m", "qlora_kit", "train", str(recipe), "--output-dir", str(out)],
@@ -165,19 +170,21 @@ def test_sigterm_finishes_the_step_writes_a_checkpoint_and_says_how_to_resume(re
     assert "stopped by SIGTERM after step" in last and "--resume" in last
     stopped_at = int(last.split("after step ")[1].split(";")[0])
     assert stopped_at < STEPS and stopped_at in assert_only_complete_checkpoints(out)
-    resumed = cli("train", str(recipe), "--output-dir", str(out), "--resume")
+    resumed = qlora_kit_here("train", str(recipe), "--output-dir", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_adapter(out, reference)
 
 
-def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path):
-    """While one process holds the folder (here: this test, through the same lock a run takes), another
-    run refuses at once. That a killed run leaves no stuck lock, every resume above shows."""
+def test_second_run_into_a_folder_in_use_refuses(recipe, tmp_path, qlora_kit_here):
+    """While one run holds the folder (here: this test, through the same lock a run takes), another run
+    refuses at once: the CLI in this process, whose lock is a file lock of its own on the same file, as
+    another process's would be (it is refused before any work). That a killed run leaves no stuck lock,
+    every resume above shows."""
     from qlora_kit.training.run_folder.outputs import exclusive
 
     out = tmp_path / "out"
     with exclusive(out):
-        second = cli("train", str(recipe), "--output-dir", str(out))
+        second = qlora_kit_here("train", str(recipe), "--output-dir", str(out))
     assert second.returncode == 2
     assert second.stderr.strip() == (
         f"error: train.output_dir: {out} is in use by another run; wait for it to end or choose another --output-dir"
@@ -268,7 +275,9 @@ train:
 """
 
 
-def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_adapter(tmp_path):
+def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_adapter(
+    tmp_path, qlora_kit_here
+):
     """Issue 35: a recipe naming its data through data.sources only. `train mix.yaml --output-dir` used
     to be refused, and the run's recipe.yaml (data.path written beside the sources) could not --resume."""
     from qlora_kit.data import demo
@@ -280,7 +289,7 @@ def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_ada
     mix.write_text(MIXTURE)
 
     reference_dir = tmp_path / "reference"
-    uninterrupted = cli("train", str(mix), "--output-dir", str(reference_dir))
+    uninterrupted = qlora_kit_here("train", str(mix), "--output-dir", str(reference_dir))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
 
     out = tmp_path / "out"
@@ -293,7 +302,8 @@ def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_ada
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert assert_only_complete_checkpoints(out) == [3]
-    resumed = cli("train", str(out / "recipe.yaml"), "--resume")  # the run's own recipe, nothing else
+    # the run's own recipe, nothing else
+    resumed = qlora_kit_here("train", str(out / "recipe.yaml"), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert_same_adapter(out, load_file(reference_dir / "adapter_model.safetensors"))
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
