@@ -54,7 +54,7 @@ TABLES = {
          ("measured q8_0 inputs' KL", rf"{N}|-"), ("bound against the floor", N)], 3,
     )]),
     "compile.py": ("compile-cpu.md", [(
-        [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS)], 2,
+        [("step", r"\d+"), ("eager loss", N), ("compiled loss", N), ("eager s", SECONDS), ("compiled s", SECONDS), ("eager CPU s", SECONDS), ("compiled CPU s", SECONDS)], 2,
     )]),
     "step_overhead.py": ("step-overhead-cpu.md", [(
         [("component", r"[a-z' :()-]+"), ("ms / step", N), ("share of the step", rf"{N}%")], 8,
