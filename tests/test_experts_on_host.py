@@ -25,6 +25,12 @@ from qlora_kit.training.pipeline import build
 from .conftest import quick_recipe, run_cli_output
 
 MIXTURE = "builtin:tiny-qwen3-moe"
+# The same float32 numbers, which the backward may sum in another order on some CPUs (bit for bit on AMD
+# EPYC; on an Intel Xeon with AVX-512 at one thread every LoRA gradient moved, by up to 7e-7 of its largest
+# element, the loss not at all): a weight gradient sums over the micro-batch's <= 1,024 positions, whose
+# reordered sum moves by up to ~eps * sqrt(1024) = 32 eps of its terms; doubled for the layers a gradient
+# passes. A stale or wrong expert copied moves a gradient by 1e-2 and more.
+SUMMED_IN_ANOTHER_ORDER = 64 * torch.finfo(torch.float32).eps
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +70,11 @@ def one_step(model, inputs, path: str):
 
 @pytest.mark.slow  # two builds a policy (shared with the forward's test)
 @pytest.mark.parametrize("policy", ["none", "full"])
-def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(built, policy):
+def test_losses_and_lora_gradients_equal_the_resident_experts(built, policy):
     """On the looped and the grouped matmul paths, each layer's experts are copied once in the forward pass
     and once in the backward pass (a full checkpoint's recompute shares the backward's copy), and none is
-    left on the device after backward."""
+    left on the device after backward; the loss and every LoRA gradient are the resident run's, to the
+    order the backward sums in (below)."""
     resident, on_host = built(policy, False), built(policy, True)
     layers = experts_on_host.layers_on_host(on_host[0])
     assert len(layers) == on_host[0].config.num_hidden_layers
@@ -75,17 +82,19 @@ def test_losses_and_lora_gradients_equal_the_resident_experts_bit_for_bit(built,
         resident_loss, resident_grads = one_step(*resident, path)
         before = [collections.Counter(layer.copies) for layer in layers]
         loss, grads = one_step(*on_host, path)
-        assert torch.equal(loss, resident_loss), path
+        assert abs(loss - resident_loss) <= SUMMED_IN_ANOTHER_ORDER * abs(resident_loss), path
         assert grads.keys() == resident_grads.keys()
         assert any(".experts." in n for n in grads)  # the experts' own LoRA trains
-        assert all(torch.equal(grads[n], resident_grads[n]) for n in grads), path
+        for name in grads:
+            drift = (grads[name] - resident_grads[name]).abs().max() / resident_grads[name].abs().max()
+            assert drift <= SUMMED_IN_ANOTHER_ORDER, (path, name, float(drift))
         copies = [dict(layer.copies - seen) for layer, seen in zip(layers, before, strict=True)]
         assert copies == [{"forward": 1, "backward": 1}] * len(layers), path
         assert not any(layer.filled for layer in layers)
         assert all(s.nbytes() == 0 for layer in layers for s in layer.storages)
 
 
-@pytest.mark.slow  # the bit-for-bit test's model (a build when run alone)
+@pytest.mark.slow  # the gradients' test's model (a build when run alone)
 def test_a_forward_holds_at_most_two_layers_and_an_evaluation_copies_each_once(built):
     """Without gradients (evaluation, sample prompts) each layer is copied once and emptied after its
     block; while a layer computes, at most it and the next (prefetched) are on the device. The packed
