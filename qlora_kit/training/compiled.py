@@ -56,8 +56,8 @@ RECURRENT_REASON = (
     "193 s with them compiled; an eager run and one with its attention layer compiled, 26 s together)"
 )
 ROUTED_REASON = (
-    "its router and routed experts run eager (each expert's matmuls follow the batch's routing, "
-    "read to the host once a layer); the rest of the layer is compiled"
+    "the router and routed experts run eager (each expert's matmuls follow the batch's routing, "
+    "read to the host once a layer); the rest of each layer is compiled"
 )
 
 
@@ -170,7 +170,7 @@ def _compile_training_forward(layer: torch.nn.Module) -> None:
 def _compile_region(region: torch.nn.Module) -> None:
     """``_compile_training_forward`` for a part of a layer, by its ``forward`` (its class's code object):
     ``_call_impl``'s one code object would hold every region class's graphs under one recompile limit, and
-    the region's hooks (the experts' load count on a router's neighbours, FSDP's) stay eager around it."""
+    the region's own hooks (FSDP's, accelerate's) stay eager around it."""
     eager_forward = region.forward
     compiled_forward = torch.compile(eager_forward)
 
