@@ -80,6 +80,16 @@ def declares_layout(experts) -> bool:
     return all(hasattr(experts, key) for key in DECLARED_LAYOUT) and hasattr(experts, "_apply_gate")
 
 
+def layer_holds(layer: torch.nn.Module, path: str) -> bool:
+    """Whether ``layer`` has the submodule at ``path`` (a dense layer of a mixture has no router or experts:
+    DeepSeek's first_k_dense_replace)."""
+    try:
+        layer.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
 def experts_of(model) -> tuple[str, families.Experts | None]:
     """The model's type and its experts facet: the families table's, else one read from the config's common
     keys (families.experts_facet); None for a dense model."""

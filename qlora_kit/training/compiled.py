@@ -86,14 +86,14 @@ def compile_decoder_layers(model: torch.nn.Module) -> CompiledLayers:
     layers = decoder_layers(model)
     result = CompiledLayers()
     offloaded = set(checkpointing.offloaded_layers(model))
-    stateful = recurrent.recurrent_layers(model.config, len(layers)) if hasattr(model, "config") else ()
+    stateful = _recurrent_layers(model, len(layers))
     routed = routed_paths(model)
     for index, layer in enumerate(layers):
         if index in offloaded:
             result.eager[index] = OFFLOAD_REASON
         elif index in stateful:
             result.eager[index] = RECURRENT_REASON
-        elif any(_holds(layer, path) for path in routed):
+        elif any(moe_experts.layer_holds(layer, path) for path in routed):
             for region in regions_around(layer, routed):
                 _compile_region(region)
             result.partly[index] = ROUTED_REASON
@@ -145,14 +145,6 @@ def regions_around(layer: torch.nn.Module, eager_paths: tuple[str, ...]) -> list
     return regions
 
 
-def _holds(layer: torch.nn.Module, path: str) -> bool:
-    try:
-        layer.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
-
-
 def _compile_training_forward(layer: torch.nn.Module) -> None:
     """``nn.Module.compile`` for training's forward (and checkpointing's recompute) only: evaluation and
     generation call the layer eager, as their shapes change with every decoded token and KV cache."""
@@ -201,8 +193,12 @@ def decoder_layers_compiled(model: torch.nn.Module) -> bool:
 def all_eager_reason(model: torch.nn.Module) -> str | None:
     """Why every decoder layer of ``model`` would stay eager whatever the checkpointing (None: some compile)."""
     count = len(decoder_layers(model))
-    stateful = recurrent.recurrent_layers(model.config, count) if hasattr(model, "config") else ()
-    return RECURRENT_REASON if count and len(stateful) == count else None
+    return RECURRENT_REASON if count and len(_recurrent_layers(model, count)) == count else None
+
+
+def _recurrent_layers(model: torch.nn.Module, count: int) -> frozenset[int]:
+    config = getattr(model, "config", None)
+    return recurrent.recurrent_layers(config, count) if config is not None else frozenset()
 
 
 @functools.cache

@@ -45,16 +45,8 @@ def routers(model) -> tuple[list[torch.nn.Module], int]:
     # a vision-language mixture (Qwen3-VL-MoE) counts its experts in its language model's config
     count = getattr(base.config.get_text_config(), facet.count_key)
     # a dense layer before the mixture ones (DeepSeek's first_k_dense_replace) has no router
-    layers = [layer for layer in decoder_layers(base) if _has_submodule(layer, facet.router)]
+    layers = [layer for layer in decoder_layers(base) if moe_experts.layer_holds(layer, facet.router)]
     return [layer.get_submodule(facet.router) for layer in layers], count
-
-
-def _has_submodule(module, path: str) -> bool:
-    try:
-        module.get_submodule(path)
-    except AttributeError:
-        return False
-    return True
 
 
 def in_forward_pass() -> bool:
