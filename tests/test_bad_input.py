@@ -635,6 +635,7 @@ def test_a_bad_image_in_the_data_is_one_line_naming_the_file_and_row(image, tmp_
     assert "row 2" in lines[0] and ("no downloads" in lines[0] or "decode" in lines[0] or "read" in lines[0])
 
 
+@pytest.mark.slow  # plans the demo at each length it tries (~5 s)
 def test_plan_max_seq_len_where_nothing_fits_is_one_line(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     argv = ["plan", RECIPE, "--max-seq-len", "--budget-gb", "0.001"]

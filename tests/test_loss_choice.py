@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from qlora_kit.memory.loss_choice import choose_head, planned_peak, with_head
@@ -25,6 +26,7 @@ def trainer_loss_and_transformers_loss(trainer) -> tuple[float, float, int]:
     return float(ours), float(theirs), int((inputs["labels"][:, 1:] != -100).sum())
 
 
+@pytest.mark.slow  # builds and steps the demo twice (~2 s)
 def test_two_budgets_give_each_head_and_transformers_loss(tmp_path, caplog):
     # Where the head sets the peak: no checkpointing, and chunks smaller than the batch's 1,024 tokens (under
     # full checkpointing the demo's peak is a layer's recompute, after the head's backward has freed what
