@@ -15,7 +15,7 @@ run is set up by pipeline.build; the settings interleave round by round, the med
 a warm-up round is reported, with the planner's figure for what each run keeps.
 
     python benchmarks/checkpointing_frontier.py [--rounds 2]
-    python benchmarks/checkpointing_frontier.py --smoke --out /tmp/x   # the builtin model, one budget, one round
+    python benchmarks/checkpointing_frontier.py --smoke --out /tmp/x   # the builtin model, one budget, one round, no warm-up
 """
 
 from __future__ import annotations
@@ -121,7 +121,14 @@ def settings_for(folder: Path, out: Path, batch: int, seq: int, fractions) -> tu
 
 
 def measure(
-    model: str, shape: dict, batch: int, seq: int, rounds: int, out: Path, fractions=FRACTIONS
+    model: str,
+    shape: dict,
+    batch: int,
+    seq: int,
+    rounds: int,
+    out: Path,
+    fractions=FRACTIONS,
+    warm_up: bool = True,
 ) -> list[list[str]]:
     from qlora_kit.memory import checkpointing
     from qlora_kit.memory.planner import activation_bytes, plan
@@ -144,7 +151,8 @@ def measure(
         runs[name] = (recipe, trainer, {"input_ids": ids, "labels": ids.clone()})
     times = {name: [] for name in runs}
     cpu_times = {name: [] for name in runs}
-    for round_index in range(rounds + 1):  # round 0 warms up and is not counted
+    # round 0 warms up and is not counted; --smoke has none (its figures need only be finite)
+    for round_index in range(0 if warm_up else 1, rounds + 1):
         for name, (_, trainer, batch_ids) in runs.items():
             # CPU seconds of this process (all its threads) besides wall seconds: on a machine other
             # jobs share, the wall clock measures them too, the process's CPU time only this step's work
@@ -189,7 +197,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for model, (shape, batch, seq) in models.items():
-            rows += measure(model, shape, batch, seq, rounds, Path(tmp), fractions)
+            rows += measure(model, shape, batch, seq, rounds, Path(tmp), fractions, not args.smoke)
             print(markdown_table(["model", "setting", "..."], rows), flush=True)  # partial, as it goes
     header = [
         "model", "setting", "budget (MiB)", "layers none/selective/full", "saved for backward (MiB)",
@@ -201,7 +209,7 @@ def main() -> None:
         "Checkpointing frontier: none, every_n, selective, full and auto per layer (CPU)",
         markdown_table(header, rows),
         f"Models: {sizes}. NF4 + double quant, LoRA r=16 all-linear (dropout 0.05), paged AdamW 8-bit, the "
-        f"chunked loss head; {rounds} interleaved rounds after a warm-up. auto @ f: budget f of the way from "
+        f"chunked loss head; {rounds} interleaved rounds{'' if args.smoke else ' after a warm-up'}. auto @ f: budget f of the way from "
         "full's planned peak to none's; the every_n row beside it is the planner's uniform choice for the same "
         "budget. The selective floor keeps every op's output (more bytes than none, no planner figure): its "
         "backward recomputes nothing but the in-place ops, so its time over none is selective checkpointing's "

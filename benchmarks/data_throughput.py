@@ -6,7 +6,7 @@ drift of the machine hits all three alike. "Real tokens" are the non-padding tok
 
     python benchmarks/data_throughput.py [--rounds 4] [--steps 6]
     python benchmarks/data_throughput.py --real-model   # SmolLM2-135M-Instruct and its tokenizer, 128 tokens
-    python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of 2 steps, micro-batch 2, no warm-up
+    python benchmarks/data_throughput.py --smoke --out /tmp/x   # one round of one step, micro-batch 2, no warm-up
 """
 
 from __future__ import annotations
@@ -160,7 +160,7 @@ def main() -> None:
     args.rounds = args.rounds or (2 if args.real_model else 4)
     args.steps = args.steps or (3 if args.real_model else 6)
     if args.smoke:
-        args.rounds, args.steps, args.batch = 1, 2, 2
+        args.rounds, args.steps, args.batch = 1, 1, 2
     # The real model's tokenizer makes about 1.3 tokens of a corpus word (the tiny one's about 2): rows of
     # 16-160 tokens, cut at 128.
     model_path, max_len = (f"builtin:{REAL_MODEL}", 128) if args.real_model else (None, 256)

@@ -8,7 +8,7 @@ the step time is the run's tokens over its tokens/s (first forward to last backw
 
     python benchmarks/guards.py                 # tiny Llama on this machine
     python benchmarks/guards.py --rounds 5 --steps 40 --grad-accum 4
-    python benchmarks/guards.py --smoke --out /tmp/x   # one round of 2 steps
+    python benchmarks/guards.py --smoke --out /tmp/x   # one round of one step of one micro-batch of 2 rows
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import tempfile
 from common import markdown_table, parser, write_result
 
 
-def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str) -> float:
+def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str, micro_batch: int) -> float:
     from qlora_kit import Recipe
     from qlora_kit.training.pipeline import run
 
@@ -29,7 +29,7 @@ def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str) -> f
             "data.max_seq_len": 128,
             "train.output_dir": tempfile.mkdtemp(prefix="guards-bench-"),
             "train.max_steps": steps,
-            "train.micro_batch_size": 8,
+            "train.micro_batch_size": micro_batch,
             "train.grad_accum": grad_accum,
             "train.logging_steps": steps,
             "train.mixed_precision": precision,
@@ -48,13 +48,16 @@ def main() -> None:
     options.add_argument("--steps", type=int, default=30)
     options.add_argument("--grad-accum", type=int, default=2)
     options.add_argument("--precision", default="auto", help="train.mixed_precision of the runs")
+    options.add_argument("--micro-batch", type=int, default=8, help="rows of up to 128 tokens a micro-batch")
     args = options.parse_args()
-    if args.smoke:
-        args.rounds, args.steps = 1, 2
+    if args.smoke:  # the table's form and finite figures: each run's one step times the guards' path
+        args.rounds, args.steps, args.grad_accum, args.micro_batch = 1, 1, 1, 2
     times: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.rounds):
         for guards in (True, False):
-            times[guards].append(step_seconds(guards, args.steps, args.grad_accum, args.precision))
+            times[guards].append(
+                step_seconds(guards, args.steps, args.grad_accum, args.precision, args.micro_batch)
+            )
     on, off = statistics.median(times[True]), statistics.median(times[False])
     rows = [
         ["guards on", f"{on * 1000:.1f}", " ".join(f"{t * 1000:.1f}" for t in times[True])],
@@ -63,7 +66,8 @@ def main() -> None:
     ]
     table = markdown_table(["run", "median ms / optimizer step", "each round (ms)"], rows)
     notes = (
-        f"{args.steps} optimizer steps of {args.grad_accum} micro-batches (8 rows x up to 128 tokens, packed), "
+        f"{args.steps} optimizer steps of {args.grad_accum} micro-batches ({args.micro_batch} rows x up to 128 "
+        "tokens, packed), "
         f"mixed precision {args.precision}. On a CPU a device read costs nothing extra, so this measures the "
         "guards' own arithmetic; on a GPU the difference also holds the one host sync per step."
     )

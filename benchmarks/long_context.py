@@ -75,7 +75,14 @@ def measure(
             "data": {"max_seq_len": seq, "packing": False},
             "memory": fields,
             "quant": {"compute_dtype": "bfloat16" if bf16 else "float32"},
-            "train": {"output_dir": out, "micro_batch_size": 1, "mixed_precision": "bf16" if bf16 else "no"},
+            # eager, as the notes say: under compile auto, build timed steps and compiled the layers it then
+            # measured (compile.py measures train.compile)
+            "train": {
+                "output_dir": out,
+                "micro_batch_size": 1,
+                "mixed_precision": "bf16" if bf16 else "no",
+                "compile": False,
+            },
         }
     )
     setup = pipeline.build(recipe)

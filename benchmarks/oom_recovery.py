@@ -3,7 +3,7 @@ the loss curve, and the time the failed attempts cost.
 
 A CPU has no device memory to run out of, so the fault injector (``QLORA_KIT_OOM_CAP_BYTES``,
 testing/oom_faults.py) raises a real ``torch.OutOfMemoryError`` when a forward pass saves more than a cap.
-The data are 39 short rows and one long one; the cap is 1.5 times the largest forward pass of 4 rows,
+The data are 39 short rows and one long one (--smoke: 15 and one, two steps); the cap is 1.5 times the largest forward pass of 4 rows,
 so only a micro-batch of 8 holding the long row passes it. Three runs, bf16 autocast through the Trainer:
 micro-batch 4 with accumulation 2 (the reference the split run should follow), micro-batch 8 uncapped,
 and micro-batch 8 capped, which splits at the step of the long row and keeps micro-batch 4 from there.
@@ -21,14 +21,21 @@ from pathlib import Path
 
 from common import markdown_table, parser, write_result
 
+SHORT_ROWS = 39
+# --smoke: two steps of 8 rows, one of them the long row's, so the capped run still splits
+SMOKE_SHORT_ROWS, SMOKE_STEPS = 15, 2
 
-def rows() -> list[dict]:
-    short = [{"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(39)]
+
+def rows(short_rows: int) -> list[dict]:
+    short = [
+        {"instruction": f"Repeat the number {i}.", "input": "", "output": str(i)} for i in range(short_rows)
+    ]
     long = {"instruction": "Repeat: " + " ".join(f"w{i}" for i in range(40)), "input": "", "output": "ok"}
-    return [*short[:20], long, *short[20:]]
+    middle = (short_rows + 1) // 2
+    return [*short[:middle], long, *short[middle:]]
 
 
-def train_run(steps: int, micro_batch: int, grad_accum: int, cap: int | None):
+def train_run(steps: int, micro_batch: int, grad_accum: int, cap: int | None, short_rows: int):
     from qlora_kit import Recipe, train
     from qlora_kit.testing import faults, oom_faults
 
@@ -36,7 +43,7 @@ def train_run(steps: int, micro_batch: int, grad_accum: int, cap: int | None):
 
     folder = Path(tempfile.mkdtemp(prefix="oom-bench-"))
     data = folder / "train.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows()))
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows(short_rows)))
     os.environ[oom_faults.ENV] = "" if cap is None else str(cap)
     oom_faults.INJECTOR.peaks.clear()
     recipe = Recipe.from_dict(
@@ -68,14 +75,15 @@ def main() -> None:
     options = parser(__doc__)
     options.add_argument("--steps", type=int, default=10)
     args = options.parse_args()
+    short_rows = SMOKE_SHORT_ROWS if args.smoke else SHORT_ROWS
     if args.smoke:
-        args.steps = 6
-    reference, peaks = train_run(args.steps, 4, 2, cap=10**15)  # armed, never reached: measures
+        args.steps = SMOKE_STEPS
+    reference, peaks = train_run(args.steps, 4, 2, 10**15, short_rows)  # armed, never reached: measures
     cap = int(1.5 * max(peaks))
     runs = {
         "micro-batch 4 x accumulation 2": (reference, 8),
-        "micro-batch 8, uncapped": (train_run(args.steps, 8, 1, cap=None)[0], 8),
-        "micro-batch 8, capped (splits)": (train_run(args.steps, 8, 1, cap=cap)[0], 8),
+        "micro-batch 8, uncapped": (train_run(args.steps, 8, 1, None, short_rows)[0], 8),
+        "micro-batch 8, capped (splits)": (train_run(args.steps, 8, 1, cap, short_rows)[0], 8),
     }
     capped = runs["micro-batch 8, capped (splits)"][0]
     k = next((row["step"] for row in capped.metrics if keys.OOM_SPLIT in row), 1)
@@ -105,7 +113,7 @@ def main() -> None:
         "max loss difference to micro-batch 4 x 2 from the split on", "train s", "s lost to failed attempts",
     ]  # fmt: skip
     notes = (
-        f"{args.steps} optimizer steps, 40 rows (39 short, one long), bf16 autocast on the CPU, cap {cap:,} "
+        f"{args.steps} optimizer steps, {short_rows + 1} rows ({short_rows} short, one long), bf16 autocast on the CPU, cap {cap:,} "
         "bytes saved for backward. From the split on the capped run computes what micro-batch 4 x 2 does (its "
         "difference there is the bf16 rounding the two runs accumulated before the split, as the uncapped "
         "micro-batch 8 run's is); its steps and the trained tokens of each step are the uncapped run's. The "

@@ -6,13 +6,14 @@ start (torch, transformers, peft, bitsandbytes: ~7 s on 2 cores) is paid once, n
 
 Each script runs as ``__main__`` with its own ``sys.argv`` and ``benchmarks/`` first on ``sys.path``, as
 from the shell; the environment is put back after each (oom_recovery.py sets its fault variable).
-OUT/SCRIPT/status.json holds its exit code and, on failure, the traceback's tail."""
+OUT/SCRIPT/status.json holds its exit code, its wall and CPU seconds and, on failure, the traceback's tail."""
 
 from __future__ import annotations
 
 import gc
 import json
 import os
+import resource
 import runpy
 import sys
 import time
@@ -41,16 +42,27 @@ def run_script(script: str, out: Path) -> dict:
         gc.collect()
 
 
+def cpu_seconds() -> float:
+    """User and system CPU seconds of this process and its waited-for children (families_matrix's forks,
+    vs_trl's runs): on shared cores a script's wall seconds count the waits for a core too."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main() -> None:
     out, scripts = Path(sys.argv[1]), sys.argv[2:]
     for script in scripts:
         folder = out / script
         folder.mkdir(parents=True, exist_ok=True)
-        started = time.monotonic()
+        started, cpu_started = time.monotonic(), cpu_seconds()
         status = run_script(script, folder)
         status["seconds"] = round(time.monotonic() - started, 1)  # what each script costs the suite
+        status["cpu_seconds"] = round(cpu_seconds() - cpu_started, 1)
         (folder / "status.json").write_text(json.dumps(status))
-        print(f"{script}: exit {status['exit']} ({status['seconds']} s)", flush=True)
+        print(
+            f"{script}: exit {status['exit']} ({status['seconds']} s, {status['cpu_seconds']} s of CPU)",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":
