@@ -223,22 +223,23 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     process's; the prompts per step, the completions trained per step and the checkpoint's per-process
     rollout random state can (README, GRPO).
 
-    No one-process run: what it would show here, its epochs and its autocast, follows from the recipe."""
+    No one-process run: what it would show here, its epochs and its autocast, follows from the recipe.
+    4 steps, the first checkpoint's (train.save_steps 4): each step's count is the same at any step."""
     recipe = grpo_recipe(tmp_path)
     two = tmp_path / "two"
-    stderr = two_processes(two, ["train", recipe, *SETTINGS])
+    stderr = two_processes(two, ["train", recipe, *SETTINGS, "--set", "train.max_steps=4"])
     got = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in got] == list(range(1, 9)), "each step logged once, by the main process"
+    assert [r["step"] for r in got] == list(range(1, 5)), "each step logged once, by the main process"
     # 2 prompts x 4 completions per optimizer step, as one process with micro-batch 8 samples: step s is
     # s * 2 of the 168 training prompts into the epoch (the Trainer's step / steps per epoch), the same
     # count of sampled completions (the rewards are means over both processes' completions, gathered)
     assert [r["epoch"] for r in got] == pytest.approx(
-        [s * 2 / 168 for s in range(1, 9)], abs=1e-4
+        [s * 2 / 168 for s in range(1, 5)], abs=1e-4
     )  # logged to 4 places
     one_process = resolve_mixed_precision(Recipe.from_yaml(recipe, overrides=SETTINGS[1::2]))
     assert f"mixed precision: {one_process}" in stderr, "the autocast one process picks for the recipe"
     assert all(r["reward"] is not None and "frac_reward_zero_std" in r for r in got)
-    assert sorted(p.name for p in (two / "checkpoint-8").glob("rng_state_*.pth")) == [
+    assert sorted(p.name for p in (two / "checkpoint-4").glob("rng_state_*.pth")) == [
         "rng_state_0.pth",
         "rng_state_1.pth",
     ]  # each process's rollout random state, for an exact resume

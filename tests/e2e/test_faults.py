@@ -1,10 +1,10 @@
 """Faults: SIGKILL at any moment, SIGTERM, two runs into one folder, an unwritable folder, a full disk.
 
 Every killed run is resumed with the CLI's --resume and must end with the same adapter, bit for bit,
-as a run that was never interrupted. The killed runs and the shared reference are processes of their
-own; each resume (and the mixture's uninterrupted run) is the CLI in this process (conftest.qlora_kit_here,
-as test_keep_best's): all it knows of the killed run is what that process left on disk, and a process
-start (~8 s on 2 cores) was most of a resume's cost.
+as a run that was never interrupted. The killed runs are processes of their own; each resume and each
+uninterrupted run (the shared reference, the mixture's) is the CLI in this process (conftest.qlora_kit_here,
+as test_keep_best's): all a resume knows of the killed run is what that process left on disk, and a
+process start (~8 s on 2 cores) was most of a resume's cost.
 """
 
 import json
@@ -51,17 +51,6 @@ train:
 """
 
 
-def cli(*args, **kwargs):
-    return subprocess.run(
-        [sys.executable, "-m", "qlora_kit", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-        **kwargs,
-    )
-
-
 @pytest.fixture(scope="session")
 def recipe(tmp_path_factory, worker_id) -> Path:
     """The recipe on the first ROWS rows of the demo set, once per session: read-only, as its data."""
@@ -80,18 +69,31 @@ def recipe(tmp_path_factory, worker_id) -> Path:
 
 
 @pytest.fixture(scope="session")
-def reference(recipe, tmp_path_factory, worker_id):
-    """The adapter of a run that nobody interrupts, once per session across workers (the tests that
-    compare with it run on any of them); in a process of its own, as the resumed runs it is compared
-    with bit for bit."""
+def reference_run(recipe, tmp_path_factory, worker_id) -> Path:
+    """The output folder of a run that nobody interrupts, once per session across workers (the tests
+    that compare with it run on any of them): the CLI in this process, as the resumes it is compared
+    with bit for bit. Read-only: its checkpoints serve a resume elsewhere as copies."""
 
     def make(folder: Path) -> dict:
-        result = cli("train", str(recipe), "--output-dir", str(folder / "out"))
-        assert result.returncode == 0, result.stderr[-2000:]
+        monkeypatch = pytest.MonkeyPatch()
+        try:
+            argv = ["qlora-kit", "train", str(recipe), "--output-dir", str(folder / "out")]
+            monkeypatch.setattr(sys, "argv", argv)
+            with pytest.raises(SystemExit) as exit_info:
+                cli_main()
+        finally:
+            monkeypatch.undo()
+        assert exit_info.value.code == 0
         return {}
 
     folder, _ = once_per_session(tmp_path_factory, worker_id, "faults-reference", make)
-    return load_file(folder / "out" / "adapter_model.safetensors")
+    return folder / "out"
+
+
+@pytest.fixture(scope="session")
+def reference(reference_run):
+    """The adapter the uninterrupted run wrote."""
+    return load_file(reference_run / "adapter_model.safetensors")
 
 
 def assert_same_adapter(out: Path, reference) -> None:
@@ -226,20 +228,20 @@ def test_full_disk_is_refused_by_train_before_training(recipe, tmp_path, monkeyp
     assert not (out / "metrics.jsonl").exists() and not list(out.glob("checkpoint-*")), "nothing trained"
 
 
-def test_resume_reads_torch_files_only_with_weights_only(recipe, tmp_path, monkeypatch):
-    """Nothing is unpickled: every torch.load on resume passes weights_only=True."""
+def test_resume_reads_torch_files_only_with_weights_only(recipe, reference_run, tmp_path, monkeypatch):
+    """Nothing is unpickled: every torch.load on resume passes weights_only=True. The resume starts from
+    the uninterrupted run's first checkpoint (a copy of its folder as a stop there leaves it: the later
+    checkpoints and the final adapter gone), every file a checkpoint holds read as a resume reads it."""
     from qlora_kit import Recipe, train
 
     out = tmp_path / "out"
+    shutil.copytree(reference_run, out)
+    for later in out.glob("checkpoint-*"):
+        if int(later.name.split("-")[1]) > SAVE_EVERY:
+            shutil.rmtree(later)
+    for final in ("adapter_config.json", "adapter_model.safetensors"):
+        (out / final).unlink()
     config = Recipe.from_yaml(recipe, overrides={"train.output_dir": str(out), "train.max_steps": 12})
-    from transformers import TrainerCallback
-
-    class StopAt(TrainerCallback):
-        def on_step_end(self, args, state, control, **kwargs):
-            control.should_training_stop = state.global_step == SAVE_EVERY
-
-    train(config, callbacks=[StopAt()])
-    (out / "adapter_config.json").unlink()
     calls = []
     real_load = torch.load
 
