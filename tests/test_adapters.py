@@ -130,3 +130,38 @@ def test_an_adapter_whose_tensors_name_no_layer_of_the_base_is_one_line_not_the_
         line.startswith(f"--adapter: {run} holds no tensors for {len(tensors)} of the LoRA weights")
         and "\n" not in line
     )
+
+
+@pytest.mark.parametrize(
+    "arch, lora",
+    [("tiny-qwen3-moe", {"experts": True}), ("tiny-llama", {"dora": True})],  # experts' stacks, DoRA
+)
+def test_the_planners_empty_lora_is_the_runs_without_drawing(arch, lora):
+    """attach_lora(empty=True), the planner's trace's (fake_forward): on a meta model of the compute dtype,
+    the same adapter tensors as the run's attach_lora (names, shapes, dtypes: peft moves the run's to the
+    base's dtype and back to float32, the empty ones stay float32; trainability), nothing drawn from the
+    CPU's generator (red with peft's default: each LoRA A drawn on the CPU, then moved to meta; red with the
+    run's adapters left in the base's bfloat16, peft's cast off)."""
+    import torch
+
+    from qlora_kit.memory.shapes import model_shape
+    from qlora_kit.model import vision
+
+    recipe = Recipe.from_dict({"model": {"path": f"builtin:{arch}"}, "lora": lora})
+    config = model_shape(recipe).config
+
+    def meta_model():
+        with torch.device("meta"):
+            return vision.auto_class(config).from_config(config, dtype=torch.bfloat16)
+
+    def facts(peft_model):
+        return {n: (tuple(p.shape), p.dtype, p.requires_grad) for n, p in peft_model.named_parameters()}
+
+    run = facts(adapters.attach_lora(meta_model(), recipe.lora))
+    state = torch.random.get_rng_state()
+    empty = facts(adapters.attach_lora(meta_model(), recipe.lora, empty=True))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    assert empty == run
+    trained = {n: f[1] for n, f in run.items() if f[2]}
+    assert trained and set(trained.values()) == {torch.float32}
+    assert any("experts" in n for n in trained) == lora.get("experts", False)

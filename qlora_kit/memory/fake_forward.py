@@ -90,9 +90,10 @@ def trace(
     """Saved bytes per layer (and outside them); under ``selective``, also each layer's recompute cost
     (full, selective). The attention kernels it ran are added to ``kernels``; ``counter`` makes the
     ``SavedTensors`` that counts (``saved_by_op`` passes one that also labels each op)."""
-    # peft draws LoRA's A at random (on the CPU's generator, even for a model on the meta device): from a
-    # stream of its own, or the run that plans before it loads would start from other weights than one
-    # that does not (and a resumed run from others than its first part, whose plan built the builtin)
+    # whatever the trace draws at random (a module's init on the CPU's generator, even for a model on the
+    # meta device) from a stream of its own, or the run that plans before it loads would start from other
+    # weights than one that does not (and a resumed run from others than its first part, whose plan built
+    # the builtin)
     with torch.random.fork_rng(devices=[]):
         if counter is not SavedTensors:  # saved_by_op labels the ops of one trace: every expert is traced
             return _trace(config, recipe, policy, shape, precision, kernels, counter)[:2]
@@ -180,7 +181,10 @@ def _trace(config, recipe, policy, shape, precision, kernels, counter):
     tiles = min(tile_count(recipe.memory.mlp_tiles, seq, config.get_text_config().hidden_size), 2)
     memory = recipe.memory.model_copy(update={"checkpointing": policy, "mlp_tiles": tiles})
     checkpointing.enable_checkpointing(model, memory)
-    peft_model = adapters.attach_lora(model, recipe.lora)
+    # LoRA's factors made on the meta device (peft's low_cpu_mem_usage), where the trace needs only their
+    # shapes and dtypes: made on the CPU and drawn they cost a fifth of tracing the shipped recipes (the
+    # experts' stacks the most), then moved to the meta base's dtype and back by peft's cast: float32 either way
+    peft_model = adapters.attach_lora(model, recipe.lora, empty=True)
     mode = FakeTensorMode()
     _fake_on_cpu(peft_model, mode)
     peft_model.train()

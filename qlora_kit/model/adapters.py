@@ -75,11 +75,12 @@ def lora_config(lora: LoraSection, model: PreTrainedModel | None = None):
     return config
 
 
-def attach_lora(model: PreTrainedModel, lora: LoraSection) -> PeftModel:
-    """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen."""
+def attach_lora(model: PreTrainedModel, lora: LoraSection, empty: bool = False) -> PeftModel:
+    """Wrap ``model`` with trainable LoRA adapters; every other parameter stays frozen. ``empty``: the
+    adapters are made on the meta device, never allocated nor drawn (the planner's traces of a meta model)."""
     try:
         with peft_3711.targets_kept(model):  # LoRA on shared experts' linears (peft#3711)
-            peft_model = get_peft_model(model, lora_config(lora, model))
+            peft_model = get_peft_model(model, lora_config(lora, model), low_cpu_mem_usage=empty)
         experts_selfcheck.check_lora(peft_model)  # LoRA on packed experts against peft's own, once a load
         return peft_model
     except NoMatchingPeftModuleError:
