@@ -22,6 +22,7 @@ from qlora_kit.model import adapters, moe_experts, vision
 from qlora_kit.model import loading as model
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from pathlib import Path
 
 MERGED_DTYPES = ("float16", "bfloat16", "float32")
@@ -39,16 +40,19 @@ def load_trained_exactly(adapter_dir: Path, recipe):
     return adapters.load_trained(adapter_dir, exact)
 
 
-def merged_model(recipe, adapter_dir: Path | None, base: str):
+def merged_model(recipe, adapter_dir: Path | None, base: str, four_bit_seen: Callable | None = None):
     """The adapter merged into the ``base`` weights in fp32 (with ``adapter_dir`` None, the base alone):
     ``dequantized`` the 4-bit base dequantized (what the adapter trained against), ``original`` the
     checkpoint the 4-bit base came from. peft's merge on a model still in 4-bit would re-quantize
-    W + BA and lose most of the update, so the base is dequantized first."""
+    W + BA and lose most of the update, so the base is dequantized first. ``four_bit_seen(model)`` reads
+    the 4-bit base before it is dequantized (export's base_difference: one load, not two)."""
     from transformers import AutoConfig
 
     if base == "dequantized":
         # dequantize() gives the compute dtype, which holds NF4's values exactly; fp32 then loses nothing
         four_bit = model.load_base_model(recipe.model, recipe.quant)
+        if four_bit_seen is not None:
+            four_bit_seen(four_bit)
         moe_experts.dequantize_experts(four_bit)  # a mixture's packed experts, which dequantize() skips
         sixteen_bit = four_bit.dequantize()
     elif base == "original":
