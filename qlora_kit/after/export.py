@@ -103,7 +103,7 @@ def export(
             "type": kind,
             "lora_only": lora_only,
             "onto": onto,
-            "base_difference": made.base_difference if made.measured_base else base_difference(recipe),
+            "base_difference": made.base_difference if made.measured_base else floor.base_difference(recipe),
             "files": files,
         }
         if made.floor is not None:  # for a --check of this export in the same process
@@ -152,7 +152,7 @@ class _Made:
         self.base_difference, self.measured_base = None, False
 
     def four_bit_seen(self, four_bit) -> None:
-        self.base_difference, self.measured_base = _base_difference_of(self.recipe, four_bit), True
+        self.base_difference, self.measured_base = floor.base_difference_of(self.recipe, four_bit), True
 
 
 def _write(
@@ -363,50 +363,3 @@ def _readers(folder: Path, report: dict, recipe):
         yield files["gguf"], lambda _: parity.transformers_reader(folder, files["gguf"]), ("trained", "floor")
     if llama_cpp:
         yield files["gguf"], lambda ref: parity.llama_cpp_reader(gguf, ref), ("trained", "floor")
-
-
-def base_difference(recipe) -> dict | None:
-    """How far the dequantized 4-bit weights are from the 16-bit checkpoint they came from (what
-    ``onto=original`` adds to the merge): per quantized layer ||W_original - W_dequantized|| / ||W_original||."""
-    if not any(Path(model.resolve_model_path(recipe.model)).glob("*.safetensors")):
-        return None  # a hub id or a checkpoint without safetensors: no original to compare
-    quantized = model.load_base_model(recipe.model, recipe.quant)
-    measured = _base_difference_of(recipe, quantized)
-    del quantized
-    parity.free_memory()
-    return measured
-
-
-def _base_difference_of(recipe, quantized) -> dict | None:
-    """base_difference's figures from ``quantized``, the recipe's 4-bit base as loaded."""
-    from bitsandbytes.functional import dequantize_4bit
-    from safetensors import safe_open
-
-    folder = Path(model.resolve_model_path(recipe.model))
-    where = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        with safe_open(shard, "pt") as tensors:
-            where.update(dict.fromkeys(tensors.keys(), shard))
-    if not where:
-        return None  # a hub id or a checkpoint without safetensors: no original to compare
-    relative, largest = [], 0.0
-    for name, module in quantized.named_modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.__class__.__name__ != "Params4bit" or f"{name}.weight" not in where:
-            continue
-        with safe_open(where[f"{name}.weight"], "pt") as tensors:
-            original = tensors.get_tensor(f"{name}.weight").float()
-        dequantized = dequantize_4bit(weight.data, weight.quant_state).float().cpu()
-        if original.shape != dequantized.shape:  # GPT-2's Conv1D: (in, out) on disk, (out, in) in 4-bit
-            original = original.T
-        difference = original - dequantized
-        relative.append(float(difference.norm() / original.norm()))
-        largest = max(largest, float(difference.abs().max()))
-    if not relative:
-        return None
-    return {
-        "layers": len(relative),
-        "mean_relative": sum(relative) / len(relative),
-        "max_abs": largest,
-        "note": "the 4-bit base's rounding: onto=original adds it to the merge, onto=dequantized does not",
-    }
