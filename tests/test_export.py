@@ -229,9 +229,23 @@ def test_exports_answer_like_the_trained_adapter(exports, kind):
 TRAINED_FAMILIES = ["tiny-phi3", "tiny-gpt2", "tiny-gemma2"]
 
 
+def count_four_bit_loads(monkeypatch) -> list[str]:
+    """Every 4-bit load of a base model from here on, by its path (the real load, counted)."""
+    from qlora_kit.model import loading
+
+    loads, load = [], loading.load_base_model
+
+    def counted(model, *args, **kwargs):
+        loads.append(model.path)
+        return load(model, *args, **kwargs)
+
+    monkeypatch.setattr(loading, "load_base_model", counted)
+    return loads
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TRAINED_FAMILIES)
-def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_path):
+def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_path, monkeypatch):
     from qlora_kit import export, train
     from qlora_kit.model.builtin import ensure_tiny_model
     from tests.conftest import quick_recipe
@@ -240,10 +254,16 @@ def test_every_family_exports_what_answers_like_the_trained_adapter(name, tmp_pa
     # a higher learning rate than the demo's, so 8 steps leave answers clear of near-ties q8_0 could flip
     overrides = {"model.path": str(path), "train.max_steps": 8, "optimizer.lr": 5e-3}
     run = train(quick_recipe(tmp_path / "run", **overrides))
+    loads = count_four_bit_loads(monkeypatch)
     for to, qtype in (("merged", "f16"), ("gguf", "f16")):
         out = tmp_path / f"{to}-{qtype}"
+        loads.clear()
         result = export(run.output_dir, to, out=out, qtype=qtype, prompt_count=2, tokens=8)
         report = result.report
+        # the GGUF's merge, its base's difference from the checkpoint and its floor from one 4-bit load
+        # (the trained model's figures are the merged export's, the same run's); the merged folder's
+        # floor is a merge of its own (the folder is rounded into float16 as it is saved)
+        assert len(loads) == (1 if to == "gguf" else 3), (to, loads)
         assert report["failures"] == [], (name, to, qtype, report["failures"])
         trained = next(
             c for c in report["comparisons"] if c["against"] == "trained" and c["reader"] == "transformers"

@@ -26,7 +26,7 @@ import torch
 from qlora_kit.after import drift_bounds, floor, gguf_writer, modelfile, parity, replay
 from qlora_kit.after.floor import MERGED_DTYPES
 from qlora_kit.after.image_parity import ImageInputs
-from qlora_kit.after.merge import MERGED_DTYPE, write_merged
+from qlora_kit.after.merge import MERGED_DTYPE, save_merged, write_merged
 from qlora_kit.after.parity_judgement import FloorBounds, greedy_causes, judge
 from qlora_kit.data import images
 from qlora_kit.errors import ExportError, ExportParityError, OutputDirError
@@ -92,17 +92,23 @@ def export(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.exporting-", dir=out_dir.parent))
     try:
-        files = _write(recipe, adapter_dir, staging, to, qtype if to == "gguf" else dtype, lora_only, onto)
+        kind = qtype if to == "gguf" else dtype
+        made = _Made(recipe)
+        if to == "gguf" and not lora_only:  # its floor is computed from the merge it is written from
+            made.reference = parity.reference_of(adapter_dir, recipe, prompts, prompt_count, tokens)
+        files = _write(recipe, adapter_dir, staging, to, kind, lora_only, onto, made)
         report = {
             "adapter": str(adapter_dir),
             "to": to,
-            "type": qtype if to == "gguf" else dtype,
+            "type": kind,
             "lora_only": lora_only,
             "onto": onto,
-            "base_difference": base_difference(recipe),
+            "base_difference": made.base_difference if made.measured_base else floor.base_difference(recipe),
             "files": files,
         }
-        report.update(verify(adapter_dir, staging, report, prompts, prompt_count, tokens))
+        if made.floor is not None:  # for a --check of this export in the same process
+            _remember_floor(report, made.reference, made.floor)
+        report.update(verify(adapter_dir, staging, report, prompts, prompt_count, tokens, made.floor))
         (staging / REPORT).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
@@ -136,23 +142,44 @@ def _base_config(recipe):
     )
 
 
-def _write(recipe, adapter_dir: Path, folder: Path, to: str, kind: str, lora_only: bool, onto: str) -> dict:
+class _Made:
+    """What writing an export measures on the way, so that its report loads no model a second time: the
+    4-bit base's difference from its checkpoint, read from the merge's own 4-bit load (onto dequantized),
+    and a GGUF's floor, the merge it was written from rounded into its type (``reference`` given)."""
+
+    def __init__(self, recipe) -> None:
+        self.recipe, self.reference, self.floor = recipe, None, None
+        self.base_difference, self.measured_base = None, False
+
+    def four_bit_seen(self, four_bit) -> None:
+        self.base_difference, self.measured_base = floor.base_difference_of(self.recipe, four_bit), True
+
+
+def _write(
+    recipe, adapter_dir: Path, folder: Path, to: str, kind: str, lora_only: bool, onto: str, made: _Made
+) -> dict:
     """The export's files in ``folder``; their names by role. A GGUF is written from an fp32 merge, so its
     weights are rounded once, into its own type."""
     if to == "merged":
-        write_merged(recipe, adapter_dir, folder, onto, kind)
+        write_merged(recipe, adapter_dir, folder, onto, kind, made.four_bit_seen)
         return {"merged": "."}
     name = adapter_dir.name
     with tempfile.TemporaryDirectory(prefix=".merged-", dir=folder.parent) as scratch:
         merged = Path(scratch)
         if lora_only:
             # the base the adapter applies to, in the same onto semantics, and the adapter alone
-            write_merged(recipe, None, merged, onto, "float32")
+            write_merged(recipe, None, merged, onto, "float32", made.four_bit_seen)
             gguf_writer.write_model_gguf(merged, folder / "base.gguf", kind, name)
             gguf_writer.write_lora_gguf(adapter_dir, _base_config(recipe), folder / "adapter.gguf")
             files = {"gguf": "base.gguf", "lora": "adapter.gguf"}
         else:
-            write_merged(recipe, adapter_dir, merged, onto, "float32")
+            # the fp32 merge saved, then rounded in place into the type for the floor (one merge, not
+            # two) and let go before the file is written from what was saved
+            lm = floor.merged_model(recipe, adapter_dir, onto, made.four_bit_seen)
+            save_merged(recipe, adapter_dir, lm, merged)
+            made.floor = _floor_of(floor.round_into(lm, kind), recipe, kind, made.reference)
+            del lm
+            parity.free_memory()
             gguf_writer.write_model_gguf(merged, folder / "model.gguf", kind, name)
             files = {"gguf": "model.gguf"}
     modelfile.write_modelfile(recipe, adapter_dir, folder, files)
@@ -161,17 +188,25 @@ def _write(recipe, adapter_dir: Path, folder: Path, to: str, kind: str, lora_onl
 
 
 def verify(
-    adapter_dir: Path, folder: Path, report: dict, prompts: list[str] | None, count: int, tokens: int
+    adapter_dir: Path,
+    folder: Path,
+    report: dict,
+    prompts: list[str] | None,
+    count: int,
+    tokens: int,
+    made_floor: tuple | None = None,
 ) -> dict:
     """The parity figures of every reader of the export in ``folder`` against the trained model and
     against the floor of the export's type, and the failures among them (an export a reader cannot
-    load, a truncated file say, is one)."""
+    load, a truncated file say, is one). ``made_floor``: the floor export computed while writing."""
     recipe = adapters.recipe_of(adapter_dir)
     readers = list(_readers(folder, report, recipe))
     if not readers:  # a LoRA GGUF without llama.cpp: nothing independent can read it
         return {"prompts": 0, "tokens": tokens, "comparisons": [], "failures": []}
     reference = parity.reference_of(adapter_dir, recipe, prompts, count, tokens)
-    floor_reference, peak_ratio, rounded_inputs = _floor_reference(recipe, adapter_dir, report, reference)
+    floor_reference, peak_ratio, rounded_inputs = made_floor or _floor_reference(
+        recipe, adapter_dir, report, reference
+    )
     floor = parity.compare(
         reference, replay.ReplayReader(floor_reference, "in memory"), _floor_name(report), "trained"
     )
@@ -232,9 +267,13 @@ def _floor_reference(
     if hit is not None and hit[0] is reference:
         return hit[1]
     computed = _compute_floor(recipe, adapter_dir, report, reference)
-    _LAST_FLOOR.clear()
-    _LAST_FLOOR[key] = (reference, computed)
+    _remember_floor(report, reference, computed)
     return computed
+
+
+def _remember_floor(report: dict, reference: parity.Reference, computed: tuple) -> None:
+    _LAST_FLOOR.clear()
+    _LAST_FLOOR[(report["type"], report["onto"], report["lora_only"])] = (reference, computed)
 
 
 def _compute_floor(
@@ -251,6 +290,17 @@ def _compute_floor(
         del base
     else:
         floor.round_into(merged, report["type"])
+    figures = _floor_of(merged, recipe, report["type"], reference)
+    del merged
+    parity.free_memory()
+    return figures
+
+
+def _floor_of(
+    merged, recipe, kind: str, reference: parity.Reference
+) -> tuple[parity.Reference, float, list[torch.Tensor] | None]:
+    """The floor's figures from ``merged``, the trained weights already rounded as an export of ``kind``
+    stores them."""
     runs = images.image_runs(recipe.model) if reference.images else None  # its image rows' pixels
     reader = parity.TransformersModel(merged, None, ImageInputs(runs) if runs else None)
     peaks = drift_bounds.BlockPeaks(merged)  # the inputs llama.cpp's q8_0 products round
@@ -259,7 +309,7 @@ def _compute_floor(
     finally:
         peaks.remove()
     rounded_inputs = None
-    if report["type"] == "q8_0" and parity.llama_cpp_installed():
+    if kind == "q8_0" and parity.llama_cpp_installed():
         rounding = drift_bounds.RoundedInputs(merged)
         try:
             rounded_inputs = [
@@ -268,8 +318,6 @@ def _compute_floor(
             ]
         finally:
             rounding.remove()
-    del merged
-    parity.free_memory()
     return figures, peaks.ratio(), rounded_inputs
 
 
@@ -315,43 +363,3 @@ def _readers(folder: Path, report: dict, recipe):
         yield files["gguf"], lambda _: parity.transformers_reader(folder, files["gguf"]), ("trained", "floor")
     if llama_cpp:
         yield files["gguf"], lambda ref: parity.llama_cpp_reader(gguf, ref), ("trained", "floor")
-
-
-def base_difference(recipe) -> dict | None:
-    """How far the dequantized 4-bit weights are from the 16-bit checkpoint they came from (what
-    ``onto=original`` adds to the merge): per quantized layer ||W_original - W_dequantized|| / ||W_original||."""
-    from bitsandbytes.functional import dequantize_4bit
-    from safetensors import safe_open
-
-    folder = Path(model.resolve_model_path(recipe.model))
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        return None  # a hub id or a checkpoint without safetensors: no original to compare
-    where = {}
-    for shard in shards:
-        with safe_open(shard, "pt") as tensors:
-            where.update(dict.fromkeys(tensors.keys(), shard))
-    quantized = model.load_base_model(recipe.model, recipe.quant)
-    relative, largest = [], 0.0
-    for name, module in quantized.named_modules():
-        weight = getattr(module, "weight", None)
-        if weight is None or weight.__class__.__name__ != "Params4bit" or f"{name}.weight" not in where:
-            continue
-        with safe_open(where[f"{name}.weight"], "pt") as tensors:
-            original = tensors.get_tensor(f"{name}.weight").float()
-        dequantized = dequantize_4bit(weight.data, weight.quant_state).float().cpu()
-        if original.shape != dequantized.shape:  # GPT-2's Conv1D: (in, out) on disk, (out, in) in 4-bit
-            original = original.T
-        difference = original - dequantized
-        relative.append(float(difference.norm() / original.norm()))
-        largest = max(largest, float(difference.abs().max()))
-    del quantized
-    parity.free_memory()
-    if not relative:
-        return None
-    return {
-        "layers": len(relative),
-        "mean_relative": sum(relative) / len(relative),
-        "max_abs": largest,
-        "note": "the 4-bit base's rounding: onto=original adds it to the merge, onto=dequantized does not",
-    }

@@ -1,4 +1,4 @@
-"""The merge in fp32, and the floor an export's type sets.
+"""The merge in fp32, the floor an export's type sets, and the 4-bit base's difference from its checkpoint.
 
 The adapter was trained against the dequantized 4-bit weights W (exact in the compute dtype), so the
 trained model's effective weight is W + (alpha / r) * B @ A. ``merged_model`` computes it in fp32 and
@@ -14,6 +14,8 @@ fixed number set on another model.
 
 from __future__ import annotations
 
+import gc
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +24,7 @@ from qlora_kit.model import adapters, moe_experts, vision
 from qlora_kit.model import loading as model
 
 if TYPE_CHECKING:
-    from pathlib import Path
+    from collections.abc import Callable
 
 MERGED_DTYPES = ("float16", "bfloat16", "float32")
 GGUF_TYPES = ("f16", "bf16", "q8_0")
@@ -39,16 +41,19 @@ def load_trained_exactly(adapter_dir: Path, recipe):
     return adapters.load_trained(adapter_dir, exact)
 
 
-def merged_model(recipe, adapter_dir: Path | None, base: str):
+def merged_model(recipe, adapter_dir: Path | None, base: str, four_bit_seen: Callable | None = None):
     """The adapter merged into the ``base`` weights in fp32 (with ``adapter_dir`` None, the base alone):
     ``dequantized`` the 4-bit base dequantized (what the adapter trained against), ``original`` the
     checkpoint the 4-bit base came from. peft's merge on a model still in 4-bit would re-quantize
-    W + BA and lose most of the update, so the base is dequantized first."""
+    W + BA and lose most of the update, so the base is dequantized first. ``four_bit_seen(model)`` reads
+    the 4-bit base before it is dequantized (export's base_difference: one load, not two)."""
     from transformers import AutoConfig
 
     if base == "dequantized":
         # dequantize() gives the compute dtype, which holds NF4's values exactly; fp32 then loses nothing
         four_bit = model.load_base_model(recipe.model, recipe.quant)
+        if four_bit_seen is not None:
+            four_bit_seen(four_bit)
         moe_experts.dequantize_experts(four_bit)  # a mixture's packed experts, which dequantize() skips
         sixteen_bit = four_bit.dequantize()
     elif base == "original":
@@ -99,3 +104,52 @@ def rounded(tensor: torch.Tensor, kind: str) -> torch.Tensor:
         back = gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype)
         return torch.from_numpy(back.reshape(data.shape)).to(tensor.device)
     raise ValueError(f"unknown export type {kind!r}")
+
+
+def base_difference(recipe) -> dict | None:
+    """How far the dequantized 4-bit weights are from the 16-bit checkpoint they came from (what
+    ``onto=original`` adds to the merge): per quantized layer ||W_original - W_dequantized|| / ||W_original||."""
+    if not any(Path(model.resolve_model_path(recipe.model)).glob("*.safetensors")):
+        return None  # a hub id or a checkpoint without safetensors: no original to compare
+    quantized = model.load_base_model(recipe.model, recipe.quant)
+    measured = base_difference_of(recipe, quantized)
+    del quantized
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return measured
+
+
+def base_difference_of(recipe, quantized) -> dict | None:
+    """base_difference's figures from ``quantized``, the recipe's 4-bit base as loaded."""
+    from bitsandbytes.functional import dequantize_4bit
+    from safetensors import safe_open
+
+    folder = Path(model.resolve_model_path(recipe.model))
+    where = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        with safe_open(shard, "pt") as tensors:
+            where.update(dict.fromkeys(tensors.keys(), shard))
+    if not where:
+        return None  # a hub id or a checkpoint without safetensors: no original to compare
+    relative, largest = [], 0.0
+    for name, module in quantized.named_modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or weight.__class__.__name__ != "Params4bit" or f"{name}.weight" not in where:
+            continue
+        with safe_open(where[f"{name}.weight"], "pt") as tensors:
+            original = tensors.get_tensor(f"{name}.weight").float()
+        dequantized = dequantize_4bit(weight.data, weight.quant_state).float().cpu()
+        if original.shape != dequantized.shape:  # GPT-2's Conv1D: (in, out) on disk, (out, in) in 4-bit
+            original = original.T
+        difference = original - dequantized
+        relative.append(float(difference.norm() / original.norm()))
+        largest = max(largest, float(difference.abs().max()))
+    if not relative:
+        return None
+    return {
+        "layers": len(relative),
+        "mean_relative": sum(relative) / len(relative),
+        "max_abs": largest,
+        "note": "the 4-bit base's rounding: onto=original adds it to the merge, onto=dequantized does not",
+    }

@@ -15,6 +15,7 @@ in a temporary folder beside the destination, unless forced. The adapter folder 
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import shutil
@@ -38,6 +39,8 @@ from qlora_kit.model.paths import check_model_folder, check_output_folder
 from qlora_kit.registries.formats import IGNORE_INDEX
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from qlora_kit.recipe.recipe import Recipe
 
 # The merged folder's dtype: merged in fp32, rounded once into float16 (3 more mantissa bits than bf16,
@@ -124,19 +127,26 @@ def merge_adapter(
 
 
 def write_merged(
-    recipe: Recipe, adapter_dir: Path | None, folder: Path, base: str, dtype: str = MERGED_DTYPE
+    recipe: Recipe,
+    adapter_dir: Path | None,
+    folder: Path,
+    base: str,
+    dtype: str = MERGED_DTYPE,
+    four_bit_seen: Callable | None = None,
 ) -> None:
     """The adapter merged into the ``base`` weights in fp32 (or, with ``adapter_dir`` None, the base
     alone) and rounded once into ``dtype``, saved with its tokenizer (chat template included) and
-    generation config; export builds on it (a GGUF from the fp32 folder: rounded once, into its type)."""
-    merged = merged_model(recipe, adapter_dir, base).to(getattr(torch, dtype))
-    _restore_conv1d(merged, recipe.model.trust_remote_code)
-    # A plain checkpoint: no quantization config left behind, the KV cache back on for inference.
-    if hasattr(merged.config, "quantization_config"):
-        del merged.config.quantization_config
-    merged.hf_quantizer = None
-    merged.config.use_cache = merged.config.get_text_config().use_cache = True
-    merged.save_pretrained(folder)
+    generation config; export builds on it (a GGUF from the fp32 folder: rounded once, into its type).
+    ``four_bit_seen``: floor.merged_model's."""
+    merged = merged_model(recipe, adapter_dir, base, four_bit_seen).to(getattr(torch, dtype))
+    save_merged(recipe, adapter_dir, merged, folder)
+
+
+def save_merged(recipe: Recipe, adapter_dir: Path | None, merged, folder: Path) -> None:
+    """``merged`` (floor.merged_model's) saved as a plain checkpoint with its tokenizer, and left as it
+    was: export rounds the same fp32 model into its type for the floor once it is saved."""
+    with _as_plain_checkpoint(merged, recipe.model.trust_remote_code):
+        merged.save_pretrained(folder)
     tokenizer = model.load_tokenizer(recipe.model, path=str(adapter_dir) if adapter_dir else None)
     tokenizer.save_pretrained(folder)
     found = model.load_processor(recipe.model)  # a vision-language model: its processor beside it
@@ -144,12 +154,44 @@ def write_merged(
         found[0].save_pretrained(folder)
 
 
-def _restore_conv1d(lm, trust_remote_code: bool) -> None:
+@contextlib.contextmanager
+def _as_plain_checkpoint(lm, trust_remote_code: bool):
+    """``lm`` as a plain checkpoint while it is saved (GPT-2's Conv1D layers back, no quantization config
+    left behind, the KV cache on for inference), and afterwards as it was: the layers and settings the
+    floor computes with."""
+    swapped = _restore_conv1d(lm, trust_remote_code)
+    configs = list({id(c): c for c in (lm.config, lm.config.get_text_config())}.values())
+    use_cache = [c.use_cache for c in configs]
+    kept = {
+        (owner, name): getattr(owner, name)
+        for owner, name in ((lm.config, "quantization_config"), (lm, "hf_quantizer"))
+        if hasattr(owner, name)
+    }
+    for owner, name in kept:
+        delattr(owner, name)
+    lm.hf_quantizer = None
+    for config in configs:
+        config.use_cache = True
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, use_cache, strict=True):
+            config.use_cache = value
+        del lm.hf_quantizer
+        for (owner, name), value in kept.items():
+            setattr(owner, name, value)
+        for parent, child, linear in swapped:
+            setattr(parent, child, linear)
+
+
+def _restore_conv1d(lm, trust_remote_code: bool) -> list[tuple]:
     """GPT-2's projections are transformers ``Conv1D`` layers, weights stored (in, out); loading in 4-bit
     made them ``Linear4bit`` and ``dequantize()`` plain ``nn.Linear`` (out, in). Saved so, the checkpoint
-    no longer loads (a (3h, h) c_attn where (h, 3h) is expected), or a square one loads transposed."""
+    no longer loads (a (3h, h) c_attn where (h, 3h) is expected), or a square one loads transposed.
+    Returns (parent, name, the nn.Linear replaced) for each, to put back after the save."""
     from transformers.pytorch_utils import Conv1D
 
+    swapped = []
     with torch.device("meta"):
         skeleton = vision.auto_class(lm.config).from_config(lm.config, trust_remote_code=trust_remote_code)
     for name, module in skeleton.named_modules():
@@ -164,7 +206,9 @@ def _restore_conv1d(lm, trust_remote_code: bool) -> None:
             else:
                 restored.bias.zero_()
         parent, _, child = name.rpartition(".")
+        swapped.append((lm.get_submodule(parent), child, current))
         setattr(lm.get_submodule(parent), child, restored)
+    return swapped
 
 
 def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: int = DRIFT_PROMPTS) -> Drift:

@@ -338,16 +338,18 @@ UNMAPPED_KEYS = {
 
 def _gguf_config(folder: Path, gguf_file: str):
     """transformers' GGUF config, with the values the file states that its loader does not read."""
-    import gguf
     from transformers import AutoConfig
+    from transformers.integrations.gguf import read_gguf_metadata
 
     config = AutoConfig.from_pretrained(folder, gguf_file=gguf_file)
-    reader = gguf.GGUFReader(folder / gguf_file)
-    arch = reader.fields["general.architecture"].contents()
+    # transformers' own metadata reader, which walks past the vocabulary's strings (gguf.GGUFReader makes
+    # an array of each: 2.7 s of the real model's 49,152 tokens, for keys that are single numbers)
+    metadata, _ = read_gguf_metadata(str(folder / gguf_file))
+    arch = metadata["general.architecture"]
     for suffix, attribute in UNMAPPED_KEYS.get(arch, []):
-        value = reader.fields.get(f"{arch}.{suffix}")
+        value = metadata.get(f"{arch}.{suffix}")
         if value is not None:
-            setattr(config, attribute, value.contents())
+            setattr(config, attribute, value)
     if families.by_gguf_arch(arch).derives_attention_scale:
         # no key holds Gemma-2's attention scale: llama.cpp derives it (1/sqrt(head size), or of
         # hidden/heads at 46 layers), where transformers' loader keeps the config class's 256
