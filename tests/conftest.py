@@ -14,6 +14,9 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     # One thread per worker, and per process a test starts: torch's OpenMP threads spin while they wait,
     # so workers sharing the cores with several threads each slow each other down many times over.
     os.environ["OMP_NUM_THREADS"] = "1"
+    # inductor compiles in this process, not in a pool of its own: each worker's pool imports torch again
+    # for cores the other worker holds (a cold-cache tests/e2e/test_compile.py: 87 -> 67 s of CPU)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 # The suite's results must not depend on the shell's hub settings (issue 47: HF_HUB_OFFLINE=1 turned a
 # test red): huggingface_hub and datasets read them once, at import, so they go before anything imports
 # those. A test of offline mode sets it for the process it starts (tests/e2e/test_hub.py).
