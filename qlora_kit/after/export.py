@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from qlora_kit.after import drift_bounds, floor, gguf_writer, modelfile, parity, replay
-from qlora_kit.after.floor import MERGED_DTYPES
+from qlora_kit.after.floor import MERGED_DTYPES, free_memory
 from qlora_kit.after.image_parity import ImageInputs
 from qlora_kit.after.merge import MERGED_DTYPE, save_merged, write_merged
 from qlora_kit.after.parity_judgement import FloorBounds, greedy_causes, judge
@@ -179,7 +179,7 @@ def _write(
             save_merged(recipe, adapter_dir, lm, merged)
             made.floor = _floor_of(floor.round_into(lm, kind), recipe, kind, made.reference)
             del lm
-            parity.free_memory()
+            free_memory()
             gguf_writer.write_model_gguf(merged, folder / "model.gguf", kind, name)
             files = {"gguf": "model.gguf"}
     modelfile.write_modelfile(recipe, adapter_dir, folder, files)
@@ -234,7 +234,7 @@ def verify(
             continue
         finally:
             reader = None
-            parity.free_memory()
+            free_memory()
     return {
         "prompts": len(reference.prompts),
         "prompts_from": reference.source,
@@ -292,7 +292,7 @@ def _compute_floor(
         floor.round_into(merged, report["type"])
     figures = _floor_of(merged, recipe, report["type"], reference)
     del merged
-    parity.free_memory()
+    free_memory()
     return figures
 
 

@@ -114,10 +114,15 @@ def base_difference(recipe) -> dict | None:
     quantized = model.load_base_model(recipe.model, recipe.quant)
     measured = base_difference_of(recipe, quantized)
     del quantized
+    free_memory()
+    return measured
+
+
+def free_memory() -> None:
+    """What a model let go of returned: Python's cycles collected, CUDA's cached blocks handed back."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return measured
 
 
 def base_difference_of(recipe, quantized) -> dict | None:

@@ -16,7 +16,6 @@ in a temporary folder beside the destination, unless forced. The adapter folder 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import shutil
 import tempfile
@@ -28,7 +27,7 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.after import drift_bounds
-from qlora_kit.after.floor import MERGED_DTYPES, load_trained_exactly, merged_model
+from qlora_kit.after.floor import MERGED_DTYPES, free_memory, load_trained_exactly, merged_model
 from qlora_kit.after.parity import decided_positions, training_ids
 from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.images import ImageCollator
@@ -224,7 +223,7 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     batches, answers = _held_out_inputs(recipe, tokenizer, prompts)
     references = _log_probs(trained, batches)
     del trained
-    _free_device_memory()
+    free_memory()
     # its weights as saved, computed in float32: the merge is judged by what it wrote (module comment)
     config = AutoConfig.from_pretrained(merged_dir)
     merged = vision.auto_class(config).from_pretrained(
@@ -267,13 +266,6 @@ def _log_probs(lm, batches: list[dict]) -> list:
             ).cpu()
             for inputs in batches
         ]
-
-
-def _free_device_memory() -> None:
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _held_out_inputs(recipe: Recipe, tokenizer, count: int) -> tuple[list[dict], list[torch.Tensor]]:

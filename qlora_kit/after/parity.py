@@ -14,7 +14,6 @@ kept on the host.
 
 from __future__ import annotations
 
-import gc
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,7 +117,7 @@ def _compute_reference(
     logits = [reader.answer_logits(p, a) for p, a in zip(ids, answers, strict=True)]
     rendered = _render(tokenizer)
     del trained, reader
-    free_memory()
+    floor.free_memory()
     return Reference(ids, answers, logits, greedy, [text for text, _ in pairs], rendered, source)
 
 
@@ -240,12 +239,6 @@ def kl_per_position(reference_logits: torch.Tensor, logits: torch.Tensor) -> tor
     p = torch.log_softmax(reference_logits.float(), dim=-1)
     q = torch.log_softmax(logits.float(), dim=-1)
     return torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)
-
-
-def free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def training_ids(tokenizer, text: str) -> list[int]:
