@@ -237,7 +237,7 @@ def llama_cpp_rows(adapter_dir: Path, work: Path) -> list[tuple[str, bool, dict]
 
 
 def main() -> None:
-    from qlora_kit.after import parity
+    from qlora_kit.after import floor, parity
     from qlora_kit.model import adapters, loading
 
     args = PARSER.parse_args()
@@ -260,7 +260,7 @@ def main() -> None:
         for name, dtype in REFERENCES.items():  # the same 4-bit weights and adapter, two arithmetics
             computed = recipe.with_overrides({"quant.compute_dtype": dtype or recipe.quant.compute_dtype})
             references[name] = logits_of(adapters.load_trained(run, computed)[2], sequences)
-            parity.free_memory()
+            floor.free_memory()
         for label, correct, lm in candidates(recipe, run):
             got = logits_of(lm, sequences)
             for name, reference in references.items():
@@ -268,7 +268,7 @@ def main() -> None:
                 figures.append((name, label, correct, stats))
                 rows.append([adapter.name, label, name, *format_figures(stats)])
                 print(" | ".join(map(str, rows[-1])), flush=True)
-        parity.free_memory()
+        floor.free_memory()
         if not args.smoke:
             for label, correct, c in llama_cpp_rows(run, work / f"export-{index}"):
                 llama_figures.append((f"llama.cpp against the {c['against']}", correct, c))

@@ -78,7 +78,7 @@ def untrained_bounds(args, model: str, work: Path, data: tuple[Path, Path]) -> t
             rows[-1].append(f"{bounds.max_kl(name):.3g}")
             print(" | ".join(map(str, rows[-1])), flush=True)
         del lm, reader
-        parity.free_memory()
+        floor.free_memory()
     columns = ["reader", "type", "products", "q8_0 peak ratio", "variance a product"]
     columns += ["mean Var(log p)", "answer positions", "modelled KL", "measured q8_0 inputs' KL"]
     columns.append("bound against the floor")
