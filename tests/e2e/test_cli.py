@@ -4,6 +4,7 @@ a resume and the refusal of a folder in use in the test's process (qlora_kit_her
 start was most of their time."""
 
 import json
+import logging
 import os
 import re
 import signal
@@ -221,7 +222,9 @@ def test_resume_from_the_shell_continues_the_newest_checkpoint(tmp_path, qlora_k
     assert "the least padding on this data" in resumed.stderr
 
 
-def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path):
+def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path, qlora_kit_here):
+    """--quiet in a process of its own (nothing a library prints at import may reach its stderr either);
+    -v in this one, its DEBUG lines asserted (the loggers' levels it sets are put back after)."""
     short = [
         "--set",
         "train.max_steps=4",
@@ -235,6 +238,11 @@ def test_quiet_shows_only_the_summary_and_verbose_adds_debug_lines(tmp_path):
     assert quiet.returncode == 0, quiet.stderr
     assert "INFO" not in quiet.stderr and "step 4/4" not in quiet.stderr
     assert "run summary" in quiet.stdout
-    verbose = qlora_kit("train", str(DEMO), "-v", *short, "--output-dir", str(tmp_path / "verbose"))
+    levels = {name: logging.getLogger(name).level for name in ("qlora_kit", "transformers")}
+    try:
+        verbose = qlora_kit_here("train", DEMO, "-v", *short, "--output-dir", tmp_path / "verbose")
+    finally:  # -v leaves transformers' INFO on: not for the tests this process runs next
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
     assert verbose.returncode == 0, verbose.stderr
     assert "DEBUG" in verbose.stderr and "step 4/4" in verbose.stderr

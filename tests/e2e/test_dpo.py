@@ -4,8 +4,6 @@ exact resume, evaluation, and the demo's bar from the README — in both of the 
 import json
 import math
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -158,14 +156,14 @@ def test_resumed_dpo_run_ends_with_the_same_adapter_bit_for_bit(tmp_path):
 
 
 def test_the_demo_reaches_its_bar_and_bad_pairs_are_one_line(tmp_path, monkeypatch, capsys):
-    """The README's DPO demo, from the shell: held-out preference accuracy from the base's to >= 0.9. The
-    bad pairs' refusal in this process (conftest.run_cli_output: it stops at the data, before any work)."""
+    """The README's DPO demo, its command in this process (conftest.run_cli_output; the README's first
+    command as a process of its own is conftest's demo_run): held-out preference accuracy from the base's
+    to >= 0.9. The bad pairs' refusal too: it stops at the data, before any work."""
 
     out = tmp_path / "demo-dpo"
-    command = [sys.executable, "-m", "qlora_kit", "train", str(DEMO_DPO), "--output-dir", str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "the reference policy is the base model" in " ".join(result.stderr.split())
+    code, _, err = run_cli_output(["train", str(DEMO_DPO), "--output-dir", str(out)], monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    assert "the reference policy is the base model" in " ".join(err.split())
     after = evaluate(adapter_dir=str(out))
     before = evaluate(Recipe.from_yaml(DEMO_DPO), adapter_dir=None)
     assert before["preference_accuracy"] == 0.0 and before["likelihood_accuracy"] < 0.7, before

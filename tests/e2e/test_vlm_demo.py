@@ -1,4 +1,4 @@
-"""The vision-language demo from the shell, as a user runs it: train, evaluate, merge.
+"""The vision-language demo through the CLI, as a user runs it: train, evaluate, merge.
 
 `qlora-kit train recipes/demo-vlm.yaml` (the shipped recipe, unchanged) on the builtin shapes images: the
 held-out images' exact-match accuracy rises from the base's (`qlora-kit eval`), the run folder holds the
@@ -8,28 +8,28 @@ transformers' own class and processor load."""
 
 from __future__ import annotations
 
+import io
 import json
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from .test_cli import ROOT, qlora_kit
+from .test_cli import ROOT
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 RECIPE = str(ROOT / "recipes" / "demo-vlm.yaml")
 
 
-def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path, qlora_kit_here):
-    """train (the README's command) and chat (its stdin) in processes of their own; eval, generate and
-    merge in this one."""
+def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path, qlora_kit_here, monkeypatch):
+    """The README's commands in this process (the README's first command as a process of its own is
+    conftest's demo_run, chat reading a process's stdin test_cli's): train, eval, generate, chat and merge."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     out = tmp_path / "demo-vlm"
-    trained = qlora_kit("train", RECIPE, "--output-dir", str(out))
+    trained = qlora_kit_here("train", RECIPE, "--output-dir", out)
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert (out / "processor_config.json").is_file()
     accuracy = {}
@@ -55,13 +55,10 @@ def test_vlm_demo_learns_the_held_out_images_from_the_shell_and_merges(tmp_path,
     missing = qlora_kit_here("generate", "--adapter", str(out), "Hi", "--image", str(tmp_path / "none.png"))
     assert missing.returncode == 2 and missing.stderr.strip().endswith("none.png: no such file")
     # chat --image: two turns about the image (the second sees it again through the history)
-    talk = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "chat", "--adapter", str(out), "--image", str(image)],
-        input="What colour is the square?\nHow many squares are there?\n\n",
-        capture_output=True,
-        text=True,
-        timeout=600,
+    monkeypatch.setattr(
+        sys, "stdin", io.StringIO("What colour is the square?\nHow many squares are there?\n\n")
     )
+    talk = qlora_kit_here("chat", "--adapter", out, "--image", image)
     assert talk.returncode == 0, talk.stderr[-2000:]
     answers = [line.split("model>", 1)[1].strip() for line in talk.stdout.splitlines() if "model>" in line]
     assert len(answers) == 2 and answers[0] in COLOURS, talk.stdout
