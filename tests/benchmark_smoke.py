@@ -23,9 +23,9 @@ from pathlib import Path
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def run_script(script: str, out: Path) -> dict:
+def run_script(script: str, out: Path, *options: str) -> dict:
     argv, environ, path = sys.argv, dict(os.environ), list(sys.path)
-    sys.argv = [f"benchmarks/{script}", "--smoke", "--out", str(out)]
+    sys.argv = [f"benchmarks/{script}", "--smoke", "--out", str(out), *options]
     sys.path.insert(0, str(BENCHMARKS))
     try:
         runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
