@@ -25,6 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import gguf_reads
 from qlora_kit.model.builtin import build_into
 
 # name -> (the PyPI package, its version, the GGUF file inside it)
@@ -120,10 +121,11 @@ def _convert(gguf_file: Path, folder: Path) -> None:
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its progress bar and the advice to load in fp32
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        with gguf_reads.parsed_once():  # the config, weights and tokenizer from one parse of the file
+            loaded = AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     finally:
         transformers_logging.set_verbosity(verbosity)
     config = loaded.config
