@@ -422,6 +422,13 @@ MUTATIONS = [
         ["tests/test_kto.py::test_desirable_share_is_finite_where_the_answers_probabilities_underflow"],
     ),
     (
+        "KTO's reference share from the evaluated model's log-probabilities",
+        "qlora_kit/after/preference_eval.py",
+        "        reference_share.append(desirable_share(reference[good], reference[bad]))\n",
+        "        reference_share.append(desirable_share(logps[good], logps[bad]))\n",
+        ["tests/test_kto.py::test_kto_trains_from_a_recipe_and_reports_its_margins"],
+    ),
+    (
         "lora.dropout auto keeps 0.05 on a mixture's experts",
         "qlora_kit/recipe/recipe.py",
         "        return 0.0 if experts_get_lora else self.AUTO_DROPOUT\n",

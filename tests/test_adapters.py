@@ -68,8 +68,10 @@ def adapter_of(arch: str, folder):
 
 def continuing(adapter, tmp_path, **sets) -> Recipe:
     """The demo recipe continuing ``adapter``, its rows packed (what data.packing auto picks on the demo
-    set, tests/test_layout.py's): a build times no layouts, which these tests do not read."""
+    set, tests/test_layout.py's) and eager: a build times no layouts and compiles nothing (train.compile
+    auto times eager steps and may compile the layers to time them too), which these tests do not read."""
     values = {"model.adapter": str(adapter), "train.output_dir": str(tmp_path / "out"), "data.packing": True}
+    values["train.compile"] = False
     values |= sets
     return Recipe.from_yaml("recipes/demo.yaml", overrides=values)
 

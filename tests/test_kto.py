@@ -112,6 +112,11 @@ def test_kto_trains_from_a_recipe_and_reports_its_margins(tmp_path):
     figures = evaluate(adapter_dir=result.output_dir, max_examples=16)
     assert {"reward_margin", "desirable_share", "preference_accuracy", "pairs"} <= set(figures)
     assert figures["pairs"] == 8 and figures["reward_margin"] > 0
+    # the reference's share beside it is the base's own evaluation's (the reference policy is the base:
+    # the adapter switched off, which runs the base layers alone), which the real model's KTO test reads
+    base = evaluate(Recipe.from_yaml(result.output_dir / "recipe.yaml"), max_examples=16)
+    assert figures["reference_desirable_share"] == base["desirable_share"], (figures, base)
+    assert figures["desirable_share"] != base["desirable_share"]
 
 
 def test_desirable_share_is_finite_where_the_answers_probabilities_underflow():

@@ -219,11 +219,7 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     onto the same device and compared with them. Every input goes to the device of its model.
     """
 
-    _, tokenizer, trained = load_trained_exactly(adapter_dir, recipe)
-    batches, answers = _held_out_inputs(recipe, tokenizer, prompts)
-    references = _log_probs(trained, batches)
-    del trained
-    free_memory()
+    batches, answers, references = _trained_figures(recipe, adapter_dir, prompts)
     # its weights as saved, computed in float32: the merge is judged by what it wrote (module comment)
     config = AutoConfig.from_pretrained(merged_dir)
     merged = vision.auto_class(config).from_pretrained(
@@ -254,6 +250,27 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
         max_kl=drift_bounds.bound(expected[answer]),
         max_all_kl=drift_bounds.bound(expected),
     )
+
+
+# The last adapter state's held-out inputs and log-probabilities (as parity keeps its reference): two drift
+# checks against one adapter in one process (a notebook, the suite) load and run the trained model once.
+_LAST_TRAINED: dict[tuple, tuple] = {}
+
+
+def _trained_figures(recipe: Recipe, adapter_dir: Path, prompts: int) -> tuple[list, list, list]:
+    """(inputs, answer masks, log-probabilities) of the trained model on the held-out rows."""
+    files = sorted(
+        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in adapter_dir.iterdir() if p.is_file()
+    )
+    key = (str(adapter_dir), tuple(files), prompts, recipe.to_yaml())
+    if key not in _LAST_TRAINED:
+        _LAST_TRAINED.clear()
+        _, tokenizer, trained = load_trained_exactly(adapter_dir, recipe)
+        batches, answers = _held_out_inputs(recipe, tokenizer, prompts)
+        _LAST_TRAINED[key] = (batches, answers, _log_probs(trained, batches))
+        del trained
+        free_memory()
+    return _LAST_TRAINED[key]
 
 
 def _log_probs(lm, batches: list[dict]) -> list:

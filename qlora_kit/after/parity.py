@@ -24,7 +24,7 @@ from qlora_kit.after.generate import wrap_prompt
 from qlora_kit.after.image_parity import ImageInputs, folder_inputs, image_prompts
 from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.errors import RecipeError
-from qlora_kit.model import vision
+from qlora_kit.model import gguf_reads, vision
 from qlora_kit.registries import families
 
 if TYPE_CHECKING:
@@ -312,9 +312,10 @@ def transformers_reader(folder: Path, gguf_file: str | None = None, dtype: torch
         config = AutoConfig.from_pretrained(folder)
         lm = vision.auto_class(config).from_pretrained(folder, dtype=dtype)
         return TransformersModel(lm, AutoTokenizer.from_pretrained(folder), folder_inputs(folder, config))
-    kwargs = {"gguf_file": gguf_file, "config": _gguf_config(folder, gguf_file)}
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
-    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
+    with gguf_reads.parsed_once():  # its config, tokenizer and weights from one parse of the file
+        kwargs = {"gguf_file": gguf_file, "config": _gguf_config(folder, gguf_file)}
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file)
+        lm = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **kwargs)
     return TransformersModel(lm, tokenizer)
 
 

@@ -14,7 +14,8 @@ adapter DPO started from), loaded as a second adapter on the same 4-bit base, or
 Labelled answers (``train.objective: kto``, format feedback) are scored the same way, each answer alone
 (``feedback_metrics``): ``reward_margin`` is the desirable answers' mean reward minus the undesirable
 ones', and for every prompt that has both kinds of answer, ``desirable_share`` is the desirable answers'
-share of the probability the model gives the prompt's labelled answers (its mean over those prompts),
+share of the probability the model gives the prompt's labelled answers (its mean over those prompts;
+``reference_desirable_share`` the same under the reference policy),
 ``preference_accuracy`` the share of them where a desirable answer has the higher reward and
 ``likelihood_accuracy`` where it is the more likely under the model alone.
 """
@@ -68,15 +69,19 @@ def feedback_metrics(lm, tokenizer, recipe: Recipe, max_examples: int | None = N
     for index, prompt in enumerate(prompts):
         by_prompt.setdefault(prompt, []).append(index)
     both = [i for i in by_prompt.values() if labels[i].any() and not labels[i].all()]
-    share, ranked, likelier = [], [], []
+    share, reference_share, ranked, likelier = [], [], [], []
     for indices in both:
         good, bad = [i for i in indices if labels[i]], [i for i in indices if not labels[i]]
         share.append(desirable_share(logps[good], logps[bad]))
+        reference_share.append(desirable_share(reference[good], reference[bad]))
         ranked.append(float(rewards[good].max() > rewards[bad].max()))
         likelier.append(float(logps[good].max() > logps[bad].max()))
     return {
         "reward_margin": float(rewards[labels].mean() - rewards[~labels].mean()),
         "desirable_share": sum(share) / max(len(share), 1),
+        # the same under the reference policy (what the reference's own evaluation reports): one
+        # evaluation shows what training moved, without loading the reference a second time
+        "reference_desirable_share": sum(reference_share) / max(len(reference_share), 1),
         "preference_accuracy": sum(ranked) / max(len(ranked), 1),
         "likelihood_accuracy": sum(likelier) / max(len(likelier), 1),
         "pairs": len(both),

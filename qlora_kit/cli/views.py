@@ -137,6 +137,7 @@ def show_eval(console: Console, results: dict[str, Any], subject: str) -> None:
     table.add_column("value", justify="right")
     keys = ("loss", "perplexity", "exact_match", "tokens", "exact_match_examples")
     keys += ("preference_accuracy", "reward_margin", "likelihood_accuracy", "pairs", "reference")
+    keys += ("desirable_share", "reference_desirable_share")  # labelled answers (train.objective kto)
     keys += ("reward_greedy", "reward_sampled", *sorted(k for k in results if k.startswith("rewards_")))
     keys += ("reward_prompts",)
     for key in keys:

