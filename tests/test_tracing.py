@@ -130,6 +130,11 @@ def test_a_65b_plan_traces_two_layers_not_eighty(monkeypatch):
     the_plan = plan(recipe, seq=2048)
     assert the_plan.activation_source == "traced" and the_plan.shape.layers == 80
     assert traced_layers == [2, 2, 2, 2], traced_layers
+    # a plan that differs in checkpointing only (every_n's spacing, per-layer policies) traces nothing more:
+    # every trace sets its own policy
+    spaced = recipe.with_overrides({"memory.checkpointing": "every_n", "memory.every_n": 3})
+    assert plan(spaced, seq=2048).activation_source == "traced"
+    assert traced_layers == [2, 2, 2, 2], traced_layers
 
 
 @pytest.mark.parametrize("kernel", ["sdpa", "eager"])  # the kernels that train on a CPU

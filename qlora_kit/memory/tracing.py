@@ -170,13 +170,15 @@ def trace_layers(
                 "quant": True,
                 "lora": True,
                 "data": True,
-                # not memory.checkpointing: every trace sets its own policy (_trace_both traces all three),
-                # so plans that differ only there (plan --max-seq-len's ways) share their traces; nor the
+                # not memory.checkpointing, every_n nor layer_policies: every trace sets its own layer policy
+                # (_trace_both traces all three, and every_n's spacing at 2), so plans that differ only there
+                # (plan --max-seq-len's ways, auto's per-layer choices) share their traces; nor the
                 # head (one trace gives both), nor what no trace reads: the chunked head's chunk (formula.py
                 # sizes a chunk), the budget (memory.chunked_loss auto plans up to 7 chunks against it) and
                 # where the experts wait (experts_plan.resolve moves the plan's static bytes, after the trace)
                 "memory": set(type(recipe.memory).model_fields)
-                - {"checkpointing", "chunked_loss", "loss_chunk_tokens", "budget_gb", "experts_on_host"},
+                - {"checkpointing", "every_n", "layer_policies", "chunked_loss", "loss_chunk_tokens"}
+                - {"budget_gb", "experts_on_host"},
                 "train": {"objective"},
             }
         ),
