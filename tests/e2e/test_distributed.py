@@ -19,8 +19,9 @@ from safetensors.torch import load_file
 from qlora_kit import Recipe
 from qlora_kit.after.generate import Sampling, generate
 from qlora_kit.model.adapters import load_trained
+from qlora_kit.model.loading import resolve_model_path
 from qlora_kit.model.precision import resolve_mixed_precision
-from tests.conftest import run_cli_output
+from tests.conftest import once_per_session, run_cli_output
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -73,52 +74,130 @@ def in_a_fresh_process(out: Path, train: list[str]) -> str:
     return single.stderr
 
 
-def two_processes(out: Path, train: list[str]) -> str:
-    """``qlora-kit TRAIN`` in two processes (torchrun, gloo) with micro-batch 4 each: their stderr."""
+def cases_command(logs: Path, cases: dict[str, dict], *flags: str) -> list[str]:
+    """A torchrun launch (2 processes, gloo) whose ranks run ``cases`` in turn (tests/e2e/ddp_driver.py:
+    ``{name: {"argv": [...], "env": {...}}}``, ``flags`` its own), each case's lines in ``logs``."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    command += ["-m", "qlora_kit", *train, "--output-dir", str(out), "--set", "train.micro_batch_size=4"]
-    parallel = subprocess.run(
-        command,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert parallel.returncode == 0, parallel.stderr[-3000:]
-    return parallel.stderr
+    return [*command, str(ROOT / "tests/e2e/ddp_driver.py"), str(logs), json.dumps(cases), *flags]
+
+
+def case_result(logs: Path, name: str, launched: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """One case of a cases_command launch as if it had been a launch of its own: its exit (a rank's
+    failure, or the launch's exit when it never ran: an earlier case failed), both ranks' lines."""
+    exits = [logs / f"{name}.rank{rank}.exit" for rank in (0, 1)]
+    lines = "".join(log.read_text() for log in sorted(logs.glob(f"{name}.rank*.log")))
+    if not all(e.exists() for e in exits):
+        code = launched.returncode or 1
+        return subprocess.CompletedProcess(name, code, "", f"{name} did not run: {lines}{launched.stderr}")
+    failed = [int(e.read_text()) for e in exits if e.read_text() != "0"]
+    return subprocess.CompletedProcess(name, failed[0] if failed else 0, "", lines)
+
+
+def grpo_recipe(folder: Path, name: str, **grpo) -> str:
+    """A GRPO recipe on the demo: 4 completions of 5 tokens per prompt, rewarded by length (the lengths
+    vary, so the groups' advantages are not all 0)."""
+    recipe = folder / f"{name}.yaml"
+    rewards = [{"name": "length", "max_chars": 8}]
+    values = {
+        "data": {"max_seq_len": 64},
+        "optimizer": {"lr": 1.0e-3},
+        "train": {"objective": "grpo"},
+        "grpo": {"num_generations": 4, "max_completion_length": 5, "rewards": rewards, **grpo},
+    }
+    recipe.write_text(json.dumps(values))  # YAML reads JSON
+    return str(recipe)
+
+
+SELECTIVE = ("--set", "memory.checkpointing=selective")
+BF16_HEAD = [
+    "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
+    "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
+    "--set", "memory.chunked_loss=true",  # auto would choose full logits in the host's memory
+]  # fmt: skip
+DPO_BF16 = ["--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16"]
+GRPO_STEPS = ["--set", "train.max_steps=4"]  # the first checkpoint's (train.save_steps 4)
+
+
+def cases(folder: Path) -> dict[str, tuple[list[str], list[str]]]:
+    """Each test's training: (``qlora-kit train`` arguments both sides run, the two processes' own
+    settings). The seeded GRPO run is first: in a process that trained before, a GRPO run can sample
+    other completions than a fresh process does (tests/e2e/test_grpo_oom.py, DRIVER), and its reference
+    is a fresh process."""
+
+    def train(recipe: str, *settings: str) -> list[str]:
+        return ["train", recipe, *SETTINGS, *settings]
+
+    demo = str(ROOT / "recipes/demo.yaml")
+    return {
+        "grpo seeded": (train(grpo_recipe(folder, "seeded", seed_each_completion=True), *GRPO_STEPS), []),
+        "grpo": (train(grpo_recipe(folder, "grpo"), *GRPO_STEPS), []),
+        "sft": (train(demo, *PACKED), list(SELECTIVE)),
+        "moe": (train(str(ROOT / "recipes/demo-moe.yaml"), *PACKED), []),
+        "bf16 head": (train(demo, *BF16_HEAD, *PACKED), []),
+        "dpo": (train(str(ROOT / "recipes/demo-dpo.yaml"), *DPO_BF16), []),
+    }
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory, worker_id) -> Callable[[str], tuple[Path, list[str], str]]:
+    """Every test's two-process run, in one torchrun launch (gloo, micro-batch 4 per process) whose ranks
+    run the cases in turn (tests/e2e/ddp_driver.py): the launcher and each rank start once, not once a
+    test, and once per session across xdist workers (the tests spread over them).
+    ``launch(case) -> (two's output, the case's train arguments, two's stderr)``: both ranks' lines,
+    as one launch's stderr holds them."""
+
+    def make(folder: Path) -> dict:
+        logs = folder / "logs"
+        logs.mkdir()
+        runs = cases(folder)
+        for train, _ in runs.values():
+            # each builtin model built here first, as a user's earlier command would have: a launch on an
+            # empty cache builds it in both ranks at once, and transformers saves the weights on rank 0
+            # alone (should_save_on_this_rank), so rank 1's build can win the cache with the tokenizer alone
+            resolve_model_path(Recipe.from_yaml(train[1], overrides=train[3::2]).model)
+        four = ["--set", "train.micro_batch_size=4"]
+        argv = {
+            name: {"argv": [*train, *only, "--output-dir", str(folder / name), *four]}
+            for name, (train, only) in runs.items()
+        }
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        command = cases_command(logs, argv)
+        launched = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+        results = {name: case_result(logs, name, launched) for name in runs}
+        return {name: [r.returncode, r.stderr, runs[name][0]] for name, r in results.items()}
+
+    folder, found = once_per_session(tmp_path_factory, worker_id, "ddp-cases", make)
+
+    def case(name: str) -> tuple[Path, list[str], str]:
+        code, stderr, train = found[name]
+        assert code == 0, stderr[-3000:]
+        return folder / name, train, stderr
+
+    return case
 
 
 def one_and_two_processes(
-    tmp_path: Path,
-    single: Callable[[Path, list[str]], str],
-    *settings: str,
-    recipe: str = "recipes/demo.yaml",
-    parallel_only: tuple[str, ...] = (),
+    tmp_path: Path, single: Callable[[Path, list[str]], str], two: tuple[Path, list[str], str]
 ) -> tuple[Path, Path, str]:
-    """The demo trained by one process with micro-batch 8 (``single``: in_this_process or
-    in_a_fresh_process) and by two (torchrun, gloo) with 4 each: (one's output, two's output, two's
-    stderr). ``parallel_only``: settings of the two processes alone, which they must match one without."""
-    one, two = tmp_path / "one", tmp_path / "two"
-    train = ["train", str(ROOT / recipe), *SETTINGS, *settings]
+    """The case trained by one process with micro-batch 8 (``single``: in_this_process or
+    in_a_fresh_process) beside its two processes with 4 each (``launch(case)``; their own settings, as
+    selective checkpointing, they must match one without): (one's output, two's output, two's stderr)."""
+    one = tmp_path / "one"
+    out, train, parallel = two
     reference = single(one, train)
-    parallel = two_processes(two, [*train, *parallel_only])
     # both runs trained under the same autocast, as accelerate holds it (pipeline.run logs it)
     precision = [line for line in reference.splitlines() if "mixed precision: " in line]
     assert len(precision) == 1 and precision[0].split("mixed precision: ")[1] in parallel, precision
-    return one, two, parallel
+    return one, out, parallel
 
 
-def test_two_processes_match_one_process_with_twice_the_batch(tmp_path, monkeypatch, capsys):
+def test_two_processes_match_one_process_with_twice_the_batch(launch, tmp_path, monkeypatch, capsys):
     """The two processes checkpoint selectively, the one process fully (the default, which the MoE, bf16
     and DPO tests below run under DDP): selective's recompute runs inside DDP's backward, whose gradient
     hooks must fire as without checkpointing, and it computes what full checkpointing does, so the loss
     curves match either way. One pair of runs proves both (a run's process start is most of its time)."""
-    selective = ("--set", "memory.checkpointing=selective")
-    one, two, stderr = one_and_two_processes(
-        tmp_path, in_this_process(monkeypatch, capsys), *PACKED, parallel_only=selective
-    )
+    one, two, stderr = one_and_two_processes(tmp_path, in_this_process(monkeypatch, capsys), launch("sft"))
     assert "checkpointing: selective" in (two / "recipe.yaml").read_text(), "the two processes ran selective"
     assert "checkpointed decoder layers: [0, 1, 2, 3]" in stderr
     expected, got = losses(one), losses(two)
@@ -152,26 +231,22 @@ def test_two_processes_match_one_process_with_twice_the_batch(tmp_path, monkeypa
     assert moved > 0 and (got - expected).abs().max() < 0.05 * moved, (moved, (got - expected).abs().max())
 
 
-def test_a_mixture_of_experts_under_ddp_matches_one_process(tmp_path, monkeypatch, capsys):
+def test_a_mixture_of_experts_under_ddp_matches_one_process(launch, tmp_path, monkeypatch, capsys):
     """The MoE demo (4-bit experts, LoRA on every expert as one stacked factor per weight, so each LoRA
     parameter gets a gradient every step whatever the routing) under DDP follows one process."""
     single = in_this_process(monkeypatch, capsys)
-    one, two, _ = one_and_two_processes(tmp_path, single, *PACKED, recipe="recipes/demo-moe.yaml")
+    one, two, _ = one_and_two_processes(tmp_path, single, launch("moe"))
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8 and expected[-1] < expected[0] - 1.0
     for a, b in zip(expected, got, strict=True):
         assert abs(a - b) <= 1e-3 * abs(a), (expected, got)
 
 
-def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path, monkeypatch, capsys):
+def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(launch, tmp_path, monkeypatch, capsys):
     """The GPU's default path on 2 processes: bf16 autocast, the chunked head applying a LoRA lm_head
-    outside the forward pass (DDP must not search for unused parameters, or it fails there)."""
-    bf16 = [
-        "--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16",
-        "--set", "lora.target_modules=[q_proj, v_proj, lm_head]", "--set", "train.max_steps=6",
-        "--set", "memory.chunked_loss=true",  # auto would choose full logits in the host's memory
-    ]  # fmt: skip
-    one, two, stderr = one_and_two_processes(tmp_path, in_this_process(monkeypatch, capsys), *bf16, *PACKED)
+    outside the forward pass (DDP must not search for unused parameters, or it fails there): BF16_HEAD."""
+    single = in_this_process(monkeypatch, capsys)
+    one, two, stderr = one_and_two_processes(tmp_path, single, launch("bf16 head"))
     assert "mixed precision: bf16" in stderr
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 6
@@ -182,12 +257,11 @@ def test_bf16_autocast_with_lora_on_the_output_head_trains_under_ddp(tmp_path, m
     assert head and all(adapter[name].abs().sum() > 0 for name in head), "the head's LoRA trained"
 
 
-def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path, monkeypatch, capsys):
+def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(launch, tmp_path, monkeypatch, capsys):
     """train.objective dpo on 2 processes, the GPU's default precision: the same pair losses as one
     process with both halves of the batch, one trained adapter written (TRL's reference copy is not)."""
-    dpo = ["--set", "train.mixed_precision=bf16", "--set", "quant.compute_dtype=bfloat16"]
     single = in_this_process(monkeypatch, capsys)
-    one, two, stderr = one_and_two_processes(tmp_path, single, *dpo, recipe="recipes/demo-dpo.yaml")
+    one, two, stderr = one_and_two_processes(tmp_path, single, launch("dpo"))
     expected, got = losses(one), losses(two)
     assert len(expected) == len(got) == 8
     for a, b in zip(expected, got, strict=True):  # bf16 matmuls: rounding differs with the split
@@ -201,22 +275,7 @@ def test_dpo_under_ddp_matches_one_process_under_bf16_autocast(tmp_path, monkeyp
     assert "mixed precision: bf16" in stderr
 
 
-def grpo_recipe(tmp_path: Path, **grpo) -> str:
-    """A GRPO recipe on the demo: 4 completions of 5 tokens per prompt, rewarded by length (the lengths
-    vary, so the groups' advantages are not all 0)."""
-    recipe = tmp_path / "grpo.yaml"
-    rewards = [{"name": "length", "max_chars": 8}]
-    values = {
-        "data": {"max_seq_len": 64},
-        "optimizer": {"lr": 1.0e-3},
-        "train": {"objective": "grpo"},
-        "grpo": {"num_generations": 4, "max_completion_length": 5, "rewards": rewards, **grpo},
-    }
-    recipe.write_text(json.dumps(values))  # YAML reads JSON
-    return str(recipe)
-
-
-def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
+def test_grpo_under_ddp_trains_on_the_configured_global_batch(launch):
     """train.objective grpo on 2 processes: what can equal one process does. TRL 1.16 seeds each process's
     sampling differently (set_seed(seed, device_specific=True)) and samples a process's prompts in one
     generate call, so without grpo.seed_each_completion (the next test) the rollouts cannot equal one
@@ -225,9 +284,7 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
 
     No one-process run: what it would show here, its epochs and its autocast, follows from the recipe.
     4 steps, the first checkpoint's (train.save_steps 4): each step's count is the same at any step."""
-    recipe = grpo_recipe(tmp_path)
-    two = tmp_path / "two"
-    stderr = two_processes(two, ["train", recipe, *SETTINGS, "--set", "train.max_steps=4"])
+    two, train, stderr = launch("grpo")
     got = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in got] == list(range(1, 5)), "each step logged once, by the main process"
     # 2 prompts x 4 completions per optimizer step, as one process with micro-batch 8 samples: step s is
@@ -236,7 +293,7 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     assert [r["epoch"] for r in got] == pytest.approx(
         [s * 2 / 168 for s in range(1, 5)], abs=1e-4
     )  # logged to 4 places
-    one_process = resolve_mixed_precision(Recipe.from_yaml(recipe, overrides=SETTINGS[1::2]))
+    one_process = resolve_mixed_precision(Recipe.from_yaml(train[1], overrides=SETTINGS[1::2]))
     assert f"mixed precision: {one_process}" in stderr, "the autocast one process picks for the recipe"
     assert all(r["reward"] is not None and "frac_reward_zero_std" in r for r in got)
     assert sorted(p.name for p in (two / "checkpoint-4").glob("rng_state_*.pth")) == [
@@ -249,7 +306,7 @@ def test_grpo_under_ddp_trains_on_the_configured_global_batch(tmp_path):
     assert any("lora_B" in name and t.abs().sum() > 0 for name, t in adapter.items()), "the adapter trained"
 
 
-def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
+def test_grpo_with_seeded_completions_under_ddp_equals_one_process(launch, tmp_path):
     """grpo.seed_each_completion on 2 processes: the same rollouts as one process with both halves of
     the batch, so the same rewards step for step, the same losses and the same adapter (without the
     option TRL's rollouts depend on the process: the test above).
@@ -259,9 +316,7 @@ def test_grpo_with_seeded_completions_under_ddp_equals_one_process(tmp_path):
     adapter's update), and sooner or later a sampled token flips (train.seed 1: at step 4), after which
     the runs rightly part; that is rounding, not seeding. The seeding under bf16 autocast:
     tests/test_grpo.py (a prompt sampled alone or beside others)."""
-    recipe = grpo_recipe(tmp_path, seed_each_completion=True)
-    steps = ("--set", "train.max_steps=4")
-    one, two, _ = one_and_two_processes(tmp_path, in_a_fresh_process, *steps, recipe=recipe)
+    one, two, _ = one_and_two_processes(tmp_path, in_a_fresh_process, launch("grpo seeded"))
 
     def rows(out: Path) -> list[dict]:
         return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

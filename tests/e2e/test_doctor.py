@@ -1,26 +1,30 @@
 """`qlora-kit doctor` proves a machine through the train command's own code path; CI runs it on the CPU."""
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_cli, run_cli_output
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def doctor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "doctor", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={**os.environ, "COLUMNS": "200"},  # one table row per line
-    )
+@pytest.fixture
+def doctor(monkeypatch, capsys):
+    """``qlora-kit doctor ARGS`` in this process (conftest.run_cli_output): its claims are its table and
+    what it writes to a stream that is not a terminal (capsys's, as a pipe's), not a process's; a process
+    of its own would add only its start (torch, transformers, peft: ~7 s on 2 cores)."""
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        monkeypatch.chdir(ROOT)
+        monkeypatch.setenv("COLUMNS", "200")  # one table row per line
+        code, out, err = run_cli_output(["doctor", *args], monkeypatch, capsys)
+        return subprocess.CompletedProcess(["doctor", *args], code, out, err)
+
+    return run
 
 
 def rows(stdout: str) -> dict[str, str]:
@@ -33,7 +37,7 @@ def rows(stdout: str) -> dict[str, str]:
     return found
 
 
-def test_doctor_passes_on_this_machine_and_fails_a_recipe_that_cannot_fit():
+def test_doctor_passes_on_this_machine_and_fails_a_recipe_that_cannot_fit(doctor):
     result = doctor(
         "recipes/demo.yaml", "--set", "train.micro_batch_size=100000", "--set", "data.max_seq_len=65536"
     )
@@ -61,7 +65,7 @@ def test_doctor_passes_on_this_machine_and_fails_a_recipe_that_cannot_fit():
     assert "it/s]" not in result.stderr and "s/it]" not in result.stderr
 
 
-def test_doctor_verbose_shows_the_tiny_run_through_the_run_console():
+def test_doctor_verbose_shows_the_tiny_run_through_the_run_console(doctor):
     result = doctor("-v")
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     assert "step 12/12" in result.stderr  # the run console's plain line per logging step
@@ -72,8 +76,6 @@ def test_doctor_verbose_shows_the_tiny_run_through_the_run_console():
 def test_doctor_with_a_broken_recipe_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
     """In this process (conftest.run_cli): the recipe is refused before any check runs, so a process of its
     own would add only its start (the one-line errors from a process: tests/e2e/test_cli.py)."""
-    from tests.conftest import run_cli
-
     bad = tmp_path / "bad.yaml"
     bad.write_text("lora:\n  rank: 0\n")
     code, err = run_cli(["doctor", str(bad)], monkeypatch, capsys)

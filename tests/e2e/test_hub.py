@@ -1,12 +1,12 @@
 """Models and datasets from the hub, without network: a local server answers as the hub does
 (``HF_ENDPOINT`` pointed at it), and every failure a user meets is one line naming the field, exit 2,
-nothing written into the output folder. The CLI runs in subprocesses, as a user runs it; the failure
+nothing written into the output folder. The CLI runs in subprocesses, as a user runs it; the
 cases of one environment share a process (tests/e2e/cli_driver.py) to pay for the imports once."""
 
+import contextlib
 import json
 import os
 import re
-import shutil
 import socket
 import struct
 import subprocess
@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from qlora_kit.model import builtin
+from tests.conftest import once_per_session
 from tests.hub_server import FakeHub
 
 pytestmark = pytest.mark.slow  # CLI processes: the full suite runs them
@@ -74,6 +75,12 @@ WITHOUT_HUB = {  # for no network and for offline mode alike
     "model": ["model.path=org/tiny"],
     "dataset": ["data.path=org/facts"],
 }
+# offline mode beside the run from the cache (one process): ids of which nothing was ever fetched there
+UNCACHED = {
+    "model": ["model.path=org/never-fetched"],
+    "dataset": ["data.path=org/never-fetched-data"],
+}
+FROM_THE_HUB = ["model.path=org/tiny", "data.path=org/facts"]
 
 
 def _write_rows(folder: Path) -> Path:
@@ -82,9 +89,9 @@ def _write_rows(folder: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def hub(tmp_path_factory):
-    root = tmp_path_factory.mktemp("hub")
+@contextlib.contextmanager
+def serving(root: Path):
+    """The local hub, serving the tiny model and the rows under every name the tests ask for."""
     model = builtin.ensure_tiny_model("tiny-llama")
     two = root / "two"
     _write_rows(two / "a"), _write_rows(two / "b")
@@ -189,25 +196,48 @@ def assert_one_line(code: int, stderr: str, *expected: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def online_failures(hub, tmp_path_factory):
-    root = tmp_path_factory.mktemp("online")
-    cases = {name: train_args(root / name, *overrides) for name, (overrides, _) in ONLINE_FAILURES.items()}
-    cases["plan"] = ["plan", str(DEMO), "--set", "model.path=org/planned"]
-    cases["plan gated"] = ["plan", str(DEMO), "--set", "model.path=org/gated"]
-    return root, run_cases(cases, hub_env(root / "hf", hub.url))
+def hub_runs(tmp_path_factory, worker_id) -> tuple[Path, dict]:
+    """Every case that asks the local hub, in two processes (one per environment), once per session
+    across xdist workers (the tests reading them spread over workers; the hub serves only while they run):
+
+    - ``online``: the failures, the plans, and last the whole run from hub ids (``from the hub``);
+    - ``offline``: HF_HUB_OFFLINE=1 in the online run's cache: the same run from hub ids (``from the
+      cache``), then each of UNCACHED.
+
+    ``(root, {environment: {case: (exit, stderr)}, environment + " requests": the hub's requests})``."""
+
+    def make(root: Path) -> dict:
+        cases = {
+            name: train_args(root / name, *overrides) for name, (overrides, _) in ONLINE_FAILURES.items()
+        }
+        cases["plan"] = ["plan", str(DEMO), "--set", "model.path=org/planned"]
+        cases["plan gated"] = ["plan", str(DEMO), "--set", "model.path=org/gated"]
+        cases["from the hub"] = train_args(root / "from the hub", *FROM_THE_HUB)
+        offline = {"from the cache": train_args(root / "from the cache", *FROM_THE_HUB)}
+        offline |= {name: train_args(root / name, *overrides) for name, overrides in UNCACHED.items()}
+        found = {}
+        with serving(root / "hub") as hub:
+            found["online"] = run_cases(cases, hub_env(root / "hf", hub.url))
+            found["online requests"] = list(hub.requests)
+            hub.requests.clear()
+            found["offline"] = run_cases(offline, hub_env(root / "hf", hub.url, HF_HUB_OFFLINE="1"))
+            found["offline requests"] = list(hub.requests)
+        return found
+
+    return once_per_session(tmp_path_factory, worker_id, "hub-runs", make)
 
 
 @pytest.mark.parametrize("case", ONLINE_FAILURES)
-def test_fetch_failures_are_one_line(online_failures, case):
-    root, results = online_failures
-    assert_one_line(*results[case], *ONLINE_FAILURES[case][1])
+def test_fetch_failures_are_one_line(hub_runs, case):
+    root, found = hub_runs
+    assert_one_line(*found["online"][case], *ONLINE_FAILURES[case][1])
     assert not (root / case).exists(), "nothing is written for a run that cannot start"
 
 
-def test_plan_on_a_hub_id_fetches_only_the_config(hub, online_failures):
-    _, results = online_failures
+def test_plan_on_a_hub_id_fetches_only_the_config(hub_runs):
+    results, requests = hub_runs[1]["online"], hub_runs[1]["online requests"]
     assert results["plan"][0] == 0, results["plan"][1][-3000:]
-    fetched = {r.rsplit("/", 1)[-1] for r in hub.requests if "/org/planned/resolve/" in r}
+    fetched = {r.rsplit("/", 1)[-1] for r in requests if "/org/planned/resolve/" in r}
     assert fetched == {"config.json"}, fetched
     assert_one_line(*results["plan gated"], "model.path: org/gated is a gated model")
 
@@ -232,35 +262,29 @@ def test_without_network_says_so_in_seconds(tmp_path):
     )
 
 
-def test_offline_mode_with_nothing_cached(hub, tmp_path):
-    hub.requests.clear()
-    cases = {name: train_args(tmp_path / name, *overrides) for name, overrides in WITHOUT_HUB.items()}
-    results = run_cases(cases, hub_env(tmp_path / "hf", hub.url, HF_HUB_OFFLINE="1"))
-    for name, overrides in WITHOUT_HUB.items():
+def test_offline_mode_with_nothing_cached(hub_runs):
+    results, requests = hub_runs[1]["offline"], hub_runs[1]["offline requests"]
+    for name, overrides in UNCACHED.items():
         field = overrides[0].split("=")[0]
         assert_one_line(
             *results[name], f"{field}: org/", "HF_HUB_OFFLINE=1 forbids downloading", "hf download"
         )
-    assert not [r for r in hub.requests if "/org/tiny/" in r or "/org/facts/" in r], "offline: no requests"
+    assert not requests, f"offline: no requests ({requests})"
 
 
-def test_trains_from_the_hub_then_offline_from_the_cache(hub, tmp_path):
+def test_trains_from_the_hub_then_offline_from_the_cache(hub_runs):
     """The whole run from hub ids says where the cache is and writes the adapter; the same run then
     works with HF_HUB_OFFLINE=1 from what the first one cached, without a request."""
-    env, out = hub_env(tmp_path / "hf", hub.url), tmp_path / "out"
-    args = [sys.executable, "-m", "qlora_kit", *train_args(out, "model.path=org/tiny", "data.path=org/facts")]
-    first = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert f"org/tiny downloads 0.0 GB of weights into {tmp_path / 'hf' / 'hub'}" in " ".join(
-        first.stderr.split()
-    )
-    assert (out / "adapter_model.safetensors").is_file()
-    assert any("/org/tiny/resolve/" in r and r.endswith("/model.safetensors") for r in hub.requests)
+    root, found = hub_runs
+    results, requests = found["online"], found["online requests"]
+    code, stderr = results["from the hub"]
+    assert code == 0, stderr[-3000:]
+    assert f"org/tiny downloads 0.0 GB of weights into {root / 'hf' / 'hub'}" in " ".join(stderr.split())
+    assert (root / "from the hub" / "adapter_model.safetensors").is_file()
+    assert any("/org/tiny/resolve/" in r and r.endswith("/model.safetensors") for r in requests)
 
-    shutil.rmtree(out)
-    hub.requests.clear()
-    offline = env | {"HF_HUB_OFFLINE": "1"}
-    again = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=600, env=offline)
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert (out / "adapter_model.safetensors").is_file()
-    assert not [r for r in hub.requests if "/org/tiny/" in r or "/org/facts/" in r]
+    results, requests = found["offline"], found["offline requests"]
+    code, stderr = results["from the cache"]
+    assert code == 0, stderr[-3000:]
+    assert (root / "from the cache" / "adapter_model.safetensors").is_file()
+    assert not requests, f"offline: no requests ({requests})"

@@ -25,7 +25,7 @@ from qlora_kit.model.builtin import ensure_tiny_model
 from qlora_kit.registries import metric_keys as keys
 from qlora_kit.testing import allocator_faults, oom_faults
 from tests.conftest import once_per_session, run_cli_output
-from tests.e2e.test_distributed import free_port
+from tests.e2e.test_distributed import case_result, cases_command, free_port
 
 pytestmark = pytest.mark.slow  # each test trains a few short runs
 
@@ -348,15 +348,6 @@ def test_the_probe_changes_nothing_and_meets_the_worst_batch_before_step_1(refer
     assert capped.steps == 3
 
 
-def two_processes(recipe_file: Path, out: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """``qlora-kit train`` in 2 processes (torchrun, gloo)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
-    command += ["--master_addr", "127.0.0.1", "--master_port", str(free_port())]
-    return launched(
-        [*command, "-m", "qlora_kit.testing", "train", str(recipe_file), "--output-dir", str(out)], env
-    )
-
-
 def why_failed(stderr: str) -> str:
     """A failed launch's cause first: the lines where a process died (a C++ abort's ``terminate called`` and
     ``what():``, a traceback's last line), which torchrun's closing summary pushes out of the tail."""
@@ -365,7 +356,9 @@ def why_failed(stderr: str) -> str:
     return "\n".join([*causes[:20], "...", stderr[-2000:]])
 
 
-def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+def launched(
+    command: list[str], env: dict[str, str], timeout: float = TWO_PROCESS_TIMEOUT
+) -> subprocess.CompletedProcess:
     """A launcher and its processes in a session of their own: past the timeout (a process left waiting
     in a collective) all of them are killed and the test fails."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
@@ -374,24 +367,84 @@ def launched(command: list[str], env: dict[str, str]) -> subprocess.CompletedPro
         start_new_session=True,
     )  # fmt: skip
     try:
-        stdout, stderr = process.communicate(timeout=TWO_PROCESS_TIMEOUT)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(process.pid, signal.SIGKILL)
         stdout, stderr = process.communicate()
-        pytest.fail(f"2 processes still running after {TWO_PROCESS_TIMEOUT} s: {stderr[-3000:]}")
+        pytest.fail(f"2 processes still running after {timeout} s: {stderr[-3000:]}")
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
-def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tmp_path):
+@pytest.fixture(scope="module")
+def two_process_runs(reference, tmp_path_factory, worker_id):
+    """Both two-process tests' runs in one torchrun launch (DDP over gloo) whose ranks run them in turn
+    (tests/e2e/ddp_driver.py, the faults installed as ``python -m qlora_kit.testing`` does, each case's
+    caps in its own environment): the launcher and each rank start once. Past TWO_PROCESS_TIMEOUT a case
+    (a process left waiting in a collective) the launch is killed and the tests fail.
+    ``(case name -> CompletedProcess of that case, its output folder), the backward case's one process``."""
+
+    def make(folder: Path) -> dict:
+        logs = folder / "logs"
+        logs.mkdir()
+        cases, outs = {}, {}
+
+        def case(name: str, values: dict, caps: dict[str, str]) -> None:
+            recipe_file = folder / f"{name}.yaml"
+            recipe_file.write_text(Recipe.from_dict(values).to_yaml())
+            outs[name] = folder / name / "out"
+            cases[name] = {"argv": ["train", str(recipe_file), "--output-dir", str(outs[name])], "env": caps}
+
+        # micro-batch 4 per process: only the process whose micro-batch holds the long row passes the cap
+        values = recipe_values(folder / "forward", **{"train.micro_batch_size": 4, "train.max_steps": 5})
+        cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
+        case("forward", values, {oom_faults.ENV: str(cap)})
+
+        short = folder / "short.jsonl"  # every micro-batch of 4 alike: rank 1's first one passes the cap
+        short.write_text(
+            "".join(json.dumps(r) + "\n" for r in rows() if not r["instruction"].startswith("Repeat:"))
+        )
+        settings = {
+            "data.path": str(short), "memory.checkpointing": "full", "lora.dropout": 0.0, "train.max_steps": 3,
+            "train.micro_batch_size": 4,
+        }  # fmt: skip
+        oom_faults.INJECTOR.forwards.clear()
+        monkeypatch = pytest.MonkeyPatch()
+        try:  # the one process: micro-batch 4 and accumulation 2, never capped
+            one = run(folder / "one", monkeypatch, cap=10**15, **settings, **{"train.grad_accum": 2})
+        finally:
+            monkeypatch.undo()
+        forward, peak = max(oom_faults.INJECTOR.forwards), min(oom_faults.INJECTOR.peaks)
+        cap = int(0.75 * peak)  # over any micro-batch's recompute of 4 rows, under one of 2
+        assert forward < cap, "the forward pass fits: the error comes in the backward pass"
+        case(
+            "backward",
+            recipe_values(folder / "backward", **settings),
+            {oom_faults.ENV: str(cap), oom_faults.RANK_ENV: "1"},
+        )
+
+        launch = launched(
+            cases_command(logs, cases, "--faults"), {}, timeout=TWO_PROCESS_TIMEOUT * len(cases)
+        )
+        results = {name: case_result(logs, name, launch) for name in cases}
+        return {
+            "one": {"output_dir": str(one.output_dir), "train_losses": one.train_losses},
+            "cases": {name: [r.returncode, r.stderr, str(outs[name])] for name, r in results.items()},
+        }
+
+    _, found = once_per_session(tmp_path_factory, worker_id, "oom-two-processes", make)
+    cases = {
+        name: (subprocess.CompletedProcess(name, code, "", stderr), Path(out))
+        for name, (code, stderr, out) in found["cases"].items()
+    }
+    one = found["one"]
+    return cases, SimpleNamespace(output_dir=Path(one["output_dir"]), train_losses=one["train_losses"])
+
+
+def test_two_processes_where_one_runs_out_of_memory_split_together(two_process_runs):
     """DDP over gloo, micro-batch 4 per process: only the process whose micro-batch holds the long row
     passes the cap. Both agree at the flag after that forward pass, before any backward, split and redo
     the step together: no process waits forever."""
-    values = recipe_values(tmp_path, **{"train.micro_batch_size": 4, "train.max_steps": 5})
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
-    cap = reference[1] // 2  # 0.75 of a forward pass of 4 rows with the long one: over 2 of them
-    out = tmp_path / "out"
-    result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap)})
+    result, out = two_process_runs[0]["forward"]
     assert result.returncode == 0, why_failed(result.stderr)
     [event] = [row[keys.OOM_SPLIT] for row in splits(out)]
     assert event[keys.MICRO_BATCH_BEFORE] == 4 and event[keys.MICRO_BATCH] == 2
@@ -401,31 +454,14 @@ def test_two_processes_where_one_runs_out_of_memory_split_together(reference, tm
 
 
 def test_two_processes_where_one_runs_out_of_memory_in_the_all_reducing_backward_split_together(
-    tmp_path, monkeypatch
+    two_process_runs,
 ):
     """DDP over gloo, micro-batch 4 per process and no accumulation, every layer checkpointed; only
     rank 1 is capped, and its forward pass fits: it runs out of memory recomputing a layer in the
     backward pass of the step's last (here only) micro-batch, the backward pass in which DDP would
     all-reduce the gradients. No backward pass all-reduces (oom_recovery.py): both processes split at
     step 1 and train on, as one process does with micro-batch 4 and accumulation 2."""
-    short = tmp_path / "short.jsonl"  # every micro-batch of 4 alike: rank 1's first one passes the cap
-    short.write_text(
-        "".join(json.dumps(r) + "\n" for r in rows() if not r["instruction"].startswith("Repeat:"))
-    )
-    settings = {
-        "data.path": str(short), "memory.checkpointing": "full", "lora.dropout": 0.0, "train.max_steps": 3,
-        "train.micro_batch_size": 4,
-    }  # fmt: skip
-    oom_faults.INJECTOR.forwards.clear()
-    one = run(tmp_path / "one", monkeypatch, cap=10**15, **settings, **{"train.grad_accum": 2})
-    forward, peak = max(oom_faults.INJECTOR.forwards), min(oom_faults.INJECTOR.peaks)
-    cap = int(0.75 * peak)  # over any micro-batch's recompute of 4 rows, under one of 2
-    assert forward < cap, "the forward pass fits: the error comes in the backward pass"
-    values = recipe_values(tmp_path, **settings)
-    recipe_file = tmp_path / "recipe.yaml"
-    recipe_file.write_text(Recipe.from_dict(values).to_yaml())
-    out = tmp_path / "out"
-    result = two_processes(recipe_file, out, {oom_faults.ENV: str(cap), oom_faults.RANK_ENV: "1"})
+    (result, out), one = two_process_runs[0]["backward"], two_process_runs[1]
     assert result.returncode == 0, why_failed(result.stderr)
     [row] = splits(out)
     event = row[keys.OOM_SPLIT]
