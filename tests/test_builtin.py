@@ -5,6 +5,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
 from safetensors.torch import load_file
 
 from qlora_kit.data import demo
@@ -26,6 +27,23 @@ def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
     assert (first / "tokenizer.json").read_bytes() == (second / "tokenizer.json").read_bytes()
     assert not [p for p in tmp_path.rglob(".tiny-*")], "no staging folder left behind"
+
+
+@pytest.mark.slow  # builds a tiny model (~3 s)
+def test_a_builtin_built_by_rank_one_of_a_launch_holds_its_model(tmp_path, monkeypatch):
+    """Each rank of a launch on a clean cache may build the builtin: rank 1's build holds its config and
+    weights too (red without builtin._build's own save rule: transformers saves only on rank 0 once a
+    process group exists, and rank 1's tokenizer-only folder could win the rename)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
+    dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
+    try:
+        folder = builtin.ensure_tiny_model("tiny-llama")
+    finally:
+        dist.destroy_process_group()
+    assert (folder / "config.json").exists() and load_file(folder / "model.safetensors")
 
 
 def test_a_builtin_whose_families_entry_changed_is_built_again(tmp_path, monkeypatch):

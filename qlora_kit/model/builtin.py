@@ -165,6 +165,10 @@ def _build(entry: families.Family, shape: dict, folder: Path) -> None:
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
+    # ``folder`` is this process's own staging folder: transformers writes a model only on rank 0 once a
+    # process group exists, so rank 1 of a torchrun launch on a clean cache built a folder with no config
+    # or weights, and won the rename as often as not
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
 
