@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from benchmarks.gpu_check import TINY_SKIPS
+from tests.benchmark_smoke import run_script
 
 pytestmark = pytest.mark.slow  # end to end: the full suite runs it, the inner loop skips it
 
@@ -86,14 +87,11 @@ def test_gpu_check_tiny_runs_every_case_and_one_broken_case_loses_only_its_own_r
     assert not (tmp_path / "gpu-check-oom.log").exists()
 
 
-def test_packing_check_runs_every_kernel_available_here(tmp_path, monkeypatch):
+def test_packing_check_runs_every_kernel_available_here(tmp_path):
     """The script's main in this process (its claim is its report, not a process's: a start would add
     ~7 s of imports); it exits only when a kernel let examples attend to each other."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # as the script imports it, beside common.py
-    monkeypatch.setattr(sys, "argv", ["packing_check.py", "--smoke", "--out", str(tmp_path)])
-    import packing_check
-
-    packing_check.main()
+    status = run_script("packing_check.py", tmp_path)  # its argv and sys.path as from the shell
+    assert status["exit"] == 0, status.get("error")
     report = json.loads((tmp_path / "packing-check.json").read_text())
     for kernel in ("sdpa", "eager", "flex_attention"):
         assert report[kernel]["ok"] and report[kernel]["max_difference"] < 1e-4, report[kernel]
