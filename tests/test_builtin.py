@@ -9,7 +9,7 @@ import pytest
 from safetensors.torch import load_file
 
 from qlora_kit.data import demo
-from qlora_kit.model import builtin
+from qlora_kit.model import builtin, builtin_vision
 from qlora_kit.registries import families
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,7 +30,10 @@ def test_tiny_model_is_cached_and_deterministic(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow  # builds a tiny model (~3 s)
-def test_a_builtin_built_by_rank_one_of_a_launch_holds_its_model(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "ensure", ["tiny-llama", "tiny-qwen2.5-vl"]
+)  # builtin.py's build and builtin_vision's
+def test_a_builtin_built_by_rank_one_of_a_launch_holds_its_model(tmp_path, monkeypatch, ensure):
     """Each rank of a launch on a clean cache may build the builtin: rank 1's build holds its config and
     weights too (red without builtin._build's own save rule: transformers saves only on rank 0 once a
     process group exists, and rank 1's tokenizer-only folder could win the rename)."""
@@ -40,7 +43,10 @@ def test_a_builtin_built_by_rank_one_of_a_launch_holds_its_model(tmp_path, monke
     monkeypatch.setenv("QLORA_KIT_CACHE", str(tmp_path))
     dist.init_process_group("fake", rank=1, world_size=2, store=FakeStore())
     try:
-        folder = builtin.ensure_tiny_model("tiny-llama")
+        if ensure == "tiny-llama":
+            folder = builtin.ensure_tiny_model(ensure)
+        else:
+            folder = builtin_vision.ensure_tiny_vlm(ensure)
     finally:
         dist.destroy_process_group()
     assert (folder / "config.json").exists() and load_file(folder / "model.safetensors")

@@ -100,6 +100,7 @@ def _build(family, folder) -> None:
         chat_template=CHAT_TEMPLATE.replace("IMAGE", vision.image_marker),
         **vision.tiny_processor,
     )
+    model.should_save_on_this_rank = lambda is_main_process: True  # its own staging folder (builtin._build)
     model.save_pretrained(folder)
     processor.save_pretrained(folder)
 

@@ -140,5 +140,7 @@ def _convert(gguf_file: Path, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
+    # ``folder`` is this process's own staging folder: saved on every rank (builtin._build says why)
+    model.should_save_on_this_rank = lambda is_main_process: True
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
