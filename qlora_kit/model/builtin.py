@@ -123,6 +123,14 @@ def build_into(folder: Path, build, marker: str = "config.json") -> Path:
     return folder
 
 
+def save_into_staging(model, staging: Path) -> None:
+    """``model.save_pretrained(staging)`` on every rank: ``staging`` is this process's own folder (build_into),
+    while transformers writes a model only on rank 0 once a process group exists, so rank 1 of a torchrun
+    launch on a clean cache built a folder with no config or weights, and won the rename as often as not."""
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(staging)
+
+
 def _cache_key(entry: families.Family, shape: dict) -> str:
     # the family's config class and values too: a builtin whose families entry changed is built again
     architecture = (entry.config_class, entry.tiny_config)
@@ -165,11 +173,7 @@ def _build(entry: families.Family, shape: dict, folder: Path) -> None:
         tokenizer.convert_tokens_to_ids("<|im_end|>"),
     ]
     model.generation_config.pad_token_id = tokenizer.pad_token_id
-    # ``folder`` is this process's own staging folder: transformers writes a model only on rank 0 once a
-    # process group exists, so rank 1 of a torchrun launch on a clean cache built a folder with no config
-    # or weights, and won the rename as often as not
-    model.should_save_on_this_rank = lambda is_main_process: True
-    model.save_pretrained(folder)
+    save_into_staging(model, folder)
     tokenizer.save_pretrained(folder)
 
 

@@ -27,6 +27,7 @@ from qlora_kit.model.builtin import (
     build_into,
     build_tokenizer,
     cache_root,
+    save_into_staging,
 )
 from qlora_kit.model.vision import image_only_class
 from qlora_kit.registries.families import FAMILIES
@@ -100,8 +101,7 @@ def _build(family, folder) -> None:
         chat_template=CHAT_TEMPLATE.replace("IMAGE", vision.image_marker),
         **vision.tiny_processor,
     )
-    model.should_save_on_this_rank = lambda is_main_process: True  # its own staging folder (builtin._build)
-    model.save_pretrained(folder)
+    save_into_staging(model, folder)
     processor.save_pretrained(folder)
 
 

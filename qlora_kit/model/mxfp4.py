@@ -69,8 +69,7 @@ def _dequantize(
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config
     lm.hf_quantizer = None
-    lm.should_save_on_this_rank = lambda is_main_process: True  # its own staging folder (builtin._build)
-    lm.save_pretrained(staging)
+    builtin.save_into_staging(lm, staging)
     AutoTokenizer.from_pretrained(
         path, trust_remote_code=trust_remote_code, revision=revision
     ).save_pretrained(staging)

@@ -26,7 +26,7 @@ from filelock import FileLock
 
 from qlora_kit.errors import RecipeError
 from qlora_kit.model import gguf_reads
-from qlora_kit.model.builtin import build_into
+from qlora_kit.model.builtin import build_into, save_into_staging
 
 # name -> (the PyPI package, its version, the GGUF file inside it)
 PRETRAINED = {
@@ -140,7 +140,5 @@ def _convert(gguf_file: Path, folder: Path) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.load_state_dict(loaded.state_dict())
     model.generation_config = loaded.generation_config
-    # ``folder`` is this process's own staging folder: saved on every rank (builtin._build says why)
-    model.should_save_on_this_rank = lambda is_main_process: True
-    model.save_pretrained(folder)
+    save_into_staging(model, folder)
     tokenizer.save_pretrained(folder)
