@@ -118,6 +118,13 @@ def base_difference(recipe) -> dict | None:
     return measured
 
 
+def adapter_state(adapter_dir: Path) -> tuple:
+    """The adapter folder as it stands (each file's name, modification time and size): a figure cached for
+    one state is computed again once the folder is written to (parity's reference, merge's drift)."""
+    files = (p for p in adapter_dir.iterdir() if p.is_file())
+    return (str(adapter_dir), tuple(sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in files)))
+
+
 def free_memory() -> None:
     """What a model let go of returned: Python's cycles collected, CUDA's cached blocks handed back."""
     gc.collect()

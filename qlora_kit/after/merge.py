@@ -27,7 +27,13 @@ import torch
 from transformers import AutoConfig
 
 from qlora_kit.after import drift_bounds
-from qlora_kit.after.floor import MERGED_DTYPES, free_memory, load_trained_exactly, merged_model
+from qlora_kit.after.floor import (
+    MERGED_DTYPES,
+    adapter_state,
+    free_memory,
+    load_trained_exactly,
+    merged_model,
+)
 from qlora_kit.after.parity import decided_positions, training_ids
 from qlora_kit.data import images, prepare, prompt_examples
 from qlora_kit.data.images import ImageCollator
@@ -259,10 +265,7 @@ _LAST_TRAINED: dict[tuple, tuple] = {}
 
 def _trained_figures(recipe: Recipe, adapter_dir: Path, prompts: int) -> tuple[list, list, list]:
     """(inputs, answer masks, log-probabilities) of the trained model on the held-out rows."""
-    files = sorted(
-        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in adapter_dir.iterdir() if p.is_file()
-    )
-    key = (str(adapter_dir), tuple(files), prompts, recipe.to_yaml())
+    key = (*adapter_state(adapter_dir), prompts, recipe.to_yaml())
     if key not in _LAST_TRAINED:
         _LAST_TRAINED.clear()
         _, tokenizer, trained = load_trained_exactly(adapter_dir, recipe)

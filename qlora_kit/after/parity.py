@@ -83,10 +83,7 @@ _LAST_REFERENCE: dict[tuple, Reference] = {}
 
 def reference_of(adapter_dir: Path, recipe, prompts: list[str] | None, count: int, tokens: int) -> Reference:
     """The trained model's figures on ``prompts`` (wrapped as training saw them) or the validation rows."""
-    files = sorted(
-        (p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in adapter_dir.iterdir() if p.is_file()
-    )
-    key = (str(adapter_dir), tuple(files), tuple(prompts or ()), count, tokens)
+    key = (*floor.adapter_state(adapter_dir), tuple(prompts or ()), count, tokens)
     if key not in _LAST_REFERENCE:
         _LAST_REFERENCE.clear()
         _LAST_REFERENCE[key] = _compute_reference(adapter_dir, recipe, prompts, count, tokens)
