@@ -215,7 +215,7 @@ MUTATIONS = [
     ),
     (
         "the GGUF keeps Q/K rows in Hugging Face's order",
-        "qlora_kit/registries/families.py",
+        "qlora_kit/registries/shared_facets.py",
         '"LLAMA", "decoder+rope", permute_qk=True, unmapped_keys=HEAD_DIM_KEY,',
         '"LLAMA", "decoder+rope", permute_qk=False, unmapped_keys=HEAD_DIM_KEY,',
         ["tests/test_export.py::test_gguf_reads_back_as_the_model_it_was_written_from[tiny-llama]"],

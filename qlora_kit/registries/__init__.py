@@ -7,6 +7,7 @@
 - ``metric_keys``: the names of the figures a run writes to ``metrics.jsonl`` and reads back;
 - ``families``: one ``Family`` per model_type (layer names, MLP shape, GGUF form or why none, tiny config);
 - ``family_traits``: what an entry is made of (``Family`` and its facets) and the traits read across families;
+- ``shared_facets``: facet values several entries reuse (Llama's linears and GGUF form, Qwen-VL's vision side);
 - ``objectives``: one ``ObjectiveSpec`` per ``train.objective`` (its traits and the module that builds it);
 - ``checkpointing``: one ``PolicySpec`` per ``memory.checkpointing`` (how it expands per layer, what a
   layer keeps, its recompute share, its context function).
