@@ -60,6 +60,20 @@ MUTATIONS = [
         ["tests/e2e/test_cli.py::test_resume_from_the_shell_continues_the_newest_checkpoint"],
     ),
     (
+        "a resumed run's group_by_length order drawn from the global random state",
+        "qlora_kit/training/step/trainer.py",
+        "        if type(sampler) is LengthGroupedSampler:\n",
+        "        if False:\n",
+        ["tests/test_after_training.py::test_resumed_run_ends_with_the_same_adapter_bit_for_bit[grouped]"],
+    ),
+    (
+        "export takes a parity report of no prompts or no tokens",
+        "qlora_kit/after/export.py",
+        "        if value < 1:\n",
+        "        if False:\n",
+        ["tests/test_export.py::test_bad_input_gets_one_line"],
+    ),
+    (
         "the kill switch never fires",
         "qlora_kit/training/step/interrupts.py",
         "        self.received = signum\n",

@@ -111,6 +111,20 @@ def interrupted_then_resumed(recipe, step: int):
     return train(recipe, resume=True)
 
 
+def killed_after(recipe, step: int):
+    """The finished run of ``recipe`` cut back to what a kill just after step ``step``'s checkpoint leaves
+    (every later checkpoint and the finished marker lost; the later files beside them stay, as a kill
+    while writing them leaves them), then resumed from the newest complete checkpoint: the resumed run's
+    result. Its first ``step`` steps are the finished run's own (a run stopped there would have trained
+    and saved the same ones), so the uninterrupted reference and the run that is resumed are one training."""
+    out = Path(recipe.train.output_dir)
+    for checkpoint in out.glob("checkpoint-*"):
+        if int(checkpoint.name.split("-")[-1]) > step:
+            shutil.rmtree(checkpoint)
+    (out / "adapter_config.json").unlink()
+    return train(recipe, resume=True)
+
+
 @pytest.mark.parametrize(
     ("precision", "model", "grouped"),
     [
@@ -128,21 +142,23 @@ def test_resumed_run_ends_with_the_same_adapter_bit_for_bit(tmp_path, precision,
     again by the collator after the resume)."""
     dropout = 0.1 if model == "builtin:tiny-llama" else 0.0
     settings = {"train.max_steps": 8, "train.save_steps": 3, "lora.dropout": dropout, "data.packing": False}
-    stop = 4  # resumed from step 3
+    resumed_from = 3
     if grouped:  # 3 steps an epoch, resumed from step 4: inside the second epoch, whose order it draws again
         settings.update({"data.group_by_length": True, "train.micro_batch_size": 64, "train.save_steps": 4})
-        stop = 5
+        resumed_from = 4
     settings.update({"train.mixed_precision": precision, "model.path": model})
     if "gemma3" in model:
         settings.update({"data.path": "builtin:shapes", "data.format": "chat"})
         settings.update({"data.max_seq_len": 96, "train.micro_batch_size": 2})
-    whole = train(quick_recipe(tmp_path / "whole", **settings))
-    resumed = interrupted_then_resumed(quick_recipe(tmp_path / "split", **settings), stop)
-    a = load_file(whole.output_dir / "adapter_model.safetensors")
+    recipe = quick_recipe(tmp_path / "run", **settings)
+    whole = train(recipe)
+    a = {k: t.clone() for k, t in load_file(whole.output_dir / "adapter_model.safetensors").items()}
+    resumed = killed_after(recipe, resumed_from)
     b = load_file(resumed.output_dir / "adapter_model.safetensors")
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    state = json.loads((tmp_path / "split" / "checkpoint-8" / "trainer_state.json").read_text())
+    # written again by the resumed run (the kill took the finished run's)
+    state = json.loads((tmp_path / "run" / "checkpoint-8" / "trainer_state.json").read_text())
     assert state["global_step"] == 8
 
 

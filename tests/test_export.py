@@ -151,6 +151,11 @@ def test_bad_input_gets_one_line(tmp_path, monkeypatch, capsys):
         (["--adapter", not_a_run, "--to", "merged", "--onto", "halfway"], "--onto: must be one of"),
         (["--adapter", not_a_run, "--to", "gguf", "--prompts", no_prompt], "row 1: missing field 'prompt'"),
         (["--adapter", not_a_run, "--to", "gguf", "--check", busy], "has no export_report.json"),
+        (["--adapter", not_a_run, "--to", "merged", "--tokens", "0"], "--tokens: must be at least 1 (got 0)"),
+        (
+            ["--adapter", not_a_run, "--to", "gguf", "--prompt-count", "0"],
+            "--prompt-count: must be at least 1",
+        ),
     ]
     for args, expected in cases:
         code, stderr = run_cli(["export", *map(str, args)], monkeypatch, capsys)
@@ -541,8 +546,22 @@ def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_trainin
     local = Path(shutil.copy(train_file, tmp_path / "train.jsonl"))  # a file with no split of its own
     recipe["data"].update({"path": str(local), "val_path": None, "val_fraction": 0.0})
     (run / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    # 4 prompts of 8 tokens: the claim is where the prompts come from (the fidelity of a q8_0 export of
+    # this run, on more, is test_exports_answer_like_the_trained_adapter's)
+    size = ["--prompt-count", "4", "--tokens", "8"]
     code, stderr = run_cli(
-        ["export", "--adapter", str(run), "--to", "gguf", "--type", "q8_0", "--out", str(tmp_path / "out")],
+        [
+            "export",
+            "--adapter",
+            str(run),
+            "--to",
+            "gguf",
+            "--type",
+            "q8_0",
+            *size,
+            "--out",
+            str(tmp_path / "out"),
+        ],
         monkeypatch,
         capsys,
     )
@@ -550,7 +569,7 @@ def test_a_run_without_validation_rows_exports_on_a_seeded_sample_of_its_trainin
     report = json.loads((tmp_path / "out" / "export_report.json").read_text())
     # the same rows every time: the recipe's seed picks them, and the report names them
     assert report["prompts_from"].startswith("training rows ") and str(local) in report["prompts_from"]
-    assert report["prompts"] == 16 and report["failures"] == []
+    assert report["prompts"] == 4 and report["tokens"] == 8 and report["failures"] == []
 
 
 def _comparison(against: str, top1: float, kl: float, positions: int):

@@ -72,6 +72,7 @@ def export(
     (unless ``force``: then it is written with its failures in the report)."""
     adapter_dir = Path(adapter_dir).expanduser().resolve()
     _check_choices(to, qtype, onto, lora_only, dtype)
+    _check_size(prompt_count, tokens)
     out_dir = Path(out or f"{adapter_dir}-{to}").expanduser().resolve()
     check_output_folder(out_dir, "--out", reading=adapter_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -132,6 +133,13 @@ def _check_choices(to: str, qtype: str, onto: str, lora_only: bool, dtype: str) 
         raise ExportError(f"--dtype: must be one of {', '.join(MERGED_DTYPES)} (got {dtype!r})")
     if lora_only and to != "gguf":
         raise ExportError("--lora-only: only with --to gguf (a merged folder has no separate adapter)")
+
+
+def _check_size(prompt_count: int, tokens: int) -> None:
+    """The parity report's size: at least one prompt and one compared token."""
+    for option, value in (("--prompt-count", prompt_count), ("--tokens", tokens)):
+        if value < 1:
+            raise ExportError(f"{option}: must be at least 1 (got {value})")
 
 
 def _base_config(recipe):
@@ -330,6 +338,7 @@ def check_export(adapter_dir: str | Path, export_dir: str | Path, **kwargs) -> d
     path = export_dir / REPORT
     if not path.is_file():
         raise ExportError(f"--check: {export_dir} has no {REPORT}; it was not written by qlora-kit export")
+    _check_size(kwargs.get("prompt_count", PROMPTS), kwargs.get("tokens", TOKENS))
     report = json.loads(path.read_text(encoding="utf-8"))
     report.update(
         verify(

@@ -107,6 +107,12 @@ def export(
         typer.Option(help="--to merged: the weights' dtype, float16, bfloat16 or float32 (merged in fp32)."),
     ] = "float16",
     force: Annotated[bool, typer.Option(help="Write the export even when the parity report fails.")] = False,
+    prompt_count: Annotated[
+        int | None, typer.Option("--prompt-count", help="Parity prompts asked (default 16).")
+    ] = None,
+    tokens: Annotated[
+        int | None, typer.Option("--tokens", help="Greedy tokens compared per parity prompt (default 16).")
+    ] = None,
 ) -> None:
     """Export the run for serving and prove it behaves like the trained adapter (export_report.json)."""
     configure_logging(errors)
@@ -115,13 +121,16 @@ def export(
     from qlora_kit.errors import ExportError, ExportParityError
 
     texts = read_prompts(str(prompts)) if prompts is not None else None
+    # the report's size where given (export's own defaults otherwise: the CLI imports no torch to read them)
+    size = {"prompt_count": prompt_count, "tokens": tokens}
+    size = {name: value for name, value in size.items() if value is not None}
     try:
         if check is not None:
-            report = exporting.check_export(adapter, check, prompts=texts)
+            report = exporting.check_export(adapter, check, prompts=texts, **size)
             folder = check
         else:
             result = exporting.export(
-                adapter, to, out, type_, lora_only, onto, prompts=texts, dtype=dtype, force=force
+                adapter, to, out, type_, lora_only, onto, prompts=texts, dtype=dtype, force=force, **size
             )
             report, folder = result.report, result.output_dir
     except ExportError as exc:
