@@ -2,10 +2,6 @@
 arithmetic allows, and keep what they promise off the device; eager attention is refused where its scores
 would not fit."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -211,19 +207,18 @@ def test_the_longest_fit_fits_and_one_step_more_does_not():
 
 @pytest.mark.slow
 def test_plan_max_seq_len_from_the_shell(monkeypatch, capsys):
-    """The ways' table from the shell; the refusal without a budget in this process (its one line is the
-    command's, the process start a second time would prove nothing more)."""
-    from tests.conftest import run_cli
+    """The ways' table from the command line, and the refusal without a budget, both in this process (the
+    real typer app, conftest.run_cli_output): their claims are the command's table and its one line, not a
+    process's start (a second interpreter cost ~8 CPU s of imports)."""
+    from tests.conftest import run_cli, run_cli_output
 
-    found = subprocess.run(
-        [sys.executable, "-m", "qlora_kit", "plan", "demo", "--max-seq-len", "--budget-gb", "0.02"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},  # rich wraps a narrower terminal's table
+    monkeypatch.setenv("COLUMNS", "200")  # rich wraps a narrower terminal's table
+    code, out, err = run_cli_output(
+        ["plan", "demo", "--max-seq-len", "--budget-gb", "0.02"], monkeypatch, capsys
     )
-    assert found.returncode == 0, found.stderr
+    assert code == 0, err
     for way in max_length.WAYS:
-        assert way in found.stdout
+        assert way in out
     code, err = run_cli(["plan", "demo", "--max-seq-len"], monkeypatch, capsys)
     assert code == 2
     assert err.strip().splitlines() == [

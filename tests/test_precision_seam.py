@@ -20,7 +20,10 @@ AUTO = (
 
 @pytest.mark.parametrize(("wanted", "expected"), [("no", "no"), ("bf16", "bf16"), ("auto", AUTO)])
 def test_build_hands_the_resolved_precision_to_the_trainer_and_accelerate(wanted, expected, tmp_path):
-    trainer = build(quick_recipe(tmp_path, **{"train.mixed_precision": wanted})).trainer
+    # train.compile false: auto would time eager steps and compile the layers to time them (nearly all of
+    # a build's ~50 CPU s on a cold inductor cache), and no link of the precision's chain passes there
+    recipe = quick_recipe(tmp_path, **{"train.mixed_precision": wanted, "train.compile": False})
+    trainer = build(recipe).trainer
     assert trainer.args.bf16 is (expected == "bf16")
     assert trainer.args.fp16 is False
     assert trainer.accelerator.mixed_precision == expected
