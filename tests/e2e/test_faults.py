@@ -1,7 +1,8 @@
 """Faults: SIGKILL at any moment, SIGTERM, two runs into one folder, an unwritable folder, a full disk.
 
 Every killed run is resumed with the CLI's --resume and must end with the same adapter, bit for bit,
-as a run that was never interrupted. The killed runs are processes of their own; each resume and each
+as a run that was never interrupted. The killed runs are processes of their own (the SIGKILL ones forked
+one after another by one driver process after its imports: killed_runs); each resume and each
 uninterrupted run (the shared reference, the mixture's) is the CLI in this process (conftest.qlora_kit_here,
 as test_keep_best's): all a resume knows of the killed run is what that process left on disk, and a
 process start (~8 s on 2 cores) was most of a resume's cost.
@@ -110,27 +111,60 @@ def assert_only_complete_checkpoints(out: Path) -> list[int]:
     return sorted(steps)
 
 
-@pytest.mark.parametrize(
-    ("where", "checkpoints_left"),
-    [
-        ("step:2", []),  # before the first checkpoint
-        ("save:6", [3]),  # half-way through writing checkpoint-6: resumed from 3, across the epochs' seam
-        ("step:8", [3, 6]),  # between checkpoints: resumed from 6, the first epoch's last step
-        ("final", [3, 6, 9, 12]),  # half-way through moving the final adapter into place
-    ],
-)
+# where each run is killed (tests/e2e/fault_driver.py) -> the checkpoints it leaves
+KILLS = {
+    "step:2": [],  # before the first checkpoint
+    "save:6": [3],  # half-way through writing checkpoint-6: resumed from 3, across the epochs' seam
+    "step:8": [3, 6],  # between checkpoints: resumed from 6, the first epoch's last step
+    "final": [3, 6, 9, 12],  # half-way through moving the final adapter into place
+}
+
+
+@pytest.fixture(scope="session")
+def killed_runs(recipe, tmp_path_factory, worker_id) -> dict[str, tuple[Path, int, str]]:
+    """Every killed run of this module, once per session across workers: the four KILLS of the shared
+    recipe and the mixture's at step 4, each a process of its own killed by a real SIGKILL, forked one
+    after another by one driver process after its imports (fault_driver.py --cases: a process start is
+    most of a short killed run's cost). ``where -> (output folder, exit code, its output)``; each test
+    resumes its own folder, so each folder is one test's."""
+
+    def make(folder: Path) -> dict:
+        mixture = folder / "mixture"
+        mixture.mkdir()
+        from qlora_kit.data import demo
+
+        train_file, _ = demo.demo_data_files("demo-facts")
+        rows = Path(train_file).read_text(encoding="utf-8").splitlines()[:24]
+        (mixture / "extra.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
+        (mixture / "mix.yaml").write_text(MIXTURE)
+        kills = [(where, recipe) for where in KILLS] + [("mixture", mixture / "mix.yaml")]
+        cases = [
+            {
+                "recipe": str(path), "output_dir": str(folder / f"kill-{i}" / "out"),
+                "where": "step:4" if where == "mixture" else where, "log": str(folder / f"kill-{i}.log"),
+            }
+            for i, (where, path) in enumerate(kills)
+        ]  # fmt: skip
+        (folder / "cases.json").write_text(json.dumps(cases))
+        driver = [sys.executable, "tests/e2e/fault_driver.py", "--cases", str(folder / "cases.json")]
+        done = subprocess.run(driver, capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert done.returncode == 0, done.stderr[-2000:]
+        codes = json.loads(done.stdout.splitlines()[-1])
+        return {
+            where: [case["output_dir"], codes[case["output_dir"]], Path(case["log"]).read_text()[-2000:]]
+            for (where, _), case in zip(kills, cases, strict=True)
+        }
+
+    _, found = once_per_session(tmp_path_factory, worker_id, "faults-killed", make)
+    return {where: (Path(out), code, log) for where, (out, code, log) in found.items()}
+
+
+@pytest.mark.parametrize(("where", "checkpoints_left"), KILLS.items())
 def test_sigkill_anywhere_then_resume_gives_the_same_adapter(
-    where, checkpoints_left, recipe, reference, tmp_path, qlora_kit_here
+    where, checkpoints_left, recipe, reference, killed_runs, qlora_kit_here
 ):
-    out = tmp_path / "out"
-    killed = subprocess.run(
-        [sys.executable, "tests/e2e/fault_driver.py", str(recipe), str(out), where],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    out, code, log = killed_runs[where]
+    assert code == -signal.SIGKILL, log
     assert not (out / "adapter_config.json").exists(), "a killed run never looks finished"
     assert assert_only_complete_checkpoints(out) == checkpoints_left
     resumed = qlora_kit_here("train", str(recipe), "--output-dir", str(out), "--resume")
@@ -278,31 +312,18 @@ train:
 
 
 def test_a_mixture_run_killed_and_resumed_from_its_own_recipe_gives_the_same_adapter(
-    tmp_path, qlora_kit_here
+    killed_runs, tmp_path, qlora_kit_here
 ):
     """Issue 35: a recipe naming its data through data.sources only. `train mix.yaml --output-dir` used
-    to be refused, and the run's recipe.yaml (data.path written beside the sources) could not --resume."""
-    from qlora_kit.data import demo
-
-    train_file, _ = demo.demo_data_files("demo-facts")
-    rows = Path(train_file).read_text(encoding="utf-8").splitlines()[:24]
-    (tmp_path / "extra.jsonl").write_text("\n".join(rows) + "\n", encoding="utf-8")
-    mix = tmp_path / "mix.yaml"
-    mix.write_text(MIXTURE)
-
+    to be refused, and the run's recipe.yaml (data.path written beside the sources) could not --resume.
+    The killed run (at step 4) is killed_runs' "mixture"; its recipe, mix.yaml, lies beside its folder."""
+    out, code, log = killed_runs["mixture"]
+    mix = out.parents[1] / "mixture" / "mix.yaml"
     reference_dir = tmp_path / "reference"
     uninterrupted = qlora_kit_here("train", str(mix), "--output-dir", str(reference_dir))
     assert uninterrupted.returncode == 0, uninterrupted.stderr[-2000:]
 
-    out = tmp_path / "out"
-    killed = subprocess.run(
-        [sys.executable, "tests/e2e/fault_driver.py", str(mix), str(out), "step:4"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert code == -signal.SIGKILL, log
     assert assert_only_complete_checkpoints(out) == [3]
     # the run's own recipe, nothing else
     resumed = qlora_kit_here("train", str(out / "recipe.yaml"), "--resume")
