@@ -210,9 +210,13 @@ def test_plan_max_seq_len_from_the_shell(monkeypatch, capsys):
     """The ways' table from the command line, and the refusal without a budget, both in this process (the
     real typer app, conftest.run_cli_output): their claims are the command's table and its one line, not a
     process's start (a second interpreter cost ~8 CPU s of imports)."""
+    from qlora_kit.cli import app
     from tests.conftest import run_cli, run_cli_output
 
-    monkeypatch.setenv("COLUMNS", "200")  # rich wraps a narrower terminal's table
+    # rich wraps a narrower terminal's table. A Console made while COLUMNS was set keeps that width
+    # (rich reads it once, into _width): cli/app.py's console was made at its first import, by whichever
+    # test of this process came first, so the width is set on it, restored as it was afterwards
+    monkeypatch.setattr(app.console, "_width", 200)
     code, out, err = run_cli_output(
         ["plan", "demo", "--max-seq-len", "--budget-gb", "0.02"], monkeypatch, capsys
     )

@@ -107,11 +107,16 @@ def export(
         typer.Option(help="--to merged: the weights' dtype, float16, bfloat16 or float32 (merged in fp32)."),
     ] = "float16",
     force: Annotated[bool, typer.Option(help="Write the export even when the parity report fails.")] = False,
+    # checked by after/export.py's _check_size, which the Python API shares, naming each option
     prompt_count: Annotated[
-        int | None, typer.Option("--prompt-count", help="Parity prompts asked (default 16).")
+        int | None,
+        typer.Option("--prompt-count", help="Parity prompts asked (default 16)."),
+        Checked("--prompt-count", by="export._check_size"),
     ] = None,
     tokens: Annotated[
-        int | None, typer.Option("--tokens", help="Greedy tokens compared per parity prompt (default 16).")
+        int | None,
+        typer.Option("--tokens", help="Greedy tokens compared per parity prompt (default 16)."),
+        Checked("--tokens", by="export._check_size"),
     ] = None,
 ) -> None:
     """Export the run for serving and prove it behaves like the trained adapter (export_report.json)."""
