@@ -11,6 +11,15 @@ from qlora_kit.registries.family_traits import (
     Vision,
 )
 
+# the Qwen-VL builtins' vision towers (Qwen2.5-VL's and Qwen3-VL's alike): 2 layers, hidden 64, projected to
+# the language model's 128
+QWEN_VL_TINY_TOWER = {
+    "depth": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_heads": 4,
+    "out_hidden_size": 128,
+}
 # Qwen2.5-VL's vision side: 14-pixel patches merged 2 x 2, M-RoPE, the processor's video half optional
 QWEN2_5_VL_VISION = Vision(
     processor_class="Qwen2_5_VLProcessor",
@@ -20,11 +29,7 @@ QWEN2_5_VL_VISION = Vision(
     vision_modules=("visual",),
     image_processor_class="Qwen2VLImageProcessorPil",
     tiny_vision_config={
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
-        "out_hidden_size": 128,
+        **QWEN_VL_TINY_TOWER,
         "window_size": 56,
         "fullatt_block_indexes": [1],
     },
@@ -54,11 +59,7 @@ QWEN3_VL_VISION = replace(
     QWEN2_5_VL_VISION,
     processor_class="Qwen3VLProcessor",
     tiny_vision_config={
-        "depth": 2,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_heads": 4,
-        "out_hidden_size": 128,
+        **QWEN_VL_TINY_TOWER,
         "patch_size": 16,
         "num_position_embeddings": 16,
         "deepstack_visual_indexes": [0],
