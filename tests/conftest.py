@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import tempfile
@@ -24,6 +25,22 @@ for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "
     os.environ.pop(_name, None)
 # Before datasets is imported anywhere: its cache folder is read once, at import.
 os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-kit-datasets-"))
+
+
+def inductor_cache_for(environ) -> str | None:
+    """The inductor cache folder a suite run with torch's kernels held to one ISA must use, or None to
+    keep torch's own. torch 2.13's FX graph cache keys leave out the vector ISA that ATEN_CPU_CAPABILITY
+    picks: a cache written by a run held to avx2 and read by one that is not served AVX2-shaped code
+    compiled with AVX-512 flags, which crashed the compile tests' workers and let flex attention's packed
+    rows attend to each other (CI at stop 88, after an AVX2 run on the same machine; reproduced here)."""
+    capability = environ.get("ATEN_CPU_CAPABILITY")
+    if not capability or "TORCHINDUCTOR_CACHE_DIR" in environ:
+        return None
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{capability}")
+
+
+if _isa_cache := inductor_cache_for(os.environ):  # inductor reads it at each compile, not at import
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = _isa_cache
 DEMO = ROOT / "recipes" / "demo.yaml"
 
 

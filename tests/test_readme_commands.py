@@ -34,3 +34,22 @@ def test_ci_runs_the_readmes_test_command_and_no_lock_before_it():
     # the lock is the image's (scripts/build_image.sh installs and checks it); the suite runs what a user gets
     assert not re.search(r"pip install[^\n]*requirements[^\n]*\.lock", before_tests)
     assert "check_lock.py --drift" in before_tests
+
+
+def test_ci_compiles_into_an_inductor_cache_of_its_own():
+    """CI runs on the submitting session's machine with its leftovers: an inductor cache another ISA wrote
+    crashed every compile test there (stop 88). The suite must start on an empty one, as a newcomer's."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    made = ci.index("TORCHINDUCTOR_CACHE_DIR=$(mktemp -d")
+    assert made < ci.index("export TORCHINDUCTOR_CACHE_DIR") < ci.index('eval "$install"')
+
+
+def test_a_run_held_to_one_isa_compiles_into_that_isas_cache():
+    """tests/conftest.py gives a suite run under ATEN_CPU_CAPABILITY its own inductor cache, unless the
+    shell named one: torch's FX graph cache keys leave the ISA out."""
+    from tests.conftest import inductor_cache_for
+
+    avx2 = inductor_cache_for({"ATEN_CPU_CAPABILITY": "avx2"})
+    assert avx2 and avx2.endswith("_avx2") and avx2 != inductor_cache_for({"ATEN_CPU_CAPABILITY": "avx512"})
+    assert inductor_cache_for({}) is None  # torch's own folder, where the ISA is the machine's
+    assert inductor_cache_for({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/x"}) is None
