@@ -48,6 +48,25 @@ def test_the_roundoff_is_the_coarsest_saved_floating_dtype(tmp_path):
     assert drift_bounds.weight_roundoff(tmp_path) == 2.0**-8
 
 
+def test_a_routing_flip_at_a_near_tie_is_left_out_and_a_decided_one_is_judged():
+    """routing_ties.near_tie_flips on two routers of 4 experts (top 2), float16 weights: a position whose
+    first flip swaps experts 1e-4 apart (within rounding's reach, 2.7e-3 of the scores' RMS at layer 0) is
+    left out; one whose first flip drops an expert 0.7 ahead (a merge that is wrong) is judged, whatever
+    flips after it; an unflipped position is judged. Red if every flip or none is left out."""
+    from qlora_kit.after import routing_ties
+
+    scores = torch.tensor([[1.0, 0.5, 0.4999, -1.0], [1.0, 0.8, 0.1, -1.0], [1.0, 0.5, 0.4999, -1.0]])
+    kept = torch.tensor([[0, 1], [0, 1], [0, 1]])
+    layer0_merged = torch.tensor([[0, 2], [0, 2], [0, 1]])  # position 2 flips only at layer 1
+    layer1_merged = torch.tensor([[0, 2], [0, 2], [0, 2]])
+    trained = [(scores, kept), (torch.tensor([[1.0, 0.9, 0.1, -1.0]] * 3), kept)]
+    merged = [(scores, layer0_merged), (scores, layer1_merged)]
+    tie = routing_ties.near_tie_flips(trained, merged, layers=[0, 1], roundoff=2.0**-11)
+    # position 2's flip at layer 1 drops an expert 0.8 ahead: decided, so judged
+    assert tie.tolist() == [True, False, False]
+    assert 1e-4 < 2 * routing_ties.reach(0, 2.0**-11) * float(scores[0].square().mean().sqrt()) < 0.7
+
+
 def two_steps(tmp_path: Path, recipe_file: str, model: str | None) -> Path:
     """An adapter trained 2 steps at the recipe's shipped defaults (no evaluation or samples between)."""
     sets = {"train.output_dir": str(tmp_path / "run"), "train.max_steps": 2, "train.sample_prompts": 0}

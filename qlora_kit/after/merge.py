@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from transformers import AutoConfig
 
-from qlora_kit.after import drift_bounds
+from qlora_kit.after import drift_bounds, routing_ties
 from qlora_kit.after.floor import (
     MERGED_DTYPES,
     adapter_state,
@@ -72,6 +72,7 @@ class Drift:
     positions: int  # answer positions
     decided: int = 0
     all_kl: float = 0.0  # every position, prompts included
+    routing_ties: int = 0  # a mixture's positions left out: routing flipped at a near-tie (routing_ties.py)
     all_top1: float = 1.0  # every position: shown, not judged (near-ties flip under any rounding)
     max_kl: float = 0.0  # the bound derived for the answers' mean KL (drift_bounds.py)
     max_all_kl: float = 0.0  # and for every position's
@@ -225,16 +226,26 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     onto the same device and compared with them. Every input goes to the device of its model.
     """
 
-    batches, answers, references = _trained_figures(recipe, adapter_dir, prompts)
+    batches, answers, references, routing = _trained_figures(recipe, adapter_dir, prompts)
     # its weights as saved, computed in float32: the merge is judged by what it wrote (module comment)
     config = AutoConfig.from_pretrained(merged_dir)
     merged = vision.auto_class(config).from_pretrained(
         merged_dir, dtype=torch.float32, device_map=model.device_map()
     )
+    choices = routing_ties.RouterChoices(merged)
     candidates = _log_probs(merged, batches)
-    kl, same, answer, decided, expected = [], [], [], [], []
+    choices.remove()
+    kl, same, answer, decided, expected, judged = [], [], [], [], [], []
     roundoff, passes = drift_bounds.weight_roundoff(merged_dir), drift_bounds.rounding_passes(config)
-    for reference, candidate, mask in zip(references, candidates, answers, strict=True):
+    merged_routing = choices.rows()
+    for row, (reference, candidate, mask) in enumerate(zip(references, candidates, answers, strict=True)):
+        # a mixture's positions whose routing flipped at a near-tie are left out of the means (routing_ties.py)
+        tie = (
+            routing_ties.near_tie_flips(routing[row], merged_routing[row], choices.layers, roundoff)
+            if routing
+            else torch.zeros(reference.shape[0], dtype=torch.bool)
+        )
+        judged.append(~tie[:-1])
         # position t predicts token t + 1: the last position predicts past the row
         reference, candidate = reference[:-1].double(), candidate[:-1].double()
         kl.append(torch.nn.functional.kl_div(candidate, reference, log_target=True, reduction="none").sum(-1))
@@ -242,19 +253,23 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
         answer.append(mask)
         decided.append(mask & decided_positions(reference))  # log-probabilities: the same margins
         expected.append(drift_bounds.expected_kl(reference, roundoff, passes))
-    kl, same, answer, decided, expected = (torch.cat(x) for x in (kl, same, answer, decided, expected))
+    kl, same, answer, decided, expected, judged = (
+        torch.cat(x) for x in (kl, same, answer, decided, expected, judged)
+    )
     positions = int(answer.sum())
     if not positions:
         answer = torch.ones_like(answer)  # no answer position: every position's figures
+    answer, decided = answer & judged, decided & judged
     return Drift(
-        mean_kl=float(kl[answer].mean()),
+        mean_kl=float(kl[answer].mean()) if answer.any() else 0.0,
         top1_agreement=float(same[decided].float().mean()) if decided.any() else 1.0,
         positions=positions,
         decided=int(decided.sum()),
-        all_kl=float(kl.mean()),
+        all_kl=float(kl[judged].mean()),
         all_top1=float(same.float().mean()),
-        max_kl=drift_bounds.bound(expected[answer]),
-        max_all_kl=drift_bounds.bound(expected),
+        max_kl=drift_bounds.bound(expected[answer]) if answer.any() else 0.0,
+        max_all_kl=drift_bounds.bound(expected[judged]),
+        routing_ties=int((~judged).sum()),
     )
 
 
@@ -263,14 +278,18 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
 _LAST_TRAINED: dict[tuple, tuple] = {}
 
 
-def _trained_figures(recipe: Recipe, adapter_dir: Path, prompts: int) -> tuple[list, list, list]:
-    """(inputs, answer masks, log-probabilities) of the trained model on the held-out rows."""
+def _trained_figures(recipe: Recipe, adapter_dir: Path, prompts: int) -> tuple[list, list, list, list]:
+    """(inputs, answer masks, log-probabilities, a mixture's routing per row: RouterChoices.rows) of the
+    trained model on the held-out rows."""
     key = (*adapter_state(adapter_dir), prompts, recipe.to_yaml())
     if key not in _LAST_TRAINED:
         _LAST_TRAINED.clear()
         _, tokenizer, trained = load_trained_exactly(adapter_dir, recipe)
         batches, answers = _held_out_inputs(recipe, tokenizer, prompts)
-        _LAST_TRAINED[key] = (batches, answers, _log_probs(trained, batches))
+        choices = routing_ties.RouterChoices(trained)
+        log_probs = _log_probs(trained, batches)
+        choices.remove()
+        _LAST_TRAINED[key] = (batches, answers, log_probs, choices.rows())
         del trained
         free_memory()
     return _LAST_TRAINED[key]

@@ -71,7 +71,12 @@ def merge(
     console.print(
         f"drift at {drift.positions} answer positions: mean KL {drift.mean_kl:.3g} (max {drift.max_kl:.3g}), "
         f"top-1 agreement {drift.top1_agreement:.1%} at the {drift.decided} the adapter is decided at (every "
-        f"position: mean KL {drift.all_kl:.3g}, max {drift.max_all_kl:.3g}; top-1 {drift.all_top1:.1%})",
+        f"position: mean KL {drift.all_kl:.3g}, max {drift.max_all_kl:.3g}; top-1 {drift.all_top1:.1%})"
+        + (
+            f"; {drift.routing_ties} positions whose routing flipped at a near-tie left out"
+            if drift.routing_ties
+            else ""
+        ),
         highlight=False,
     )
     console.print(

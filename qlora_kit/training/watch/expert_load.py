@@ -39,14 +39,8 @@ def routers(model) -> tuple[list[torch.nn.Module], int]:
     """Each decoder layer's router, in layer order, and the experts each routes to ([] and 0 for a dense
     model or one the table does not know)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    _, facet = moe_experts.experts_of(base)
-    if facet is None or facet.router is None or not moe_experts.fused_experts(base):
-        return [], 0
-    # a vision-language mixture (Qwen3-VL-MoE) counts its experts in its language model's config
-    count = getattr(base.config.get_text_config(), facet.count_key)
-    # a dense layer before the mixture ones (DeepSeek's first_k_dense_replace) has no router
-    layers = [layer for layer in decoder_layers(base) if moe_experts.layer_holds(layer, facet.router)]
-    return [layer.get_submodule(facet.router) for layer in layers], count
+    found, count = moe_experts.layer_routers(base, decoder_layers(base))
+    return [router for _, router in found], count
 
 
 def in_forward_pass() -> bool:
