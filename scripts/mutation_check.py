@@ -480,6 +480,15 @@ MUTATIONS = [
             "tests/test_hybrid.py::test_auto_does_not_pack_a_hybrid_and_says_why[tiny-qwen3.5]",
         ],
     ),
+    (
+        "every routing flip of a mixture's merge is left out as a near-tie",
+        "qlora_kit/after/routing_ties.py",
+        "            tie[position] = bool(margin <= allowed[position])\n",
+        "            tie[position] = True\n",
+        [
+            "tests/test_merge_bounds.py::test_a_routing_flip_at_a_near_tie_is_left_out_and_a_decided_one_is_judged"
+        ],
+    ),
 ]
 
 
