@@ -483,7 +483,7 @@ MUTATIONS = [
     (
         "every routing flip of a mixture's merge is left out as a near-tie",
         "qlora_kit/after/routing_ties.py",
-        "            tie[position] = bool(margin <= allowed[position])\n",
+        "            tie[position] = bool(margin <= allowed)\n",
         "            tie[position] = True\n",
         [
             "tests/test_merge_bounds.py::test_a_routing_flip_at_a_near_tie_is_left_out_and_a_decided_one_is_judged"

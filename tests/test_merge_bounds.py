@@ -65,6 +65,11 @@ def test_a_routing_flip_at_a_near_tie_is_left_out_and_a_decided_one_is_judged():
     # position 2's flip at layer 1 drops an expert 0.8 ahead: decided, so judged
     assert tie.tolist() == [True, False, False]
     assert 1e-4 < 2 * routing_ties.reach(0, 2.0**-11) * float(scores[0].square().mean().sqrt()) < 0.7
+    # a router whose scores could not be read: its flips are judged
+    unread = routing_ties.near_tie_flips(
+        [(None, kept)], [(None, layer0_merged)], layers=[0], roundoff=2.0**-11
+    )
+    assert not unread.any()
 
 
 def two_steps(tmp_path: Path, recipe_file: str, model: str | None) -> Path:

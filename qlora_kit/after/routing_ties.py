@@ -48,16 +48,20 @@ class RouterChoices:
 
         return hook
 
-    def _scores(self, module, args, output) -> torch.Tensor:
-        """The router's score for every expert: its first output where that is one per expert (transformers'
-        routers return their logits first), else its input through its weight."""
+    def _scores(self, module, args, output) -> torch.Tensor | None:
+        """The router's score for every expert: its first output where that is one dense score per expert
+        (transformers' routers return their logits first), else its input through its weight (a router
+        returning its chosen experts' weights scattered among zeros: gpt-oss'); None where neither is there,
+        and its flips are then judged."""
         first = output[0] if isinstance(output, tuple) else None
-        if first is not None and first.shape[-1] == self.experts:
+        if first is not None and first.shape[-1] == self.experts and bool((first != 0).all()):
             return first.detach().reshape(-1, self.experts).float().cpu()
-        hidden = args[0].detach().reshape(-1, module.weight.shape[-1]).float()
-        bias = getattr(module, "bias", None)
+        weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+        if not isinstance(weight, torch.Tensor) or weight.shape[0] != self.experts:
+            return None
+        hidden = args[0].detach().reshape(-1, weight.shape[-1]).float()
         return torch.nn.functional.linear(
-            hidden, module.weight.float(), None if bias is None else bias.float()
+            hidden, weight.float(), None if bias is None else bias.float()
         ).cpu()
 
     def rows(self) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -90,13 +94,15 @@ def near_tie_flips(
     positions = trained[0][1].shape[0] if trained else 0
     tie, flipped = torch.zeros(positions, dtype=torch.bool), torch.zeros(positions, dtype=torch.bool)
     for (scores, chosen), (_, chosen_merged), layer in zip(trained, merged, layers, strict=True):
-        allowed = 2 * reach(layer, roundoff) * scores.square().mean(-1).sqrt()  # both scores move
         for position in (~flipped).nonzero().flatten().tolist():
             kept, now = set(chosen[position].tolist()), set(chosen_merged[position].tolist())
             if kept == now:
                 continue
+            flipped[position] = True
+            if scores is None:  # no score to measure the margin by: judged
+                continue
             dropped, added = sorted(kept - now), sorted(now - kept)
             margin = scores[position, dropped].min() - scores[position, added].max()
-            flipped[position] = True
-            tie[position] = bool(margin <= allowed[position])
+            allowed = 2 * reach(layer, roundoff) * scores[position].square().mean().sqrt()  # both scores move
+            tie[position] = bool(margin <= allowed)
     return tie
