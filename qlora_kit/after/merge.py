@@ -238,11 +238,15 @@ def measure_drift(recipe: Recipe, adapter_dir: Path, merged_dir: Path, prompts: 
     kl, same, answer, decided, expected, judged = [], [], [], [], [], []
     roundoff, passes = drift_bounds.weight_roundoff(merged_dir), drift_bounds.rounding_passes(config)
     merged_routing = choices.rows()
+    # the same routers read on both sides, else no position is left out
+    compared = (
+        bool(routing) and len(merged_routing) == len(routing) and len(routing[0]) == len(choices.layers)
+    )
     for row, (reference, candidate, mask) in enumerate(zip(references, candidates, answers, strict=True)):
         # a mixture's positions whose routing flipped at a near-tie are left out of the means (routing_ties.py)
         tie = (
             routing_ties.near_tie_flips(routing[row], merged_routing[row], choices.layers, roundoff)
-            if routing
+            if compared
             else torch.zeros(reference.shape[0], dtype=torch.bool)
         )
         judged.append(~tie[:-1])
