@@ -94,10 +94,10 @@ def near_tie_flips(
     positions = trained[0][1].shape[0] if trained else 0
     tie, flipped = torch.zeros(positions, dtype=torch.bool), torch.zeros(positions, dtype=torch.bool)
     for (scores, chosen), (_, chosen_merged), layer in zip(trained, merged, layers, strict=True):
-        for position in (~flipped).nonzero().flatten().tolist():
+        # the positions first flipped here: another set of experts (in any order), not flipped before
+        changed = (chosen.sort(-1).values != chosen_merged.sort(-1).values).any(-1) & ~flipped
+        for position in changed.nonzero().flatten().tolist():
             kept, now = set(chosen[position].tolist()), set(chosen_merged[position].tolist())
-            if kept == now:
-                continue
             flipped[position] = True
             if scores is None:  # no score to measure the margin by: judged
                 continue

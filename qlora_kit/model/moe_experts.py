@@ -81,15 +81,15 @@ def declares_layout(experts) -> bool:
 
 
 def layer_routers(model, layers: list[torch.nn.Module]) -> tuple[list[tuple[int, torch.nn.Module]], int]:
-    """Each router of ``model`` with the index of its decoder layer (of ``layers``, the model's decoder layers in
-    order), and the experts each routes to: [] and 0 for a dense model or one whose router the table does not
-    name. A dense layer before the mixture ones (DeepSeek's first_k_dense_replace) has none."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    _, facet = experts_of(base)
-    if facet is None or facet.router is None or not fused_experts(base):
+    """Each router of ``model`` (a base model, not peft's wrapper) with the index of its decoder layer (of
+    ``layers``, the model's decoder layers in order), and the experts each routes to: [] and 0 for a dense
+    model or one whose router the table does not name. A dense layer before the mixture ones (DeepSeek's
+    first_k_dense_replace) has none."""
+    _, facet = experts_of(model)
+    if facet is None or facet.router is None or not fused_experts(model):
         return [], 0
     # a vision-language mixture (Qwen3-VL-MoE) counts its experts in its language model's config
-    count = getattr(base.config.get_text_config(), facet.count_key)
+    count = getattr(model.config.get_text_config(), facet.count_key)
     found = [
         (i, layer.get_submodule(facet.router))
         for i, layer in enumerate(layers)
