@@ -10,9 +10,11 @@ A ``--smoke`` run without ``--out`` writes to SMOKE_OUT, never over the committe
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import os
 import platform
+import shutil
 import sys
 import tempfile
 import time
@@ -24,6 +26,15 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # Where a --smoke run writes without --out: never over the committed tables in RESULTS (issue 47: a smoke
 # run of vs_trl.py overwrote vs-trl-cpu.md's full-size figures)
 SMOKE_OUT = Path(tempfile.gettempdir()) / "qlora-kit-benchmark-smoke"
+
+
+def scratch_folder(prefix: str) -> Path:
+    """A new folder under the system's temporary folder, removed when this process exits: a benchmark's
+    runs, data and caches (a GPU check's checkpoints, large_data.py's gigabytes of rows) are not left
+    behind. Its figures go to ``--out``, never here."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 class _Parser(argparse.ArgumentParser):

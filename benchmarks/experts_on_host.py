@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -28,7 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 
-from common import parser  # noqa: E402
+from common import parser, scratch_folder  # noqa: E402
 from gpu_rows import GIB, recipe_for, text_rows, train  # noqa: E402
 
 SHAPE = {
@@ -72,7 +71,7 @@ def main() -> None:
     from qlora_kit.model import builtin
 
     folder = builtin.ensure_tiny_model("tiny-qwen3-moe", **SHAPE)
-    data = text_rows(Path(tempfile.mkdtemp(prefix="experts-on-host-")), SEQ, 32)
+    data = text_rows(scratch_folder("experts-on-host-"), SEQ, 32)
     memory = {"checkpointing": "full"}
     resident_recipe = recipe_for(folder, data, memory, 1, SEQ, STEPS)
     host_recipe = recipe_for(folder, data, {**memory, "experts_on_host": True}, 1, SEQ, STEPS)

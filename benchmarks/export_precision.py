@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REAL_MODEL, markdown_table, parser, write_result
+from benchmarks.common import REAL_MODEL, markdown_table, parser, scratch_folder, write_result
 
 PROMPTS = 16
 
@@ -88,11 +88,7 @@ def main() -> None:
 
     args = PARSER.parse_args()
     if args.run is None:
-        import tempfile
-
-        args.run = trained_run(
-            Path(tempfile.mkdtemp(prefix="export-precision-")), args.real_model, args.smoke
-        )
+        args.run = trained_run(scratch_folder("export-precision-"), args.real_model, args.smoke)
     recipe, tokenizer, trained = adapters.load_trained(args.run)
     pairs, source = parity.prompt_pairs(recipe, tokenizer, None, 2 if args.smoke else PROMPTS)
     prompts = [parity.training_ids(tokenizer, text) for text, _ in pairs]

@@ -27,11 +27,10 @@ import json
 import random
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
-from common import budget_between, uniform_fitting
+from common import budget_between, scratch_folder, uniform_fitting
 
 GIB = 1024**3
 LONG_CONTEXT_GIB = 8.0  # the long-context row's budget: its longest row trains in seconds on an H100/H200
@@ -96,7 +95,7 @@ def recipe_for(folder: Path, data: Path, memory: dict, batch: int, seq: int, ste
         "memory": memory,
         "data": {"path": str(data), "format": "text", "max_seq_len": seq, "packing": False},
         "train": {
-            "output_dir": tempfile.mkdtemp(prefix="gpu-check-"),
+            "output_dir": str(scratch_folder("gpu-check-") / "out"),  # its lock file beside it
             "max_steps": steps,
             "micro_batch_size": batch,
             "logging_steps": 1,
@@ -301,7 +300,7 @@ class Setup:
         self.folder = model_folder(tiny)
         self.batch, self.seq, self.steps = (2, 64, 3) if tiny else (4, 2048, 4)
         self.long_seq = 256 if tiny else 8192
-        self.rows_folder = Path(tempfile.mkdtemp(prefix="gpu-check-data-"))
+        self.rows_folder = scratch_folder("gpu-check-data-")
         self.data = text_rows(self.rows_folder, self.seq, 64)
 
     def policies(self, memories: list[tuple[str | None, dict]]) -> list[dict]:

@@ -14,9 +14,8 @@ the step time is the run's tokens over its tokens/s (first forward to last backw
 from __future__ import annotations
 
 import statistics
-import tempfile
 
-from common import markdown_table, parser, write_result
+from common import markdown_table, parser, scratch_folder, write_result
 
 
 def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str, micro_batch: int) -> float:
@@ -27,7 +26,7 @@ def step_seconds(guards: bool, steps: int, grad_accum: int, precision: str, micr
         {},
         {
             "data.max_seq_len": 128,
-            "train.output_dir": tempfile.mkdtemp(prefix="guards-bench-"),
+            "train.output_dir": str(scratch_folder("guards-bench-") / "out"),  # its lock file beside it
             "train.max_steps": steps,
             "train.micro_batch_size": micro_batch,
             "train.grad_accum": grad_accum,

@@ -19,11 +19,10 @@ import random
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from common import markdown_table, parser, write_result
+from common import markdown_table, parser, scratch_folder, write_result
 
 CHILD = """
 import json, resource, sys, threading, time
@@ -94,7 +93,7 @@ def main() -> None:
     args = options.parse_args()
     if args.smoke:
         args.mb = 1
-    work = Path(tempfile.mkdtemp(prefix="large-data-"))
+    work = scratch_folder("large-data-")
     path = work / "rows.jsonl"
     rows = write_rows(path, args.mb)
     env = {"HF_DATASETS_CACHE": str(work / "cache"), "QLORA_KIT_CACHE": str(work / "models")}

@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
 
-from common import markdown_table, parser, write_result
+from common import markdown_table, parser, scratch_folder, write_result
 
 SHORT_ROWS = 39
 # --smoke: two steps of 8 rows, one of them the long row's, so the capped run still splits
@@ -41,7 +39,7 @@ def train_run(steps: int, micro_batch: int, grad_accum: int, cap: int | None, sh
 
     faults.install()  # the injector's caps in force through the run's fault seam
 
-    folder = Path(tempfile.mkdtemp(prefix="oom-bench-"))
+    folder = scratch_folder("oom-bench-")
     data = folder / "train.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows(short_rows)))
     os.environ[oom_faults.ENV] = "" if cap is None else str(cap)

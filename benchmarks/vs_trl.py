@@ -271,7 +271,15 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def main() -> None:
-    from common import REAL_MODEL, device_name, markdown_table, parser, real_model_dir, write_result
+    from common import (
+        REAL_MODEL,
+        device_name,
+        markdown_table,
+        parser,
+        real_model_dir,
+        scratch_folder,
+        write_result,
+    )
 
     options = parser(__doc__)
     options.add_argument("--rounds", type=int, default=None, help="default: 3, or 1 with --real-model")
@@ -319,7 +327,7 @@ def main() -> None:
         )
     else:
         model_dir, model_text = str(builtin.ensure_tiny_model("tiny-llama", **shape)), f"Tiny Llama {shape}"
-    folder = Path(tempfile.mkdtemp())
+    folder = scratch_folder("vs-trl-")
     data = str(make_dataset(folder, examples, scale))
     setup = {"model_dir": model_dir, "data": data, "batch": batch, "max_len": max_len}
     if args.profile:  # --compiled's job, profiled per component (vs_trl_profile.py)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import getpass
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,8 +25,12 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 # those. A test of offline mode sets it for the process it starts (tests/e2e/test_hub.py).
 for _name in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_ENDPOINT"):
     os.environ.pop(_name, None)
-# Before datasets is imported anywhere: its cache folder is read once, at import.
-os.environ.setdefault("HF_DATASETS_CACHE", tempfile.mkdtemp(prefix="qlora-kit-datasets-"))
+# Before datasets is imported anywhere: its cache folder is read once, at import. The process that makes
+# it removes it when it exits (the workers and the processes tests start inherit the variable; each run
+# left one or more folders of arrow files in /tmp before).
+if "HF_DATASETS_CACHE" not in os.environ:
+    os.environ["HF_DATASETS_CACHE"] = tempfile.mkdtemp(prefix="qlora-kit-datasets-")
+    atexit.register(shutil.rmtree, os.environ["HF_DATASETS_CACHE"], ignore_errors=True)
 
 
 def inductor_cache_for(environ) -> str | None:
@@ -147,8 +153,6 @@ def tokenizer():
 def copy_run(run_dir: Path, tmp_path: Path) -> Path:
     """A private copy of a shared run's folder, for a test that writes into it (or might, if broken):
     the session's runs are read by other tests, in any order, on any worker."""
-    import shutil
-
     return Path(shutil.copytree(run_dir, tmp_path / "run-copy"))
 
 
@@ -195,8 +199,6 @@ def once_per_session(tmp_path_factory, worker_id: str, name: str, make):
     with FileLock(str(root / f"{name}.lock")):
         if not done.is_file():
             if folder.exists():  # a worker failed building it: start again
-                import shutil
-
                 shutil.rmtree(folder)
             folder.mkdir()
             done.write_text(json.dumps(make(folder)))

@@ -4,7 +4,9 @@ installs what a newcomer does not (last round: the lock), is red here."""
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,3 +55,22 @@ def test_a_run_held_to_one_isa_compiles_into_that_isas_cache():
     assert avx2 and avx2.endswith("_avx2") and avx2 != inductor_cache_for({"ATEN_CPU_CAPABILITY": "avx512"})
     assert inductor_cache_for({}) is None  # torch's own folder, where the ISA is the machine's
     assert inductor_cache_for({"ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": "/x"}) is None
+
+
+def test_the_suites_datasets_cache_is_removed_by_the_process_that_made_it(tmp_path):
+    """tests/conftest.py makes HF_DATASETS_CACHE a new folder when the shell names none, and the process
+    that made it removes it at exit; a process that inherits the variable (an xdist worker, a process a
+    test starts) leaves it to its maker (runs left their arrow files in /tmp before)."""
+    show = "import os, tests.conftest; print(os.environ['HF_DATASETS_CACHE'])"
+    environ = {k: v for k, v in os.environ.items() if k != "HF_DATASETS_CACHE"} | {"TMPDIR": str(tmp_path)}
+    made = subprocess.run([sys.executable, "-c", show], cwd=ROOT, env=environ, capture_output=True, text=True)
+    assert made.returncode == 0, made.stderr[-2000:]
+    folder = Path(made.stdout.strip())
+    assert folder.parent == tmp_path and folder.name.startswith("qlora-kit-datasets-")
+    assert not folder.exists()  # removed at the exit of the process that made it
+    inherited = tmp_path / "named-by-the-shell"
+    inherited.mkdir()
+    kept = subprocess.run(
+        [sys.executable, "-c", show], cwd=ROOT, env=environ | {"HF_DATASETS_CACHE": str(inherited)}
+    )
+    assert kept.returncode == 0 and inherited.is_dir()

@@ -10,6 +10,7 @@ the training are made on those very runs (``smoke_run`` checks their tables as h
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -240,26 +241,34 @@ SMOKED_HERE = ["families_matrix.py", *sorted(set(TABLES) - set(ELSEWHERE) - {"fa
 @pytest.mark.slow
 def test_every_benchmark_runs_at_smoke_size_and_writes_a_table_of_finite_figures(tmp_path):
     """All of SMOKED_HERE in one process, one after another (tests/benchmark_smoke.py): each script's exit
-    and table are judged on their own, and every script's finding is reported, not only the first."""
+    and table are judged on their own, and every script's finding is reported, not only the first. Their
+    temporary folders are gone when the process ends (common.scratch_folder: a GPU check's checkpoints and
+    large_data.py's gigabytes were left in /tmp), but for a work folder a script names for reuse."""
     committed = {script: BENCHMARKS / "results" / TABLES[script][0] for script in SMOKED_HERE}
     before = {script: path.read_bytes() if path.exists() else None for script, path in committed.items()}
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     result = subprocess.run(
-        [sys.executable, "-m", "tests.benchmark_smoke", str(tmp_path), *SMOKED_HERE],
+        [sys.executable, "-m", "tests.benchmark_smoke", str(tmp_path / "out"), *SMOKED_HERE],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,
+        env={**os.environ, "TMPDIR": str(temporary)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     findings = {}
     for script in SMOKED_HERE:
-        status = json.loads((tmp_path / script / "status.json").read_text())
+        status = json.loads((tmp_path / "out" / script / "status.json").read_text())
         try:
             assert status["exit"] == 0, status.get("error")
-            check_smoke_table(script, tmp_path / script, before[script])
+            check_smoke_table(script, tmp_path / "out" / script, before[script])
         except AssertionError as finding:
             findings[script] = str(finding)[-1500:]
     assert not findings, "\n\n".join(f"{script}: {finding}" for script, finding in findings.items())
+    left = {path.name for path in temporary.iterdir()}
+    announced = {name for name in left if f"in {temporary / name} (--work reuses them)" in result.stdout}
+    assert left == announced, f"left in the temporary folder: {sorted(left - announced)}"
 
 
 @pytest.mark.parametrize("script", sorted(TABLES))
