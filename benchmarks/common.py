@@ -5,6 +5,8 @@ Every script takes ``--smoke``: a few steps on the smallest shapes, which the te
 (tests/e2e/test_benchmarks.py) with ``--out`` pointing at a temporary folder, so a script that no
 longer runs, or writes a table of NaNs, fails the suite instead of waiting for the next person to try it.
 A ``--smoke`` run without ``--out`` writes to SMOKE_OUT, never over the committed tables in results/.
+A script's runs, data and caches go in ``scratch_folder``, removed when it exits: the smoke test is red on
+a folder a script leaves in the temporary folder, unless the script names it for reuse (``--work``).
 """
 
 from __future__ import annotations
