@@ -15,14 +15,13 @@ the answers. Two ways to see those bounds against what files really do:
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import REAL_MODEL, device_name, markdown_table, parser, write_result
+from benchmarks.common import REAL_MODEL, device_name, markdown_table, parser, scratch_folder, write_result
 from benchmarks.export_calibration import (
     GGUF_CANDIDATES,
     GRID,
@@ -130,7 +129,7 @@ def exported_bounds(args, model: str, work: Path, data: tuple[Path, Path]) -> tu
 def main() -> None:
     args = PARSER.parse_args()
     model = f"builtin:{REAL_MODEL}" if args.real_model else "builtin:tiny-llama"
-    work = args.work or Path(tempfile.mkdtemp(prefix="export-floor-bounds-"))
+    work = args.work or scratch_folder("export-floor-bounds-")  # named by --work: kept
     work.mkdir(parents=True, exist_ok=True)
     data = chat_files(work)
     measure = untrained_bounds if args.untrained else exported_bounds

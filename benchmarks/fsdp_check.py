@@ -23,12 +23,11 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import yaml
-from common import markdown_table, parser, write_result
+from common import markdown_table, parser, scratch_folder, write_result
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, SAVE, KILL = 6, 3, 4  # steps, a checkpoint every SAVE steps, the kill after step KILL
@@ -89,7 +88,7 @@ def main() -> None:
     steps, save, kill = (SMOKE_STEPS, SMOKE_SAVE, SMOKE_KILL) if args.smoke else (STEPS, SAVE, KILL)
     schedule = [f"train.max_steps={steps}", f"train.save_steps={save}", *args.settings]
     cuda = torch.cuda.is_available()
-    work = args.work or Path(tempfile.mkdtemp(prefix="fsdp-check-"))
+    work = args.work or scratch_folder("fsdp-check-")  # named by --work: kept
     work.mkdir(parents=True, exist_ok=True)
     config = yaml.safe_load((ROOT / "recipes" / "accelerate" / "fsdp-qlora.yaml").read_text())
     config.update(use_cpu=not cuda, num_processes=args.processes)
