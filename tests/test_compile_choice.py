@@ -60,6 +60,15 @@ def test_auto_leaves_a_mixture_with_its_experts_on_the_host_eager_without_measur
     assert layers and not any(layer.copies for layer in layers)  # no step ran
 
 
+def test_a_compile_timed_below_a_compiled_step_is_logged_as_the_nothing_it_costs():
+    """A compile served from inductor's cache (an earlier run's, or an earlier test's) can time below a
+    compiled step: it costs nothing, and the line gives the figure the choice used (CI read "2 compiles of
+    -0.0 s" in a test that compiled after another had)."""
+    choice = compile_choice.timed_choice(1000, 0.040, -0.003, 0.018)
+    compiles = compile_choice.EXPECTED_COMPILES
+    assert choice.enabled and choice.reason.endswith(f"against {compiles} compiles of 0.0 s"), choice.reason
+
+
 def assert_decided_by_its_figures(line: str, model, steps: int, compiler_started: bool) -> None:
     """The logged decision of auto follows from the figures it logs, and the layers are as it says; a run
     refused at a decoder layer's least compile never asked for the compiler (its first start: 12-15 s)."""

@@ -150,8 +150,11 @@ def first_line(exc: Exception) -> str:
 
 def timed_choice(steps: int, eager_s: float, compile_s: float, compiled_s: float) -> CompileChoice:
     """On when ``steps`` steps save more (eager step ``eager_s`` less compiled step ``compiled_s``) than the
-    run's compiles cost at ``compile_s`` each (the first compiled call less a compiled step); measured."""
-    cost = max(compile_s, 0.0) * EXPECTED_COMPILES
+    run's compiles cost at ``compile_s`` each (the first compiled call less a compiled step); measured.
+    A compile served from inductor's cache can time below a compiled step: it costs nothing, and the line
+    says 0, the figure the choice used (it said "-0.0 s")."""
+    compile_s = max(compile_s, 0.0)
+    cost = compile_s * EXPECTED_COMPILES
     saving = (eager_s - compiled_s) * steps
     figures = (
         f"{steps} steps x ({eager_s:.3f} s eager - {compiled_s:.3f} s compiled) = {saving:.1f} s saved "
